@@ -1,0 +1,43 @@
+"""accel: an ordinary PyTorch training loop on one CPU, many processes, GPUs or machines.
+
+The public names match Hugging Face Accelerate's. Attributes load lazily so `import accel` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Accelerator": "accel.accelerator",
+    "PartialState": "accel.state",
+    "AcceleratorState": "accel.state",
+    "DistributedType": "accel.state",
+    "ParallelismConfig": "accel.config",
+    "AccelConfig": "accel.config",
+    "ConfigError": "accel.config",
+    "DataLoaderConfiguration": "accel.data",
+    "skip_first_batches": "accel.data",
+    "DistributedDataParallelKwargs": "accel.kwargs",
+    "GradScalerKwargs": "accel.kwargs",
+    "InitProcessGroupKwargs": "accel.kwargs",
+    "AutocastKwargs": "accel.kwargs",
+    "GradientAccumulationPlugin": "accel.accumulation",
+    "set_seed": "accel.utils.random",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,460 @@
+"""The facade: `Accelerator` (Accelerate's names and semantics). Each method delegates in a few lines.
+
+It resolves the config once, owns the process state, the precision policy, the gradient-accumulation
+state and one backend chosen from the parallelism config. It never asks which backend it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from accel import ops
+from accel.accumulation import GradientState
+from accel.backends.base import select_backend
+from accel.config import AccelConfig, ParallelismConfig, worker_config
+from accel.kwargs import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
+from accel.optimizer import AcceleratedOptimizer
+from accel.precision import PrecisionPolicy
+from accel.scheduler import AcceleratedScheduler
+from accel.state import DistributedType, PartialState, check_device_matches
+from accel.topology import Topology
+
+_NOT_YET = "is not available yet in accel"
+
+
+class Accelerator:
+    """Make a plain PyTorch training loop run on one CPU, many processes, GPUs or machines.
+
+    >>> accelerator = Accelerator()
+    >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    >>> accelerator.backward(loss)   # instead of loss.backward()
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config=None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
+        parallelism_config: ParallelismConfig | None = None,
+        rng_types: list | None = None,
+        log_with: Any = None,
+        project_dir: str | None = None,
+        project_config: Any = None,
+        gradient_accumulation_plugin: Any = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list | None = None,
+        dynamo_backend: Any = None,
+        even_batches: bool | None = None,
+        **unsupported: Any,
+    ) -> None:
+        for name, value in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
+                            ("megatron_lm_plugin", megatron_lm_plugin), ("dynamo_backend", dynamo_backend)):
+            if value is not None and value != "no":
+                raise NotImplementedError(f"Accelerator({name}=...) {_NOT_YET}; use parallelism_config="
+                                          "ParallelismConfig(...) or the config file's parallelism section")
+        if unsupported:
+            raise TypeError(f"Accelerator() got unexpected keyword arguments: {', '.join(sorted(unsupported))}")
+        from accel.data import DataLoaderConfiguration
+
+        self.config: AccelConfig = worker_config(self._argument_layer(
+            mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, gradient_accumulation_plugin))
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            self.dataloader_config.split_batches = split_batches
+        if even_batches is not None:
+            self.dataloader_config.even_batches = even_batches
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_dir = project_dir
+        self.project_configuration = project_config
+        self.rng_types = rng_types
+        self.kwargs_handlers = list(kwargs_handlers or [])
+        self._check_handlers()
+        self._warn_trackers(log_with)
+
+        backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
+        init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
+        self.state = PartialState(cpu=self.config.use_cpu, **(init.to_kwargs() if init else {}))
+        check_device_matches(self.config, self.state.device)
+        self.topology = Topology(self.state.num_processes, self.config.parallelism.tp_size, self.config.parallelism.pp_size)
+        scaler = find_handler(self.kwargs_handlers, GradScalerKwargs)
+        autocast = find_handler(self.kwargs_handlers, AutocastKwargs)
+        self.precision = PrecisionPolicy(self.config.mixed_precision, self.state.device,
+                                         scaler.to_kwargs() if scaler else None,
+                                         autocast.to_kwargs() if autocast else None)
+        self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
+                                   self.kwargs_handlers)
+        plugin = gradient_accumulation_plugin
+        self.gradient_state = GradientState(
+            num_steps=self.config.gradient_accumulation_steps,
+            sync_with_dataloader=getattr(plugin, "sync_with_dataloader", True),
+            adjust_scheduler=getattr(plugin, "adjust_scheduler", True),
+        )
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list = []
+        self._data_seed: int | None = None
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------------------
+    # construction helpers
+    # ------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _argument_layer(mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, plugin) -> dict:
+        """The `Accelerator(...)` arguments that were given, as the highest-precedence config layer."""
+        layer: dict[str, Any] = {}
+        if mixed_precision is not None:
+            layer["mixed_precision"] = str(mixed_precision.value if hasattr(mixed_precision, "value") else mixed_precision)
+        if plugin is not None and getattr(plugin, "num_steps", None):
+            if gradient_accumulation_steps != 1:
+                raise ValueError("Accelerator: give gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+            gradient_accumulation_steps = plugin.num_steps
+        if gradient_accumulation_steps != 1:
+            layer["gradient_accumulation_steps"] = gradient_accumulation_steps
+        if cpu:
+            layer["use_cpu"] = True
+        if parallelism_config is not None:
+            if not isinstance(parallelism_config, ParallelismConfig):
+                raise TypeError("Accelerator(parallelism_config=...) expects accel.ParallelismConfig, got "
+                                f"{type(parallelism_config).__name__}")
+            layer["parallelism"] = dataclasses.asdict(parallelism_config)
+        return layer
+
+    def _check_handlers(self) -> None:
+        from accel.kwargs import KwargsHandler
+
+        for handler in self.kwargs_handlers:
+            if not isinstance(handler, KwargsHandler):
+                raise TypeError(f"kwargs_handlers: {handler!r} is not a kwargs handler; allowed: "
+                                "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs")
+            find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
+
+    @staticmethod
+    def _warn_trackers(log_with: Any) -> None:
+        if log_with not in (None, [], ()):
+            warnings.warn("Accelerator(log_with=...): experiment trackers are not supported by accel yet; "
+                          "accelerator.log() does nothing", stacklevel=3)
+
+    # ------------------------------------------------------------------------------------------------------
+    # identity
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def scaler(self):
+        return self.precision.scaler
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.gradient_state.num_steps = value
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 found inf/nan gradients)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    # ------------------------------------------------------------------------------------------------------
+    # prepare
+    # ------------------------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, data loaders and schedulers, in any order; returned in the same order.
+
+        Models are wrapped first, then optimizers (which may need the wrapped parameters), then schedulers.
+        """
+        placement = device_placement or [None] * len(args)
+        if len(placement) != len(args):
+            raise ValueError(f"prepare: device_placement has {len(placement)} entries for {len(args)} objects")
+        result = list(args)
+        models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
+        for i in models:
+            result[i] = self.prepare_model(args[i], device_placement=placement[i])
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                result[i] = self._prepare_optimizer(obj, [result[m] for m in models])
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=placement[i])
+        for i, obj in enumerate(args):
+            if _is_scheduler(obj):
+                result[i] = self.prepare_scheduler(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        placement = self.device_placement if device_placement is None else device_placement
+        self.precision.wrap_forward(model)
+        prepared = model if evaluation_mode and not self.use_distributed else self.backend.prepare_model(model, placement)
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+        return self._prepare_optimizer(optimizer, self._models)
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        optimizer = self.backend.prepare_optimizer(optimizer, models)
+        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        target = getattr(scheduler, "optimizer", None)
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is target or opt is target] or self._optimizers
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state, self.backend.data_parallel_size,
+                                       self.step_scheduler_with_optimizer, self.split_batches)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader, device_placement: bool | None = None, slice_fn_for_dispatch=None):
+        from accel.data import prepare_data_loader
+
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            device=self.device,
+            num_processes=self.backend.data_parallel_size,
+            process_index=self.backend.data_parallel_rank,
+            split_batches=self.split_batches,
+            put_on_device=placement,
+            even_batches=self.even_batches,
+            seed=self._shared_data_seed(),
+            gradient_state=self.gradient_state,
+            non_blocking=self.dataloader_config.non_blocking,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _shared_data_seed(self) -> int:
+        """One shuffling seed for every rank: `data_seed`, else rank 0's torch seed (set by `set_seed`)."""
+        if self._data_seed is None:
+            seed = self.dataloader_config.data_seed
+            if seed is None:
+                seed = torch.initial_seed() % (2**63)  # reading it consumes no random numbers
+                seed = ops.broadcast_object_list([seed])[0]
+            self._data_seed = int(seed)
+        return self._data_seed
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """A loader over the rest of the current epoch, without loading the skipped batches."""
+        from accel.data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)
+
+    # ------------------------------------------------------------------------------------------------------
+    # the step
+    # ------------------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        self.backend.backward(self.precision.scale_loss(loss), **kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module):
+        """Count one micro-step; inside the window, backward runs without gradient communication."""
+        sync = self.gradient_state.do_sync_step()
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models or self._models:
+                    stack.enter_context(self.backend.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module):
+        """Backward inside this block accumulates locally; gradients are not synchronised."""
+        with self.backend.no_sync(model):
+            yield
+
+    def unscale_gradients(self, optimizer=None) -> None:
+        """Divide fp16 gradients by the loss scale (once per step; a no-op otherwise)."""
+        targets = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else self._optimizers
+        for opt in targets:
+            self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale, clip the gradients' global norm to `max_norm`, and return the norm before clipping."""
+        self.unscale_gradients()
+        return self.backend.clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value: float) -> None:
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None):
+        """The precision policy's autocast context, for code outside the prepared model's forward."""
+        return self.precision.autocast(**(autocast_handler.to_kwargs() if autocast_handler else {}))
+
+    # ------------------------------------------------------------------------------------------------------
+    # collectives
+    # ------------------------------------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return ops.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather, then drop the duplicates that padded the last batch so each sample counts once."""
+        leaves: list = []
+        ops.recursively_apply(leaves.append, input_data, test_type=lambda x: not isinstance(x, (list, tuple, dict)))
+        all_tensors = all(isinstance(x, torch.Tensor) for x in leaves) and not isinstance(input_data, (str, int, float))
+        if use_gather_object or not all_tensors:
+            data = ops.gather_object(input_data if isinstance(input_data, list) else [input_data])
+        else:
+            data = ops.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if self.gradient_state.end_of_dataloader and remainder > 0:
+            if isinstance(data, list):
+                return data[:remainder]
+            return ops.recursively_apply(lambda t: t[:remainder], data)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return ops.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return ops.pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def print(self, *args, **kwargs) -> None:
+        self.state.print(*args, **kwargs)
+
+    def main_process_first(self):
+        return self.state.main_process_first()
+
+    def local_main_process_first(self):
+        return self.state.local_main_process_first()
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        return self.state.split_between_processes(inputs, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self.state.on_last_process(function)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        return self.state.on_process(function, process_index)
+
+    # ------------------------------------------------------------------------------------------------------
+    # models and lifetime
+    # ------------------------------------------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's own module, without the backend's wrapper (and optionally the autocast wrapper)."""
+        compiled = model if hasattr(model, "_orig_mod") else None
+        inner = self.backend.unwrap_model(model._orig_mod if compiled is not None else model)
+        if not keep_fp32_wrapper:
+            PrecisionPolicy.unwrap_forward(inner)
+        return model if compiled is not None and keep_torch_compile and inner is model._orig_mod else inner
+
+    def free_memory(self, *objects: Any) -> list:
+        """Forget every prepared object (and empty the CUDA cache); returns `None` for each argument."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Finish: release the wrapped modules and destroy the process group (also done at exit)."""
+        self.wait_for_everyone()
+        self.free_memory()
+        self.state.destroy()
+
+    # -- experiment trackers: accepted for compatibility, not implemented -------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        pass
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(backend={self.backend.name}, distributed_type={self.distributed_type}, "
+                f"num_processes={self.num_processes}, device={self.device}, mixed_precision={self.mixed_precision})")
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))

@@ -1,0 +1,69 @@
+"""Gradient-accumulation state: which step of the window we are on, and whether gradients sync now.
+
+It knows nothing about backends: the Accelerator asks it `sync_gradients` and the backend decides what
+"not syncing" means (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`, ...).
+"""
+
+from __future__ import annotations
+
+
+class GradientState:
+    """Shared by the Accelerator, the prepared optimizers/schedulers and the prepared data loaders."""
+
+    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True, adjust_scheduler: bool = True):
+        self.num_steps = num_steps
+        self.sync_with_dataloader = sync_with_dataloader
+        self.adjust_scheduler = adjust_scheduler
+        self.sync_gradients = True
+        self.step = 0
+        self.dataloader_references: list = []  # stack of loaders being iterated (innermost last)
+
+    # -- data loaders report their iteration here -------------------------------------------------------
+    def _add_dataloader(self, loader) -> None:
+        self.dataloader_references.append(loader)
+
+    def _remove_dataloader(self, loader) -> None:
+        if loader in self.dataloader_references:
+            self.dataloader_references.remove(loader)
+
+    @property
+    def active_dataloader(self):
+        return self.dataloader_references[-1] if self.dataloader_references else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        loader = self.active_dataloader
+        return bool(loader is not None and loader.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the last global batch (-1 when unknown or not at the end)."""
+        loader = self.active_dataloader
+        return -1 if loader is None else loader.remainder
+
+    # -- the accumulation window -------------------------------------------------------------------------
+    def do_sync_step(self) -> bool:
+        """Advance one micro-step (Accelerate's `_do_sync`) and return whether gradients sync on it."""
+        if self.sync_with_dataloader and self.end_of_dataloader:
+            self.step = 0
+            self.sync_gradients = True
+        else:
+            self.step += 1
+            self.sync_gradients = (self.step % self.num_steps) == 0
+        return self.sync_gradients
+
+
+class GradientAccumulationPlugin:
+    """Accelerate's `GradientAccumulationPlugin(num_steps, adjust_scheduler, sync_with_dataloader)`."""
+
+    def __init__(self, num_steps: int | None = None, adjust_scheduler: bool = True, sync_with_dataloader: bool = True,
+                 sync_each_batch: bool = False) -> None:
+        if sync_each_batch:
+            raise NotImplementedError("GradientAccumulationPlugin(sync_each_batch=True) is not available yet in accel")
+        self.num_steps = num_steps
+        self.adjust_scheduler = adjust_scheduler
+        self.sync_with_dataloader = sync_with_dataloader

@@ -1,0 +1,1 @@
+"""Parallelism backends; see `base.py` for the interface and the registry."""

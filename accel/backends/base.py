@@ -1,0 +1,110 @@
+"""The Backend interface and the registry that maps a parallelism config to a backend class.
+
+The Accelerator only talks to this interface; it never asks which backend it has. A new ability is a
+new method here (with a default), not a branch in the facade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from accel.config import ConfigError, ParallelismConfig
+
+if TYPE_CHECKING:
+    from accel.precision import PrecisionPolicy
+    from accel.state import PartialState
+    from accel.topology import Topology
+
+
+class BackendNotAvailable(ConfigError):
+    """The config asks for a parallelism this version of accel does not implement yet."""
+
+
+class Backend:
+    """Wraps models/optimizers for one kind of parallelism and owns what depends on it."""
+
+    name = "base"
+
+    def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
+                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None) -> None:
+        self.state = state
+        self.topology = topology
+        self.precision = precision
+        self.parallelism = parallelism
+        self.kwargs_handlers = list(kwargs_handlers or [])
+
+    # -- data ------------------------------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """How many distinct data shards there are (ranks sharing a shard get the same batches)."""
+        return self.topology.dp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.topology.dp_rank(self.state.process_index)
+
+    # -- model and optimizer ---------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> torch.optim.Optimizer:
+        """Return the optimizer to wrap (re-pointed at sharded parameters where a backend shards them)."""
+        return optimizer
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module):
+        """Context in which backward accumulates locally without communicating."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        loss.backward(**kwargs)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop references to communication objects before the process group is destroyed."""
+
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register_backend(name: str):
+    def decorator(cls: type[Backend]) -> type[Backend]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def backend_name_for(parallelism: ParallelismConfig) -> str:
+    """Which backend a parallelism config asks for (combinations compose in the backend of the outermost)."""
+    if parallelism.pp_size > 1:
+        return "pipeline"
+    if parallelism.tp_size > 1:
+        return "tensor"
+    if parallelism.zero_stage > 0 or parallelism.offload_optimizer or parallelism.offload_params:
+        return "zero"
+    return "ddp"
+
+
+def select_backend(parallelism: ParallelismConfig) -> type[Backend]:
+    """The backend class for this config, or a clear error when it is not available (never a silent DDP)."""
+    import accel.backends.ddp  # noqa: F401  (registers itself)
+
+    name = backend_name_for(parallelism)
+    if name not in _REGISTRY:
+        wanted = " and ".join(parallelism.requested_features())
+        raise BackendNotAvailable(
+            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) only: "
+            "set zero_stage 0, tp_size 1, pp_size 1, offload_optimizer/offload_params false"
+        )
+    return _REGISTRY[name]

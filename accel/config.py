@@ -1,0 +1,499 @@
+"""The one typed config tree: YAML load/save, validation, Accelerate-file import, and precedence.
+
+Precedence, lowest first: built-in defaults < the packaged `default_config.yaml` < the user's config file
+(`--config_file`, else `$ACCEL_CONFIG_FILE`, else `~/.cache/accel/default_config.yaml`) < `accel launch`
+flags < `Accelerator(...)` arguments. `accel launch` resolves the first four layers once and hands the
+result to every worker through one variable, `ACCEL_LAUNCH_CONFIG` (JSON); workers read it once.
+
+Every layer is validated on its own, so an error names the file (or flag) that holds the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LAUNCH_ENV = "ACCEL_LAUNCH_CONFIG"
+USER_CONFIG_ENV = "ACCEL_CONFIG_FILE"
+PACKAGED_DEFAULT = Path(__file__).with_name("default_config.yaml")
+
+
+def default_user_config_path() -> Path:
+    """Where `accel config` saves and where accel looks when no file is named."""
+    return Path(os.path.expanduser("~")) / ".cache" / "accel" / "default_config.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the source, the key, the value and what is allowed."""
+
+
+def _spec(default: Any, kind: type, *, choices: tuple = (), lo: int | None = None, hi: int | None = None,
+          optional: bool = False, help: str = "") -> Any:
+    meta = {"kind": kind, "choices": choices, "lo": lo, "hi": hi, "optional": optional, "help": help}
+    return field(default=default, metadata=meta)
+
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
+RDZV_BACKENDS = ("static", "c10d")
+
+
+@dataclass
+class ParallelismConfig:
+    """Parallel degrees and sharding options (the `parallelism:` section of the config file)."""
+
+    zero_stage: int = _spec(0, int, lo=0, hi=3, help="ZeRO stage: 0 (plain DDP), 1, 2 or 3")
+    offload_optimizer: bool = _spec(False, bool, help="keep optimizer state on the CPU (ZeRO)")
+    offload_params: bool = _spec(False, bool, help="keep parameters on the CPU between uses (ZeRO)")
+    tp_size: int = _spec(1, int, lo=1, help="tensor-parallel degree")
+    pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
+    pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
+    pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self, "ParallelismConfig")
+
+    def requested_features(self) -> list[str]:
+        """Human names of the parallel features this config asks for beyond plain data parallelism."""
+        wanted = []
+        if self.zero_stage:
+            wanted.append(f"ZeRO (zero_stage={self.zero_stage})")
+        elif self.offload_optimizer or self.offload_params:
+            wanted.append("CPU offload (offload_optimizer/offload_params)")
+        if self.tp_size > 1:
+            wanted.append(f"tensor parallelism (tp_size={self.tp_size})")
+        if self.pp_size > 1:
+            wanted.append(f"pipeline parallelism (pp_size={self.pp_size})")
+        return wanted
+
+
+@dataclass
+class AccelConfig:
+    """The whole resolved config. Key names follow Accelerate's config file."""
+
+    compute_environment: str = _spec("LOCAL_MACHINE", str, choices=("LOCAL_MACHINE",))
+    distributed_type: str | None = _spec(None, str, choices=DISTRIBUTED_TYPES, optional=True,
+                                         help="derived from num_processes and use_cpu when omitted")
+    num_processes: int = _spec(1, int, lo=1, help="total processes over all machines")
+    num_machines: int = _spec(1, int, lo=1)
+    machine_rank: int = _spec(0, int, lo=0)
+    main_process_ip: str | None = _spec(None, str, optional=True)
+    main_process_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True)
+    use_cpu: bool = _spec(False, bool)
+    gpu_ids: str = _spec("all", str, help='"all" or a comma-separated list like "0,1"')
+    mixed_precision: str = _spec("no", str, choices=MIXED_PRECISIONS)
+    gradient_accumulation_steps: int = _spec(1, int, lo=1)
+    rdzv_backend: str = _spec("static", str, choices=RDZV_BACKENDS)
+    same_network: bool = _spec(True, bool)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parallelism, dict):
+            self.parallelism = ParallelismConfig(**self.parallelism)
+        _validate_fields(self, "AccelConfig")
+
+    # -- conversions -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "AccelConfig":
+        layer = parse_layer(data, source)
+        return build_config([layer], source)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write as YAML atomically (temp file + rename) and return the path."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yaml", dir=path.parent)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.to_yaml())
+        os.replace(tmp, path)
+        return path
+
+    # -- derived values --------------------------------------------------------------------------------
+    def resolved_distributed_type(self, cuda_available: bool | None = None) -> str:
+        """`distributed_type` as given, else derived: NO for one process, MULTI_GPU with CUDA, MULTI_CPU."""
+        if self.distributed_type is not None:
+            return self.distributed_type
+        if self.num_processes <= 1:
+            return "NO"
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        return "MULTI_GPU" if cuda_available and not self.use_cpu else "MULTI_CPU"
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# field validation
+# ---------------------------------------------------------------------------------------------------------
+
+def _allowed(meta: dict) -> str:
+    kind, choices, lo, hi = meta["kind"], meta["choices"], meta["lo"], meta["hi"]
+    if choices:
+        text = "one of " + ", ".join(choices)
+    elif kind is bool:
+        text = "true or false"
+    elif kind is int:
+        if lo is not None and hi is not None:
+            text = f"an integer from {lo} to {hi}"
+        elif lo is not None:
+            text = f"an integer >= {lo}"
+        else:
+            text = "an integer"
+    else:
+        text = "a string"
+    return text + (" (or null)" if meta["optional"] else "")
+
+
+def _check_value(value: Any, meta: dict, key: str, source: str) -> Any:
+    """Return `value` in canonical form, or raise ConfigError naming source/key/value/allowed."""
+
+    def fail() -> None:
+        raise ConfigError(f"{source}: key '{key}': bad value {value!r}; allowed: {_allowed(meta)}")
+
+    kind = meta["kind"]
+    if value is None:
+        if meta["optional"]:
+            return None
+        fail()
+    if kind is bool:
+        if not isinstance(value, bool):
+            fail()
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail()
+        if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
+            fail()
+        return value
+    # strings
+    if key.endswith("gpu_ids") and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        fail()
+    if meta["choices"]:
+        for choice in meta["choices"]:
+            if value.lower() == choice.lower():
+                return choice
+        fail()
+    return value
+
+
+def _validate_fields(obj: Any, source: str) -> None:
+    for f in dataclasses.fields(obj):
+        if "kind" in f.metadata:
+            setattr(obj, f.name, _check_value(getattr(obj, f.name), f.metadata, f.name, source))
+
+
+def _field_specs(cls: type) -> dict[str, dict]:
+    return {f.name: f.metadata for f in dataclasses.fields(cls) if "kind" in f.metadata}
+
+
+TOP_FIELDS = _field_specs(AccelConfig)
+PARALLEL_FIELDS = _field_specs(ParallelismConfig)
+
+# Keys of Accelerate's config files that carry nothing accel acts on; accepted so their files load.
+ACCELERATE_IGNORED_KEYS = frozenset({
+    "debug", "downcast_bf16", "enable_cpu_affinity", "main_training_function", "tpu_env", "tpu_use_cluster",
+    "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "commands", "command_file", "dynamo_config",
+    "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config", "use_mps_device", "dynamo_backend",
+    "num_cpu_threads_per_process", "ipex", "mpirun_hostfile",
+})
+ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config")
+KNOWN_TOP_KEYS = tuple(TOP_FIELDS) + ("parallelism",) + ACCELERATE_SECTIONS + tuple(sorted(ACCELERATE_IGNORED_KEYS))
+
+
+def _unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> ConfigError:
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{source}: unknown key '{where}{key}'{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Accelerate's config sections
+# ---------------------------------------------------------------------------------------------------------
+
+_FSDP_STRATEGY_TO_STAGE = {
+    "FULL_SHARD": 3, "1": 3, "SHARD_GRAD_OP": 2, "2": 2, "NO_SHARD": 0, "3": 0,
+    "HYBRID_SHARD": 3, "4": 3, "HYBRID_SHARD_ZERO2": 2, "5": 2,
+}
+
+
+def _from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
+    """Accelerate's `deepspeed_config:` YAML section -> (parallelism fields, top-level fields)."""
+    where = "deepspeed_config."
+    if section.get("deepspeed_config_file"):
+        raise ConfigError(
+            f"{source}: key '{where}deepspeed_config_file': {section['deepspeed_config_file']!r}: DeepSpeed JSON "
+            "files are read by the ZeRO backend, which is not available yet in accel; use the zero_stage key"
+        )
+    par: dict = {}
+    top: dict = {}
+    if "zero_stage" in section:
+        par["zero_stage"] = _check_value(section["zero_stage"], PARALLEL_FIELDS["zero_stage"], where + "zero_stage", source)
+    for src_key, dst_key in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        if src_key in section:
+            device = str(section[src_key]).lower()
+            if device not in ("none", "cpu", "nvme"):
+                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {section[src_key]!r}; allowed: none, cpu, nvme")
+            if device == "nvme":
+                raise ConfigError(f"{source}: key '{where}{src_key}': 'nvme' offload is not supported by accel; allowed: none, cpu")
+            par[dst_key] = device == "cpu"
+    gas = section.get("gradient_accumulation_steps")
+    if gas is not None and gas != "auto":
+        top["gradient_accumulation_steps"] = _check_value(gas, TOP_FIELDS["gradient_accumulation_steps"],
+                                                          where + "gradient_accumulation_steps", source)
+    return par, top
+
+
+def _from_fsdp_section(section: dict, source: str) -> dict:
+    """Accelerate's `fsdp_config:` YAML section -> parallelism fields (FSDP sharding maps onto ZeRO stages)."""
+    where = "fsdp_config."
+    par: dict = {"zero_stage": 3}
+    strategy = section.get("fsdp_sharding_strategy")
+    if strategy is not None:
+        stage = _FSDP_STRATEGY_TO_STAGE.get(str(strategy).upper())
+        if stage is None:
+            raise ConfigError(f"{source}: key '{where}fsdp_sharding_strategy': bad value {strategy!r}; allowed: "
+                              "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+        par["zero_stage"] = stage
+    if "fsdp_reshard_after_forward" in section:
+        reshard = section["fsdp_reshard_after_forward"]
+        if isinstance(reshard, bool):
+            par["zero_stage"] = 3 if reshard else 2
+        else:  # FSDP1-style strategy names are also accepted here by Accelerate
+            stage = _FSDP_STRATEGY_TO_STAGE.get(str(reshard).upper())
+            if stage is None:
+                raise ConfigError(f"{source}: key '{where}fsdp_reshard_after_forward': bad value {reshard!r}; "
+                                  "allowed: true, false or a sharding strategy name")
+            par["zero_stage"] = stage
+    if "fsdp_offload_params" in section:
+        offload = _check_value(section["fsdp_offload_params"], PARALLEL_FIELDS["offload_params"],
+                               where + "fsdp_offload_params", source)
+        par["offload_params"] = offload
+        par["offload_optimizer"] = offload  # FSDP's CPU offload keeps the optimizer state on the CPU too
+    return par
+
+
+def _from_parallelism_config_section(section: dict, source: str) -> dict:
+    """Accelerate's `parallelism_config:` section (parallelism_config_tp_size, ..._dp_shard_size, ...)."""
+    where = "parallelism_config."
+    par: dict = {}
+    sizes = {}
+    for key, value in section.items():
+        short = key.removeprefix("parallelism_config_")
+        if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            sizes[short] = _check_value(value, {"kind": int, "choices": (), "lo": 1, "hi": None, "optional": False},
+                                        where + key, source)
+        elif short in ("cp_backend", "cp_comm_strategy", "sp_backend", "sp_size", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"):
+            continue
+        else:
+            raise _unknown_key(key, ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+                                     "parallelism_config_tp_size", "parallelism_config_cp_size"], source, where)
+    if sizes.get("cp_size", 1) > 1:
+        raise ConfigError(f"{source}: key '{where}parallelism_config_cp_size': {sizes['cp_size']}: context "
+                          "parallelism is not supported by accel; allowed: 1")
+    if "tp_size" in sizes:
+        par["tp_size"] = sizes["tp_size"]
+    if sizes.get("dp_shard_size", 1) > 1:
+        par["zero_stage"] = 3
+    return par
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layers and precedence
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_layer(raw: Any, source: str) -> dict:
+    """Validate one layer (a file's contents, the launch flags, ...) into a canonical partial nested dict.
+
+    Only the keys present are returned, so layers can be merged by precedence. Accelerate's keys and
+    sections are translated here.
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys to values at the top level, got {type(raw).__name__}")
+    out: dict = {}
+    par: dict = {}
+    accelerate_type = None
+    for key, value in raw.items():
+        if key in TOP_FIELDS:
+            if key == "distributed_type" and isinstance(value, str) and value.upper() in ("DEEPSPEED", "FSDP"):
+                accelerate_type = value.upper()
+                continue
+            if key == "distributed_type" and isinstance(value, str) and value.upper() not in DISTRIBUTED_TYPES:
+                raise ConfigError(f"{source}: key 'distributed_type': bad value {value!r}; allowed: "
+                                  f"{', '.join(DISTRIBUTED_TYPES)} (Accelerate's DEEPSPEED and FSDP also load)")
+            out[key] = _check_value(value, TOP_FIELDS[key], key, source)
+        elif key == "parallelism":
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key 'parallelism': expected a mapping, got {value!r}")
+            for pkey, pvalue in value.items():
+                if pkey not in PARALLEL_FIELDS:
+                    raise _unknown_key(pkey, tuple(PARALLEL_FIELDS), source, "parallelism.")
+                par[pkey] = _check_value(pvalue, PARALLEL_FIELDS[pkey], f"parallelism.{pkey}", source)
+        elif key in ACCELERATE_SECTIONS:
+            if not value:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
+            if key == "deepspeed_config":
+                if accelerate_type not in (None, "DEEPSPEED") and raw.get("distributed_type", "").upper() != "DEEPSPEED":
+                    continue  # Accelerate keeps inactive sections around; only the active one counts
+                ds_par, ds_top = _from_deepspeed_section(value, source)
+                par.update(ds_par)
+                out.update({k: v for k, v in ds_top.items() if k not in raw})
+            elif key == "fsdp_config":
+                if str(raw.get("distributed_type", "FSDP")).upper() != "FSDP":
+                    continue
+                par.update(_from_fsdp_section(value, source))
+            else:
+                par.update(_from_parallelism_config_section(value, source))
+        elif key in ACCELERATE_IGNORED_KEYS:
+            continue
+        else:
+            raise _unknown_key(key, KNOWN_TOP_KEYS, source)
+    if accelerate_type is not None and "zero_stage" not in par:
+        par["zero_stage"] = 3 if accelerate_type == "FSDP" else 2  # DeepSpeed's own default stage
+    if par:
+        out["parallelism"] = par
+    return out
+
+
+def merge_layers(layers: list[dict]) -> dict:
+    """Later layers win, key by key (the parallelism section merges field by field)."""
+    merged: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key == "parallelism":
+                merged.setdefault("parallelism", {}).update(value)
+            else:
+                merged[key] = value
+    return merged
+
+
+def build_config(layers: list[dict], source: str = "config") -> AccelConfig:
+    """Merge validated layers over the built-in defaults and check the cross-field rules."""
+    merged = merge_layers(layers)
+    cfg = AccelConfig(**{k: v for k, v in merged.items() if k != "parallelism"},
+                      parallelism=ParallelismConfig(**merged.get("parallelism", {})))
+    check_consistency(cfg, source)
+    return cfg
+
+
+def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
+    """Rules that involve more than one key."""
+    if cfg.num_processes % cfg.num_machines:
+        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by num_machines="
+                          f"{cfg.num_machines}; allowed: a multiple of num_machines (it is the total over all machines)")
+    if cfg.machine_rank >= cfg.num_machines:
+        raise ConfigError(f"{source}: key 'machine_rank': {cfg.machine_rank} is out of range for num_machines="
+                          f"{cfg.num_machines}; allowed: 0 to {cfg.num_machines - 1}")
+    if cfg.num_machines > 1 and not cfg.main_process_ip:
+        raise ConfigError(f"{source}: key 'main_process_ip': required when num_machines={cfg.num_machines}; "
+                          "allowed: the address of the machine with machine_rank 0")
+    if cfg.use_cpu and cfg.distributed_type == "MULTI_GPU":
+        raise ConfigError(f"{source}: key 'distributed_type': MULTI_GPU contradicts use_cpu=true; allowed: NO or MULTI_CPU")
+    if cfg.distributed_type == "NO" and cfg.num_processes > 1:
+        raise ConfigError(f"{source}: key 'distributed_type': NO contradicts num_processes={cfg.num_processes}; "
+                          "allowed: MULTI_CPU or MULTI_GPU (or omit it)")
+    gpu_ids = cfg.gpu_ids.replace(" ", "")
+    if gpu_ids.lower() != "all" and not all(part.isdigit() for part in gpu_ids.split(",")):
+        raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
+                          "list of GPU indices like \"0,1\"")
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """Read and validate one YAML (or JSON) config file into a layer."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_layer(raw, str(path))
+
+
+def user_config_path(config_file: str | os.PathLike | None = None) -> Path | None:
+    """The user's config file by precedence, or None when there is none (explicit names must exist)."""
+    if config_file:
+        return Path(config_file).expanduser()
+    env_file = os.environ.get(USER_CONFIG_ENV)
+    if env_file:
+        return Path(env_file).expanduser()
+    default = default_user_config_path()
+    return default if default.is_file() else None
+
+
+def file_layers(config_file: str | os.PathLike | None = None) -> list[dict]:
+    """The packaged default and the user's config file, as validated layers (lowest precedence first)."""
+    layers = [read_config_file(PACKAGED_DEFAULT)]
+    user = user_config_path(config_file)
+    if user is not None:
+        layers.append(read_config_file(user))
+    return layers
+
+
+def resolve_config(config_file: str | os.PathLike | None = None, overrides: dict | None = None,
+                   overrides_source: str = "accel launch flags") -> AccelConfig:
+    """Resolve defaults < packaged default < user file < `overrides` (already-parsed launch flags)."""
+    layers = file_layers(config_file)
+    if overrides:
+        layers.append(parse_layer(overrides, overrides_source))
+    return build_config(layers, str(user_config_path(config_file) or PACKAGED_DEFAULT))
+
+
+def launched_config() -> AccelConfig | None:
+    """The config `accel launch` resolved for this worker, or None when not started by `accel launch`."""
+    text = os.environ.get(LAUNCH_ENV)
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"${LAUNCH_ENV}: not valid JSON ({exc.msg}); it is written by accel launch") from None
+    return AccelConfig.from_dict(data, f"${LAUNCH_ENV}")
+
+
+def encode_for_workers(cfg: AccelConfig) -> str:
+    """The single value `accel launch` puts in `ACCEL_LAUNCH_CONFIG`."""
+    return json.dumps(cfg.to_dict(), separators=(",", ":"))
+
+
+def worker_config(overrides: dict | None = None) -> AccelConfig:
+    """What an `Accelerator` starts from: the launched config if any, else the files; then its own arguments."""
+    launched = launched_config()
+    if launched is None:
+        layers = file_layers()
+        source = str(user_config_path() or PACKAGED_DEFAULT)
+    else:
+        layers = [parse_layer(launched.to_dict(), f"${LAUNCH_ENV}")]
+        source = f"${LAUNCH_ENV}"
+    if overrides:
+        layers.append(parse_layer(overrides, "Accelerator(...) arguments"))
+        source = "Accelerator(...) arguments"
+    return build_config(layers, source)

@@ -1,0 +1,609 @@
+"""Data loaders that give each process its share of every epoch (Accelerate's `prepare_data_loader`).
+
+The sharding keeps one property exact: at step k the N ranks together see the original global batches
+kN..kN+N-1 (or, with `split_batches`, the N parts of global batch k), so N processes with batch size b
+reproduce one process with batch size N*b. Shuffling is a pure function of (seed, epoch) and never touches
+the global RNGs, so every rank draws the same permutation without communicating.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from .ops import send_to_device
+
+__all__ = [
+    "BatchSamplerShard",
+    "DataLoaderConfiguration",
+    "DataLoaderShard",
+    "IterableDatasetShard",
+    "SeedableRandomSampler",
+    "SkipBatchSampler",
+    "SkipDataLoader",
+    "prepare_data_loader",
+    "skip_first_batches",
+]
+
+# DataLoader settings copied verbatim from the original loader onto the prepared one.
+_LOADER_ATTRS = (
+    "collate_fn",
+    "num_workers",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How `Accelerator.prepare` builds data loaders (Accelerate's field names and defaults)."""
+
+    split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: Optional[int] = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self):
+        if self.dispatch_batches:
+            raise NotImplementedError("accel does not support dispatch_batches=True yet; each rank loads its own data.")
+        if self.use_stateful_dataloader:
+            raise NotImplementedError("accel does not support use_stateful_dataloader=True yet.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Samplers
+# ----------------------------------------------------------------------------------------------------------
+class SeedableRandomSampler(RandomSampler):
+    """A RandomSampler whose order is a pure function of (seed, epoch), identical on every rank.
+
+    It never reads the global RNG, so iterating it cannot perturb model initialisation or dropout.
+    """
+
+    def __init__(self, data_source, replacement: bool = False, num_samples: Optional[int] = None, seed: int = 0):
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        n = len(self.data_source)
+        if not self.replacement and self.num_samples == n:
+            yield from torch.randperm(n, generator=generator).tolist()
+        else:  # replacement / custom num_samples: torch's algorithm, fed our generator
+            yield from RandomSampler(self.data_source, self.replacement, self.num_samples, generator=generator)
+
+
+class _Head:
+    """The first items of an epoch, kept so an incomplete last round can be padded by wrapping around."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.items: list = []
+
+    def add(self, items) -> None:
+        if len(self.items) < self.limit:
+            self.items.extend(items[: self.limit - len(self.items)])
+
+    def take(self, count: int) -> list:
+        return [self.items[i % len(self.items)] for i in range(count)]
+
+
+class BatchSamplerShard(Sampler):
+    """Yields this rank's batches of indices out of `batch_sampler`'s global batches.
+
+    Default: round-robin, rank r gets global batches r, r+N, r+2N, ... With `split_batches`, every global
+    batch is cut into N contiguous parts and rank r gets part r. With `even_batches` (and N > 1) the last
+    round is padded with indices from the start of the epoch so all ranks get equally many full batches;
+    `remainder` then records how many real samples that round had (-1 when nothing was padded).
+    `skip_batches` drops this rank's first batches at the index level, so their data is never loaded.
+    """
+
+    def __init__(
+        self,
+        batch_sampler,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ):
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        # Only torch's own BatchSampler guarantees fixed-size batches; custom ones may vary (None).
+        self.batch_size = batch_sampler.batch_size if type(batch_sampler) is BatchSampler else None
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        if split_batches and self.batch_size is not None and self.batch_size % num_processes:
+            raise ValueError(
+                f"split_batches=True needs batch_size ({self.batch_size}) to be divisible by "
+                f"num_processes ({num_processes})."
+            )
+        self.skip_batches = 0
+        self.remainder = -1
+
+    @property
+    def _pads(self) -> bool:
+        return self.even_batches and self.num_processes > 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to whichever inner object reshuffles with it."""
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+        elif hasattr(getattr(self.batch_sampler, "sampler", None), "set_epoch"):
+            self.batch_sampler.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return max(self._epoch_length() - self.skip_batches, 0)
+
+    def _epoch_length(self) -> int:
+        n_global, n, r = len(self.batch_sampler), self.num_processes, self.process_index
+        if self.split_batches:
+            if self.batch_size is None or self._pads or self.drop_last or n == 1:
+                return n_global
+            last = len(self.batch_sampler.sampler) % self.batch_size  # short last batch, if any
+            reaches_me = last > r * (self.batch_size // n)
+            return n_global if last == 0 or reaches_me else n_global - 1
+        if self.drop_last:
+            return n_global // n
+        if self._pads:
+            return math.ceil(n_global / n)
+        return n_global // n + (1 if r < n_global % n else 0)
+
+    def __iter__(self) -> Iterator[list]:
+        self.remainder = -1
+        batches = self._split() if self.split_batches else self._round_robin()
+        yield from itertools.islice(batches, self.skip_batches, None)
+
+    # -- default: whole batches, round-robin ----------------------------------------------------------
+    def _round_robin(self) -> Iterator[list]:
+        n, b = self.num_processes, self.batch_size
+        head = _Head(n * b if b is not None else n)  # indices (fixed b) or whole batches (custom sampler)
+        round_: list = []
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            head.add(batch if b is not None else [batch])
+            round_.append(batch)
+            if len(round_) == n and (b is None or len(batch) == b or not self._pads):
+                yield round_[self.process_index]
+                round_ = []
+        if round_:
+            yield from self._last_round(round_, head)
+
+    def _last_round(self, round_: list, head: _Head) -> Iterator[list]:
+        n, b, r = self.num_processes, self.batch_size, self.process_index
+        if self.drop_last and len(round_) < n:
+            return
+        if not self._pads:
+            if r < len(round_):
+                yield round_[r]
+            return
+        self.remainder = sum(len(batch) for batch in round_)
+        if b is None:  # variable-size batches: pad with whole batches from the epoch's start
+            yield (round_ + head.take(n - len(round_)))[r]
+            return
+        flat = [i for batch in round_ for i in batch]
+        flat += head.take(n * b - len(flat))
+        yield flat[r * b : (r + 1) * b]
+
+    # -- split_batches: every global batch cut into N parts --------------------------------------------
+    def _split(self) -> Iterator[list]:
+        n, b, r = self.num_processes, self.batch_size, self.process_index
+        head = _Head(b or 0)
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            if b is None:
+                if len(batch) % n:
+                    raise ValueError(
+                        f"split_batches=True needs every batch's size ({len(batch)}) to be divisible by "
+                        f"num_processes ({n})."
+                    )
+                part = len(batch) // n
+                yield batch[r * part : (r + 1) * part]
+                continue
+            head.add(batch)
+            part = b // n
+            if len(batch) < b and self._pads:
+                self.remainder = len(batch)
+                batch = batch + head.take(b - len(batch))
+            piece = batch[r * part : (r + 1) * part]
+            if piece:
+                yield piece
+
+
+class _PerSampleShard(Sampler):
+    """Adapts a BatchSamplerShard over batches of one index to a plain sampler (loaders with batch_size=None)."""
+
+    def __init__(self, shard: BatchSamplerShard):
+        self.shard = shard
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.shard:
+            yield batch[0]
+
+
+class SkipBatchSampler(Sampler):
+    """Wraps a (batch) sampler and drops its first `skip_batches` items, so skipped data is never loaded."""
+
+    def __init__(self, batch_sampler, skip_batches: int = 0):
+        self.batch_sampler = batch_sampler
+        self.skip_batches = skip_batches
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+    def __iter__(self):
+        yield from itertools.islice(iter(self.batch_sampler), self.skip_batches, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Iterable datasets
+# ----------------------------------------------------------------------------------------------------------
+class IterableDatasetShard(IterableDataset):
+    """This rank's items of an iterable dataset that every rank reads in full.
+
+    Items are buffered in chunks of N*b (b with `split_batches`); rank r keeps the r-th slice of each chunk,
+    which the loader then batches by the slice size. A final partial chunk is dropped (`drop_last`), padded
+    by cycling from the first items seen (`even_batches`, N > 1; `remainder` = its real item count), or
+    shared out as it is. `remainder` is only visible to the main process, i.e. with num_workers=0.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ):
+        if split_batches and batch_size % num_processes:
+            raise ValueError(
+                f"split_batches=True needs batch_size ({batch_size}) to be divisible by "
+                f"num_processes ({num_processes})."
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.chunk_size = batch_size if split_batches else batch_size * num_processes
+        self.part = self.chunk_size // num_processes  # items this rank takes per chunk
+        self.epoch = 0
+        self.remainder = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.dataset), self.chunk_size)
+        if rest == 0 or self.drop_last:
+            return full * self.part
+        if self.even_batches and self.num_processes > 1:
+            return (full + 1) * self.part
+        return full * self.part + min(max(rest - self.process_index * self.part, 0), self.part)
+
+    def __iter__(self):
+        self.remainder = -1
+        head, chunk = _Head(self.chunk_size), []
+        for item in self.dataset:
+            head.add([item])
+            chunk.append(item)
+            if len(chunk) == self.chunk_size:
+                yield from self._mine(chunk)
+                chunk = []
+        if not chunk or self.drop_last:
+            return
+        if self.even_batches and self.num_processes > 1:
+            self.remainder = len(chunk)
+            chunk = chunk + head.take(self.chunk_size - len(chunk))
+        yield from self._mine(chunk)
+
+    def _mine(self, chunk: list) -> list:
+        start = self.process_index * self.part
+        return chunk[start : start + self.part]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loaders
+# ----------------------------------------------------------------------------------------------------------
+def _loader_kwargs(loader: DataLoader) -> dict:
+    """The settings of `loader` that a rebuilt loader must keep (only those this torch version has)."""
+    return {name: getattr(loader, name) for name in _LOADER_ATTRS if hasattr(loader, name)}
+
+
+def _set_locked(loader: DataLoader, name: str, value) -> None:
+    """DataLoader forbids setting batch_size/drop_last after __init__; torch only reads them to build
+    fetchers and lengths (both already decided by our sampler), so we restore the user-facing values."""
+    object.__setattr__(loader, name, value)
+
+
+class DataLoaderShard(DataLoader):
+    """A DataLoader over this rank's share that tracks epochs and tells the gradient state where it is.
+
+    While the last batch is being processed `end_of_dataloader` is True and `remainder` is the number of
+    real samples in the final global round (when padding was added, else -1). Each pass uses
+    epoch = `iteration` (seeding the shuffle and the workers' base seed) and bumps it when it completes.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        device=None,
+        seed: int = 0,
+        gradient_state=None,
+        non_blocking: bool = False,
+        skip_batches: int = 0,
+        **kwargs,
+    ):
+        super().__init__(dataset, **kwargs)
+        self.device = device
+        self.seed = int(seed)
+        self.gradient_state = gradient_state
+        self.non_blocking = non_blocking
+        self.iteration = 0
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self._parent: Optional[DataLoaderShard] = None  # set by skip_first_batches
+        self._shard = self._find_shard()
+        self.skip_batches = skip_batches
+        if isinstance(self.batch_sampler, BatchSamplerShard) and self._shard.batch_size is not None:
+            b = self._shard.batch_size
+            _set_locked(self, "batch_size", b // self._shard.num_processes if self._shard.split_batches else b)
+            _set_locked(self, "drop_last", self._shard.drop_last)
+
+    def _find_shard(self):
+        if isinstance(self.dataset, IterableDatasetShard):
+            return self.dataset
+        if isinstance(self.batch_sampler, BatchSamplerShard):
+            return self.batch_sampler
+        if isinstance(self.sampler, _PerSampleShard):
+            return self.sampler.shard
+        return None
+
+    @property
+    def skip_batches(self) -> int:
+        return self._skip_batches
+
+    @skip_batches.setter
+    def skip_batches(self, value: int) -> None:
+        self._skip_batches = int(value)
+        if isinstance(self._shard, BatchSamplerShard):  # map-style: skip indices, load nothing
+            self._shard.skip_batches = self._skip_batches
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        if not isinstance(self.dataset, IterableDatasetShard):
+            return super().__len__()  # our samplers already account for skip_batches
+        items = len(self.dataset)
+        batches = items if self.batch_size is None else math.ceil(items / self.batch_size)
+        return max(batches - self.skip_batches, 0)
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        """Samples consumed per step by all ranks together."""
+        shard = self._shard
+        b = getattr(shard, "batch_size", None)
+        if b is None:
+            return self.batch_size
+        return b if shard.split_batches else b * shard.num_processes
+
+    @property
+    def total_dataset_length(self) -> int:
+        dataset = self.dataset.dataset if isinstance(self.dataset, IterableDatasetShard) else self.dataset
+        return len(dataset)
+
+    # -- epochs and resuming --------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = int(epoch)
+        if self._shard is not None:
+            self._shard.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.iteration = int(state_dict["iteration"])
+        self.seed = int(state_dict.get("seed", self.seed))
+        sampler = getattr(getattr(self._shard, "batch_sampler", None), "sampler", None)
+        if isinstance(sampler, SeedableRandomSampler):
+            sampler.seed = self.seed
+
+    # -- iteration -----------------------------------------------------------------------------------
+    def __iter__(self):
+        epoch = self.iteration
+        self.set_epoch(epoch)
+        # torch draws the workers' base seed from `self.generator` (the global RNG when it is None).
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+        if self.gradient_state is not None:
+            self.gradient_state._add_dataloader(self)
+        try:
+            yield from self._with_lookahead(self._raw_batches())
+            self._finish_epoch(epoch)
+        finally:
+            self.end_of_dataloader = False
+            self.remainder = -1
+            if self.gradient_state is not None:
+                self.gradient_state._remove_dataloader(self)
+
+    def _raw_batches(self) -> Iterator:
+        batches = super().__iter__()
+        if isinstance(self.dataset, IterableDatasetShard) and self.skip_batches:
+            return itertools.islice(batches, self.skip_batches, None)  # iterables must be read to skip
+        return batches
+
+    def _with_lookahead(self, batches: Iterator) -> Iterator:
+        """Fetch one batch ahead so the flags are already set while the last batch is processed."""
+        done = object()
+        current = next(batches, done)
+        while current is not done:
+            following = next(batches, done)
+            if following is done:
+                self.end_of_dataloader = True
+                self.remainder = getattr(self._shard, "remainder", -1)
+            yield self._to_device(current)
+            current = following
+
+    def _to_device(self, batch):
+        return batch if self.device is None else send_to_device(batch, self.device, non_blocking=self.non_blocking)
+
+    def _finish_epoch(self, epoch: int) -> None:
+        self.iteration = epoch + 1
+        if self._parent is not None:  # a skip_first_batches view: the real loader moves to the next epoch
+            self._parent.iteration += 1
+
+    def _clone(self, **overrides) -> "DataLoaderShard":
+        """A loader with the same sharding and settings but its own sampler state."""
+        kwargs = _loader_kwargs(self)
+        if isinstance(self.dataset, IterableDatasetShard):
+            dataset = copy.copy(self.dataset)
+            kwargs.update(batch_size=self.batch_size, drop_last=self.drop_last)
+        elif isinstance(self.sampler, _PerSampleShard):
+            dataset = self.dataset
+            kwargs.update(sampler=_PerSampleShard(copy.copy(self.sampler.shard)), batch_size=None)
+        else:
+            dataset = self.dataset
+            kwargs.update(batch_sampler=copy.copy(self.batch_sampler))
+        settings = dict(
+            device=self.device,
+            seed=self.seed,
+            gradient_state=self.gradient_state,
+            non_blocking=self.non_blocking,
+            skip_batches=self.skip_batches,
+        )
+        settings.update(overrides)
+        return DataLoaderShard(dataset, **settings, **kwargs)
+
+
+class SkipDataLoader(DataLoader):
+    """A plain DataLoader that reads and discards its first `skip_batches` batches (iterable datasets)."""
+
+    def __init__(self, dataset, skip_batches: int = 0, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.skip_batches, 0)
+
+    def __iter__(self):
+        yield from itertools.islice(super().__iter__(), self.skip_batches, None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------------------
+def _seedable(sampler, seed: int):
+    """Replace a RandomSampler by one that shuffles as a function of (seed, epoch); keep anything else."""
+    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+        return SeedableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, seed=seed)
+    return sampler
+
+
+def _global_batch_sampler(dataloader: DataLoader, seed: int):
+    """The original loader's batch order, made seedable; batches of one index when it does not batch."""
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        return BatchSampler(_seedable(dataloader.sampler, seed), 1, False)
+    if type(batch_sampler) is BatchSampler:
+        return BatchSampler(_seedable(batch_sampler.sampler, seed), batch_sampler.batch_size, batch_sampler.drop_last)
+    return batch_sampler  # custom batch sampler: kept as is, sharded batch by batch
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device=None,
+    num_processes: int = 1,
+    process_index: int = 0,
+    split_batches: bool = False,
+    put_on_device: bool = True,
+    even_batches: bool = True,
+    seed: Optional[int] = None,
+    gradient_state=None,
+    non_blocking: bool = False,
+) -> DataLoaderShard:
+    """Rebuild `dataloader` over the same dataset so that it yields this process's share of each epoch."""
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index ({process_index}) must be in [0, num_processes={num_processes}).")
+    seed = 0 if seed is None else int(seed)
+    unbatched = dataloader.batch_size is None and dataloader.batch_sampler is None
+    if split_batches and unbatched:
+        raise ValueError("split_batches=True needs a data loader with a batch_size (got batch_size=None).")
+    kwargs = _loader_kwargs(dataloader)
+    settings = dict(
+        device=device if put_on_device else None,
+        seed=seed,
+        gradient_state=gradient_state,
+        non_blocking=non_blocking,
+    )
+    shard_args = dict(
+        num_processes=num_processes,
+        process_index=process_index,
+        split_batches=split_batches,
+        even_batches=even_batches,
+    )
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        shard = IterableDatasetShard(
+            dataset, batch_size=1 if unbatched else dataloader.batch_size, drop_last=dataloader.drop_last, **shard_args
+        )
+        batch_size = None if unbatched else shard.part
+        return DataLoaderShard(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
+    shard = BatchSamplerShard(_global_batch_sampler(dataloader, seed), **shard_args)
+    if unbatched:
+        return DataLoaderShard(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
+    return DataLoaderShard(dataset, batch_sampler=shard, **settings, **kwargs)
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader that resumes mid-epoch: the same batches as `dataloader`'s current epoch minus the first ones.
+
+    For a DataLoaderShard, finishing the returned loader's epoch advances `dataloader.iteration`, so the
+    usual resume loop continues with the same epoch numbers and permutations as an uninterrupted run.
+    """
+    if isinstance(dataloader, DataLoaderShard):
+        child = dataloader._clone(skip_batches=num_batches)
+        child.iteration = dataloader.iteration
+        child._parent = dataloader
+        return child
+    kwargs = _loader_kwargs(dataloader)
+    kwargs["generator"] = dataloader.generator
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        return SkipDataLoader(
+            dataset,
+            skip_batches=num_batches,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            **kwargs,
+        )
+    if dataloader.batch_sampler is None:  # no auto-collation: a "batch" is one sample
+        return DataLoader(dataset, sampler=SkipBatchSampler(dataloader.sampler, num_batches), batch_size=None, **kwargs)
+    return DataLoader(dataset, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches), **kwargs)

@@ -1,0 +1,68 @@
+"""Kwargs handlers (Accelerate's names): small dataclasses that carry options to the machinery they tune."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class KwargsHandler:
+    """Base class: `to_kwargs()` returns only the fields changed from their defaults."""
+
+    def to_kwargs(self) -> dict[str, Any]:
+        defaults = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(defaults, f.name)}
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Options of `torch.nn.parallel.DistributedDataParallel`."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Callable | None = None
+    comm_state: Any = None
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Options of `torch.amp.GradScaler` (fp16 dynamic loss scaling)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Options of `torch.distributed.init_process_group`."""
+
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Options of `torch.autocast`."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+def find_handler(handlers, cls: type) -> KwargsHandler | None:
+    """The handler of type `cls` among the user's kwargs_handlers, if any (at most one of each kind)."""
+    found = [h for h in (handlers or []) if isinstance(h, cls)]
+    if len(found) > 1:
+        raise ValueError(f"kwargs_handlers: more than one {cls.__name__} given; pass at most one of each kind")
+    return found[0] if found else None

@@ -1,0 +1,167 @@
+"""Collectives over nested structures of tensors: gather, reduce, broadcast, pad, send_to_device.
+
+All of them work on (nested) lists, tuples, dicts and tensors, and are no-ops on one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+def is_tensor_like(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is_tensor_like, **kwargs) -> Any:
+    """Apply `func` to every leaf of `data` that passes `test_type`, keeping the container types."""
+    if isinstance(data, (tuple, list)):
+        mapped = [recursively_apply(func, o, *args, test_type=test_type, **kwargs) for o in data]
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*mapped)
+        return type(data)(mapped)
+    if isinstance(data, Mapping):
+        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type, **kwargs) for k, v in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    return data
+
+
+def send_to_device(data: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:
+    """Move every tensor (or object with `.to`) in `data` to `device`."""
+    if isinstance(skip_keys, str):
+        skip_keys = [skip_keys]
+    skip_keys = skip_keys or []
+    if isinstance(data, torch.Tensor) or (hasattr(data, "to") and not isinstance(data, (Mapping, list, tuple, type))):
+        try:
+            return data.to(device, non_blocking=non_blocking)
+        except TypeError:
+            return data.to(device)
+    if isinstance(data, (tuple, list)):
+        mapped = [send_to_device(o, device, non_blocking) for o in data]
+        if isinstance(data, tuple) and hasattr(data, "_fields"):
+            return type(data)(*mapped)
+        return type(data)(mapped)
+    if isinstance(data, Mapping):
+        return type(data)(
+            {k: v if k in skip_keys else send_to_device(v, device, non_blocking) for k, v in data.items()}
+        )
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# collectives
+# ---------------------------------------------------------------------------------------------------------
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if tensor.ndim == 0:
+        tensor = tensor[None]
+    tensor = tensor.contiguous()
+    if dist.get_backend() == "nccl":
+        out = torch.empty((_world() * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor)
+        return out
+    parts = [torch.empty_like(tensor) for _ in range(_world())]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts, dim=0)
+
+
+def gather(tensor: Any) -> Any:
+    """Concatenate each tensor from all processes along dim 0 (scalars become 1-D); same shape everywhere."""
+    if _world() == 1:
+        return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, tensor)
+    return recursively_apply(_gather_one, tensor)
+
+
+def gather_object(obj: list) -> list:
+    """All processes' lists, concatenated in rank order (Accelerate's `gather_object`)."""
+    import torch.distributed as dist
+
+    if _world() == 1:
+        return list(obj)
+    out: list = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return [item for part in out for item in part]
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Every tensor takes the value it has on `from_process` (in place; also returned)."""
+    import torch.distributed as dist
+
+    if _world() == 1:
+        return tensor
+
+    def _one(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(_one, tensor)
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    import torch.distributed as dist
+
+    if _world() > 1:
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """Sum (or mean) each tensor over all processes; returns new tensors, inputs are left alone."""
+    import torch.distributed as dist
+
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduce: bad reduction {reduction!r}; allowed: sum, mean, none")
+
+    def _one(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if reduction == "none":
+            return out
+        if _world() > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        if reduction == "mean":
+            out = out / _world()
+        return out * scale if scale != 1.0 else out
+
+    return recursively_apply(_one, tensor)
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along `dim` to the largest size any process has, so it can be gathered."""
+
+    def _one(t: torch.Tensor) -> torch.Tensor:
+        if _world() == 1 or t.ndim == 0 or dim >= t.ndim:
+            return t
+        size = torch.tensor(t.shape, device=t.device)[None]
+        max_size = int(gather(size)[:, dim].max())
+        if max_size == t.shape[dim]:
+            return t
+        new_shape = list(t.shape)
+        new_shape[dim] = max_size
+        out = t.new_full(new_shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[dim] = slice(max_size - t.shape[dim], max_size) if pad_first else slice(0, t.shape[dim])
+        out[tuple(index)] = t
+        return out
+
+    return recursively_apply(_one, tensor)
+
+
+def concatenate(data: list) -> Any:
+    """Join a list of same-structured nested batches along dim 0."""
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate([d[i] for d in data]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data]) for k in first})
+    return torch.cat(data, dim=0)

@@ -1,0 +1,89 @@
+"""The prepared optimizer: steps and zeroes only on accumulation boundaries, under the precision policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accel.accumulation import GradientState
+from accel.precision import PrecisionPolicy
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer (Accelerate's `AcceleratedOptimizer`); `.optimizer` is the original.
+
+    `step()` and `zero_grad()` do nothing off the accumulation boundary; with fp16, `step()` goes through
+    the grad scaler and records whether it was skipped for inf/nan gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: PrecisionPolicy, gradient_state: GradientState):
+        # No super().__init__: the wrapped optimizer owns param_groups and state.
+        self.optimizer = optimizer
+        self.precision = precision
+        self.gradient_state = gradient_state
+        self.step_was_skipped = False
+
+    # -- delegated state -------------------------------------------------------------------------------------
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def train(self) -> None:
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        if closure is not None:
+            self.step_was_skipped = self.precision.step(self.optimizer, lambda: self.optimizer.step(closure))
+        else:
+            self.step_was_skipped = self.precision.step(self.optimizer, self.optimizer.step)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self):
+        return self.__dict__.copy()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)

@@ -1,0 +1,116 @@
+"""The mixed-precision policy, resolved once: autocast dtype, loss scaling, and the skipped-step record.
+
+`no`: float32 throughout. `bf16`: autocast to bfloat16, no scaling (bf16 has float32's range).
+`fp16`: autocast to float16 plus dynamic loss scaling; a step with inf/nan gradients is skipped.
+Master weights stay float32 in every mode. Works on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+
+from accel.config import MIXED_PRECISIONS, ConfigError
+from accel.ops import recursively_apply
+
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionPolicy:
+    """One object that answers every precision question for the Accelerator and the backends."""
+
+    def __init__(self, mode: str, device: torch.device, scaler_kwargs: dict | None = None,
+                 autocast_kwargs: dict | None = None) -> None:
+        if mode not in MIXED_PRECISIONS:
+            raise ConfigError(f"mixed_precision: bad value {mode!r}; allowed: one of {', '.join(MIXED_PRECISIONS)}")
+        if mode == "fp8":
+            raise ConfigError("mixed_precision: 'fp8' is not available yet in accel; allowed now: no, bf16, fp16")
+        self.mode = mode
+        self.device_type = torch.device(device).type
+        self.dtype: torch.dtype | None = _DTYPES[mode]
+        self.autocast_kwargs = dict(autocast_kwargs or {})
+        self.scaler = None
+        if mode == "fp16":
+            scaler_kwargs = dict(scaler_kwargs or {})
+            self.scaler = torch.amp.GradScaler(self.device_type, **scaler_kwargs)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def autocast(self, **overrides: Any):
+        """The autocast context of this policy (a no-op context for `no`)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        kwargs = {**self.autocast_kwargs, **overrides}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **kwargs)
+
+    def wrap_forward(self, model: torch.nn.Module) -> None:
+        """Run `model.forward` under autocast and hand float32 outputs back (Accelerate's behaviour)."""
+        if self.dtype is None or hasattr(model, "_accel_original_forward"):
+            return
+        original = model.forward
+        autocast = self.autocast
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            with autocast():
+                outputs = original(*args, **kwargs)
+            return recursively_apply(_to_float32, outputs, test_type=_is_low_precision)
+
+        model._accel_original_forward = original
+        model.forward = forward
+
+    @staticmethod
+    def unwrap_forward(model: torch.nn.Module) -> None:
+        original = model.__dict__.pop("_accel_original_forward", None)
+        if original is not None:
+            if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
+                model.__dict__.pop("forward", None)
+            else:
+                model.forward = original
+
+    # -- backward and step ------------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale gradients in place, once per step (clip_grad_norm_ then step must not unscale twice)."""
+        if self.scaler is None:
+            return
+        stage = self.scaler._per_optimizer_states[id(optimizer)]["stage"]
+        if stage.name == "READY":
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> bool:
+        """Run the optimizer step under loss scaling; return True when it was skipped (inf/nan gradients)."""
+        if self.scaler is None:
+            step_fn()
+            return False
+        stepped = []
+        original_step = optimizer.step
+        own = optimizer.__dict__.get("step")  # an LR scheduler may have wrapped it on the instance
+
+        def tracking_step(*args, **kwargs):
+            stepped.append(True)
+            return original_step(*args, **kwargs)
+
+        optimizer.step = tracking_step  # GradScaler calls optimizer.step only when the gradients are finite
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            if own is None:
+                del optimizer.step
+            else:
+                optimizer.step = own
+        self.scaler.update()
+        return not stepped
+
+
+def _is_low_precision(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor) and obj.dtype in (torch.float16, torch.bfloat16)
+
+
+def _to_float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float()

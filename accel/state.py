@@ -1,0 +1,226 @@
+"""Process state: rank, world size, local rank, device, and the lifetime of the default process group.
+
+It reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). There is one process
+group per process, so there is one state per process: `PartialState()` returns it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import gc
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedType(str, enum.Enum):
+    """What kind of run this is (Accelerate's enum; compare with `==` or against its string values)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer; torchrun sets it to one") from None
+
+
+class PartialState:
+    """The process's distributed state (Accelerate's `PartialState`): one instance per process.
+
+    >>> state = PartialState()
+    >>> state.process_index, state.num_processes, state.device
+    """
+
+    _instance: "PartialState | None" = None
+
+    def __new__(cls, cpu: bool = False, **kwargs: Any) -> "PartialState":
+        if PartialState._instance is None:
+            PartialState._instance = super().__new__(cls)
+            PartialState._instance._initialized = False
+        return PartialState._instance
+
+    def __init__(self, cpu: bool = False, backend: str | None = None, init_method: str | None = None,
+                 timeout: timedelta | None = None, **_: Any) -> None:
+        if self._initialized:
+            return
+        self.num_processes = _env_int("WORLD_SIZE", 1)
+        self.process_index = _env_int("RANK", 0)
+        self.local_process_index = _env_int("LOCAL_RANK", 0)
+        self.use_cpu = cpu
+        if not cpu and torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_process_index % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self._release_callbacks: list[Callable[[], None]] = []
+        self._owns_group = False
+        if self.num_processes > 1:
+            if not dist.is_initialized():
+                kwargs: dict[str, Any] = {"backend": self.backend}
+                if init_method:
+                    kwargs["init_method"] = init_method
+                if timeout is not None:
+                    kwargs["timeout"] = timeout
+                if self.device.type == "cuda":
+                    kwargs["device_id"] = self.device  # eager NCCL init bound to our GPU
+                dist.init_process_group(**kwargs)
+                self._owns_group = True
+            elif dist.get_world_size() != self.num_processes:
+                raise RuntimeError(f"a process group of size {dist.get_world_size()} already exists but WORLD_SIZE="
+                                   f"{self.num_processes}")
+        atexit.register(self.destroy)
+        self._initialized = True
+
+    # -- identity -----------------------------------------------------------------------------------------
+    @property
+    def distributed_type(self) -> DistributedType:
+        if self.num_processes <= 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    # -- synchronisation ----------------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed and dist.is_initialized():
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """Run the block on the main process first (e.g. to download or preprocess), then on the others."""
+        yield from self._first(self.is_main_process)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        yield from self._first(self.is_local_main_process)
+
+    def _first(self, is_first: bool):
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        """Yield this process's contiguous share of a list, tuple, dict of lists, or tensor."""
+        yield split_for_process(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` only on the main process."""
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        if function is None:
+            return lambda f: self.on_process(f, process_index)
+        return self._only_if(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
+        import functools
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- teardown -----------------------------------------------------------------------------------------
+    def add_release_callback(self, callback: Callable[[], None]) -> None:
+        """Called before the process group is destroyed, to drop objects (DDP reducers) that use it."""
+        self._release_callbacks.append(callback)
+
+    def destroy(self) -> None:
+        """Release wrapped modules, collect garbage, then destroy the process group we created.
+
+        Destroying the group while a DDP reducer still holds it made ranks die with SIGABRT at exit on
+        torch 2.13; releasing first removes that.
+        """
+        callbacks, self._release_callbacks = self._release_callbacks, []
+        for callback in callbacks:
+            callback()
+        gc.collect()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    @classmethod
+    def _reset_for_tests(cls) -> None:
+        if cls._instance is not None and cls._instance._initialized:
+            cls._instance.destroy()
+        cls._instance = None
+
+
+AcceleratorState = PartialState
+
+
+def check_device_matches(config, device: torch.device) -> None:
+    """A config that asks for GPUs must not quietly run on the CPU."""
+    if config.distributed_type == "MULTI_GPU" and device.type != "cuda":
+        raise RuntimeError("config: distributed_type MULTI_GPU but no CUDA device is in use here "
+                           "(none visible, or use_cpu is set); set use_cpu: true / pass --cpu, or omit distributed_type")
+
+
+def split_for_process(inputs: Any, num_processes: int, index: int, apply_padding: bool = False) -> Any:
+    """Contiguous split: the first `len % n` processes get one extra item (Accelerate's rule)."""
+    if num_processes == 1:
+        return inputs
+    if isinstance(inputs, dict):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) != 1:
+            raise ValueError("split_between_processes: all values of the dict must have the same length")
+        return {k: split_for_process(v, num_processes, index, apply_padding) for k, v in inputs.items()}
+    length = len(inputs)
+    per, extra = divmod(length, num_processes)
+    start = index * per + min(index, extra)
+    end = start + per + (1 if index < extra else 0)
+    part = inputs[start:end]
+    if apply_padding and extra and index >= extra and length:
+        last = inputs[-1:] if not isinstance(inputs, torch.Tensor) else inputs[-1:]
+        if isinstance(part, torch.Tensor):
+            part = torch.cat([part, last])
+        else:
+            part = part + type(part)(last)
+    return part

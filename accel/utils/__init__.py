@@ -1,0 +1,40 @@
+"""Helpers Accelerate users import from `accelerate.utils`, under the same names."""
+
+from __future__ import annotations
+
+from accel.config import ParallelismConfig
+from accel.kwargs import AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler
+from accel.ops import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    gather,
+    gather_object,
+    pad_across_processes,
+    recursively_apply,
+    reduce,
+    send_to_device,
+)
+from accel.state import DistributedType
+from accel.utils.random import set_seed
+
+
+def __getattr__(name: str):
+    # data-loading names live in accel.data; imported lazily so `import accel.utils` stays light
+    if name in ("DataLoaderConfiguration", "skip_first_batches"):
+        import accel.data
+
+        return getattr(accel.data, name)
+    if name == "GradientAccumulationPlugin":
+        from accel.accumulation import GradientAccumulationPlugin
+
+        return GradientAccumulationPlugin
+    raise AttributeError(f"module 'accel.utils' has no attribute {name!r}")
+
+
+__all__ = [
+    "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
+    "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
+    "skip_first_batches", "GradientAccumulationPlugin",
+]

@@ -1,0 +1,1 @@
+"""accel's command line (installed as `accel.cli`)."""

@@ -1,0 +1,345 @@
+"""`accel config`: write the user's config file by answering a few questions (or `accel config default`).
+
+The questionnaire reads one answer per line from stdin, so it can be scripted:
+
+    printf '1\\nyes\\n4\\n' | accel config --config_file my.yaml
+
+An empty answer takes the default shown in [brackets]; when stdin ends, every remaining question takes its
+default. An invalid answer prints why and the same question is asked again. The answers are validated with
+the same code as config files (`accel.config.parse_layer` / `build_config`), including the rules that
+involve several keys. The file is saved to `--config_file`, else `$ACCEL_CONFIG_FILE`, else
+`~/.cache/accel/default_config.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from accel.cli._common import UsageError, add_flag
+from accel.config import (
+    MIXED_PRECISIONS,
+    PACKAGED_DEFAULT,
+    PP_SCHEDULES,
+    RDZV_BACKENDS,
+    USER_CONFIG_ENV,
+    AccelConfig,
+    ConfigError,
+    build_config,
+    default_user_config_path,
+    parse_layer,
+    read_config_file,
+)
+
+ANSWERS_SOURCE = "accel config answers"
+REQUIRED = object()  # a question without a default
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "config",
+        help="write a config file by answering questions",
+        description="Answer a few questions (one per line on stdin; Enter takes the [default]) and save the "
+        "config file that `accel launch` and `Accelerator` read.",
+        allow_abbrev=False,
+    )
+    add_flag(parser, "config_file", metavar="PATH", default=None,
+             help=f"where to save (default: ${USER_CONFIG_ENV}, else {_home_path(default_user_config_path())})")
+    parser.set_defaults(func=run_questionnaire)
+    sub = parser.add_subparsers(dest="config_command", metavar="{default}")
+    default = sub.add_parser(
+        "default",
+        help="write the default config without questions",
+        description="Write the packaged default config (optionally with a mixed precision) without questions. "
+        "An existing file is left alone unless --force is given.",
+        allow_abbrev=False,
+    )
+    add_flag(default, "config_file", dest="default_config_file", metavar="PATH", default=None,
+             help="where to save (same default as `accel config`)")
+    add_flag(default, "mixed_precision", metavar="{no,fp16,bf16,fp8}", default=None)
+    add_flag(default, "force", action="store_true", help="overwrite an existing file")
+    default.set_defaults(func=run_default)
+    return parser
+
+
+def _home_path(path: Path) -> str:
+    home = str(Path(os.path.expanduser("~")))
+    text = str(path)
+    return "~" + text[len(home):] if text.startswith(home + os.sep) else text
+
+
+def target_path(config_file: str | None) -> Path:
+    """Where `accel config` saves: `--config_file`, else `$ACCEL_CONFIG_FILE`, else the default user path."""
+    if config_file:
+        return Path(config_file).expanduser()
+    env_file = os.environ.get(USER_CONFIG_ENV)
+    if env_file:
+        return Path(env_file).expanduser()
+    return default_user_config_path()
+
+
+def packaged_defaults() -> AccelConfig:
+    return build_config([read_config_file(PACKAGED_DEFAULT)], str(PACKAGED_DEFAULT))
+
+
+# -------------------------------------------------------------------------------------------------------
+# the questions
+# -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Question:
+    key: str                                   # dotted config key, e.g. "parallelism.zero_stage"
+    prompt: str
+    kind: str                                  # "int", "bool", "choice" or "str"
+    default: Callable[[dict, AccelConfig], Any]  # (answers so far, packaged defaults) -> default (or REQUIRED)
+    applies: Callable[[dict], bool] = lambda answers: True
+    choices: tuple = ()
+    default_label: str | None = None           # shown instead of the default value (e.g. for None)
+    extra: dict = field(default_factory=dict)
+
+
+def _get(cfg: AccelConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _from_defaults(key: str) -> Callable[[dict, AccelConfig], Any]:
+    return lambda answers, defaults: _get(defaults, key)
+
+
+def _multi_machine(answers: dict) -> bool:
+    return answers.get("num_machines", 1) > 1
+
+
+QUESTIONS: list[Question] = [
+    Question("num_machines", "How many machines will you use (1 for this machine only)?", "int",
+             _from_defaults("num_machines")),
+    Question("machine_rank", "What is the rank of this machine (0 for the main machine)?", "int",
+             _from_defaults("machine_rank"), _multi_machine),
+    Question("main_process_ip", "What is the IP address of the main machine (machine_rank 0)?", "str",
+             lambda answers, defaults: defaults.main_process_ip or REQUIRED, _multi_machine),
+    Question("main_process_port", "Which port should the main machine use for the rendezvous?", "int",
+             lambda answers, defaults: defaults.main_process_port or 29500, _multi_machine),
+    Question("rdzv_backend", "Which rendezvous backend (static: machine_rank is the node rank; c10d)?", "choice",
+             _from_defaults("rdzv_backend"), _multi_machine, choices=RDZV_BACKENDS),
+    Question("use_cpu", "Run on the CPU only, even if GPUs are available?", "bool", _from_defaults("use_cpu")),
+    Question("num_processes", "How many processes in total, over all machines?", "int",
+             lambda answers, defaults: max(defaults.num_processes, answers.get("num_machines", 1))),
+    Question("gpu_ids", "Which GPUs should be used (\"all\" or ids like 0,1)?", "str", _from_defaults("gpu_ids"),
+             lambda answers: not answers.get("use_cpu", False)),
+    Question("mixed_precision", "Mixed precision?", "choice", _from_defaults("mixed_precision"),
+             choices=MIXED_PRECISIONS),
+    Question("gradient_accumulation_steps", "How many gradient accumulation steps?", "int",
+             _from_defaults("gradient_accumulation_steps")),
+    Question("parallelism.zero_stage", "ZeRO stage (0: plain DDP, 1, 2 or 3)?", "int",
+             _from_defaults("parallelism.zero_stage")),
+    Question("parallelism.offload_optimizer", "Offload the optimizer state to the CPU?", "bool",
+             _from_defaults("parallelism.offload_optimizer"),
+             lambda answers: answers.get("parallelism.zero_stage", 0) > 0),
+    Question("parallelism.tp_size", "Tensor-parallel size (1: none)?", "int", _from_defaults("parallelism.tp_size")),
+    Question("parallelism.pp_size", "Pipeline-parallel size (1: none)?", "int", _from_defaults("parallelism.pp_size")),
+    Question("parallelism.pp_schedule", "Pipeline schedule?", "choice", _from_defaults("parallelism.pp_schedule"),
+             lambda answers: answers.get("parallelism.pp_size", 1) > 1, choices=PP_SCHEDULES),
+    Question("parallelism.pp_microbatches", "How many micro-batches per step?", "int",
+             _from_defaults("parallelism.pp_microbatches"),
+             lambda answers: answers.get("parallelism.pp_size", 1) > 1, default_label="pp_size"),
+]
+QUESTION_BY_KEY = {q.key: q for q in QUESTIONS}
+
+
+def nest(answers: dict) -> dict:
+    """{"a": 1, "parallelism.b": 2} -> {"a": 1, "parallelism": {"b": 2}}."""
+    raw: dict = {}
+    for key, value in answers.items():
+        if "." in key:
+            section, sub = key.split(".", 1)
+            raw.setdefault(section, {})[sub] = value
+        else:
+            raw[key] = value
+    return raw
+
+
+def build_from_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConfig:
+    """Validate the answers as one config layer over the packaged default, cross-field rules included."""
+    layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(nest(answers), source)]
+    return build_config(layers, source)
+
+
+def error_key(exc: ConfigError) -> str | None:
+    """The config key a ConfigError names (`... key 'num_processes': ...`)."""
+    match = re.search(r"key '([\w.]+)'", str(exc))
+    return match.group(1) if match else None
+
+
+# -------------------------------------------------------------------------------------------------------
+# asking
+# -------------------------------------------------------------------------------------------------------
+
+class StdinEnded(Exception):
+    pass
+
+
+class Asker:
+    """Reads one answer per line (input()-style, so piped answers work); remembers when stdin ended."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.eof = False
+        self.echo = not sys.stdin.isatty()  # piped: show each answer so the transcript reads as a dialogue
+
+    def read(self, prompt: str) -> str | None:
+        if self.eof:
+            self.out.write(prompt + "\n")
+            return None
+        try:
+            text = input(prompt)
+        except EOFError:
+            self.eof = True
+            self.out.write("\n")
+            return None
+        if self.echo:
+            self.out.write(text + "\n")
+        return text
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _convert(question: Question, text: str) -> Any:
+    text = text.strip()
+    if question.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number") from None
+    if question.kind == "bool":
+        lowered = text.lower()
+        if lowered in ("y", "yes", "true", "1"):
+            return True
+        if lowered in ("n", "no", "false", "0"):
+            return False
+        raise ValueError(f"{text!r}: please answer yes or no")
+    return text  # choices are checked (case-insensitively) by parse_layer
+
+
+def _tentative(answers: dict, defaults: AccelConfig, upto: Question) -> dict:
+    """The answers so far plus the defaults of the questions still to come (for early cross-field checks)."""
+    full = dict(answers)
+    after = False
+    for q in QUESTIONS:
+        if q is upto:
+            after = True
+            continue
+        if after and q.key not in full and q.applies(full):
+            value = q.default(full, defaults)
+            if value is not REQUIRED:
+                full[q.key] = value
+    return full
+
+
+def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) -> Any:
+    """Ask until the answer is valid on its own and does not break a rule involving this key."""
+    default = question.default(answers, defaults)
+    if question.kind == "choice":
+        hint = " (" + "/".join(question.choices) + ")"
+    elif question.kind == "bool":
+        hint = " (yes/no)"
+    else:
+        hint = ""
+    if default is REQUIRED:
+        shown = ""
+    elif question.default_label is not None and default is None:
+        shown = f" [{question.default_label}]"
+    else:
+        shown = f" [{_show(default)}]"
+    prompt = f"{question.prompt}{hint}{shown}: "
+    while True:
+        text = asker.read(prompt)
+        if text is None or not text.strip():
+            if default is REQUIRED:
+                if text is None:
+                    raise UsageError(f"stdin ended before '{question.key}' was answered, and it has no default")
+                asker.say("  an answer is required")
+                continue
+            value = default
+        else:
+            try:
+                value = _convert(question, text)
+            except ValueError as exc:
+                asker.say(f"  {exc}")
+                continue
+        trial = dict(answers)
+        trial[question.key] = value
+        try:
+            parse_layer(nest({question.key: value}), "your answer")
+            build_from_answers(_tentative(trial, defaults, question), "your answer")
+        except ConfigError as exc:
+            # a rule about another key may fail only because a later question is not answered yet
+            if error_key(exc) == question.key:
+                if text is None:
+                    raise
+                asker.say(f"  {exc}")
+                continue
+        return value
+
+
+def questionnaire(asker: Asker) -> AccelConfig:
+    defaults = packaged_defaults()
+    answers: dict = {}
+    for question in QUESTIONS:
+        if question.applies(answers):
+            answers[question.key] = ask(question, answers, defaults, asker)
+    for _ in range(len(QUESTIONS) * 3):
+        try:
+            return build_from_answers(answers)
+        except ConfigError as exc:
+            key = error_key(exc)
+            question = QUESTION_BY_KEY.get(key or "")
+            if question is None or key not in answers or asker.eof:
+                raise
+            asker.say(f"  {exc}")
+            answers[key] = ask(question, answers, defaults, asker)
+    return build_from_answers(answers)
+
+
+# -------------------------------------------------------------------------------------------------------
+# commands
+# -------------------------------------------------------------------------------------------------------
+
+def run_questionnaire(args: argparse.Namespace) -> int:
+    path = target_path(args.config_file)
+    asker = Asker()
+    asker.say(f"accel config: answer each question; press Enter for the default in [brackets]. "
+              f"Saving to {path}")
+    cfg = questionnaire(asker)
+    saved = cfg.save(path)
+    asker.say(f"Configuration saved to {saved.resolve()}")
+    return 0
+
+
+def run_default(args: argparse.Namespace) -> int:
+    path = target_path(args.default_config_file or args.config_file)
+    if path.exists() and not args.force:
+        sys.stderr.write(f"accel config default: {path} already exists; it was not changed "
+                         "(run `accel config`, pass --force, or choose another --config_file)\n")
+        return 0
+    raw = {} if args.mixed_precision is None else {"mixed_precision": args.mixed_precision}
+    layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(raw, "accel config default flags")]
+    cfg = build_config(layers, "accel config default flags")
+    saved = cfg.save(path)
+    print(f"Configuration saved to {saved.resolve()}")
+    return 0

@@ -1,0 +1,71 @@
+"""`accel env`: print the facts a bug report needs (versions, devices, backends, the config in use)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+from accel.cli._common import add_flag
+from accel.config import USER_CONFIG_ENV, ConfigError, resolve_config, user_config_path
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "env",
+        help="print versions, devices and the resolved config (for bug reports)",
+        description="Print accel, torch, Python and OS versions, the devices and distributed backends, "
+        "the config file in use and the resolved config.",
+        allow_abbrev=False,
+    )
+    add_flag(parser, "config_file", metavar="PATH", default=None,
+             help=f"config file to resolve (default: ${USER_CONFIG_ENV}, else ~/.cache/accel/default_config.yaml)")
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+def environment_lines() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    import accel
+
+    lines = [
+        f"- accel version: {accel.__version__}",
+        f"- PyTorch version: {torch.__version__} (built with CUDA: {torch.version.cuda or 'no'})",
+        f"- Python version: {platform.python_version()} ({sys.executable})",
+        f"- OS: {platform.platform()}",
+        f"- CPU cores: {os.cpu_count()}",
+    ]
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    lines.append(f"- CUDA available: {'yes' if cuda else 'no'}; devices: {count}")
+    for index in range(count):
+        lines.append(f"  - cuda:{index}: {torch.cuda.get_device_name(index)}")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        lines.append(f"- CUDA_VISIBLE_DEVICES: {os.environ['CUDA_VISIBLE_DEVICES']!r}")
+    available = dist.is_available()
+    gloo = available and dist.is_gloo_available()
+    nccl = available and dist.is_nccl_available()
+    lines.append(f"- torch.distributed: {'yes' if available else 'no'}; gloo: {'yes' if gloo else 'no'}; "
+                 f"nccl: {'yes' if nccl else 'no'}")
+    return lines
+
+
+def run_command(args: argparse.Namespace) -> int:
+    print("Copy and paste the text below into your bug report.\n")
+    for line in environment_lines():
+        print(line)
+    path = user_config_path(args.config_file)
+    print(f"- accel config file: {path if path is not None else 'none: embedded default'}")
+    sys.stdout.flush()
+    try:
+        cfg = resolve_config(args.config_file)
+    except ConfigError:
+        print("- resolved config: (not available, see the error below)")
+        raise
+    print("- resolved config:")
+    for line in cfg.to_yaml().rstrip().splitlines():
+        print(f"    {line}")
+    return 0

@@ -1,0 +1,314 @@
+"""`accel launch`: run a training script on one or many processes, GPUs or machines.
+
+    accel launch [flags] script.py [script args...]
+    accel launch [flags] -m package.module [module args...]
+
+Everything after the script (or module) name goes to it untouched, even arguments that look like our flags.
+
+How it runs:
+
+* The config is resolved once (built-in defaults < packaged default < the user's config file < these
+  flags) and handed to every worker in ONE environment variable, `ACCEL_LAUNCH_CONFIG` (JSON). When
+  `gpu_ids` is not "all" (and not on CPU), `CUDA_VISIBLE_DEVICES` is set from it as well.
+* One process in total: the script replaces the launcher (`os.execvpe` of the current Python); no torchrun,
+  no rendezvous, and the script's exit code is the launcher's.
+* Otherwise torchrun's elastic agent runs in this process (`torch.distributed.run.main`) with
+  `--nproc_per_node num_processes // num_machines` and `--nnodes num_machines`:
+
+  - one machine: c10d rendezvous on 127.0.0.1, on `main_process_port` when given (it must be free), else
+    on port 0, i.e. the agent binds a free port itself (as `torchrun --standalone` does);
+  - several machines, `rdzv_backend: static` (the default, as in Accelerate): `--node_rank machine_rank
+    --master_addr main_process_ip --master_port main_process_port` (port 29500 when not given). Static
+    rendezvous respects the node rank, so **`machine_rank` IS the node rank**: the workers of machine
+    `machine_rank` get the global ranks `machine_rank * nproc_per_node + local_rank`, and machine_rank 0
+    must be the machine at `main_process_ip`;
+  - several machines, `rdzv_backend: c10d`: `--rdzv_backend c10d --rdzv_endpoint ip:port --rdzv_id <id>`
+    where the id is derived from the ip, port, num_machines and num_processes, so all machines agree on it
+    without being told. torchrun then assigns node ranks itself in arrival order, so `machine_rank` only
+    says which machine hosts the rendezvous endpoint (machine_rank 0 must be the one at main_process_ip).
+
+When a worker fails, the agent stops the others; the launcher prints one line per failed rank and exits
+with the failed worker's exit code (128 + N for a worker killed by signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import hashlib
+import os
+import socket
+import sys
+
+from accel.cli._common import UsageError, add_flag
+from accel.config import (
+    LAUNCH_ENV,
+    AccelConfig,
+    ConfigError,
+    file_layers,
+    merge_layers,
+    resolve_config,
+)
+
+DEFAULT_MULTI_MACHINE_PORT = 29500
+FLAGS_SOURCE = "accel launch flags"
+
+# launch flag -> key of the config layer it overrides (dotted for the parallelism section)
+_FLAG_KEYS = {
+    "num_processes": "num_processes",
+    "num_machines": "num_machines",
+    "machine_rank": "machine_rank",
+    "main_process_ip": "main_process_ip",
+    "main_process_port": "main_process_port",
+    "mixed_precision": "mixed_precision",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gpu_ids": "gpu_ids",
+    "rdzv_backend": "rdzv_backend",
+    "zero_stage": "parallelism.zero_stage",
+    "tp_size": "parallelism.tp_size",
+    "pp_size": "parallelism.pp_size",
+}
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a script on one or many processes, GPUs or machines",
+        description="Run a training script with the resolved accel config (see `accel config`). "
+        "Only the flags you give override the config file.",
+        allow_abbrev=False,  # a script's own `--m...` must never be taken for one of our flags
+    )
+    add_flag(parser, "config_file", metavar="PATH", default=None,
+             help="config file (default: $ACCEL_CONFIG_FILE, else ~/.cache/accel/default_config.yaml)")
+    hw = parser.add_argument_group("hardware")
+    add_flag(hw, "cpu", action="store_true", default=None, help="run on the CPU only (use_cpu: true)")
+    add_flag(hw, "multi_gpu", action="store_true", default=None, help="one process per GPU (distributed_type: MULTI_GPU)")
+    add_flag(hw, "gpu_ids", metavar="IDS", default=None, help='GPUs to use, "all" or like "0,1"')
+    add_flag(hw, "mixed_precision", metavar="{no,fp16,bf16,fp8}", default=None)
+    dist = parser.add_argument_group("processes and machines")
+    add_flag(dist, "num_processes", type=int, metavar="N", default=None, help="total processes over all machines")
+    add_flag(dist, "num_machines", type=int, metavar="N", default=None)
+    add_flag(dist, "machine_rank", type=int, metavar="R", default=None,
+             help="this machine's rank; with static rendezvous it is the node rank (0: the main machine)")
+    add_flag(dist, "main_process_ip", metavar="IP", default=None, help="address of the machine with machine_rank 0")
+    add_flag(dist, "main_process_port", type=int, metavar="PORT", default=None,
+             help="rendezvous port (one machine: a free port when not given; several: 29500)")
+    add_flag(dist, "rdzv_backend", metavar="{static,c10d}", default=None)
+    add_flag(dist, "max_restarts", type=int, metavar="N", default=0, help="restarts of the worker group on failure")
+    train = parser.add_argument_group("training")
+    add_flag(train, "gradient_accumulation_steps", type=int, metavar="N", default=None)
+    add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
+    add_flag(train, "tp_size", type=int, metavar="N", default=None)
+    add_flag(train, "pp_size", type=int, metavar="N", default=None)
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="treat the script as a Python module name, as `python -m` does")
+    parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+# -------------------------------------------------------------------------------------------------------
+# pure helpers (unit-tested without starting processes)
+# -------------------------------------------------------------------------------------------------------
+
+def flag_overrides(args: argparse.Namespace) -> dict:
+    """The override layer (raw, not yet validated) made of the flags the user actually gave."""
+    raw: dict = {}
+    for flag, key in _FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if "." in key:
+            section, sub = key.split(".")
+            raw.setdefault(section, {})[sub] = value
+        else:
+            raw[key] = value
+    if getattr(args, "cpu", None):
+        raw["use_cpu"] = True
+        raw["distributed_type"] = None  # a file's MULTI_GPU yields to --cpu: derived again (NO or MULTI_CPU)
+    if getattr(args, "multi_gpu", None):
+        raw["use_cpu"] = False
+        raw["distributed_type"] = "MULTI_GPU"
+    return raw
+
+
+def resolve_launch_config(config_file: str | None, overrides: dict) -> AccelConfig:
+    """Resolve the files and the flag layer once. A file's `distributed_type: NO` (which Accelerate writes
+    for single-process configs) yields to a `--num_processes` above 1 instead of contradicting it."""
+    if "distributed_type" not in overrides and (overrides.get("num_processes") or 0) > 1:
+        files = merge_layers(file_layers(config_file))
+        if files.get("distributed_type") == "NO":
+            overrides = {**overrides, "distributed_type": None}
+    return resolve_config(config_file, overrides, FLAGS_SOURCE)
+
+
+def nproc_per_node(cfg: AccelConfig) -> int:
+    return cfg.num_processes // cfg.num_machines
+
+
+def rendezvous_port(cfg: AccelConfig) -> int:
+    """The port `build_torchrun_args` gets: the configured one, else 0 on one machine (the agent binds a
+    free port itself) or 29500 on several."""
+    if cfg.main_process_port is not None:
+        return cfg.main_process_port
+    return 0 if cfg.num_machines == 1 else DEFAULT_MULTI_MACHINE_PORT
+
+
+def rdzv_id(cfg: AccelConfig, port: int) -> str:
+    """A run id every machine derives identically from the shared settings (for c10d rendezvous)."""
+    key = f"{cfg.main_process_ip or '127.0.0.1'}:{port}:{cfg.num_machines}:{cfg.num_processes}"
+    return "accel-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: int = 0,
+                        port: int | None = None) -> list[str]:
+    """torchrun's argv for `cfg`. `script_argv` is `[script, *args]` or `["-m", module, *args]`."""
+    if port is None:
+        port = rendezvous_port(cfg)
+    argv = [
+        "--nnodes", str(cfg.num_machines),
+        "--nproc_per_node", str(nproc_per_node(cfg)),
+        "--max_restarts", str(max_restarts),
+    ]
+    if cfg.num_machines == 1:
+        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", rdzv_id(cfg, port)]
+    elif cfg.rdzv_backend == "static":
+        argv += ["--rdzv_backend", "static", "--node_rank", str(cfg.machine_rank),
+                 "--master_addr", str(cfg.main_process_ip), "--master_port", str(port)]
+    else:
+        argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cfg.main_process_ip}:{port}",
+                 "--rdzv_id", rdzv_id(cfg, port)]
+    if script_argv and script_argv[0] == "-m":
+        argv += ["--module", *script_argv[1:]]
+    else:
+        argv += list(script_argv)
+    return argv
+
+
+def worker_env(cfg: AccelConfig) -> dict[str, str]:
+    """The variables the launcher adds to the workers' environment: the resolved config (the one channel),
+    and `CUDA_VISIBLE_DEVICES` when a GPU subset is asked for."""
+    from accel.config import encode_for_workers
+
+    env = {LAUNCH_ENV: encode_for_workers(cfg)}
+    gpu_ids = cfg.gpu_ids.replace(" ", "")
+    if not cfg.use_cpu and gpu_ids.lower() != "all":
+        env["CUDA_VISIBLE_DEVICES"] = gpu_ids
+    return env
+
+
+def port_in_use(port: int, host: str = "") -> bool:
+    """True when `port` cannot be bound on this machine (something listens on it, or holds it bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers of a past run
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return True
+            raise
+    return False
+
+
+# -------------------------------------------------------------------------------------------------------
+# the command
+# -------------------------------------------------------------------------------------------------------
+
+def _script_argv(args: argparse.Namespace) -> list[str]:
+    if not args.script:
+        if args.module:
+            raise UsageError("-m/--module needs a module name, e.g. `accel launch -m my_pkg.train`")
+        raise UsageError("no script given; usage: accel launch [flags] script.py [script args...]")
+    if args.module:
+        return ["-m", args.script, *args.script_args]
+    if not os.path.isfile(args.script):
+        raise UsageError(f"script not found: {args.script}")
+    return [args.script, *args.script_args]
+
+
+def _check_hardware(cfg: AccelConfig) -> AccelConfig:
+    """Fill in distributed_type for a multi-process run and check the GPUs; imports torch (it is needed anyway)."""
+    import torch
+
+    wants_gpu = not cfg.use_cpu and cfg.distributed_type != "MULTI_CPU"
+    visible = torch.cuda.device_count() if wants_gpu and torch.cuda.is_available() else 0
+    if cfg.distributed_type == "MULTI_GPU" and visible == 0:
+        raise UsageError("multi-GPU launch requested (--multi_gpu or distributed_type: MULTI_GPU) but no CUDA device "
+                         "is visible; use --cpu")
+    dist_type = cfg.resolved_distributed_type(cuda_available=visible > 0)
+    if dist_type == "MULTI_GPU" and nproc_per_node(cfg) > visible:
+        raise UsageError(f"num_processes={cfg.num_processes} means {nproc_per_node(cfg)} processes on this machine "
+                         f"but only {visible} GPU(s) are visible; lower --num_processes or use --cpu")
+    return dataclasses.replace(cfg, distributed_type=dist_type)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.cpu and args.multi_gpu:
+        raise UsageError("--cpu and --multi_gpu contradict each other; give one of them")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    script_argv = _script_argv(args)
+    cfg = resolve_launch_config(args.config_file, flag_overrides(args))
+    gpu_ids = cfg.gpu_ids.replace(" ", "")
+    if not cfg.use_cpu and gpu_ids.lower() != "all":
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids  # before torch counts the GPUs
+
+    if cfg.num_processes == 1 and cfg.num_machines == 1:
+        if cfg.distributed_type == "MULTI_GPU":
+            cfg = _check_hardware(cfg)
+        return _exec_single(cfg, script_argv)
+
+    cfg = _check_hardware(cfg)
+    port = rendezvous_port(cfg)
+    if cfg.main_process_port is not None and cfg.machine_rank == 0 and port_in_use(port):
+        raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
+                         "machine; pick another port or leave it unset on one machine")
+    return _run_torchrun(cfg, build_torchrun_args(cfg, script_argv, args.max_restarts, port))
+
+
+def _exec_single(cfg: AccelConfig, script_argv: list[str]) -> int:
+    env = {**os.environ, **worker_env(cfg)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(sys.executable, [sys.executable, *script_argv], env)
+    return 1  # not reached
+
+
+def _exit_code(code: int | None) -> int:
+    if code is None or code == 0:
+        return 1
+    return 128 - code if code < 0 else code
+
+
+def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
+    os.environ.update(worker_env(cfg))
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(torchrun_argv)
+    except ChildFailedError as exc:
+        sys.stdout.flush()
+        for rank, failure in sorted(exc.failures.items()):
+            how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
+                   else f"exited with code {failure.exitcode}")
+            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}\n")
+        _, first = exc.get_first_failure()
+        return _exit_code(first.exitcode)
+    except SignalException as exc:
+        sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
+        return 128 + int(exc.sigval)
+    except SystemExit as exc:  # torchrun's own argument errors
+        if exc.code in (None, 0):
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    except ConfigError:
+        raise
+    except Exception as exc:  # rendezvous failures and the like: one line, no traceback
+        message = " ".join(str(exc).split()) or "(no message)"
+        sys.stderr.write(f"accel launch: error: torchrun failed: {type(exc).__name__}: {message}\n")
+        return 1
+    return 0

@@ -1,0 +1,213 @@
+"""Accelerator on one process: precision policy, accumulation semantics, wrappers, errors."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel import Accelerator, GradScalerKwargs, ParallelismConfig
+from accel.config import ConfigError
+from accel.optimizer import AcceleratedOptimizer
+from accel.scheduler import AcceleratedScheduler
+from accel.utils import set_seed
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ACCEL_CONFIG_FILE", raising=False)
+    monkeypatch.delenv("ACCEL_LAUNCH_CONFIG", raising=False)
+
+
+def make(seed=0, dim=4):
+    set_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_prepare_returns_same_order_and_wrapper_types():
+    model, optimizer = make()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    accelerator = Accelerator(cpu=True)
+    s, lo, o, m = accelerator.prepare(scheduler, loader, optimizer, model)
+    assert isinstance(s, AcceleratedScheduler) and s.scheduler is scheduler
+    assert isinstance(o, AcceleratedOptimizer) and o.optimizer is optimizer
+    assert isinstance(lo, DataLoader) and len(lo) == 4
+    assert m is model and accelerator.unwrap_model(m) is model
+    assert accelerator.prepare(model) is model  # a single object comes back unpacked
+    assert accelerator.distributed_type == "NO" and accelerator.num_processes == 1
+    assert accelerator.device == torch.device("cpu")
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """k accumulation steps of batch b give the same update as one step on batch k*b (atol 1e-6)."""
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(3)), torch.randn(16, 1)
+    ref_model, ref_opt = make()
+    torch.nn.functional.mse_loss(ref_model(x[:8]), y[:8]).backward()
+    ref_opt.step()
+
+    model, optimizer = make()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    before = copy.deepcopy(model.state_dict())
+    for i, sl in enumerate([slice(0, 4), slice(4, 8)]):
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x[sl]), y[sl]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if i == 0:  # off the boundary: step and zero_grad did nothing
+            assert not accelerator.sync_gradients
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            assert model[0].weight.grad is not None
+    assert accelerator.sync_gradients
+    for k, v in ref_model.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6), k
+
+
+def test_end_of_dataloader_forces_sync():
+    model, optimizer = make()
+    loader = DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=2)  # 3 batches, window of 4
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    syncs = []
+    for (xb,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(xb).sum())
+            syncs.append(accelerator.sync_gradients)
+    assert syncs == [False, False, True]
+
+
+def test_bf16_autocasts_forward_keeps_fp32_master_weights():
+    model, optimizer = make()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    out = model(torch.randn(2, 4))
+    assert seen == [torch.bfloat16]
+    assert out.dtype == torch.float32  # outputs handed back in float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    accelerator.backward(out.sum())
+    assert model[0].weight.grad.dtype == torch.float32
+    assert accelerator.mixed_precision == "bf16" and accelerator.scaler is None
+    with accelerator.autocast():
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+    plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    assert plain(torch.randn(2, 4)).dtype == torch.float32 and seen[-1] == torch.float32
+
+
+def test_fp16_skips_inf_step_and_scheduler():
+    model, optimizer = make(dim=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert accelerator.scaler is not None
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    before = copy.deepcopy(model.state_dict())
+    scale = accelerator.scaler.get_scale()
+    assert scale == 1024
+
+    loss = model(torch.randn(2, 2)).sum() * float("inf")
+    accelerator.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    assert seen == [torch.float16]
+    assert accelerator.optimizer_step_was_skipped
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scheduler.get_last_lr() == [0.1]  # not stepped
+    assert accelerator.scaler.get_scale() == scale * 0.5
+
+    accelerator.backward(model(torch.randn(2, 2)).sum())
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)  # unscales first
+    optimizer.step()
+    scheduler.step()
+    assert not accelerator.optimizer_step_was_skipped
+    assert torch.isfinite(norm) and norm < 100  # unscaled: not multiplied by the 512 loss scale
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scheduler.get_last_lr() == [0.05]
+
+
+def test_clip_grad_norm_returns_total_norm():
+    model, optimizer = make()
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(torch.randn(5, 4)).pow(2).sum())
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    assert torch.allclose(norm, expected)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert clipped == pytest.approx(0.5, rel=1e-4)
+    accelerator.clip_grad_value_(model.parameters(), 1e-3)
+    assert max(p.grad.abs().max() for p in model.parameters()) <= 1e-3
+
+
+def test_collectives_on_one_process():
+    accelerator = Accelerator(cpu=True)
+    t = torch.arange(3)
+    assert torch.equal(accelerator.gather(t), t)
+    assert accelerator.gather(torch.tensor(5.0)).shape == (1,)
+    assert torch.equal(accelerator.reduce(t), t)
+    assert torch.equal(accelerator.pad_across_processes(t), t)
+    with accelerator.split_between_processes([1, 2, 3]) as part:
+        assert part == [1, 2, 3]
+    calls = []
+    accelerator.on_main_process(lambda: calls.append(1))()
+    assert calls == [1]
+    with accelerator.main_process_first():
+        pass
+    accelerator.wait_for_everyone()
+
+
+def test_split_between_processes_rule():
+    from accel.state import split_for_process
+
+    parts = [split_for_process(list(range(7)), 3, i) for i in range(3)]
+    assert parts == [[0, 1, 2], [3, 4], [5, 6]]
+    padded = [split_for_process(list(range(7)), 3, i, apply_padding=True) for i in range(3)]
+    assert [len(p) for p in padded] == [3, 3, 3]
+    tensors = [split_for_process(torch.arange(5), 2, i) for i in range(2)]
+    assert torch.equal(torch.cat(tensors), torch.arange(5))
+
+
+@pytest.mark.parametrize("parallelism,needle", [
+    (ParallelismConfig(zero_stage=2), "ZeRO (zero_stage=2) is not available yet"),
+    (ParallelismConfig(tp_size=2), "tensor parallelism (tp_size=2) is not available yet"),
+    (ParallelismConfig(pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
+])
+def test_unavailable_backends_error_instead_of_falling_back(parallelism, needle):
+    with pytest.raises(ConfigError, match="not available yet") as info:
+        Accelerator(cpu=True, parallelism_config=parallelism)
+    assert needle in str(info.value)
+
+
+def test_fp8_and_unknown_arguments_are_clear_errors():
+    with pytest.raises(ConfigError, match="'fp8' is not available yet"):
+        Accelerator(cpu=True, mixed_precision="fp8")
+    with pytest.raises(ConfigError, match="mixed_precision.*'fp32'.*allowed: one of no, fp16, bf16, fp8"):
+        Accelerator(cpu=True, mixed_precision="fp32")
+    with pytest.raises(NotImplementedError, match="deepspeed_plugin"):
+        Accelerator(cpu=True, deepspeed_plugin=object())
+    with pytest.raises(ConfigError, match="ParallelismConfig.*zero_stage.*bad value 7.*0 to 3"):
+        ParallelismConfig(zero_stage=7)
+
+
+def test_accelerator_arguments_override_config_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("mixed_precision: bf16\ngradient_accumulation_steps: 3\n")
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(cfg))
+    assert Accelerator(cpu=True).mixed_precision == "bf16"
+    assert Accelerator(cpu=True).gradient_accumulation_steps == 3
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+    assert accelerator.mixed_precision == "no" and accelerator.gradient_accumulation_steps == 2
+
+
+def test_facade_never_branches_on_backend():
+    source = (Path(__file__).resolve().parents[2] / "accel" / "accelerator.py").read_text()
+    for forbidden in ("isinstance(self.backend", "backend.name ==", "DistributedDataParallel(", "torch.nn.parallel", "DDPBackend",
+                      "DistributedType.MULTI", "distributed_type =="):
+        assert forbidden not in source, forbidden
