@@ -25,7 +25,8 @@ How it runs:
   - several machines, `rdzv_backend: c10d`: `--rdzv_backend c10d --rdzv_endpoint ip:port --rdzv_id <id>`
     where the id is derived from the ip, port, num_machines and num_processes, so all machines agree on it
     without being told. torchrun then assigns node ranks itself in arrival order, so `machine_rank` only
-    says which machine hosts the rendezvous endpoint (machine_rank 0 must be the one at main_process_ip).
+    says which machine hosts the rendezvous store (`--rdzv_conf is_host=1` on machine_rank 0, `is_host=0`
+    on the others): machine_rank 0 must be the machine at main_process_ip.
 
 When a worker fails, the agent stops the others; the launcher prints one line per failed rank and exits
 with the failed worker's exit code (128 + N for a worker killed by signal N).
@@ -178,8 +179,10 @@ def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: 
         argv += ["--rdzv_backend", "static", "--node_rank", str(cfg.machine_rank),
                  "--master_addr", str(cfg.main_process_ip), "--master_port", str(port)]
     else:
+        # machine_rank 0 hosts the rendezvous store; the others only connect to it (even when, as in a
+        # one-host test, the endpoint address is local to them too)
         argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cfg.main_process_ip}:{port}",
-                 "--rdzv_id", rdzv_id(cfg, port)]
+                 "--rdzv_id", rdzv_id(cfg, port), "--rdzv_conf", f"is_host={int(cfg.machine_rank == 0)}"]
     if script_argv and script_argv[0] == "-m":
         argv += ["--module", *script_argv[1:]]
     else:
@@ -229,11 +232,13 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _check_hardware(cfg: AccelConfig) -> AccelConfig:
-    """Fill in distributed_type for a multi-process run and check the GPUs; imports torch (it is needed anyway)."""
-    import torch
-
+    """Fill in distributed_type and check the GPUs. torch is imported only when GPUs may be used."""
     wants_gpu = not cfg.use_cpu and cfg.distributed_type != "MULTI_CPU"
-    visible = torch.cuda.device_count() if wants_gpu and torch.cuda.is_available() else 0
+    visible = 0
+    if wants_gpu:
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.distributed_type == "MULTI_GPU" and visible == 0:
         raise UsageError("multi-GPU launch requested (--multi_gpu or distributed_type: MULTI_GPU) but no CUDA device "
                          "is visible; use --cpu")
@@ -262,9 +267,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     cfg = _check_hardware(cfg)
     port = rendezvous_port(cfg)
-    if cfg.main_process_port is not None and cfg.machine_rank == 0 and port_in_use(port):
+    if port and cfg.machine_rank == 0 and port_in_use(port):  # machine_rank 0 binds it (static and c10d alike)
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
-                         "machine; pick another port or leave it unset on one machine")
+                         "machine; pick another port" + (" or leave it unset" if cfg.num_machines == 1 else ""))
     return _run_torchrun(cfg, build_torchrun_args(cfg, script_argv, args.max_restarts, port))
 
 
@@ -292,11 +297,13 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
         torchrun.main(torchrun_argv)
     except ChildFailedError as exc:
         sys.stdout.flush()
+        first_rank, first = exc.get_first_failure()
         for rank, failure in sorted(exc.failures.items()):
             how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
                    else f"exited with code {failure.exitcode}")
-            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}\n")
-        _, first = exc.get_first_failure()
+            note = " (first failure)" if rank == first_rank and len(exc.failures) > 1 else ""
+            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+                             f"{how}{note}\n")
         return _exit_code(first.exitcode)
     except SignalException as exc:
         sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")

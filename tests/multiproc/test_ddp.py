@@ -75,6 +75,10 @@ def test_ddp_matches_single_process_reference(tmp_path, num_processes, accum):
     assert record["num_processes"] == num_processes
     assert record["distributed_type"] == ("NO" if num_processes == 1 else "MULTI_CPU")
     assert record["batches_per_epoch"] == 64 // (batch_size * num_processes)
+    if num_processes > 1:  # DistributedDataParallelKwargs reached the DDP wrapper
+        assert record["ddp_bucket_bytes_cap"] == 1024 * 1024 and record["ddp_gradient_as_bucket_view"] is True
+    else:  # one process: nothing to wrap
+        assert record["ddp_bucket_bytes_cap"] is None
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
         assert torch.allclose(weights[name], ref, atol=ATOL, rtol=0), f"{name}: max diff {(weights[name] - ref).abs().max()}"

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator
+from accel import Accelerator, DistributedDataParallelKwargs
 from accel.utils import set_seed
 
 
@@ -39,7 +39,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.accum)
+    ddp_options = DistributedDataParallelKwargs(bucket_cap_mb=1, gradient_as_bucket_view=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, kwargs_handlers=[ddp_options])
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     losses, lrs, grads_equal_when = [], [], {"sync": [], "nosync": []}
@@ -81,6 +82,8 @@ def main() -> None:
             "metrics": torch.cat(seen).flatten().tolist(),
             "metric_objects": seen_objects,
             "batches_per_epoch": len(loader),
+            "ddp_bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
+            "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
         }
         (out / "record.json").write_text(json.dumps(record))
     accelerator.end_training()

@@ -3,7 +3,7 @@
 Uses only the standard library and torch.distributed (not accel.Accelerator). With several processes it joins
 a gloo process group and all-reduces its rank, which proves the workers are connected.
 Options it reads (every argument is also recorded raw): --out DIR, --fail-rank R (that rank exits 3 after
-joining the group, while the others wait in an all_reduce).
+joining the group, while the others wait in an all_reduce), --exit N (exit code after writing).
 """
 
 import argparse
@@ -14,6 +14,7 @@ import sys
 parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--out", required=True)
 parser.add_argument("--fail-rank", type=int, default=None)
+parser.add_argument("--exit", type=int, default=0, help="exit code after writing the record")
 known, _ = parser.parse_known_args()
 
 record = {
@@ -48,3 +49,4 @@ tmp = os.path.join(known.out, f".rank{rank}.tmp")
 with open(tmp, "w") as fh:
     json.dump(record, fh)
 os.replace(tmp, os.path.join(known.out, f"rank{rank}.json"))
+sys.exit(known.exit)

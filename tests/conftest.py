@@ -1,0 +1,56 @@
+"""Shared test helpers: an isolated environment for subprocesses and a free TCP port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def isolated_env(tmp_path: Path) -> dict:
+    """os.environ for a subprocess, with HOME in a temp dir (the real user config is never read or written)
+    and no accel variables inherited from the caller."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ)
+    for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    env["HOME"] = str(home)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def run_accel(isolated_env: dict, tmp_path: Path):
+    """Run `python -m accel.cli.main ARGS...` in a subprocess (always with a timeout); returns CompletedProcess."""
+
+    def run(*args: str, input: str | None = None, timeout: float = 60, env: dict | None = None,
+            cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "accel.cli.main", *map(str, args)],
+            input=input if input is not None else "",
+            capture_output=True, text=True, timeout=timeout,
+            env={**isolated_env, **(env or {})}, cwd=cwd or tmp_path,
+        )
+
+    return run
+
+
+def get_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port that was free a moment ago (good enough for tests)."""
+    return get_free_port()
