@@ -418,6 +418,10 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     if cfg.distributed_type == "NO" and cfg.num_processes > 1:
         raise ConfigError(f"{source}: key 'distributed_type': NO contradicts num_processes={cfg.num_processes}; "
                           "allowed: MULTI_CPU or MULTI_GPU (or omit it)")
+    model_parallel = cfg.parallelism.tp_size * cfg.parallelism.pp_size
+    if cfg.num_processes > 1 and cfg.num_processes % model_parallel:
+        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by tp_size x pp_size = "
+                          f"{model_parallel}; allowed: a multiple of tp_size x pp_size")
     gpu_ids = cfg.gpu_ids.replace(" ", "")
     if gpu_ids.lower() != "all" and not all(part.isdigit() for part in gpu_ids.split(",")):
         raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
@@ -438,15 +442,22 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return parse_layer(raw, str(path))
 
 
-def user_config_path(config_file: str | os.PathLike | None = None) -> Path | None:
-    """The user's config file by precedence, or None when there is none (explicit names must exist)."""
+def config_save_path(config_file: str | os.PathLike | None = None) -> Path:
+    """Where the user's config lives: `config_file`, else `$ACCEL_CONFIG_FILE`, else the default path."""
     if config_file:
         return Path(config_file).expanduser()
     env_file = os.environ.get(USER_CONFIG_ENV)
     if env_file:
         return Path(env_file).expanduser()
-    default = default_user_config_path()
-    return default if default.is_file() else None
+    return default_user_config_path()
+
+
+def user_config_path(config_file: str | os.PathLike | None = None) -> Path | None:
+    """The user's config file to read, or None when there is none (explicitly named files must exist)."""
+    path = config_save_path(config_file)
+    if config_file or os.environ.get(USER_CONFIG_ENV):
+        return path
+    return path if path.is_file() else None
 
 
 def file_layers(config_file: str | os.PathLike | None = None) -> list[dict]:
@@ -462,9 +473,11 @@ def resolve_config(config_file: str | os.PathLike | None = None, overrides: dict
                    overrides_source: str = "accel launch flags") -> AccelConfig:
     """Resolve defaults < packaged default < user file < `overrides` (already-parsed launch flags)."""
     layers = file_layers(config_file)
+    source = str(user_config_path(config_file) or PACKAGED_DEFAULT)
     if overrides:
         layers.append(parse_layer(overrides, overrides_source))
-    return build_config(layers, str(user_config_path(config_file) or PACKAGED_DEFAULT))
+        source = f"{source} + {overrides_source}"
+    return build_config(layers, source)
 
 
 def launched_config() -> AccelConfig | None:
@@ -495,5 +508,5 @@ def worker_config(overrides: dict | None = None) -> AccelConfig:
         source = f"${LAUNCH_ENV}"
     if overrides:
         layers.append(parse_layer(overrides, "Accelerator(...) arguments"))
-        source = "Accelerator(...) arguments"
+        source = f"{source} + Accelerator(...) arguments"
     return build_config(layers, source)

@@ -5,9 +5,10 @@
 
 Each command runs in a fresh interpreter (`python -c ...`), the commands alternately, after one untimed
 warm-up run each; the median wall time of each is printed, and the milliseconds each adds over
-`import torch` (target: `import accel` adds <= 50 ms). Wall times of whole interpreters are noisy at the
-scale of a few ms, so a second measure is printed too: the same imports timed with perf_counter inside one
-interpreter after `import torch` (median over the same number of fresh interpreters).
+`import torch`, from the medians and from the minima (target: accel adds <= 50 ms). Wall times of whole
+interpreters are noisy (tens to hundreds of ms on a busy machine), so a third measure is printed and used for
+the verdict: the same imports timed with perf_counter inside the interpreter, after `import torch` (median
+over the same number of fresh interpreters).
 
 When accel adds more than the target (or with --importtime) it also prints the top offenders of
 `python -X importtime`: the modules imported after torch, by self time, and accel's own modules by
@@ -91,6 +92,8 @@ def importtime(env: dict, runs: int = 5) -> None:
     print(f"{'self ms':>8} {'cumul ms':>9}  module (top 15 by self time)")
     for name in sorted(self_us, key=lambda n: -median(self_us[n]))[:15]:
         print(f"{median(self_us[name]) / 1e3:>8.1f} {median(cumulative_us[name]) / 1e3:>9.1f}  {name}")
+    print("(accel.accelerator itself is missing from the trace: accel.__getattr__ loads it with importlib.import_module,"
+          "\n which -X importtime does not time, so the modules it imports show up at the top level)")
     own = [n for n in cumulative_us if n == "accel" or n.startswith("accel.")]
     print(f"\n{'self ms':>8} {'cumul ms':>9}  accel's own modules (by cumulative time)")
     for name in sorted(own, key=lambda n: -median(cumulative_us[n])):
@@ -116,24 +119,24 @@ def main(argv=None) -> int:
             walls[name].append(wall(code, env))
         inner.append(in_process(env))
 
-    base = median(walls["import torch"]) * 1e3
-    print(f"\n{'command (fresh interpreter)':<46} {'median ms':>10} {'min ms':>8} {'added ms':>9} "
-          f"{'in-process ms':>14}")
-    print("-" * 91)
+    base, base_min = median(walls["import torch"]) * 1e3, min(walls["import torch"]) * 1e3
+    print(f"\n{'command (fresh interpreter)':<46} {'median ms':>10} {'min ms':>8} {'added (median)':>15} "
+          f"{'added (min)':>12} {'in-process ms':>14}")
+    print("-" * 110)
     for i, (name, values) in enumerate(walls.items()):
-        added = median(values) * 1e3 - base
-        inside = "" if i == 0 else f"{median([row[i - 1] for row in inner]):>14.1f}"
-        print(f"{name:<46} {median(values) * 1e3:>10.1f} {min(values) * 1e3:>8.1f} "
-              f"{'' if i == 0 else f'{added:+.1f}':>9} {inside}")
-    added_accel = median(walls["import torch, accel"]) * 1e3 - base
-    added_acc = median(walls["import torch; from accel import Accelerator"]) * 1e3 - base
+        med, low = median(values) * 1e3, min(values) * 1e3
+        added = "" if i == 0 else f"{med - base:+.1f}"
+        added_min = "" if i == 0 else f"{low - base_min:+.1f}"
+        inside = "" if i == 0 else f"{median([row[i - 1] for row in inner]):.1f}"
+        print(f"{name:<46} {med:>10.1f} {low:>8.1f} {added:>15} {added_min:>12} {inside:>14}")
+    inner_accel = median([row[0] for row in inner])
     inner_acc = median([row[1] for row in inner])
-    print(f"\n`added ms`: median wall time minus that of `import torch`; `in-process ms`: perf_counter around the "
-          f"imports after torch")
-    worst = max(added_accel, added_acc, inner_acc)
-    print(f"target: accel adds <= {TARGET_MS:.0f} ms over torch: import accel {added_accel:+.1f} ms, "
-          f"from accel import Accelerator {added_acc:+.1f} ms (in-process {inner_acc:.1f} ms) -> "
-          + ("ok" if worst <= TARGET_MS else "OVER"))
+    print("\nadded: wall time minus that of `import torch` (medians, then minima: noise only adds, so the minima are "
+          "the steadier estimate on a busy machine);\nin-process: perf_counter around the imports after `import torch`, "
+          "median over fresh interpreters (the precise figure, used for the verdict)")
+    worst = max(inner_accel, inner_acc)
+    print(f"target: accel adds <= {TARGET_MS:.0f} ms over torch: `import accel` {inner_accel:.1f} ms, "
+          f"`from accel import Accelerator` {inner_acc:.1f} ms -> " + ("ok" if worst <= TARGET_MS else "OVER"))
     if args.importtime or worst > TARGET_MS:
         importtime(env)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

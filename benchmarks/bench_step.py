@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", default="30,12", help="measured rounds per size (one block of each loop per "
                         "round), comma-separated in --sizes order")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 rounds per size")
+    parser.add_argument("--control", action="store_true", help="A/A calibration: the 'accel' column runs a second "
+                        "raw DDP loop instead, so its ratio shows the noise floor of this machine")
     return parser.parse_args(argv)
 
 
@@ -131,7 +133,8 @@ def worker(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"torch {torch.__version__}, {world} processes (gloo, CPU), {torch.get_num_threads()} thread(s) each, "
               f"batch {b} per process, SGD, blocks of {args.block} steps, {args.warmup_blocks} warm-up block(s) "
-              f"per loop dropped; accel: {accelerator.distributed_type}, mixed_precision={accelerator.mixed_precision}",
+              f"per loop dropped; accel: {accelerator.distributed_type}, mixed_precision={accelerator.mixed_precision}"
+              + ("\nCONTROL RUN: the 'accel' column is a second raw DDP loop (A/A noise floor)" if args.control else ""),
               flush=True)
 
     rows = []
@@ -171,6 +174,19 @@ def worker(args: argparse.Namespace) -> int:
             accelerator.backward(loss)
             acc_opt.step()
 
+        if args.control:  # a second, independent raw loop in the accel slot
+            ctl_model = DDP(copy.deepcopy(base))
+            ctl_opt = torch.optim.SGD(ctl_model.parameters(), lr=1e-3)
+            ctl_sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+            ctl_batches = endless(DataLoader(dataset, batch_size=b, sampler=ctl_sampler), ctl_sampler)
+
+            def accel_step():  # noqa: F811
+                inputs, targets = next(ctl_batches)
+                ctl_opt.zero_grad()
+                loss = F.cross_entropy(ctl_model(inputs), targets)
+                loss.backward()
+                ctl_opt.step()
+
         def block(step) -> list[float]:
             times = []
             for _ in range(args.block):
@@ -183,8 +199,12 @@ def worker(args: argparse.Namespace) -> int:
         acc_times: list[float] = []
         round_ratios: list[float] = []
         for r in range(args.warmup_blocks + n_rounds):
-            raw_block = block(raw_step)
-            acc_block = block(accel_step)
+            if r % 2 == 0:  # raw, accel | accel, raw | ...: neither loop always goes first
+                raw_block = block(raw_step)
+                acc_block = block(accel_step)
+            else:
+                acc_block = block(accel_step)
+                raw_block = block(raw_step)
             if r >= args.warmup_blocks:
                 raw_times += raw_block
                 acc_times += acc_block
@@ -196,7 +216,9 @@ def worker(args: argparse.Namespace) -> int:
                          r_q3=quantile(round_ratios, 0.75), same_group=same_group))
         if rank == 0:
             print(f"  {size}: done ({len(raw_times)} measured steps per loop)", flush=True)
-        del raw_model, acc_model, raw_opt, acc_opt, raw_batches, acc_batches, acc_loader
+        del raw_model, acc_model, raw_opt, acc_opt, raw_batches, acc_batches, acc_loader, accel_step
+        if args.control:
+            del ctl_model, ctl_opt, ctl_batches
         accelerator.free_memory()
 
     if rank == 0:

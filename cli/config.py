@@ -17,11 +17,12 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from accel.cli._common import UsageError, add_flag
+from accel.cli.launch import DEFAULT_MULTI_MACHINE_PORT
 from accel.config import (
     MIXED_PRECISIONS,
     PACKAGED_DEFAULT,
@@ -31,6 +32,7 @@ from accel.config import (
     AccelConfig,
     ConfigError,
     build_config,
+    config_save_path,
     default_user_config_path,
     parse_layer,
     read_config_file,
@@ -75,12 +77,7 @@ def _home_path(path: Path) -> str:
 
 def target_path(config_file: str | None) -> Path:
     """Where `accel config` saves: `--config_file`, else `$ACCEL_CONFIG_FILE`, else the default user path."""
-    if config_file:
-        return Path(config_file).expanduser()
-    env_file = os.environ.get(USER_CONFIG_ENV)
-    if env_file:
-        return Path(env_file).expanduser()
-    return default_user_config_path()
+    return config_save_path(config_file)
 
 
 def packaged_defaults() -> AccelConfig:
@@ -100,7 +97,6 @@ class Question:
     applies: Callable[[dict], bool] = lambda answers: True
     choices: tuple = ()
     default_label: str | None = None           # shown instead of the default value (e.g. for None)
-    extra: dict = field(default_factory=dict)
 
 
 def _get(cfg: AccelConfig, key: str) -> Any:
@@ -126,7 +122,7 @@ QUESTIONS: list[Question] = [
     Question("main_process_ip", "What is the IP address of the main machine (machine_rank 0)?", "str",
              lambda answers, defaults: defaults.main_process_ip or REQUIRED, _multi_machine),
     Question("main_process_port", "Which port should the main machine use for the rendezvous?", "int",
-             lambda answers, defaults: defaults.main_process_port or 29500, _multi_machine),
+             lambda answers, defaults: defaults.main_process_port or DEFAULT_MULTI_MACHINE_PORT, _multi_machine),
     Question("rdzv_backend", "Which rendezvous backend (static: machine_rank is the node rank; c10d)?", "choice",
              _from_defaults("rdzv_backend"), _multi_machine, choices=RDZV_BACKENDS),
     Question("use_cpu", "Run on the CPU only, even if GPUs are available?", "bool", _from_defaults("use_cpu")),

@@ -9,7 +9,12 @@ How it runs:
 
 * The config is resolved once (built-in defaults < packaged default < the user's config file < these
   flags) and handed to every worker in ONE environment variable, `ACCEL_LAUNCH_CONFIG` (JSON). When
-  `gpu_ids` is not "all" (and not on CPU), `CUDA_VISIBLE_DEVICES` is set from it as well.
+  `gpu_ids` is not "all" (and not on CPU), `CUDA_VISIBLE_DEVICES` is set from it as well. Only the flags
+  given form the override layer. `--cpu` also drops a file's `distributed_type` (it is derived again),
+  `--multi_gpu` also sets `use_cpu: false`, and a `--num_processes` above 1 overrides a file's
+  `distributed_type: NO` (which Accelerate writes for one process). For several processes the launcher
+  fills in the derived `distributed_type` (MULTI_GPU or MULTI_CPU) before handing the config over.
+* torch is imported only when needed: to count GPUs (not with --cpu) and to run torchrun's agent.
 * One process in total: the script replaces the launcher (`os.execvpe` of the current Python); no torchrun,
   no rendezvous, and the script's exit code is the launcher's.
 * Otherwise torchrun's elastic agent runs in this process (`torch.distributed.run.main`) with
@@ -36,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import hashlib
 import os
 import socket
@@ -84,7 +88,8 @@ def register(subparsers) -> argparse.ArgumentParser:
              help="config file (default: $ACCEL_CONFIG_FILE, else ~/.cache/accel/default_config.yaml)")
     hw = parser.add_argument_group("hardware")
     add_flag(hw, "cpu", action="store_true", default=None, help="run on the CPU only (use_cpu: true)")
-    add_flag(hw, "multi_gpu", action="store_true", default=None, help="one process per GPU (distributed_type: MULTI_GPU)")
+    add_flag(hw, "multi_gpu", action="store_true", default=None,
+             help="one process per GPU (distributed_type: MULTI_GPU)")
     add_flag(hw, "gpu_ids", metavar="IDS", default=None, help='GPUs to use, "all" or like "0,1"')
     add_flag(hw, "mixed_precision", metavar="{no,fp16,bf16,fp8}", default=None)
     dist = parser.add_argument_group("processes and machines")
@@ -203,15 +208,14 @@ def worker_env(cfg: AccelConfig) -> dict[str, str]:
 
 
 def port_in_use(port: int, host: str = "") -> bool:
-    """True when `port` cannot be bound on this machine (something listens on it, or holds it bound)."""
+    """True when `port` cannot be bound on this machine (something listens on it, holds it bound, or it is
+    privileged). TIME_WAIT leftovers of a finished run do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers of a past run
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return True
-            raise
+        except OSError:
+            return True
     return False
 
 
@@ -268,8 +272,9 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = _check_hardware(cfg)
     port = rendezvous_port(cfg)
     if port and cfg.machine_rank == 0 and port_in_use(port):  # machine_rank 0 binds it (static and c10d alike)
+        hint = " or leave it unset" if cfg.num_machines == 1 else ""
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
-                         "machine; pick another port" + (" or leave it unset" if cfg.num_machines == 1 else ""))
+                         f"machine (or cannot be bound); pick another port{hint}")
     return _run_torchrun(cfg, build_torchrun_args(cfg, script_argv, args.max_restarts, port))
 
 

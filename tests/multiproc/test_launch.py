@@ -32,7 +32,7 @@ def test_two_processes_get_ranks_the_config_and_untouched_args(run_accel, tmp_pa
     assert result.returncode == 0, result.stderr
     got = records(out)
     assert sorted(got) == [0, 1]
-    assert {r["pid"] for r in got.values()}.__len__() == 2
+    assert len({r["pid"] for r in got.values()}) == 2
     for rank, rec in got.items():
         assert rec["WORLD_SIZE"] == "2" and rec["LOCAL_RANK"] == str(rank)
         assert rec["argv"] == script_args
