@@ -46,6 +46,7 @@ import os
 import socket
 import sys
 
+from accel.backends import check_available
 from accel.cli._common import UsageError, add_flag
 from accel.config import (
     LAUNCH_ENV,
@@ -260,6 +261,7 @@ def run_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     script_argv = _script_argv(args)
     cfg = resolve_launch_config(args.config_file, flag_overrides(args))
+    check_available(cfg.parallelism)  # refuse before starting any process
     gpu_ids = cfg.gpu_ids.replace(" ", "")
     if not cfg.use_cpu and gpu_ids.lower() != "all":
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids  # before torch counts the GPUs

@@ -1,1 +1,37 @@
-"""Parallelism backends; see `base.py` for the interface and the registry."""
+"""Parallelism backends. `base.py` has the interface; this module knows, without importing torch, which
+backend a parallelism config asks for and whether this version of accel has it (so `accel launch` can
+refuse a config before starting any process)."""
+
+from __future__ import annotations
+
+from accel.config import ConfigError, ParallelismConfig
+
+# backend name -> module that implements (and registers) it
+BACKEND_MODULES = {"ddp": "accel.backends.ddp"}
+
+
+class BackendNotAvailable(ConfigError):
+    """The config asks for a parallelism this version of accel does not implement yet."""
+
+
+def backend_name_for(parallelism: ParallelismConfig) -> str:
+    """Which backend a parallelism config asks for (combinations compose in the backend of the outermost)."""
+    if parallelism.pp_size > 1:
+        return "pipeline"
+    if parallelism.tp_size > 1:
+        return "tensor"
+    if parallelism.zero_stage > 0 or parallelism.offload_optimizer or parallelism.offload_params:
+        return "zero"
+    return "ddp"
+
+
+def check_available(parallelism: ParallelismConfig) -> str:
+    """The backend's name, or a clear error when it is not available (never a silent fallback to DDP)."""
+    name = backend_name_for(parallelism)
+    if name not in BACKEND_MODULES:
+        wanted = " and ".join(parallelism.requested_features())
+        raise BackendNotAvailable(
+            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) only: "
+            "set zero_stage 0, tp_size 1, pp_size 1, offload_optimizer/offload_params false"
+        )
+    return name

@@ -11,16 +11,13 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from accel.config import ConfigError, ParallelismConfig
+from accel.backends import BACKEND_MODULES, check_available
+from accel.config import ParallelismConfig
 
 if TYPE_CHECKING:
     from accel.precision import PrecisionPolicy
     from accel.state import PartialState
     from accel.topology import Topology
-
-
-class BackendNotAvailable(ConfigError):
-    """The config asks for a parallelism this version of accel does not implement yet."""
 
 
 class Backend:
@@ -85,26 +82,10 @@ def register_backend(name: str):
     return decorator
 
 
-def backend_name_for(parallelism: ParallelismConfig) -> str:
-    """Which backend a parallelism config asks for (combinations compose in the backend of the outermost)."""
-    if parallelism.pp_size > 1:
-        return "pipeline"
-    if parallelism.tp_size > 1:
-        return "tensor"
-    if parallelism.zero_stage > 0 or parallelism.offload_optimizer or parallelism.offload_params:
-        return "zero"
-    return "ddp"
-
-
 def select_backend(parallelism: ParallelismConfig) -> type[Backend]:
-    """The backend class for this config, or a clear error when it is not available (never a silent DDP)."""
-    import accel.backends.ddp  # noqa: F401  (registers itself)
+    """The backend class for this config, or a clear error when it is not available."""
+    import importlib
 
-    name = backend_name_for(parallelism)
-    if name not in _REGISTRY:
-        wanted = " and ".join(parallelism.requested_features())
-        raise BackendNotAvailable(
-            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) only: "
-            "set zero_stage 0, tp_size 1, pp_size 1, offload_optimizer/offload_params false"
-        )
+    name = check_available(parallelism)
+    importlib.import_module(BACKEND_MODULES[name])  # registers itself
     return _REGISTRY[name]

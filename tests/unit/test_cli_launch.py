@@ -218,6 +218,13 @@ def test_cross_field_error(run_accel, script):
                                     "--main_process_ip", "127.0.0.1", script), "num_processes", "divisible")
 
 
+def test_unavailable_backend_is_refused_before_starting(run_accel, script):
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--zero_stage", "3", script),
+                          "ZeRO (zero_stage=3) is not available yet")
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--tp_size", "2", script),
+                          "tensor parallelism (tp_size=2) is not available yet")
+
+
 def test_port_in_use(run_accel, script):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
