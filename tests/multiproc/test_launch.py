@@ -46,7 +46,7 @@ def test_two_processes_get_ranks_the_config_and_untouched_args(run_accel, tmp_pa
 def test_one_process_runs_without_torchrun_and_keeps_the_exit_code(run_accel, tmp_path):
     out = tmp_path / "single"
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text("mixed_precision: fp16\nparallelism:\n  tp_size: 1\n  zero_stage: 2\n")
+    cfg_file.write_text("mixed_precision: fp16\nparallelism:\n  tp_size: 1\n  pp_schedule: GPipe\n")
     result = run_accel("launch", "--config_file", cfg_file, "--cpu", PROBE, "--out", out, "--exit", "5",
                        timeout=60)
     assert result.returncode == 5, result.stderr  # the launcher became the script (exec)
@@ -55,7 +55,7 @@ def test_one_process_runs_without_torchrun_and_keeps_the_exit_code(run_accel, tm
     assert rec["argv"] == ["--out", str(out), "--exit", "5"]
     cfg = rec["config"]
     assert cfg["num_processes"] == 1 and cfg["use_cpu"] is True
-    assert cfg["mixed_precision"] == "fp16" and cfg["parallelism"]["zero_stage"] == 2
+    assert cfg["mixed_precision"] == "fp16" and cfg["parallelism"]["pp_schedule"] == "GPipe"
 
 
 def test_module_mode(run_accel, tmp_path):
