@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.write(f"{prog}: error: {message}\n")
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
