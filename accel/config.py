@@ -268,23 +268,23 @@ def _from_fsdp_section(section: dict, source: str) -> dict:
     """Accelerate's `fsdp_config:` YAML section -> parallelism fields (FSDP sharding maps onto ZeRO stages)."""
     where = "fsdp_config."
     par: dict = {"zero_stage": 3}
-    strategy = section.get("fsdp_sharding_strategy")
-    if strategy is not None:
-        stage = _FSDP_STRATEGY_TO_STAGE.get(str(strategy).upper())
+
+    def stage_of(key: str, allowed: str) -> int:
+        value = section[key]
+        stage = _FSDP_STRATEGY_TO_STAGE.get(str(value).upper())
         if stage is None:
-            raise ConfigError(f"{source}: key '{where}fsdp_sharding_strategy': bad value {strategy!r}; allowed: "
-                              "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
-        par["zero_stage"] = stage
+            raise ConfigError(f"{source}: key '{where}{key}': bad value {value!r}; allowed: {allowed}")
+        return stage
+
+    if section.get("fsdp_sharding_strategy") is not None:
+        par["zero_stage"] = stage_of("fsdp_sharding_strategy",
+                                     "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
     if "fsdp_reshard_after_forward" in section:
         reshard = section["fsdp_reshard_after_forward"]
         if isinstance(reshard, bool):
             par["zero_stage"] = 3 if reshard else 2
         else:  # FSDP1-style strategy names are also accepted here by Accelerate
-            stage = _FSDP_STRATEGY_TO_STAGE.get(str(reshard).upper())
-            if stage is None:
-                raise ConfigError(f"{source}: key '{where}fsdp_reshard_after_forward': bad value {reshard!r}; "
-                                  "allowed: true, false or a sharding strategy name")
-            par["zero_stage"] = stage
+            par["zero_stage"] = stage_of("fsdp_reshard_after_forward", "true, false or a sharding strategy name")
     if "fsdp_offload_params" in section:
         offload = _check_value(section["fsdp_offload_params"], PARALLEL_FIELDS["offload_params"],
                                where + "fsdp_offload_params", source)
