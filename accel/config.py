@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 LAUNCH_ENV = "ACCEL_LAUNCH_CONFIG"
 USER_CONFIG_ENV = "ACCEL_CONFIG_FILE"
@@ -111,6 +110,8 @@ class AccelConfig:
         return build_config([layer], source)
 
     def to_yaml(self) -> str:
+        import yaml  # imported here: workers get their config as JSON and never pay for yaml
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -430,6 +431,8 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
 
 def read_config_file(path: str | os.PathLike) -> dict:
     """Read and validate one YAML (or JSON) config file into a layer."""
+    import yaml
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")

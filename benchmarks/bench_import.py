@@ -93,13 +93,15 @@ def importtime(env: dict, runs: int = 5) -> None:
             cumulative_us.setdefault(name, []).append(int(cum_part))
             total += int(self_part)
         totals.append(total)
-    print(f"\npython -X importtime -c \"{code}\" (cached .pyc, {runs} runs, medians): modules imported after torch take "
+    print(f"\npython -X importtime -c \"{code}\" (cached .pyc, {runs} runs, medians): "
+          f"modules imported after torch take "
           f"{median(totals) / 1e3:.1f} ms in all (self times summed)")
     print(f"{'self ms':>8} {'cumul ms':>9}  module (top 15 by self time)")
     for name in sorted(self_us, key=lambda n: -median(self_us[n]))[:15]:
         print(f"{median(self_us[name]) / 1e3:>8.1f} {median(cumulative_us[name]) / 1e3:>9.1f}  {name}")
-    print("(accel.accelerator itself is missing from the trace: accel.__getattr__ loads it with importlib.import_module,"
-          "\n which -X importtime does not time, so the modules it imports show up at the top level)")
+    print("(accel.accelerator itself is missing from the trace: accel.__getattr__ loads it with "
+          "importlib.import_module,\n which -X importtime does not time, so the modules it imports show up at the "
+          "top level)")
     own = [n for n in cumulative_us if n == "accel" or n.startswith("accel.")]
     print(f"\n{'self ms':>8} {'cumul ms':>9}  accel's own modules (by cumulative time)")
     for name in sorted(own, key=lambda n: -median(cumulative_us[n])):
@@ -164,8 +166,8 @@ def main(argv=None) -> int:
             cols = ["", "", "", ""] if i == 0 else [f"{med - base:+.1f}", f"{low - base_min:+.1f}",
                                                      f"{inside('cached', i - 1):.1f}", f"{inside('source', i - 1):.1f}"]
             print(f"{name:<46} {med:>10.1f} {low:>8.1f} {cols[0]:>15} {cols[1]:>12} {cols[2]:>14} {cols[3]:>11}")
-        print("\nadded: wall time minus that of `import torch` (from the medians, then from the minima: noise only adds, "
-              "so the minima are the steadier estimate on a busy machine)."
+        print("\nadded: wall time minus that of `import torch` (from the medians, then from the minima: noise only "
+              "adds, so the minima are the steadier estimate on a busy machine)."
               "\nin-process: perf_counter around the imports after `import torch`, median over fresh interpreters "
               "(the precise figure; used for the verdict)."
               "\nno-.pyc: the same with PYTHONDONTWRITEBYTECODE=1 and no prefix, so accel's modules are compiled from "
