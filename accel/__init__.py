@@ -25,6 +25,9 @@ _LAZY = {
     "AutocastKwargs": "accel.kwargs",
     "GradientAccumulationPlugin": "accel.accumulation",
     "set_seed": "accel.utils.random",
+    "ProjectConfiguration": "accel.checkpoint.layout",
+    "CheckpointError": "accel.checkpoint.layout",
+    "load_checkpoint_in_model": "accel.checkpoint.model_io",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

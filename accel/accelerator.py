@@ -77,8 +77,11 @@ class Accelerator:
             self.dataloader_config.even_batches = even_batches
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.project_dir = project_dir
-        self.project_configuration = project_config
+        from accel.checkpoint.layout import ProjectConfiguration
+
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.project_dir = project_dir
         self.rng_types = rng_types
         self.kwargs_handlers = list(kwargs_handlers or [])
         self._check_handlers()
@@ -106,8 +109,8 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list = []
+        self._custom_objects: list = []
         self._data_seed: int | None = None
-        self.step = 0
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
@@ -210,6 +213,15 @@ class Accelerator:
     @sync_gradients.setter
     def sync_gradients(self, value: bool) -> None:
         self.gradient_state.sync_gradients = value
+
+    @property
+    def step(self) -> int:
+        """Micro-steps counted by `accumulate` (saved and restored by save_state/load_state)."""
+        return self.gradient_state.step
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
 
     @property
     def split_batches(self) -> bool:
@@ -430,7 +442,7 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
-        self.step = 0
+        self.gradient_state.step = 0
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -443,6 +455,83 @@ class Accelerator:
         self.wait_for_everyone()
         self.free_memory()
         self.state.destroy()
+
+    # ------------------------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Also save/restore these objects (anything with `state_dict` and `load_state_dict`) in save_state."""
+        invalid = [repr(o) for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if invalid:
+            raise ValueError("register_for_checkpointing: these objects lack state_dict/load_state_dict: "
+                             + ", ".join(invalid))
+        self._custom_objects.extend(objects)
+
+    def _training_objects(self):
+        from accel.checkpoint.training_state import TrainingObjects
+
+        return TrainingObjects(self.backend, self._models, self._optimizers, self._schedulers, self._dataloaders,
+                               self._custom_objects, self.scaler, self.gradient_state.step)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
+        """Save everything needed to continue (models, optimizers, schedulers, scaler, loaders, RNG, registered
+        objects) atomically; with automatic naming, to `project_dir/checkpoints/checkpoint_<i>`."""
+        from accel.checkpoint import layout
+        from accel.checkpoint.training_state import save_training_state
+
+        if not safe_serialization:
+            raise ValueError("save_state(safe_serialization=False): accel checkpoints are always safetensors + JSON")
+        project = self.project_configuration
+        if project.automatic_checkpoint_naming:
+            if output_dir is not None:
+                raise ValueError("save_state: output_dir is chosen by automatic_checkpoint_naming; pass no path")
+            output_dir = project.checkpoints_dir() / f"checkpoint_{project.iteration}"
+            if output_dir.exists():
+                raise ValueError(f"save_state: {output_dir} already exists; set ProjectConfiguration(iteration=...) "
+                                 "past the existing checkpoints")
+        elif output_dir is None:
+            raise ValueError("save_state: give output_dir, or Accelerator(project_config=ProjectConfiguration("
+                             "project_dir=..., automatic_checkpoint_naming=True))")
+        path = save_training_state(output_dir, self._training_objects())
+        if project.automatic_checkpoint_naming:
+            project.iteration += 1
+            if self.is_main_process:
+                layout.rotate(project.checkpoints_dir(), project.total_limit)
+            self.wait_for_everyone()
+        return str(path)
+
+    def load_state(self, input_dir: str | None = None, **_: Any) -> None:
+        """Restore what save_state wrote (RNG states last). With no path, the latest automatic checkpoint."""
+        from pathlib import Path
+
+        from accel.checkpoint import layout
+        from accel.checkpoint.training_state import load_training_state
+
+        project = self.project_configuration
+        if input_dir is None:
+            if not project.automatic_checkpoint_naming:
+                raise ValueError("load_state: give input_dir, or use automatic_checkpoint_naming to load the latest")
+            input_dir = layout.latest_checkpoint(project.checkpoints_dir())
+        manifest = load_training_state(input_dir, self._training_objects())
+        self.gradient_state.step = int(manifest.get("step", 0))
+        name = Path(input_dir).name
+        if project.automatic_checkpoint_naming and name.startswith("checkpoint_") and name[11:].isdigit():
+            project.iteration = int(name[11:]) + 1
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The full (unsharded) state dict, on CPU, with the user's parameter names."""
+        return self.backend.full_state_dict(model) if unwrap else model.state_dict()
+
+    def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Save the full weights in Hugging Face's layout (sharded safetensors + index) from the main process."""
+        from accel.checkpoint.model_io import save_state_dict_sharded
+
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
+                                    safe_serialization=safe_serialization)
+        self.wait_for_everyone()
 
     # -- experiment trackers: accepted for compatibility, not implemented -------------------------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:

@@ -65,6 +65,36 @@ class Backend:
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
+    # -- checkpoint hooks ------------------------------------------------------------------------------------
+    # Training state goes through torch.distributed.checkpoint: these return the (possibly sharded) state
+    # dicts keyed by the user's parameter names. PyTorch's helpers handle DDP, FSDP2 and DTensor alike.
+    def checkpoint_model_state(self, model: torch.nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+
+    def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_checkpoint_model_state(self, model: torch.nn.Module, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state)
+
+    def load_checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                        state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        """The whole, unsharded state dict on CPU (sharded backends gather it here), user's key names."""
+        from accel.checkpoint.model_io import get_full_state_dict
+
+        return get_full_state_dict(self.unwrap_model(model))
+
     # -- lifetime --------------------------------------------------------------------------------------------
     def release(self) -> None:
         """Drop references to communication objects before the process group is destroyed."""

@@ -25,6 +25,10 @@ def __getattr__(name: str):
         import accel.data
 
         return getattr(accel.data, name)
+    if name in ("ProjectConfiguration", "load_checkpoint_in_model"):
+        import accel.checkpoint
+
+        return getattr(accel.checkpoint, name)
     if name == "GradientAccumulationPlugin":
         from accel.accumulation import GradientAccumulationPlugin
 
@@ -36,5 +40,5 @@ __all__ = [
     "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
-    "skip_first_batches", "GradientAccumulationPlugin",
+    "skip_first_batches", "GradientAccumulationPlugin", "ProjectConfiguration", "load_checkpoint_in_model",
 ]

@@ -1,0 +1,174 @@
+"""Checkpoint folders on disk: atomic publication, the manifest, numbering, rotation and validation.
+
+A checkpoint is written into a hidden temporary folder beside its target (`.tmp-<name>-<id>`), every file
+is fsynced, the manifest `accel_checkpoint.json` is written last, and only then is the folder renamed into
+place. A folder without a complete manifest is never a checkpoint, so a save killed at any moment leaves
+the previous checkpoints intact and is never picked as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "accel_checkpoint.json"
+FORMAT = "accel-checkpoint"
+VERSION = 1
+_NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, incomplete or damaged; the message names the file."""
+
+
+@dataclass
+class ProjectConfiguration:
+    """Accelerate's `ProjectConfiguration`: where checkpoints go and how many are kept.
+
+    With `automatic_checkpoint_naming`, `save_state()` writes `project_dir/checkpoints/checkpoint_<i>` with
+    i = `iteration` (then incremented), keeps at most `total_limit` of them (oldest removed first), and
+    `load_state()` with no path loads the latest complete one.
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None and self.total_limit < 1:
+            raise ValueError(f"ProjectConfiguration: total_limit={self.total_limit}; allowed: None or an integer >= 1")
+
+    def checkpoints_dir(self) -> Path:
+        if not self.project_dir:
+            raise ValueError("ProjectConfiguration: automatic_checkpoint_naming needs project_dir")
+        return Path(self.project_dir) / "checkpoints"
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+
+def temporary_sibling(target: Path) -> Path:
+    return target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file and folder under `folder` (and `folder` itself) to disk."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path, content: dict) -> None:
+    """List every file with its size, then write the manifest atomically: it marks the folder complete."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+    manifest = {"format": FORMAT, "version": VERSION, **content, "files": files}
+    tmp = folder / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    fsync_dir(folder)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename the complete temporary folder into place (replacing an older checkpoint of the same name)."""
+    old = None
+    if target.exists():
+        old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temporaries(parent: Path) -> None:
+    """Temporary folders left by interrupted saves (never checkpoints) are cleaned before the next save."""
+    if parent.is_dir():
+        for path in parent.iterdir():
+            if path.is_dir() and path.name.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# -- numbering --------------------------------------------------------------------------------------------
+
+def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """Complete `checkpoint_<i>` folders, oldest first (folders without a manifest are ignored)."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _NUMBERED.match(path.name)
+        if match and path.is_dir() and (path / MANIFEST).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: Path) -> Path:
+    found = numbered_checkpoints(folder)
+    if not found:
+        raise CheckpointError(f"{folder}: no complete checkpoint_<i> folder to load (each needs {MANIFEST})")
+    return found[-1][1]
+
+
+def rotate(folder: Path, total_limit: int | None) -> None:
+    if total_limit is None:
+        return
+    found = numbered_checkpoints(folder)
+    for _, path in found[: max(len(found) - total_limit, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a complete checkpoint, after checking every listed file is there with its size."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        interrupted = sorted(folder.parent.glob(f".old-{folder.name}-*")) if folder.parent.is_dir() else []
+        hint = f"; an interrupted save left the previous checkpoint at {interrupted[-1]}" if interrupted else ""
+        raise CheckpointError(f"{folder}: checkpoint folder not found{hint}")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {folder} is not a complete accel checkpoint (partial or foreign)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: damaged ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an accel checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: written by a newer accel (format version {manifest['version']})")
+    for rel, size in manifest.get("files", {}).items():
+        file = folder / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing from checkpoint {folder}")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: damaged (size {file.stat().st_size} bytes, expected {size})")
+    return manifest

@@ -1,0 +1,255 @@
+"""`save_state` / `load_state`: everything needed to continue a run, written atomically, loaded safely.
+
+On-disk layout of one checkpoint folder::
+
+    accel_checkpoint.json        manifest: format, version, world size, step, the JSON skeleton of every
+                                 non-tensor value, and the size of every file (written last)
+    state/shard-*.safetensors    model, optimizer, scheduler, scaler, data-loader and registered objects'
+                                 tensors, written by torch.distributed.checkpoint: every rank writes its
+                                 own part, replicated tensors once, loadable on another process count
+    rng/rank_<r>.safetensors     rank r's torch (and CUDA) RNG states
+    rng/rank_<r>.json            rank r's Python and NumPy RNG states
+
+No pickle anywhere: tensors are safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from accel.checkpoint import layout, tree
+from accel.checkpoint.layout import CheckpointError
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint holds, as the Accelerator knows it."""
+
+    backend: Any
+    models: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)  # AcceleratedOptimizer
+    schedulers: list = field(default_factory=list)
+    dataloaders: list = field(default_factory=list)
+    custom: list = field(default_factory=list)
+    scaler: Any = None
+    step: int = 0
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_main(value: Any) -> Any:
+    if dist.is_available() and dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes a single process' when there is no process group: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _owner(objects: TrainingObjects, optimizer) -> int:
+    """Index of the model whose parameters the optimizer updates."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for i, model in enumerate(objects.models):
+        if any(id(p) in params for p in model.parameters()):
+            return i
+    raise CheckpointError("save_state: an optimizer updates parameters of no prepared model; prepare the model too")
+
+
+def _collect(objects: TrainingObjects) -> dict:
+    """The whole state tree (tensors and plain values) of everything in the checkpoint but the RNG."""
+    backend = objects.backend
+    return {
+        "models": [backend.checkpoint_model_state(m) for m in objects.models],
+        "optimizers": [backend.checkpoint_optimizer_state(objects.models[_owner(objects, o)], o.optimizer)
+                       for o in objects.optimizers],
+        "schedulers": [s.state_dict() for s in objects.schedulers],
+        "dataloaders": [d.state_dict() for d in objects.dataloaders if hasattr(d, "state_dict")],
+        "custom": [obj.state_dict() for obj in objects.custom],
+        "scaler": objects.scaler.state_dict() if objects.scaler is not None else None,
+        "step": objects.step,
+    }
+
+
+def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Keys whose tensor shares storage with an earlier key (tied weights) -> that earlier key."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for key, t in tensors.items():
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            continue
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ident in seen:
+            aliases[key] = seen[ident]
+        else:
+            seen[ident] = key
+    return aliases
+
+
+def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects) -> Path:
+    """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    rank, world = _rank_world()
+    target = Path(output_dir).absolute()
+    tmp = None
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        layout.remove_stale_temporaries(target.parent)
+        tmp = layout.temporary_sibling(target)
+        (tmp / "state").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    tmp = Path(_broadcast_from_main(str(tmp)))
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = tree.split(_collect(objects), "", tensors)
+    aliases = _dedupe_aliases(tensors)
+    for key in aliases:
+        del tensors[key]
+    tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
+    with _quiet_single_process():
+        dcp_save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True),
+                 no_dist=world == 1)
+    _save_rng(tmp / "rng", rank)
+    _barrier()
+    if rank == 0:
+        layout.fsync_tree(tmp)
+        layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": aliases,
+                                    "skeleton": skeleton})
+        layout.publish(tmp, target)
+    _barrier()
+    return target
+
+
+def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) -> dict:
+    """Restore `objects` from a checkpoint in place; RNG states last. Returns the manifest."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    folder = Path(input_dir).absolute()
+    manifest = layout.read_manifest(folder)
+    rank, world = _rank_world()
+    skeleton = manifest["skeleton"]
+    counts = {k: len(skeleton[k]) for k in ("models", "optimizers", "schedulers", "dataloaders", "custom")}
+    have = {"models": len(objects.models), "optimizers": len(objects.optimizers),
+            "schedulers": len(objects.schedulers), "custom": len(objects.custom),
+            "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders)}
+    for kind, count in counts.items():
+        if have[kind] != count:
+            raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
+                                  "registered; prepare the same objects, in the same order, before load_state")
+
+    # Targets: the live model/optimizer state (so sharded layouts reshard), fresh tensors for the rest.
+    live: dict[str, torch.Tensor] = {}
+    tree.split(_collect(objects), "", live)
+    aliases = manifest.get("aliases", {})
+    targets = {}
+    for key, (shape, dtype) in tree.tensor_specs(skeleton).items():
+        if key in aliases:
+            continue
+        target = live.get(key)
+        if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
+            target = tree.empty_like_spec(shape, dtype)
+        elif type(target) is torch.Tensor:
+            target = target.detach().clone()  # loaded into a copy; the objects take it through load_state_dict
+        targets[key] = target
+    try:
+        with _quiet_single_process():
+            dcp_load(targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
+    except Exception as exc:  # name the folder; DCP's own message says which key or file
+        raise CheckpointError(f"{folder / 'state'}: could not be loaded: {str(exc).splitlines()[0]}") from exc
+    for key, original in aliases.items():
+        targets[key] = targets[original]
+    state = tree.join(skeleton, targets)
+
+    backend = objects.backend
+    for model, sd in zip(objects.models, state["models"]):
+        backend.load_checkpoint_model_state(model, sd)
+    for opt, sd in zip(objects.optimizers, state["optimizers"]):
+        backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
+    for sched, sd in zip(objects.schedulers, state["schedulers"]):
+        sched.load_state_dict(sd)
+    for loader, sd in zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"]):
+        loader.load_state_dict(sd)
+    for obj, sd in zip(objects.custom, state["custom"]):
+        obj.load_state_dict(sd)
+    if objects.scaler is not None and state["scaler"] is not None:
+        objects.scaler.load_state_dict(state["scaler"])
+    _load_rng(folder / "rng", rank, manifest["world_size"])
+    return manifest
+
+
+# -- RNG states, per rank ---------------------------------------------------------------------------------
+
+def _save_rng(folder: Path, rank: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, st in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = st
+    plain: dict[str, Any] = {"python": tree.split(random.getstate(), "python", {})}
+    try:
+        import numpy as np
+
+        plain["numpy"] = tree.split(np.random.get_state(), "numpy", {})
+    except ImportError:
+        pass
+    save_file(tensors, str(folder / f"rank_{rank}.safetensors"))
+    (folder / f"rank_{rank}.json").write_text(json.dumps(plain))
+
+
+def _load_rng(folder: Path, rank: int, saved_world: int) -> None:
+    """Restore this rank's RNG states (last, so nothing else draws after them)."""
+    from safetensors.torch import load_file
+
+    if rank >= saved_world:
+        warnings.warn(f"load_state: checkpoint has RNG states for {saved_world} processes; rank {rank} keeps its own")
+        return
+    tensors_file, json_file = folder / f"rank_{rank}.safetensors", folder / f"rank_{rank}.json"
+    try:
+        tensors = load_file(str(tensors_file))
+    except Exception as exc:
+        raise CheckpointError(f"{tensors_file}: damaged ({exc})") from None
+    try:
+        plain = json.loads(json_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{json_file}: damaged ({exc})") from None
+    random.setstate(tree.join(plain["python"], {}))
+    if "numpy" in plain:
+        try:
+            import numpy as np
+
+            np.random.set_state(tree.join(plain["numpy"], {}))
+        except ImportError:
+            pass
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
