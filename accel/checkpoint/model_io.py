@@ -333,11 +333,8 @@ def save_state_dict_sharded(
         if current and current_size + size > limit:
             shards.append(current)
             current, current_size = [], 0
-        current.append(name)
+        current.append(name)  # a tensor bigger than the limit thus lands alone in a fresh shard
         current_size += size
-        if current_size > limit:  # an oversized tensor alone (the shard was empty before it)
-            shards.append(current)
-            current, current_size = [], 0
     if current or not shards:
         shards.append(current)
 

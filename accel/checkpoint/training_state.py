@@ -151,6 +151,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     """Restore `objects` from a checkpoint in place; RNG states last. Returns the manifest."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
 
     folder = Path(input_dir).absolute()
     manifest = layout.read_manifest(folder)
@@ -182,7 +183,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     try:
         with _quiet_single_process():
             dcp_load(targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
-    except Exception as exc:  # name the folder; DCP's own message says which key or file
+    except (Exception, CheckpointException) as exc:  # name the folder; DCP's message says which key or file
         raise CheckpointError(f"{folder / 'state'}: could not be loaded: {str(exc).splitlines()[0]}") from exc
     for key, original in aliases.items():
         targets[key] = targets[original]

@@ -481,11 +481,14 @@ def _write_index(folder: Path, weight_map: dict) -> Path:
     return path
 
 
-@pytest.mark.parametrize("entry", ["../evil.safetensors", "/tmp/evil.safetensors", "sub/../../evil.safetensors"])
+@pytest.mark.parametrize(
+    "entry", ["../evil.safetensors", "/tmp/evil.safetensors", "sub/../../evil.safetensors", "../ckpt/ok.safetensors"]
+)
 def test_index_escaping_folder_refused(tmp_path, entry):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     save_file({"a.weight": torch.zeros(10, 15)}, tmp_path / "evil.safetensors")
+    save_file({"a.weight": torch.zeros(10, 15)}, folder / "ok.safetensors")  # any ".." is refused
     _write_index(folder, {"a.weight": entry})
     with pytest.raises(ValueError) as info:
         load_checkpoint_in_model(Tiny(), folder)

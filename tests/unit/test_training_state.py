@@ -1,0 +1,193 @@
+"""save_state / load_state on one process: layout, safety, errors, rotation, and what is restored."""
+
+import copy
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accel import Accelerator, GradScalerKwargs, ProjectConfiguration
+from accel.checkpoint import layout, tree
+from accel.checkpoint.layout import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def prepared(**kwargs):
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, **kwargs)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def train_step(accelerator, model, optimizer, scheduler):
+    accelerator.backward(model(torch.randn(2, 3)).pow(2).sum())
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def test_tree_codec_round_trips_json_unfriendly_values():
+    value = {"t": (1, 2.5, None), 3: "int key", "inf": float("inf"), "nested": [{"x": torch.arange(3)}],
+             "np": np.arange(4, dtype=np.uint32), "__weird__": 1}
+    tensors = {}
+    skeleton = tree.split(value, "root", tensors)
+    text = json.dumps(skeleton)
+    back = tree.join(json.loads(text), tensors)
+    assert back["t"] == (1, 2.5, None) and back[3] == "int key" and math.isinf(back["inf"])
+    assert torch.equal(back["nested"][0]["x"], torch.arange(3)) and back["__weird__"] == 1
+    assert back["np"].dtype == np.uint32 and back["np"].tolist() == [0, 1, 2, 3]
+    assert list(tensors) == ["root/nested/0/x"]
+    with pytest.raises(tree.NotSerializable, match="root/f: value of type function"):
+        tree.split({"f": lambda: 0}, "root", {})
+
+
+def test_state_round_trip_restores_everything(tmp_path):
+    accelerator, model, optimizer, scheduler = prepared(mixed_precision="fp16",
+                                                         kwargs_handlers=[GradScalerKwargs(init_scale=256)])
+    counter = torch.nn.Module()
+    counter.register_buffer("n", torch.tensor([7]))
+    accelerator.register_for_checkpointing(counter)
+    for _ in range(2):
+        train_step(accelerator, model, optimizer, scheduler)
+    accelerator.scaler.update(64.0)
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(optimizer.state_dict())
+    path = accelerator.save_state(str(tmp_path / "ckpt"))
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1))
+
+    # damage every piece of live state, then load
+    train_step(accelerator, model, optimizer, scheduler)
+    counter.n.fill_(0)
+    accelerator.scaler.update(2.0)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    accelerator.load_state(path)
+
+    assert all(torch.equal(saved_weights[k], v) for k, v in model.state_dict().items())
+    loaded_opt = optimizer.state_dict()
+    assert loaded_opt["param_groups"] == saved_opt["param_groups"]
+    for pid, st in saved_opt["state"].items():
+        for name, value in st.items():
+            assert torch.equal(loaded_opt["state"][pid][name], value), (pid, name)
+    assert scheduler.get_last_lr() == [0.1 * 0.5 ** 2]
+    assert counter.n.item() == 7
+    assert accelerator.scaler.get_scale() == 64.0
+    draws = (random.random(), np.random.rand(), torch.rand(1))
+    assert draws[0] == expected_draws[0] and draws[1] == expected_draws[1] and torch.equal(draws[2], expected_draws[2])
+
+
+def test_layout_is_safetensors_and_json_only(tmp_path):
+    accelerator, model, optimizer, scheduler = prepared()
+    train_step(accelerator, model, optimizer, scheduler)
+    folder = Path(accelerator.save_state(str(tmp_path / "ckpt")))
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert names[0] == "accel_checkpoint.json"
+    assert {"rng/rank_0.json", "rng/rank_0.safetensors"} <= set(names)
+    assert all(n.endswith((".json", ".safetensors")) for n in names)
+    manifest = json.loads((folder / "accel_checkpoint.json").read_text())
+    assert manifest["format"] == "accel-checkpoint" and manifest["world_size"] == 1
+    assert set(manifest["files"]) == set(names) - {"accel_checkpoint.json"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_load_errors_name_the_bad_file(tmp_path):
+    accelerator, model, optimizer, scheduler = prepared()
+    folder = Path(accelerator.save_state(str(tmp_path / "ckpt")))
+    with pytest.raises(CheckpointError, match="nowhere: checkpoint folder not found"):
+        accelerator.load_state(str(tmp_path / "nowhere"))
+
+    shard = next((folder / "state").glob("*.safetensors"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match=f"{shard.name}: damaged \\(size"):
+        accelerator.load_state(str(folder))
+    shard.write_bytes(b"\xff" * len(data))  # same size, garbage inside
+    with pytest.raises(CheckpointError, match="state: could not be loaded"):
+        accelerator.load_state(str(folder))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}: missing from checkpoint"):
+        accelerator.load_state(str(folder))
+    (folder / "accel_checkpoint.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="accel_checkpoint.json: damaged"):
+        accelerator.load_state(str(folder))
+    (folder / "accel_checkpoint.json").unlink()
+    with pytest.raises(CheckpointError, match="accel_checkpoint.json: missing; .* not a complete accel checkpoint"):
+        accelerator.load_state(str(folder))
+
+
+def test_load_into_different_objects_is_refused(tmp_path):
+    accelerator, model, optimizer, scheduler = prepared()
+    path = accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.register_for_checkpointing(torch.nn.Module())
+    with pytest.raises(CheckpointError, match="holds 0 custom but 1 were prepared/registered"):
+        accelerator.load_state(path)
+
+
+def test_register_for_checkpointing_checks_the_objects():
+    accelerator, *_ = prepared()
+    with pytest.raises(ValueError, match="lack state_dict/load_state_dict: 42"):
+        accelerator.register_for_checkpointing(42)
+
+
+def test_automatic_naming_rotation_and_latest(tmp_path):
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator, model, optimizer, scheduler = prepared(project_config=project)
+    values = []
+    for _ in range(3):
+        train_step(accelerator, model, optimizer, scheduler)
+        values.append(model[0].weight.detach().clone())
+        accelerator.save_state()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["checkpoint_1", "checkpoint_2"]  # the oldest was rotated out
+    (tmp_path / "checkpoints" / "checkpoint_9").mkdir()  # no manifest: never "latest"
+    train_step(accelerator, model, optimizer, scheduler)
+    accelerator.load_state()
+    assert torch.equal(model[0].weight, values[-1])
+    assert project.iteration == 3
+    with pytest.raises(ValueError, match="chosen by automatic_checkpoint_naming"):
+        accelerator.save_state(str(tmp_path / "x"))
+
+
+def test_save_state_needs_a_place():
+    accelerator, *_ = prepared()
+    with pytest.raises(ValueError, match="give output_dir"):
+        accelerator.save_state()
+    with pytest.raises(ValueError, match="give input_dir"):
+        accelerator.load_state()
+
+
+def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    folder = Path(accelerator.save_state(str(tmp_path / "ckpt")))
+    assert json.loads((folder / "accel_checkpoint.json").read_text())["aliases"] == {"/models/0/1.weight": "/models/0/0.weight"}
+    expected = model[0].weight.detach().clone()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    accelerator.load_state(str(folder))
+    assert torch.equal(model[0].weight, expected) and model[1].weight is model[0].weight
+
+
+def test_interrupted_overwrite_is_explained(tmp_path):
+    target = tmp_path / "ckpt"
+    (tmp_path / ".old-ckpt-1234").mkdir()
+    with pytest.raises(CheckpointError, match="previous checkpoint at .*\\.old-ckpt-1234"):
+        layout.read_manifest(target)
