@@ -166,7 +166,8 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
             raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
                                   "registered; prepare the same objects, in the same order, before load_state")
 
-    # Targets: the live model/optimizer state (so sharded layouts reshard), fresh tensors for the rest.
+    # Targets: the live model/optimizer tensors, loaded in place (no second copy of the state in memory;
+    # sharded layouts reshard), fresh tensors for the rest. read_manifest has already checked every file.
     live: dict[str, torch.Tensor] = {}
     tree.split(_collect(objects), "", live)
     aliases = manifest.get("aliases", {})
@@ -177,9 +178,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         target = live.get(key)
         if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
             target = tree.empty_like_spec(shape, dtype)
-        elif type(target) is torch.Tensor:
-            target = target.detach().clone()  # loaded into a copy; the objects take it through load_state_dict
-        targets[key] = target
+        targets[key] = target.detach()
     try:
         with _quiet_single_process():
             dcp_load(targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)

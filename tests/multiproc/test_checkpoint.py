@@ -42,6 +42,17 @@ def test_resume_mid_epoch_is_bit_exact(isolated_env, tmp_path, num_processes):
     for key in full:
         assert (full[key] - resumed[key]).abs().max().item() == 0.0, key
 
+    # save_model wrote the same weights, sharded in Hugging Face's layout, loadable into a plain model
+    from accel import load_checkpoint_in_model
+
+    hf_dir = tmp_path / "a" / "hf_model"
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+    missing, unexpected = load_checkpoint_in_model(fresh, str(hf_dir), strict=True)
+    assert missing == [] and unexpected == []
+    assert all(torch.equal(fresh.state_dict()[k], full[k]) for k in full)
+
     manifest = json.loads((tmp_path / "b" / "checkpoints" / "checkpoint_1" / "accel_checkpoint.json").read_text())
     assert manifest["world_size"] == num_processes
     files = list((tmp_path / "b" / "checkpoints" / "checkpoint_1").rglob("*"))

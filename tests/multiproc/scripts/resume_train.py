@@ -80,6 +80,8 @@ def main() -> None:
                 return
 
     write_weights(accelerator, model, Path(args.out) / f"{'full' if args.mode == 'full' else 'resumed'}.safetensors")
+    if args.mode == "full":  # Hugging Face layout, sharded, written once by the main process
+        accelerator.save_model(model, Path(args.out) / "hf_model", max_shard_size="1KB")
     accelerator.end_training()
 
 
