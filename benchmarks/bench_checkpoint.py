@@ -1,0 +1,331 @@
+"""Checkpoint cost: accel's save_state/load_state and save_model/load_checkpoint_in_model against plain PyTorch.
+
+    python benchmarks/bench_checkpoint.py            # ~100M-parameter MLP + AdamW, 3 runs each (~3-4 minutes)
+    python benchmarks/bench_checkpoint.py --quick    # smoke run (~10M parameters, 1 run): its figures are noise
+
+Every measured operation runs in a fresh interpreter (a worker: this file with --worker), so peak memory of one
+operation never carries over to the next. Each worker builds the same model (seed 0: an MLP of 12 blocks
+Linear(1024, 4096) - GELU - Linear(4096, 1024), 100,724,736 parameters), prepares it with AdamW through
+`Accelerator(cpu=True)` (one process), does one real training step (so the optimizer holds exp_avg, exp_avg_sq
+and step for every parameter: about 3x the parameters) and drops the gradients; then it times one operation:
+
+* training state: `accelerator.save_state(dir)` / `accelerator.load_state(dir)` against
+  `torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, file)` /
+  `torch.load(file, weights_only=True)` + `model.load_state_dict` + `optimizer.load_state_dict`;
+* weights only: `accelerator.save_model(model, dir, max_shard_size="500MB")` /
+  `load_checkpoint_in_model(model, dir)` against `safetensors.torch.save_file(model.state_dict(), file)` /
+  `safetensors.torch.load_file(file)` + `model.load_state_dict`.
+
+accel's saves fsync what they write (they are atomic: temporary name, fsync, rename); the plain saves do not.
+Their workers therefore fsync the file after the timed save and time that separately, so the table shows the
+plain save both without and with fsync ("+ fsync"), and no dirty page cache is left to slow the next worker.
+Loads read checkpoints written a moment earlier, i.e. from the page cache (dropping it needs root).
+
+Peak memory: before the operation the worker resets its peak-RSS counter (writing 5 to /proc/self/clear_refs,
+Linux >= 4.0) and reads VmRSS; after it, VmHWM. "peak +MB" is VmHWM - VmRSS-before: what the operation needs
+on top of the live model and optimizer. Without clear_refs it falls back to the ru_maxrss difference (which
+can hide an operation's peak below the setup's). File-backed pages touched through mmap (safetensors reads)
+count as resident too.
+
+Runs alternate (accel first in even rounds, plain first in odd ones); the table shows medians, minima, MB/s
+(tensor bytes / median seconds; MB = 10**6 bytes), peak memory and the size on disk, with accel/plain ratios.
+Everything is written under a temporary folder in the system temp dir (/tmp), removed at the end.
+A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MB = 1e6
+MARKER = "BENCH_CHECKPOINT_RESULT "
+# (blocks, width, hidden): blocks x [Linear(width, hidden), GELU, Linear(hidden, width)]
+SIZES = {"full": (12, 1024, 4096), "quick": (6, 512, 2048)}
+# pairs (accel, plain); saves first, since each round's loads read what round 0 saved
+SAVE_PAIRS = [("accel_save_state", "torch_save"), ("accel_save_model", "st_save_file")]
+LOAD_PAIRS = [("accel_load_state", "torch_load"), ("accel_load_model", "st_load_file")]
+LABELS = {
+    "accel_save_state": "accel save_state",
+    "torch_save": "torch.save",
+    "accel_load_state": "accel load_state",
+    "torch_load": "torch.load + load_state_dict",
+    "accel_save_model": "accel save_model (500MB shards)",
+    "st_save_file": "safetensors save_file",
+    "accel_load_model": "accel load_checkpoint_in_model",
+    "st_load_file": "safetensors load_file + load_state_dict",
+}
+# where each save writes (relative to its run folder); loads read round 0's
+OUTPUT = {"accel_save_state": "state", "torch_save": "state.pt", "accel_save_model": "model",
+          "st_save_file": "model.safetensors"}
+SOURCE = {"accel_load_state": "accel_save_state", "torch_load": "torch_save", "accel_load_model": "accel_save_model",
+          "st_load_file": "st_save_file"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="timed runs of each operation (fresh process each)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: ~10M parameters, 1 run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum((Path(root) / name).stat().st_size for root, _, files in os.walk(path) for name in files)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# worker: one fresh process, one measured operation
+# ------------------------------------------------------------------------------------------------------------
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakRSS:
+    """Peak resident memory an operation adds on top of what the process holds when it starts."""
+
+    def __enter__(self) -> "PeakRSS":
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self.method = "VmHWM"
+            self.before_kb = _status_kb("VmRSS")
+        except OSError:
+            self.method = "ru_maxrss"
+            self.before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.method == "VmHWM":
+            self.peak_kb = _status_kb("VmHWM") - self.before_kb
+        else:
+            self.peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.before_kb
+        self.after_kb = _status_kb("VmRSS") - (self.before_kb if self.method == "VmHWM" else 0)
+
+
+def build(size: str):
+    """The model and optimizer, prepared by Accelerator(cpu=True), after one real AdamW step."""
+    import torch
+    from torch import nn
+
+    from accel import Accelerator
+
+    torch.manual_seed(0)
+    blocks, width, hidden = SIZES[size]
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)]
+    model = nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loss = model(torch.randn(8, width)).square().mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return accelerator, model, optimizer
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fsync_dir)
+    finally:
+        os.close(fsync_dir)
+
+
+def worker(op: str, path: Path, size: str) -> None:
+    import torch
+
+    start = time.perf_counter()
+    accelerator, model, optimizer = build(size)
+    setup_s = time.perf_counter() - start
+    inner = accelerator.unwrap_model(model)
+    raw_opt = optimizer.optimizer
+    first = next(inner.parameters())
+    model_bytes = sum(t.numel() * t.element_size() for t in inner.state_dict().values())
+    opt_bytes = sum(v.numel() * v.element_size() for s in raw_opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor))
+    result = {"op": op, "setup_s": setup_s, "model_bytes": model_bytes, "opt_bytes": opt_bytes,
+              "params": sum(p.numel() for p in inner.parameters()), "fsync_s": 0.0}
+
+    # Loads: disturb the live state first, so the worker can tell the load really restored it.
+    expect = None
+    if op in SOURCE:
+        expect = (first.detach().clone(), raw_opt.state[first]["exp_avg"].clone())
+        with torch.no_grad():
+            first.add_(1.0)
+            raw_opt.state[first]["exp_avg"].add_(1.0)
+        gc.collect()
+
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        if op == "accel_save_state":
+            accelerator.save_state(str(path))
+        elif op == "torch_save":
+            torch.save({"model": inner.state_dict(), "optimizer": raw_opt.state_dict()}, path)
+        elif op == "accel_save_model":
+            accelerator.save_model(model, str(path), max_shard_size="500MB")
+        elif op == "st_save_file":
+            from safetensors.torch import save_file
+
+            save_file(inner.state_dict(), str(path))
+        elif op == "accel_load_state":
+            accelerator.load_state(str(path))
+        elif op == "torch_load":
+            state = torch.load(path, weights_only=True)
+            inner.load_state_dict(state["model"])
+            raw_opt.load_state_dict(state["optimizer"])
+            del state
+        elif op == "accel_load_model":
+            from accel.checkpoint import load_checkpoint_in_model
+
+            load_checkpoint_in_model(model, str(path))
+        elif op == "st_load_file":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+            inner.load_state_dict(state)
+            del state
+        else:
+            raise SystemExit(f"unknown operation {op!r}")
+        result["seconds"] = time.perf_counter() - t0
+    if op in ("torch_save", "st_save_file"):  # the durability accel pays for: timed apart from the save
+        t0 = time.perf_counter()
+        fsync_path(path)
+        result["fsync_s"] = time.perf_counter() - t0
+    if expect is not None:
+        first = next(inner.parameters())  # load_state_dict copies in place; this is the same object
+        restored = torch.equal(first, expect[0])
+        if op in ("accel_load_state", "torch_load"):
+            restored = restored and torch.equal(optimizer.optimizer.state[first]["exp_avg"], expect[1])
+        result["restored"] = bool(restored)
+    result.update(peak_mb=peak.peak_kb * 1024 / MB, retained_mb=peak.after_kb * 1024 / MB, peak_method=peak.method)
+    print(MARKER + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------------------
+
+def run_worker(op: str, path: Path, size: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", op, "--path", str(path), "--size", size]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(MARKER)]
+    if out.returncode != 0 or not lines:
+        sys.stderr.write(out.stdout + out.stderr)
+        raise SystemExit(f"worker {op} failed (exit {out.returncode})")
+    return json.loads(lines[-1][len(MARKER):])
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    size = "quick" if args.quick else "full"
+    runs = 1 if args.quick else args.runs
+    start = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="accel-bench-checkpoint-"))
+    results: dict[str, list[dict]] = {op: [] for pair in SAVE_PAIRS + LOAD_PAIRS for op in pair}
+    sizes: dict[str, int] = {}
+    try:
+        for rnd in range(runs):
+            folder = root / f"run{rnd}"
+            folder.mkdir()
+            order = lambda pair: pair if rnd % 2 == 0 else pair[::-1]  # noqa: E731
+            for pair in SAVE_PAIRS:
+                for op in order(pair):
+                    results[op].append(run_worker(op, folder / OUTPUT[op], size))
+                    print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
+                          flush=True)
+            for pair in LOAD_PAIRS:
+                for op in order(pair):
+                    source = root / "run0" / OUTPUT[SOURCE[op]]
+                    results[op].append(run_worker(op, source, size))
+                    print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
+                          flush=True)
+            if rnd == 0:
+                sizes = {op: disk_bytes(folder / name) for op, name in OUTPUT.items()}
+            else:
+                shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    info = results["accel_save_state"][0]
+    state_bytes = info["model_bytes"] + info["opt_bytes"]
+    blocks, width, hidden = SIZES[size]
+    print()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, temp folder on {tempfile.gettempdir()}, "
+          f"{runs} run(s) per operation, each in a fresh process (setup {median([r['setup_s'] for v in results.values() for r in v]):.1f} s median)")
+    print(f"model: {blocks} x [Linear({width}, {hidden}), GELU, Linear({hidden}, {width})], {info['params']:,} "
+          f"parameters, {info['model_bytes'] / MB:.1f} MB; AdamW state after 1 step {info['opt_bytes'] / MB:.1f} MB; "
+          f"training state {state_bytes / MB:.1f} MB")
+    print(f"peak memory measured with {info['peak_method']} (increase over the RSS before the operation); "
+          "MB = 10**6 bytes\n")
+
+    header = (f"{'operation':<42}{'median s':>9}{'min s':>8}{'MB/s':>8}{'peak +MB':>10}{'disk MB':>9}"
+              f"{'ok':>4}")
+    for title, pairs, payload in (("training state (model + AdamW)", [SAVE_PAIRS[0], LOAD_PAIRS[0]], state_bytes),
+                                  ("model weights only", [SAVE_PAIRS[1], LOAD_PAIRS[1]], info["model_bytes"])):
+        print(f"{title}: {payload / MB:.1f} MB of tensors")
+        print(header)
+        print("-" * len(header))
+        for accel_op, plain_op in pairs:
+            rows = {}
+            for op in (accel_op, plain_op):
+                runs_ = results[op]
+                secs = [r["seconds"] for r in runs_]
+                rows[op] = (median(secs), median([r["peak_mb"] for r in runs_]))
+                disk = sizes.get(op, sizes.get(SOURCE.get(op, ""), 0)) / MB
+                ok = "" if "restored" not in runs_[0] else ("yes" if all(r["restored"] for r in runs_) else "NO")
+                print(f"{LABELS[op]:<42}{rows[op][0]:>9.2f}{min(secs):>8.2f}{payload / MB / rows[op][0]:>8.0f}"
+                      f"{rows[op][1]:>10.0f}{disk:>9.1f}{ok:>4}")
+            ratio_line = (f"  accel/plain: time {rows[accel_op][0] / rows[plain_op][0]:.2f}x, "
+                          f"peak memory {rows[accel_op][1] / max(rows[plain_op][1], 1e-9):.2f}x "
+                          f"({rows[accel_op][1] - rows[plain_op][1]:+.0f} MB)")
+            if plain_op in ("torch_save", "st_save_file"):
+                synced = median([r["seconds"] + r["fsync_s"] for r in results[plain_op]])
+                print(f"{LABELS[plain_op] + ' + fsync':<42}{synced:>9.2f}"
+                      f"{min(r['seconds'] + r['fsync_s'] for r in results[plain_op]):>8.2f}"
+                      f"{payload / MB / synced:>8.0f}")
+                ratio_line += f"; time against the fsynced save {rows[accel_op][0] / synced:.2f}x"
+            print(ratio_line)
+        print()
+    print(f"total {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.worker:
+        worker(arguments.worker, Path(arguments.path), arguments.size)
+    else:
+        main(arguments)
