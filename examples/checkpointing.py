@@ -49,7 +49,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)
 
     accelerator = Accelerator()
-    project_dir = args.project_dir or broadcast_object_list([tempfile.mkdtemp()])[0]  # rank 0's folder for all
+    new_dir = tempfile.mkdtemp() if accelerator.is_main_process and not args.project_dir else None
+    project_dir = args.project_dir or broadcast_object_list([new_dir])[0]  # rank 0's folder for all
     accelerator.project_configuration = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True,
                                                              total_limit=2)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
