@@ -21,7 +21,7 @@ from accel.config import AccelConfig, ParallelismConfig, worker_config
 from accel.kwargs import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import PrecisionPolicy
-from accel.scheduler import AcceleratedScheduler
+from accel.scheduler import AcceleratedScheduler, retarget_scheduler
 from accel.state import DistributedType, PartialState, check_device_matches
 from accel.topology import Topology
 
@@ -110,6 +110,7 @@ class Accelerator:
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list = []
         self._custom_objects: list = []
+        self._replaced_optimizers: dict[int, torch.optim.Optimizer] = {}
         self._data_seed: int | None = None
 
     # ------------------------------------------------------------------------------------------------------
@@ -275,8 +276,10 @@ class Accelerator:
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        optimizer = self.backend.prepare_optimizer(optimizer, models)
-        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
+        replacement = self.backend.prepare_optimizer(optimizer, models)
+        if replacement is not optimizer:  # e.g. ZeRO-1 shards it; schedulers built on the original follow
+            self._replaced_optimizers[id(optimizer)] = replacement
+        wrapped = AcceleratedOptimizer(replacement, self.precision, self.gradient_state)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -284,6 +287,9 @@ class Accelerator:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
+        if id(target) in self._replaced_optimizers:
+            target = self._replaced_optimizers[id(target)]
+            retarget_scheduler(scheduler, target)
         optimizers = [opt for opt in self._optimizers if opt.optimizer is target or opt is target] or self._optimizers
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state, self.backend.data_parallel_size,
                                        self.step_scheduler_with_optimizer, self.split_batches)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ class ConfigError(ValueError):
     """A bad config value; the message is one line naming the source, the key, the value and what is allowed."""
 
 
-def _spec(default: Any, kind: type, *, choices: tuple = (), lo: int | None = None, hi: int | None = None,
+def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
           optional: bool = False, help: str = "") -> Any:
     meta = {"kind": kind, "choices": choices, "lo": lo, "hi": hi, "optional": optional, "help": help}
     return field(default=default, metadata=meta)
@@ -57,6 +59,20 @@ class ParallelismConfig:
     pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
     pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
     pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+    # Batch sizes and clipping as a DeepSpeed JSON states them (train_micro_batch_size_per_gpu, train_batch_size,
+    # gradient_clipping), so the Accelerator and the ZeRO backend can read them.
+    micro_batch_size: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="per-process batch size (DeepSpeed's train_micro_batch_size_per_gpu); informational: the backend "
+             "checks it against the data loader's batch size")
+    train_batch_size: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="samples per optimizer step over all processes = micro_batch_size x gradient_accumulation_steps x "
+             "data-parallel size (DeepSpeed's train_batch_size); informational: checked by the backend")
+    gradient_clipping: float | None = _spec(
+        None, float, lo=0, optional=True,
+        help="clip the gradients' total norm to this value at every optimizer step, automatically (DeepSpeed's "
+             "gradient_clipping); null or 0: no automatic clipping")
 
     def __post_init__(self) -> None:
         _validate_fields(self, "ParallelismConfig")
@@ -152,15 +168,18 @@ def _allowed(meta: dict) -> str:
         text = "one of " + ", ".join(choices)
     elif kind is bool:
         text = "true or false"
-    elif kind is int:
+    elif kind in (int, float):
+        noun = "an integer" if kind is int else "a number"
         if lo is not None and hi is not None:
-            text = f"an integer from {lo} to {hi}"
+            text = f"{noun} from {lo} to {hi}"
         elif lo is not None:
-            text = f"an integer >= {lo}"
+            text = f"{noun} >= {lo}"
         else:
-            text = "an integer"
+            text = noun
     else:
         text = "a string"
+    if meta.get("auto"):
+        text += ' or "auto"'
     return text + (" (or null)" if meta["optional"] else "")
 
 
@@ -185,6 +204,12 @@ def _check_value(value: Any, meta: dict, key: str, source: str) -> Any:
         if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
             fail()
         return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            fail()
+        if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
+            fail()
+        return float(value)
     # strings
     if key.endswith("gpu_ids") and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+
 from accel.accumulation import GradientState
+
+
+def retarget_scheduler(scheduler, optimizer) -> None:
+    """Point a scheduler built on one optimizer at the optimizer that replaced it (same param groups).
+
+    torch's schedulers also watch `optimizer.step` to warn about call order; watch the new one the same way.
+    """
+    scheduler.optimizer = optimizer
+    original = optimizer.step
+
+    @functools.wraps(original)
+    def step(*args, **kwargs):
+        optimizer._opt_called = True
+        return original(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
 
 
 class AcceleratedScheduler:

@@ -1,7 +1,7 @@
 """Checkpoint cost: accel's save_state/load_state and save_model/load_checkpoint_in_model against plain PyTorch.
 
     python benchmarks/bench_checkpoint.py            # ~100M-parameter MLP + AdamW, 3 runs each (~3-4 minutes)
-    python benchmarks/bench_checkpoint.py --quick    # smoke run (~10M parameters, 1 run): its figures are noise
+    python benchmarks/bench_checkpoint.py --quick    # smoke run (~13M parameters, 1 run): its figures are noise
 
 Every measured operation runs in a fresh interpreter (a worker: this file with --worker), so peak memory of one
 operation never carries over to the next. Each worker builds the same model (seed 0: an MLP of 12 blocks
@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,7 +75,7 @@ SOURCE = {"accel_load_state": "accel_save_state", "torch_load": "torch_save", "a
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each operation (fresh process each)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: ~10M parameters, 1 run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: ~13M parameters, 1 run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
@@ -87,10 +88,12 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def disk_bytes(path: Path) -> int:
+def disk_usage(path: Path) -> tuple[int, int]:
+    """(bytes, files) of a checkpoint file or folder."""
     if path.is_file():
-        return path.stat().st_size
-    return sum((Path(root) / name).stat().st_size for root, _, files in os.walk(path) for name in files)
+        return path.stat().st_size, 1
+    files = [Path(root) / name for root, _, names in os.walk(path) for name in names]
+    return sum(f.stat().st_size for f in files), len(files)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -106,7 +109,14 @@ def _status_kb(field: str) -> int:
 
 
 class PeakRSS:
-    """Peak resident memory an operation adds on top of what the process holds when it starts."""
+    """Peak resident memory an operation adds on top of what the process holds when it starts.
+
+    `peak_kb`: VmHWM (reset just before) - VmRSS before; all resident pages, file-backed ones included.
+    `anon_kb`: the highest RssAnon seen by a thread sampling /proc/self/status every 5 ms, - RssAnon before:
+    heap memory only (buffers, copies), without the pages of files mapped by safetensors' reader.
+    """
+
+    INTERVAL_S = 0.005
 
     def __enter__(self) -> "PeakRSS":
         gc.collect()
@@ -118,14 +128,25 @@ class PeakRSS:
         except OSError:
             self.method = "ru_maxrss"
             self.before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.anon_before_kb = self.anon_max_kb = _status_kb("RssAnon")
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
         return self
 
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            self.anon_max_kb = max(self.anon_max_kb, _status_kb("RssAnon"))
+
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self.anon_max_kb = max(self.anon_max_kb, _status_kb("RssAnon"))
+        self.anon_kb = self.anon_max_kb - self.anon_before_kb
         if self.method == "VmHWM":
             self.peak_kb = _status_kb("VmHWM") - self.before_kb
         else:
             self.peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.before_kb
-        self.after_kb = _status_kb("VmRSS") - (self.before_kb if self.method == "VmHWM" else 0)
 
 
 def build(size: str):
@@ -167,6 +188,17 @@ def fsync_path(path: Path) -> None:
 def worker(op: str, path: Path, size: str) -> None:
     import torch
 
+    # Import what any of the operations needs before timing anything, the same in every worker: the first
+    # save_state/load_state of a process would otherwise also pay for importing torch.distributed.checkpoint.
+    t0 = time.perf_counter()
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    dcp_import_s = time.perf_counter() - t0
+    import safetensors.torch  # noqa: F401
+
+    import accel.checkpoint.model_io  # noqa: F401
+    import accel.checkpoint.training_state  # noqa: F401
+
     start = time.perf_counter()
     accelerator, model, optimizer = build(size)
     setup_s = time.perf_counter() - start
@@ -177,7 +209,8 @@ def worker(op: str, path: Path, size: str) -> None:
     opt_bytes = sum(v.numel() * v.element_size() for s in raw_opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor))
     result = {"op": op, "setup_s": setup_s, "model_bytes": model_bytes, "opt_bytes": opt_bytes,
-              "params": sum(p.numel() for p in inner.parameters()), "fsync_s": 0.0}
+              "params": sum(p.numel() for p in inner.parameters()), "fsync_s": 0.0,
+              "dcp_import_s": dcp_import_s}
 
     # Loads: disturb the live state first, so the worker can tell the load really restored it.
     expect = None
@@ -230,7 +263,7 @@ def worker(op: str, path: Path, size: str) -> None:
         if op in ("accel_load_state", "torch_load"):
             restored = restored and torch.equal(optimizer.optimizer.state[first]["exp_avg"], expect[1])
         result["restored"] = bool(restored)
-    result.update(peak_mb=peak.peak_kb * 1024 / MB, retained_mb=peak.after_kb * 1024 / MB, peak_method=peak.method)
+    result.update(peak_mb=peak.peak_kb * 1024 / MB, anon_mb=peak.anon_kb * 1024 / MB, peak_method=peak.method)
     print(MARKER + json.dumps(result), flush=True)
 
 
@@ -256,7 +289,7 @@ def main(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="accel-bench-checkpoint-"))
     results: dict[str, list[dict]] = {op: [] for pair in SAVE_PAIRS + LOAD_PAIRS for op in pair}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     try:
         for rnd in range(runs):
             folder = root / f"run{rnd}"
@@ -274,7 +307,7 @@ def main(args: argparse.Namespace) -> None:
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
                           flush=True)
             if rnd == 0:
-                sizes = {op: disk_bytes(folder / name) for op, name in OUTPUT.items()}
+                sizes = {op: disk_usage(folder / name) for op, name in OUTPUT.items()}
             else:
                 shutil.rmtree(folder)
     finally:
@@ -285,15 +318,22 @@ def main(args: argparse.Namespace) -> None:
     blocks, width, hidden = SIZES[size]
     print()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, temp folder on {tempfile.gettempdir()}, "
-          f"{runs} run(s) per operation, each in a fresh process (setup {median([r['setup_s'] for v in results.values() for r in v]):.1f} s median)")
+          f"{runs} run(s) per operation, each in a fresh process")
+    every = [r for v in results.values() for r in v]
+    print(f"per worker, untimed: build + prepare + 1 AdamW step {median([r['setup_s'] for r in every]):.1f} s, "
+          f"import torch.distributed.checkpoint {median([r['dcp_import_s'] for r in every]):.2f} s (medians; "
+          "imported before timing in every worker)")
     print(f"model: {blocks} x [Linear({width}, {hidden}), GELU, Linear({hidden}, {width})], {info['params']:,} "
           f"parameters, {info['model_bytes'] / MB:.1f} MB; AdamW state after 1 step {info['opt_bytes'] / MB:.1f} MB; "
           f"training state {state_bytes / MB:.1f} MB")
-    print(f"peak memory measured with {info['peak_method']} (increase over the RSS before the operation); "
-          "MB = 10**6 bytes\n")
+    print(f"peak +MB: {info['peak_method']} increase over the RSS before the operation (file pages mapped by "
+          "readers included); anon +MB: RssAnon increase, sampled every 5 ms; MB = 10**6 bytes\n")
 
-    header = (f"{'operation':<42}{'median s':>9}{'min s':>8}{'MB/s':>8}{'peak +MB':>10}{'disk MB':>9}"
-              f"{'ok':>4}")
+    def ratio(a: float, b: float, floor: float = 10.0) -> str:
+        return f"{a / b:.2f}x" if b >= floor else f"n/a ({a - b:+.0f} MB)"
+
+    header = (f"{'operation':<42}{'median s':>9}{'min s':>8}{'MB/s':>7}{'peak +MB':>9}{'anon +MB':>9}"
+              f"{'disk MB':>9}{'files':>6}{'restored':>9}")
     for title, pairs, payload in (("training state (model + AdamW)", [SAVE_PAIRS[0], LOAD_PAIRS[0]], state_bytes),
                                   ("model weights only", [SAVE_PAIRS[1], LOAD_PAIRS[1]], info["model_bytes"])):
         print(f"{title}: {payload / MB:.1f} MB of tensors")
@@ -304,20 +344,20 @@ def main(args: argparse.Namespace) -> None:
             for op in (accel_op, plain_op):
                 runs_ = results[op]
                 secs = [r["seconds"] for r in runs_]
-                rows[op] = (median(secs), median([r["peak_mb"] for r in runs_]))
-                disk = sizes.get(op, sizes.get(SOURCE.get(op, ""), 0)) / MB
+                rows[op] = (median(secs), median([r["peak_mb"] for r in runs_]), median([r["anon_mb"] for r in runs_]))
+                disk, files = sizes.get(op) or sizes.get(SOURCE.get(op, ""), (0, 0))
                 ok = "" if "restored" not in runs_[0] else ("yes" if all(r["restored"] for r in runs_) else "NO")
-                print(f"{LABELS[op]:<42}{rows[op][0]:>9.2f}{min(secs):>8.2f}{payload / MB / rows[op][0]:>8.0f}"
-                      f"{rows[op][1]:>10.0f}{disk:>9.1f}{ok:>4}")
-            ratio_line = (f"  accel/plain: time {rows[accel_op][0] / rows[plain_op][0]:.2f}x, "
-                          f"peak memory {rows[accel_op][1] / max(rows[plain_op][1], 1e-9):.2f}x "
-                          f"({rows[accel_op][1] - rows[plain_op][1]:+.0f} MB)")
+                print(f"{LABELS[op]:<42}{rows[op][0]:>9.2f}{min(secs):>8.2f}{payload / MB / rows[op][0]:>7.0f}"
+                      f"{rows[op][1]:>9.0f}{rows[op][2]:>9.0f}{disk / MB:>9.1f}{files:>6}{ok:>9}")
+            (t_a, p_a, n_a), (t_p, p_p, n_p) = rows[accel_op], rows[plain_op]
+            ratio_line = (f"  accel/plain: time {t_a / t_p:.2f}x, peak {ratio(p_a, p_p)} ({p_a - p_p:+.0f} MB), "
+                          f"anon {ratio(n_a, n_p)}")
             if plain_op in ("torch_save", "st_save_file"):
                 synced = median([r["seconds"] + r["fsync_s"] for r in results[plain_op]])
                 print(f"{LABELS[plain_op] + ' + fsync':<42}{synced:>9.2f}"
                       f"{min(r['seconds'] + r['fsync_s'] for r in results[plain_op]):>8.2f}"
-                      f"{payload / MB / synced:>8.0f}")
-                ratio_line += f"; time against the fsynced save {rows[accel_op][0] / synced:.2f}x"
+                      f"{payload / MB / synced:>7.0f}")
+                ratio_line += f"; time against the fsynced save {t_a / synced:.2f}x"
             print(ratio_line)
         print()
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from accel.config import ConfigError, ParallelismConfig
 
 # backend name -> module that implements (and registers) it
-BACKEND_MODULES = {"ddp": "accel.backends.ddp"}
+BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero"}
 
 
 class BackendNotAvailable(ConfigError):
@@ -31,7 +31,7 @@ def check_available(parallelism: ParallelismConfig) -> str:
     if name not in BACKEND_MODULES:
         wanted = " and ".join(parallelism.requested_features())
         raise BackendNotAvailable(
-            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) only: "
-            "set zero_stage 0, tp_size 1, pp_size 1, offload_optimizer/offload_params false"
+            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) and "
+            "ZeRO stages 1-3 only: set tp_size 1 and pp_size 1"
         )
     return name

@@ -175,7 +175,7 @@ def test_split_between_processes_rule():
 
 
 @pytest.mark.parametrize("parallelism,needle", [
-    (ParallelismConfig(zero_stage=2), "ZeRO (zero_stage=2) is not available yet"),
+    (ParallelismConfig(zero_stage=2, tp_size=2), "tensor parallelism (tp_size=2) is not available yet"),
     (ParallelismConfig(tp_size=2), "tensor parallelism (tp_size=2) is not available yet"),
     (ParallelismConfig(pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
 ])

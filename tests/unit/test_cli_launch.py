@@ -219,8 +219,8 @@ def test_cross_field_error(run_accel, script):
 
 
 def test_unavailable_backend_is_refused_before_starting(run_accel, script):
-    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--zero_stage", "3", script),
-                          "ZeRO (zero_stage=3) is not available yet")
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--pp_size", "2", script),
+                          "pipeline parallelism (pp_size=2) is not available yet")
     assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--tp_size", "2", script),
                           "tensor parallelism (tp_size=2) is not available yet")
 

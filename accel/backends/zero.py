@@ -1,0 +1,210 @@
+"""ZeRO on PyTorch's own sharding: stage 1 with `ZeroRedundancyOptimizer` (+ DDP for gradients), stages 2
+and 3 with FSDP2 (`fully_shard`, `reshard_after_forward` False/True), applied per block, then to the root.
+
+What each rank keeps (fp32 AdamW, N ranks): stage 1 shards the optimizer state, stage 2 also the gradients
+(and, with FSDP2, the parameters between steps), stage 3 also the parameters during forward/backward.
+Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and the optimizer step on the CPU
+(FSDP2's `CPUOffloadPolicy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accel.backends.base import Backend, register_backend
+from accel.backends.ddp import DDPBackend
+from accel.config import ConfigError
+
+DEFAULT_MIN_PARAMS = 100_000_000  # submodules this large get their own shard group when nothing repeats
+
+
+def wrap_targets(model: torch.nn.Module, class_names: Iterable[str] | None = None,
+                 min_params: int = DEFAULT_MIN_PARAMS) -> list[torch.nn.Module]:
+    """The submodules to shard one by one, outermost first: named classes if given, else the members of
+    every `nn.ModuleList` (repeated blocks), else submodules with at least `min_params` parameters."""
+    names = set(class_names or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        known = {type(m).__name__ for m in model.modules()}
+        unknown = names - known
+        if unknown:
+            raise ConfigError(f"parallelism.zero_wrap_classes: {sorted(unknown)} not found in the model; "
+                              f"its classes are: {', '.join(sorted(known))}")
+        return found
+    blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    if blocks:
+        return blocks
+    targets: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if sum(p.numel() for p in child.parameters()) >= min_params:
+                targets.append(child)
+            visit(child)
+
+    visit(model)
+    return targets
+
+
+@register_backend("zero")
+class ZeroBackend(Backend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        par = self.parallelism
+        self.stage = par.zero_stage
+        self.offload = par.offload_params or par.offload_optimizer
+        if self.offload and self.stage < 2:
+            raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
+                              f"offload), got zero_stage={self.stage}; allowed: zero_stage 2 or 3 with offload")
+        if self.stage >= 2 and self.precision.mode == "fp16":
+            raise ConfigError("mixed_precision: fp16 with zero_stage 2/3 is not available yet in accel (it needs a "
+                              "sharded grad scaler); use bf16")
+        self._replacements: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> sharded one
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._ddp = DDPBackend(*args, **kwargs)  # stage 1 wraps the model in DDP
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are really sharded (one process has nothing to shard with)."""
+        return self.data_parallel_size > 1
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        on_meta = any(p.is_meta for p in model.parameters())
+        if device_placement and not on_meta and not self.offload:
+            model = model.to(self.state.device)
+        if not self.sharded:
+            if on_meta:
+                _materialize(model, self.state.device)
+            return model
+        if self.stage == 1:
+            return self._ddp.prepare_model(model, device_placement=False)  # gradients: plain DDP all-reduce
+        return self._fully_shard(model, on_meta)
+
+    def _fully_shard(self, model: torch.nn.Module, on_meta: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        names = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
+        originals = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
+        options = {
+            "mesh": self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None,
+            "reshard_after_forward": self.stage == 3,
+        }
+        if self.precision.dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+        if self.offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.state.device.type == "cuda")
+        classes = getattr(self.parallelism, "zero_wrap_classes", None)
+        min_params = getattr(self.parallelism, "zero_min_params", None) or DEFAULT_MIN_PARAMS
+        for block in wrap_targets(model, classes, min_params):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        if on_meta:
+            _materialize(model, "cpu" if self.offload else self.state.device)
+        sharded = dict(model.named_parameters(remove_duplicate=False))
+        for name, old in originals.items():
+            self._replacements[id(old)] = sharded[name]
+        for optimizer in self._optimizers:
+            self._repoint(optimizer)
+        return model
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    # -- optimizer --------------------------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
+        if any(optimizer.state.values()):
+            raise RuntimeError("prepare: the optimizer already has state (it has stepped); with ZeRO, call "
+                               "accelerator.prepare(model, optimizer) before the first optimizer.step()")
+        if not self.sharded:
+            return optimizer
+        if self.stage == 1:
+            return self._zero_redundancy(optimizer)
+        self._repoint(optimizer)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the optimizer update the sharded parameters that replaced the ones it was built with."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replacements.get(id(p), p) for p in group["params"]]
+
+    def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. AdamW lacks one of Adam's
+        groups = [dict(group) for group in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                       process_group=self.topology.group("dp", self.state.device.type), **defaults)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module):
+        if isinstance(model, DDP):
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):
+            return _fsdp_no_sync(model)
+        return super().no_sync(model)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm over all shards (equal to the single-process norm), then clip every shard by it."""
+        parameters = list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            # Consolidated on rank 0 (keyed by parameter index, whatever the world size); rank 0 writes it.
+            optimizer.consolidate_state_dict(to=0)
+            return optimizer.state_dict() if self.state.is_main_process else {}
+        return super().checkpoint_optimizer_state(model, optimizer)
+
+    def load_checkpoint_optimizer_state(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.load_state_dict(state)  # keeps this rank's partition
+            return
+        super().load_checkpoint_optimizer_state(model, optimizer, state)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        if self.stage < 2 or not self.sharded:
+            return super().full_state_dict(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _materialize(model: torch.nn.Module, device) -> None:
+    """Allocate a meta-device model's (local shards of) parameters and initialise them with each
+    submodule's `reset_parameters()`: a model larger than one process can be created this way."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()

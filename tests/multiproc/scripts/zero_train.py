@@ -1,0 +1,112 @@
+"""Worker for tests/multiproc/test_zero.py: the DDP loop unchanged, under ZeRO stage 1/2/3 (+ offload).
+
+--mode train  trains, records losses / clipped norms / per-rank bytes, writes weights.safetensors (full,
+              gathered) and a checkpoint (save_state) to OUT/ckpt
+--mode load   builds the same objects, load_state(OUT/ckpt), writes loaded.safetensors
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel import Accelerator, ParallelismConfig
+from accel.utils import set_seed
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def make_problem():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 1, generator=g)
+    set_seed(0)
+    return x, y, Net()
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_tensors(optimizer):
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
+    return [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--mode", choices=["train", "load"], default="train")
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    x, y, model = make_problem()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+    parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload, offload_params=args.offload)
+    accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    if args.mode == "load":
+        accelerator.load_state(str(out / "ckpt"))
+        weights = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"loaded_{accelerator.num_processes}.safetensors"))
+        accelerator.end_training()
+        return
+
+    losses, norms = [], []
+    for _ in range(2):
+        for inputs, targets in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(accelerator.gather(loss.detach()[None]).tolist())
+
+    record = {
+        "losses": losses,
+        "norms": norms,
+        "lr": scheduler.get_last_lr()[0],
+        "param_bytes": local_bytes(model.parameters()),
+        "optimizer_bytes": local_bytes(optimizer_state_tensors(optimizer.optimizer)),
+        "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+    }
+    weights = accelerator.get_state_dict(model)
+    all_records = accelerator.gather_for_metrics([record], use_gather_object=True)
+    accelerator.save_state(str(out / "ckpt"))
+    accelerator.save_model(model, out / "hf_model")
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "weights.safetensors"))
+        (out / "record.json").write_text(json.dumps(all_records))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
