@@ -106,3 +106,14 @@ def test_zero_checkpoint_loads_on_one_and_two_processes(isolated_env, tmp_path, 
     for num_processes in (1, 2):
         launch(isolated_env, num_processes, "--out", str(tmp_path), "--stage", str(stage), "--mode", "load")
         assert_weights_equal(load_file(str(tmp_path / f"loaded_{num_processes}.safetensors")), saved)
+
+
+def test_meta_device_model_is_materialized_after_sharding(isolated_env, tmp_path):
+    """A model created on the meta device (no memory) is sharded, then each rank allocates only its shard."""
+    launch(isolated_env, N, "--out", str(tmp_path), "--stage", "3", "--mode", "meta")
+    reports = json.loads((tmp_path / "meta.json").read_text())
+    total = 4 * reference(1)[3]
+    assert [r["meta_after_prepare"] for r in reports] == [False, False]
+    assert sum(r["param_bytes"] for r in reports) == pytest.approx(total, rel=0.02)
+    assert all(r["param_bytes"] <= 0.6 * total for r in reports)
+    assert all(torch.isfinite(torch.tensor(r["final_loss"])) for r in reports)

@@ -3,6 +3,7 @@
 --mode train  trains, records losses / clipped norms / per-rank bytes, writes weights.safetensors (full,
               gathered) and a checkpoint (save_state) to OUT/ckpt
 --mode load   builds the same objects, load_state(OUT/ckpt), writes loaded.safetensors
+--mode meta   builds the model on the meta device; prepare shards and materializes it; trains a few steps
 """
 
 import argparse
@@ -57,11 +58,14 @@ def main() -> None:
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument("--mode", choices=["train", "load"], default="train")
+    parser.add_argument("--mode", choices=["train", "load", "meta"], default="train")
     args = parser.parse_args()
     out = Path(args.out)
 
     x, y, model = make_problem()
+    if args.mode == "meta":
+        with torch.device("meta"):
+            model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
@@ -74,6 +78,21 @@ def main() -> None:
         weights = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"loaded_{accelerator.num_processes}.safetensors"))
+        accelerator.end_training()
+        return
+
+    if args.mode == "meta":
+        report = {"meta_after_prepare": any(p.is_meta for p in model.parameters()),
+                  "param_bytes": local_bytes(model.parameters())}
+        for inputs, targets in loader:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        report["final_loss"] = loss.item()
+        reports = accelerator.gather_for_metrics([report], use_gather_object=True)
+        if accelerator.is_main_process:
+            (out / "meta.json").write_text(json.dumps(reports))
         accelerator.end_training()
         return
 
