@@ -244,7 +244,9 @@ ACCELERATE_IGNORED_KEYS = frozenset({
     "num_cpu_threads_per_process", "ipex", "mpirun_hostfile",
 })
 ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config")
-KNOWN_TOP_KEYS = tuple(TOP_FIELDS) + ("parallelism",) + ACCELERATE_SECTIONS + tuple(sorted(ACCELERATE_IGNORED_KEYS))
+DEEPSPEED_FILE_KEY = "deepspeed_config_file"  # a DeepSpeed JSON to read (top level, or in `deepspeed_config:`)
+KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
+                  + tuple(sorted(ACCELERATE_IGNORED_KEYS)))
 
 
 def _unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> ConfigError:
@@ -264,13 +266,10 @@ _FSDP_STRATEGY_TO_STAGE = {
 
 
 def _from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
-    """Accelerate's `deepspeed_config:` YAML section -> (parallelism fields, top-level fields)."""
+    """Accelerate's `deepspeed_config:` YAML section -> (parallelism fields, top-level fields).
+
+    Its `deepspeed_config_file` (a DeepSpeed JSON) is read by `parse_layer`, not here."""
     where = "deepspeed_config."
-    if section.get("deepspeed_config_file"):
-        raise ConfigError(
-            f"{source}: key '{where}deepspeed_config_file': {section['deepspeed_config_file']!r}: DeepSpeed JSON "
-            "files are read by the ZeRO backend, which is not available yet in accel; use the zero_stage key"
-        )
     par: dict = {}
     top: dict = {}
     if "zero_stage" in section:
@@ -287,6 +286,10 @@ def _from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
     if gas is not None and gas != "auto":
         top["gradient_accumulation_steps"] = _check_value(gas, TOP_FIELDS["gradient_accumulation_steps"],
                                                           where + "gradient_accumulation_steps", source)
+    clip = section.get("gradient_clipping")
+    if clip is not None and clip != "auto":
+        par["gradient_clipping"] = _check_value(clip, PARALLEL_FIELDS["gradient_clipping"],
+                                                where + "gradient_clipping", source)
     return par, top
 
 
@@ -345,23 +348,221 @@ def _from_parallelism_config_section(section: dict, source: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# DeepSpeed JSON files
+# ---------------------------------------------------------------------------------------------------------
+
+class DeepSpeedConfigWarning(UserWarning):
+    """A DeepSpeed JSON holds keys accel does not act on (they are listed, then ignored)."""
+
+
+_AUTO = "auto"  # DeepSpeed's "take it from elsewhere": the other layers decide
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed JSON key -> (section of the tree or None for the top level, field)
+_DS_SCALARS = {
+    "gradient_accumulation_steps": (None, "gradient_accumulation_steps"),
+    "train_micro_batch_size_per_gpu": ("parallelism", "micro_batch_size"),
+    "train_batch_size": ("parallelism", "train_batch_size"),
+    "gradient_clipping": ("parallelism", "gradient_clipping"),
+}
+_DS_PRECISION_SECTIONS = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}  # bfloat16: DeepSpeed's old name
+
+
+def _ds_meta(meta: dict) -> dict:
+    return {**meta, "auto": True}
+
+
+def _no_duplicate_keys(source: str):
+    def hook(pairs: list) -> dict:
+        seen: dict = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"{source}: key '{key}' appears twice in one JSON object; allowed: each key once")
+            seen[key] = value
+        return seen
+
+    return hook
+
+
+def read_deepspeed_json(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
+    """A DeepSpeed JSON file's contents (a dict), or a one-line ConfigError naming the file.
+
+    `referenced_by` is where the path was given (e.g. "my.yaml: key 'deepspeed_config.deepspeed_config_file'"),
+    named when the file is missing."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        where = f"{referenced_by}: " if referenced_by else ""
+        raise ConfigError(f"{where}{path}: DeepSpeed config file not found")
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys(str(path)))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text (UTF-8) JSON file: {exc.reason}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of DeepSpeed keys at the top level, got {type(data).__name__}")
+    return data
+
+
+def deepspeed_json_layer(data: Any, source: str) -> dict:
+    """Map a DeepSpeed config (the JSON's dict) onto a config layer, as `parse_layer` returns one.
+
+    Mapped: zero_optimization.stage / .offload_optimizer.device / .offload_param.device, gradient_accumulation_steps,
+    fp16.enabled / bf16.enabled, train_micro_batch_size_per_gpu, train_batch_size, gradient_clipping. "auto" means
+    "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, got {type(data).__name__}")
+    top: dict = {}
+    par: dict = {}
+    ignored: list[str] = []
+
+    def mapping(value: Any, key: str) -> dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}': expected a JSON object, got {value!r}")
+        return value
+
+    precision: dict[str, bool] = {}
+    for key, value in data.items():
+        if key in _DS_SCALARS:
+            section, name = _DS_SCALARS[key]
+            if value is None or value == _AUTO:
+                continue
+            fields = TOP_FIELDS if section is None else PARALLEL_FIELDS
+            checked = _check_value(value, _ds_meta({**fields[name], "optional": False}), key, source)
+            (top if section is None else par)[name] = checked
+        elif key in _DS_PRECISION_SECTIONS:
+            if value is None:
+                continue
+            for sub in mapping(value, key):
+                if sub != "enabled":
+                    ignored.append(f"{key}.{sub}")
+            enabled = value.get("enabled")
+            if enabled is None or enabled == _AUTO:
+                continue
+            if not isinstance(enabled, bool):
+                raise ConfigError(f"{source}: key '{key}.enabled': bad value {enabled!r}; allowed: true, false or \"auto\"")
+            precision[_DS_PRECISION_SECTIONS[key]] = precision.get(_DS_PRECISION_SECTIONS[key], False) or enabled
+        elif key == "zero_optimization":
+            if value is None:
+                continue
+            par.update(_from_deepspeed_zero(mapping(value, key), source, ignored))
+        elif key in ("optimizer", "scheduler"):
+            ignored.append(key)
+        else:
+            ignored.append(key)
+    if precision.get("fp16") and precision.get("bf16"):
+        raise ConfigError(f"{source}: keys 'fp16.enabled' and 'bf16.enabled' are both true; allowed: at most one "
+                          "of them true (fp16 or bf16 mixed precision)")
+    for name in ("fp16", "bf16"):
+        if precision.get(name):
+            top["mixed_precision"] = name
+    if ignored:
+        note = ""
+        if "optimizer" in ignored or "scheduler" in ignored:
+            note = ("; 'optimizer'/'scheduler': DeepSpeed would build them, accel uses the optimizer and scheduler "
+                    "your script creates and passes to prepare()")
+        warnings.warn(f"{source}: DeepSpeed keys accel does not use, ignored: {', '.join(ignored)}{note}",
+                      DeepSpeedConfigWarning, stacklevel=2)
+    if par:
+        top["parallelism"] = par
+    return top
+
+
+def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
+    """`zero_optimization` -> parallelism fields; the keys accel does not use are appended to `ignored`."""
+    par: dict = {}
+    for key, value in zero.items():
+        where = f"zero_optimization.{key}"
+        if key == "stage":
+            if value is not None and value != _AUTO:
+                par["zero_stage"] = _check_value(value, _ds_meta(PARALLEL_FIELDS["zero_stage"]), where, source)
+        elif key in ("offload_optimizer", "offload_param"):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key '{where}': expected a JSON object, got {value!r}")
+            for sub in value:
+                if sub != "device":
+                    ignored.append(f"{where}.{sub}")
+            device = value.get("device")
+            if device is None or device == _AUTO:
+                continue
+            if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+                raise ConfigError(f"{source}: key '{where}.device': bad value {device!r}; allowed: none, cpu, nvme")
+            if device.lower() == "nvme":
+                raise ConfigError(f"{source}: key '{where}.device': 'nvme' offload is not supported by accel; "
+                                  "allowed: none, cpu")
+            par["offload_optimizer" if key == "offload_optimizer" else "offload_params"] = device.lower() == "cpu"
+        elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer.device: cpu
+            if value is None or value == _AUTO:
+                continue
+            par.setdefault("offload_optimizer", _check_value(value, PARALLEL_FIELDS["offload_optimizer"], where, source))
+        else:
+            ignored.append(where)
+    return par
+
+
+def read_deepspeed_config(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
+    """Read a DeepSpeed JSON file into a config layer (see `deepspeed_json_layer`); errors name the file."""
+    return deepspeed_json_layer(read_deepspeed_json(path, referenced_by), str(Path(path).expanduser()))
+
+
+def _deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) -> Path | None:
+    """The JSON path a `deepspeed_config_file` key names (relative: against `base_dir`, else the current
+    directory), or None for an empty value or Accelerate's "none"."""
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{source}: key '{key}': bad value {value!r}; allowed: the path of a DeepSpeed JSON file")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return path
+
+
+def _merge_deepspeed(layer: dict, ds_layer: dict, source: str, ds_file: str) -> dict:
+    """Put a DeepSpeed JSON's layer under `layer` (the file that names it). A key both set differently is a
+    one-line error: each setting belongs in one place ("auto" in the JSON leaves it to the file)."""
+    for key, value in ds_layer.items():
+        if key == "parallelism":
+            own = layer.get("parallelism", {})
+            for pkey, pvalue in value.items():
+                if pkey in own and own[pkey] != pvalue:
+                    raise ConfigError(f"{source}: key 'parallelism.{pkey}' is {own[pkey]!r} here but {pvalue!r} in "
+                                      f"{ds_file}; allowed: one value (set it in one place, or \"auto\" in the JSON)")
+        elif key in layer and layer[key] != value:
+            raise ConfigError(f"{source}: key '{key}' is {layer[key]!r} here but {value!r} in {ds_file}; allowed: one "
+                              "value (set it in one place, or \"auto\" in the JSON)")
+    return merge_layers([ds_layer, layer])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # layers and precedence
 # ---------------------------------------------------------------------------------------------------------
 
-def parse_layer(raw: Any, source: str) -> dict:
+def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None) -> dict:
     """Validate one layer (a file's contents, the launch flags, ...) into a canonical partial nested dict.
 
     Only the keys present are returned, so layers can be merged by precedence. Accelerate's keys and
-    sections are translated here.
+    sections are translated here. A `deepspeed_config_file` (top level or in `deepspeed_config:`) is read
+    into the same layer: a relative path is taken against `base_dir` (the config file's folder), else the
+    current directory.
     """
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys to values at the top level, got {type(raw).__name__}")
+    base = Path(base_dir) if base_dir is not None else None
     out: dict = {}
     par: dict = {}
     accelerate_type = None
+    ds_files: list[tuple[Path, str]] = []  # (path, the key that names it)
     for key, value in raw.items():
+        if key == DEEPSPEED_FILE_KEY:
+            path = _deepspeed_path(value, key, source, base)
+            if path is not None:
+                ds_files.append((path, key))
+            continue
         if key in TOP_FIELDS:
             if key == "distributed_type" and isinstance(value, str) and value.upper() in ("DEEPSPEED", "FSDP"):
                 accelerate_type = value.upper()
@@ -385,8 +586,11 @@ def parse_layer(raw: Any, source: str) -> dict:
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
             if key == "deepspeed_config":
-                if accelerate_type not in (None, "DEEPSPEED") and raw.get("distributed_type", "").upper() != "DEEPSPEED":
+                if str(raw.get("distributed_type") or "DEEPSPEED").upper() != "DEEPSPEED":
                     continue  # Accelerate keeps inactive sections around; only the active one counts
+                path = _deepspeed_path(value.get(DEEPSPEED_FILE_KEY), f"{key}.{DEEPSPEED_FILE_KEY}", source, base)
+                if path is not None:
+                    ds_files.append((path, f"{key}.{DEEPSPEED_FILE_KEY}"))
                 ds_par, ds_top = _from_deepspeed_section(value, source)
                 par.update(ds_par)
                 out.update({k: v for k, v in ds_top.items() if k not in raw})
@@ -400,10 +604,15 @@ def parse_layer(raw: Any, source: str) -> dict:
             continue
         else:
             raise _unknown_key(key, KNOWN_TOP_KEYS, source)
-    if accelerate_type is not None and "zero_stage" not in par:
-        par["zero_stage"] = 3 if accelerate_type == "FSDP" else 2  # DeepSpeed's own default stage
+    if accelerate_type is not None and "zero_stage" not in par and not ds_files:
+        par["zero_stage"] = 3 if accelerate_type == "FSDP" else 2  # Accelerate's default stage for DeepSpeed
     if par:
         out["parallelism"] = par
+    if len(ds_files) > 1:
+        raise ConfigError(f"{source}: keys '{ds_files[0][1]}' and '{ds_files[1][1]}' both name a DeepSpeed config "
+                          "file; allowed: one of them")
+    for path, key in ds_files:
+        out = _merge_deepspeed(out, read_deepspeed_config(path, f"{source}: key '{key}'"), source, str(path))
     return out
 
 
@@ -467,7 +676,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return parse_layer(raw, str(path))
+    return parse_layer(raw, str(path), base_dir=path.parent)
 
 
 def config_save_path(config_file: str | os.PathLike | None = None) -> Path:
@@ -498,10 +707,21 @@ def file_layers(config_file: str | os.PathLike | None = None) -> list[dict]:
 
 
 def resolve_config(config_file: str | os.PathLike | None = None, overrides: dict | None = None,
-                   overrides_source: str = "accel launch flags") -> AccelConfig:
-    """Resolve defaults < packaged default < user file < `overrides` (already-parsed launch flags)."""
-    layers = file_layers(config_file)
+                   overrides_source: str = "accel launch flags", *, layers: list[dict] | None = None) -> AccelConfig:
+    """Resolve defaults < packaged default < user file < `overrides` (the raw launch flags).
+
+    A `deepspeed_config_file` among the overrides (`accel launch --deepspeed_config_file`) is read as its own
+    layer between the files and the other overrides: it beats the config file, the other flags beat it. A
+    relative path is taken against the current directory. `layers` are the file layers when already read.
+    """
+    layers = list(file_layers(config_file) if layers is None else layers)
     source = str(user_config_path(config_file) or PACKAGED_DEFAULT)
+    overrides = dict(overrides or {})
+    ds_file = overrides.pop(DEEPSPEED_FILE_KEY, None)
+    ds_path = _deepspeed_path(ds_file, DEEPSPEED_FILE_KEY, overrides_source, None)
+    if ds_path is not None:
+        layers.append(read_deepspeed_config(ds_path, f"{overrides_source}: key '{DEEPSPEED_FILE_KEY}'"))
+        source = f"{source} + {ds_path}"
     if overrides:
         layers.append(parse_layer(overrides, overrides_source))
         source = f"{source} + {overrides_source}"

@@ -44,12 +44,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 MB = 1e6
 MARKER = "BENCH_CHECKPOINT_RESULT "
+SAMPLE_S = 0.005  # RssAnon sampling interval
 # (blocks, width, hidden): blocks x [Linear(width, hidden), GELU, Linear(hidden, width)]
 SIZES = {"full": (12, 1024, 4096), "quick": (6, 512, 2048)}
 # pairs (accel, plain); saves first, since each round's loads read what round 0 saved
@@ -109,14 +109,9 @@ def _status_kb(field: str) -> int:
 
 
 class PeakRSS:
-    """Peak resident memory an operation adds on top of what the process holds when it starts.
-
-    `peak_kb`: VmHWM (reset just before) - VmRSS before; all resident pages, file-backed ones included.
-    `anon_kb`: the highest RssAnon seen by a thread sampling /proc/self/status every 5 ms, - RssAnon before:
-    heap memory only (buffers, copies), without the pages of files mapped by safetensors' reader.
-    """
-
-    INTERVAL_S = 0.005
+    """Peak resident memory an operation adds on top of what the process holds when it starts: VmHWM (reset just
+    before) - VmRSS before, all resident pages, file-backed ones (mapped by safetensors' readers) included.
+    Also notes RssAnon and the monotonic clock at both ends, for the driver's sampling of RssAnon."""
 
     def __enter__(self) -> "PeakRSS":
         gc.collect()
@@ -128,21 +123,13 @@ class PeakRSS:
         except OSError:
             self.method = "ru_maxrss"
             self.before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        self.anon_before_kb = self.anon_max_kb = _status_kb("RssAnon")
-        self._stop = threading.Event()
-        self._sampler = threading.Thread(target=self._sample, daemon=True)
-        self._sampler.start()
+        self.anon_before_kb = _status_kb("RssAnon")
+        self.t_start = time.monotonic()
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.INTERVAL_S):
-            self.anon_max_kb = max(self.anon_max_kb, _status_kb("RssAnon"))
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._sampler.join()
-        self.anon_max_kb = max(self.anon_max_kb, _status_kb("RssAnon"))
-        self.anon_kb = self.anon_max_kb - self.anon_before_kb
+        self.t_end = time.monotonic()
+        self.anon_after_kb = _status_kb("RssAnon")
         if self.method == "VmHWM":
             self.peak_kb = _status_kb("VmHWM") - self.before_kb
         else:
@@ -263,7 +250,8 @@ def worker(op: str, path: Path, size: str) -> None:
         if op in ("accel_load_state", "torch_load"):
             restored = restored and torch.equal(optimizer.optimizer.state[first]["exp_avg"], expect[1])
         result["restored"] = bool(restored)
-    result.update(peak_mb=peak.peak_kb * 1024 / MB, anon_mb=peak.anon_kb * 1024 / MB, peak_method=peak.method)
+    result.update(peak_mb=peak.peak_kb * 1024 / MB, peak_method=peak.method, t_start=peak.t_start, t_end=peak.t_end,
+                  anon_before_kb=peak.anon_before_kb, anon_after_kb=peak.anon_after_kb)
     print(MARKER + json.dumps(result), flush=True)
 
 
@@ -271,14 +259,41 @@ def worker(op: str, path: Path, size: str) -> None:
 # driver
 # ------------------------------------------------------------------------------------------------------------
 
-def run_worker(op: str, path: Path, size: str) -> dict:
+def _anon_kb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def run_worker(op: str, path: Path, size: str, scratch: Path) -> dict:
+    """Run one worker; meanwhile sample its RssAnon every 5 ms from here (a thread inside the worker would be
+    starved of the GIL exactly while a big buffer is being copied)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", op, "--path", str(path), "--size", size]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(MARKER)]
-    if out.returncode != 0 or not lines:
-        sys.stderr.write(out.stdout + out.stderr)
-        raise SystemExit(f"worker {op} failed (exit {out.returncode})")
-    return json.loads(lines[-1][len(MARKER):])
+    samples: list[tuple[float, int]] = []
+    with open(scratch / "stdout", "w+") as out, open(scratch / "stderr", "w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        while proc.poll() is None:
+            kb = _anon_kb(proc.pid)
+            if kb is not None:
+                samples.append((time.monotonic(), kb))
+            time.sleep(SAMPLE_S)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = [line for line in stdout.splitlines() if line.startswith(MARKER)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(stdout + stderr)
+        raise SystemExit(f"worker {op} failed (exit {proc.returncode})")
+    result = json.loads(lines[-1][len(MARKER):])
+    inside = [kb for t, kb in samples if result["t_start"] <= t <= result["t_end"]]
+    result["anon_mb"] = (max(inside + [result["anon_after_kb"]]) - result["anon_before_kb"]) * 1024 / MB
+    result["anon_samples"] = len(inside)
+    return result
 
 
 def main(args: argparse.Namespace) -> None:
@@ -297,13 +312,13 @@ def main(args: argparse.Namespace) -> None:
             order = lambda pair: pair if rnd % 2 == 0 else pair[::-1]  # noqa: E731
             for pair in SAVE_PAIRS:
                 for op in order(pair):
-                    results[op].append(run_worker(op, folder / OUTPUT[op], size))
+                    results[op].append(run_worker(op, folder / OUTPUT[op], size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
                           flush=True)
             for pair in LOAD_PAIRS:
                 for op in order(pair):
                     source = root / "run0" / OUTPUT[SOURCE[op]]
-                    results[op].append(run_worker(op, source, size))
+                    results[op].append(run_worker(op, source, size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
                           flush=True)
             if rnd == 0:
@@ -327,7 +342,8 @@ def main(args: argparse.Namespace) -> None:
           f"parameters, {info['model_bytes'] / MB:.1f} MB; AdamW state after 1 step {info['opt_bytes'] / MB:.1f} MB; "
           f"training state {state_bytes / MB:.1f} MB")
     print(f"peak +MB: {info['peak_method']} increase over the RSS before the operation (file pages mapped by "
-          "readers included); anon +MB: RssAnon increase, sampled every 5 ms; MB = 10**6 bytes\n")
+          "readers included); anon +MB: RssAnon increase (heap only), "
+          "sampled every 5 ms from the driver; MB = 10**6 bytes\n")
 
     def ratio(a: float, b: float, floor: float = 10.0) -> str:
         return f"{a / b:.2f}x" if b >= floor else f"n/a ({a - b:+.0f} MB)"

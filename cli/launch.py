@@ -7,13 +7,14 @@ Everything after the script (or module) name goes to it untouched, even argument
 
 How it runs:
 
-* The config is resolved once (built-in defaults < packaged default < the user's config file < these
-  flags) and handed to every worker in ONE environment variable, `ACCEL_LAUNCH_CONFIG` (JSON). When
-  `gpu_ids` is not "all" (and not on CPU), `CUDA_VISIBLE_DEVICES` is set from it as well. Only the flags
-  given form the override layer. `--cpu` also drops a file's `distributed_type` (it is derived again),
-  `--multi_gpu` also sets `use_cpu: false`, and a `--num_processes` above 1 overrides a file's
-  `distributed_type: NO` (which Accelerate writes for one process). For several processes the launcher
-  fills in the derived `distributed_type` (MULTI_GPU or MULTI_CPU) before handing the config over.
+* The config is resolved once (built-in defaults < packaged default < the user's config file <
+  the `--deepspeed_config_file` JSON < the other flags) and handed to every worker in ONE environment
+  variable, `ACCEL_LAUNCH_CONFIG` (JSON). When `gpu_ids` is not "all" (and not on CPU),
+  `CUDA_VISIBLE_DEVICES` is set from it as well. Only the flags given form the override layer. `--cpu`
+  also drops a file's `distributed_type` (it is derived again), `--multi_gpu` also sets `use_cpu: false`,
+  and a `--num_processes` above 1 overrides a file's `distributed_type: NO` (which Accelerate writes for
+  one process). For several processes the launcher fills in the derived `distributed_type` (MULTI_GPU
+  or MULTI_CPU) before handing the config over.
 * torch is imported only when needed: to count GPUs (not with --cpu) and to run torchrun's agent.
 * One process in total: the script replaces the launcher (`os.execvpe` of the current Python); no torchrun,
   no rendezvous, and the script's exit code is the launcher's.
@@ -74,6 +75,7 @@ _FLAG_KEYS = {
     "zero_stage": "parallelism.zero_stage",
     "tp_size": "parallelism.tp_size",
     "pp_size": "parallelism.pp_size",
+    "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
 }
 
 
@@ -108,6 +110,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
     add_flag(train, "tp_size", type=int, metavar="N", default=None)
     add_flag(train, "pp_size", type=int, metavar="N", default=None)
+    add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,
+             help="a DeepSpeed JSON config: its ZeRO stage, offload, batch sizes, clipping, accumulation and fp16/bf16 "
+                  "are used (over the config file; the other flags win); DeepSpeed itself is not needed")
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a Python module name, as `python -m` does")
     parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
@@ -144,11 +149,11 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 def resolve_launch_config(config_file: str | None, overrides: dict) -> AccelConfig:
     """Resolve the files and the flag layer once. A file's `distributed_type: NO` (which Accelerate writes
     for single-process configs) yields to a `--num_processes` above 1 instead of contradicting it."""
+    layers = file_layers(config_file)
     if "distributed_type" not in overrides and (overrides.get("num_processes") or 0) > 1:
-        files = merge_layers(file_layers(config_file))
-        if files.get("distributed_type") == "NO":
+        if merge_layers(layers).get("distributed_type") == "NO":
             overrides = {**overrides, "distributed_type": None}
-    return resolve_config(config_file, overrides, FLAGS_SOURCE)
+    return resolve_config(config_file, overrides, FLAGS_SOURCE, layers=layers)
 
 
 def nproc_per_node(cfg: AccelConfig) -> int:

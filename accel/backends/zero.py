@@ -102,7 +102,7 @@ class ZeroBackend(Backend):
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.state.device.type == "cuda")
         classes = getattr(self.parallelism, "zero_wrap_classes", None)
         min_params = getattr(self.parallelism, "zero_min_params", None) or DEFAULT_MIN_PARAMS
-        for block in wrap_targets(model, classes, min_params):
+        for block in reversed(wrap_targets(model, classes, min_params)):  # inner blocks before their parents
             fully_shard(block, **options)
         fully_shard(model, **options)
         if on_meta:
