@@ -24,6 +24,7 @@ _LAZY = {
     "InitProcessGroupKwargs": "accel.kwargs",
     "AutocastKwargs": "accel.kwargs",
     "GradientAccumulationPlugin": "accel.accumulation",
+    "DeepSpeedPlugin": "accel.plugins", "FullyShardedDataParallelPlugin": "accel.plugins",
     "set_seed": "accel.utils.random",
     "ProjectConfiguration": "accel.checkpoint.layout",
     "CheckpointError": "accel.checkpoint.layout",

@@ -59,17 +59,19 @@ class Accelerator:
         even_batches: bool | None = None,
         **unsupported: Any,
     ) -> None:
-        for name, value in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
-                            ("megatron_lm_plugin", megatron_lm_plugin), ("dynamo_backend", dynamo_backend)):
+        for name, value in (("megatron_lm_plugin", megatron_lm_plugin), ("dynamo_backend", dynamo_backend)):
             if value is not None and value != "no":
                 raise NotImplementedError(f"Accelerator({name}=...) {_NOT_YET}; use parallelism_config="
                                           "ParallelismConfig(...) or the config file's parallelism section")
         if unsupported:
             raise TypeError(f"Accelerator() got unexpected keyword arguments: {', '.join(sorted(unsupported))}")
         from accel.data import DataLoaderConfiguration
+        from accel.plugins import apply_plugins
 
-        self.config: AccelConfig = worker_config(self._argument_layer(
-            mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, gradient_accumulation_plugin))
+        self.config: AccelConfig = worker_config(apply_plugins(self._argument_layer(
+            mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, gradient_accumulation_plugin),
+            deepspeed_plugin, fsdp_plugin))
+        self.deepspeed_plugin, self.fsdp_plugin = deepspeed_plugin, fsdp_plugin
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
             self.dataloader_config.split_batches = split_batches
@@ -280,6 +282,10 @@ class Accelerator:
         if replacement is not optimizer:  # e.g. ZeRO-1 shards it; schedulers built on the original follow
             self._replaced_optimizers[id(optimizer)] = replacement
         wrapped = AcceleratedOptimizer(replacement, self.precision, self.gradient_state)
+        clip_to = self.config.parallelism.gradient_clipping
+        if clip_to:  # DeepSpeed's `gradient_clipping`: clip at every real step, without a call in the script
+            params = [p for group in replacement.param_groups for p in group["params"]]
+            wrapped.before_step = lambda: self.clip_grad_norm_(params, clip_to)
         self._optimizers.append(wrapped)
         return wrapped
 

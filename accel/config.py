@@ -3,7 +3,9 @@
 Precedence, lowest first: built-in defaults < the packaged `default_config.yaml` < the user's config file
 (`--config_file`, else `$ACCEL_CONFIG_FILE`, else `~/.cache/accel/default_config.yaml`) < `accel launch`
 flags < `Accelerator(...)` arguments. `accel launch` resolves the first four layers once and hands the
-result to every worker through one variable, `ACCEL_LAUNCH_CONFIG` (JSON); workers read it once.
+result to every worker through one variable, `ACCEL_LAUNCH_CONFIG` (JSON); workers read it once. A DeepSpeed
+JSON named by a config file (`deepspeed_config_file`) or by `accel launch --deepspeed_config_file` counts as
+a layer just above that config file.
 
 Every layer is validated on its own, so an error names the file (or flag) that holds the bad value.
 """
@@ -59,20 +61,26 @@ class ParallelismConfig:
     pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
     pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
     pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+    zero_wrap_classes: str | None = _spec(
+        None, str, optional=True,
+        help="comma-separated module class names that ZeRO 2/3 shard one by one (default: nn.ModuleList members)")
+    zero_min_params: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="without repeated blocks, ZeRO 2/3 shards submodules with at least this many parameters (default 1e8)")
     # Batch sizes and clipping as a DeepSpeed JSON states them (train_micro_batch_size_per_gpu, train_batch_size,
     # gradient_clipping), so the Accelerator and the ZeRO backend can read them.
     micro_batch_size: int | None = _spec(
         None, int, lo=1, optional=True,
-        help="per-process batch size (DeepSpeed's train_micro_batch_size_per_gpu); informational: the backend "
-             "checks it against the data loader's batch size")
+        help="per-process batch size (DeepSpeed's train_micro_batch_size_per_gpu); informational: for the backend "
+             "to check against the data loader's batch size")
     train_batch_size: int | None = _spec(
         None, int, lo=1, optional=True,
         help="samples per optimizer step over all processes = micro_batch_size x gradient_accumulation_steps x "
              "data-parallel size (DeepSpeed's train_batch_size); informational: checked by the backend")
     gradient_clipping: float | None = _spec(
         None, float, lo=0, optional=True,
-        help="clip the gradients' total norm to this value at every optimizer step, automatically (DeepSpeed's "
-             "gradient_clipping); null or 0: no automatic clipping")
+        help="the total norm DeepSpeed clips gradients to at every optimizer step, automatically (DeepSpeed's "
+             "gradient_clipping), carried for the Accelerator to apply; null or 0: no automatic clipping")
 
     def __post_init__(self) -> None:
         _validate_fields(self, "ParallelismConfig")
@@ -399,7 +407,8 @@ def read_deepspeed_json(path: str | os.PathLike, referenced_by: str | None = Non
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text (UTF-8) JSON file: {exc.reason}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of DeepSpeed keys at the top level, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a JSON object of DeepSpeed keys at the top level, "
+                          f"got {type(data).__name__}")
     return data
 
 
@@ -411,7 +420,8 @@ def deepspeed_json_layer(data: Any, source: str) -> dict:
     "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
     """
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, got {type(data).__name__}")
+        raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, "
+                          f"got {type(data).__name__}")
     top: dict = {}
     par: dict = {}
     ignored: list[str] = []
@@ -440,15 +450,14 @@ def deepspeed_json_layer(data: Any, source: str) -> dict:
             if enabled is None or enabled == _AUTO:
                 continue
             if not isinstance(enabled, bool):
-                raise ConfigError(f"{source}: key '{key}.enabled': bad value {enabled!r}; allowed: true, false or \"auto\"")
+                raise ConfigError(f"{source}: key '{key}.enabled': bad value {enabled!r}; "
+                                  "allowed: true, false or \"auto\"")
             precision[_DS_PRECISION_SECTIONS[key]] = precision.get(_DS_PRECISION_SECTIONS[key], False) or enabled
         elif key == "zero_optimization":
             if value is None:
                 continue
             par.update(_from_deepspeed_zero(mapping(value, key), source, ignored))
-        elif key in ("optimizer", "scheduler"):
-            ignored.append(key)
-        else:
+        else:  # optimizer/scheduler too: the warning explains them
             ignored.append(key)
     if precision.get("fp16") and precision.get("bf16"):
         raise ConfigError(f"{source}: keys 'fp16.enabled' and 'bf16.enabled' are both true; allowed: at most one "
@@ -496,7 +505,8 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
         elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer.device: cpu
             if value is None or value == _AUTO:
                 continue
-            par.setdefault("offload_optimizer", _check_value(value, PARALLEL_FIELDS["offload_optimizer"], where, source))
+            par.setdefault("offload_optimizer",
+                           _check_value(value, PARALLEL_FIELDS["offload_optimizer"], where, source))
         else:
             ignored.append(where)
     return par
@@ -504,7 +514,8 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
 
 def read_deepspeed_config(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
     """Read a DeepSpeed JSON file into a config layer (see `deepspeed_json_layer`); errors name the file."""
-    return deepspeed_json_layer(read_deepspeed_json(path, referenced_by), str(Path(path).expanduser()))
+    shown = os.path.normpath(Path(path).expanduser())  # "conf/../ds.json" reads "ds.json" in messages
+    return deepspeed_json_layer(read_deepspeed_json(path, referenced_by), shown)
 
 
 def _deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) -> Path | None:
@@ -520,22 +531,6 @@ def _deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) ->
     return path
 
 
-def _merge_deepspeed(layer: dict, ds_layer: dict, source: str, ds_file: str) -> dict:
-    """Put a DeepSpeed JSON's layer under `layer` (the file that names it). A key both set differently is a
-    one-line error: each setting belongs in one place ("auto" in the JSON leaves it to the file)."""
-    for key, value in ds_layer.items():
-        if key == "parallelism":
-            own = layer.get("parallelism", {})
-            for pkey, pvalue in value.items():
-                if pkey in own and own[pkey] != pvalue:
-                    raise ConfigError(f"{source}: key 'parallelism.{pkey}' is {own[pkey]!r} here but {pvalue!r} in "
-                                      f"{ds_file}; allowed: one value (set it in one place, or \"auto\" in the JSON)")
-        elif key in layer and layer[key] != value:
-            raise ConfigError(f"{source}: key '{key}' is {layer[key]!r} here but {value!r} in {ds_file}; allowed: one "
-                              "value (set it in one place, or \"auto\" in the JSON)")
-    return merge_layers([ds_layer, layer])
-
-
 # ---------------------------------------------------------------------------------------------------------
 # layers and precedence
 # ---------------------------------------------------------------------------------------------------------
@@ -545,8 +540,8 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
 
     Only the keys present are returned, so layers can be merged by precedence. Accelerate's keys and
     sections are translated here. A `deepspeed_config_file` (top level or in `deepspeed_config:`) is read
-    into the same layer: a relative path is taken against `base_dir` (the config file's folder), else the
-    current directory.
+    as if it were a layer just above this one (its values win, except "auto"): a relative path is taken
+    against `base_dir` (the config file's folder), else the current directory.
     """
     if raw is None:
         return {}
@@ -611,8 +606,9 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
     if len(ds_files) > 1:
         raise ConfigError(f"{source}: keys '{ds_files[0][1]}' and '{ds_files[1][1]}' both name a DeepSpeed config "
                           "file; allowed: one of them")
-    for path, key in ds_files:
-        out = _merge_deepspeed(out, read_deepspeed_config(path, f"{source}: key '{key}'"), source, str(path))
+    if ds_files:  # the JSON is a layer just above the file that names it: its values (not "auto") win
+        path, key = ds_files[0]
+        out = merge_layers([out, read_deepspeed_config(path, f"{source}: key '{key}'")])
     return out
 
 

@@ -23,6 +23,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.precision = precision
         self.gradient_state = gradient_state
         self.step_was_skipped = False
+        self.before_step = None  # e.g. automatic gradient clipping (DeepSpeed's gradient_clipping)
 
     # -- delegated state -------------------------------------------------------------------------------------
     @property
@@ -74,6 +75,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
             return
+        if self.before_step is not None:
+            self.before_step()
         if closure is not None:
             self.step_was_skipped = self.precision.step(self.optimizer, lambda: self.optimizer.step(closure))
         else:

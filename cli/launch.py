@@ -46,6 +46,7 @@ import hashlib
 import os
 import socket
 import sys
+import warnings
 
 from accel.backends import check_available
 from accel.cli._common import UsageError, add_flag
@@ -53,6 +54,7 @@ from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
     ConfigError,
+    DeepSpeedConfigWarning,
     file_layers,
     merge_layers,
     resolve_config,
@@ -265,7 +267,14 @@ def run_command(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     script_argv = _script_argv(args)
-    cfg = resolve_launch_config(args.config_file, flag_overrides(args))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeepSpeedConfigWarning)
+        cfg = resolve_launch_config(args.config_file, flag_overrides(args))
+    for warning in caught:  # a DeepSpeed JSON's ignored keys: one line, like our errors
+        if issubclass(warning.category, DeepSpeedConfigWarning):
+            sys.stderr.write(f"accel launch: warning: {warning.message}\n")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     check_available(cfg.parallelism)  # refuse before starting any process
     gpu_ids = cfg.gpu_ids.replace(" ", "")
     if not cfg.use_cpu and gpu_ids.lower() != "all":

@@ -100,8 +100,8 @@ class ZeroBackend(Backend):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         if self.offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.state.device.type == "cuda")
-        classes = getattr(self.parallelism, "zero_wrap_classes", None)
-        min_params = getattr(self.parallelism, "zero_min_params", None) or DEFAULT_MIN_PARAMS
+        classes = [c.strip() for c in (self.parallelism.zero_wrap_classes or "").split(",") if c.strip()]
+        min_params = self.parallelism.zero_min_params or DEFAULT_MIN_PARAMS
         for block in reversed(wrap_targets(model, classes, min_params)):  # inner blocks before their parents
             fully_shard(block, **options)
         fully_shard(model, **options)

@@ -29,6 +29,10 @@ def __getattr__(name: str):
         import accel.checkpoint
 
         return getattr(accel.checkpoint, name)
+    if name in ("DeepSpeedPlugin", "FullyShardedDataParallelPlugin"):
+        import accel.plugins
+
+        return getattr(accel.plugins, name)
     if name == "GradientAccumulationPlugin":
         from accel.accumulation import GradientAccumulationPlugin
 

@@ -20,9 +20,9 @@ ATOL = 1e-5
 N = 2
 
 
-def launch(isolated_env, num_processes: int, *args: str) -> None:
+def launch(isolated_env, num_processes: int, *args: str, prefix: list[str] = ()) -> None:
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
-           str(SCRIPT), *args]
+           *prefix, str(SCRIPT), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout}\n{proc.stderr}"
@@ -117,3 +117,20 @@ def test_meta_device_model_is_materialized_after_sharding(isolated_env, tmp_path
     assert sum(r["param_bytes"] for r in reports) == pytest.approx(total, rel=0.02)
     assert all(r["param_bytes"] <= 0.6 * total for r in reports)
     assert all(torch.isfinite(torch.tensor(r["final_loss"])) for r in reports)
+
+
+def test_deepspeed_json_config_trains(isolated_env, tmp_path):
+    """A DeepSpeed JSON file, without DeepSpeed: stage 2, accumulation 2 and automatic clipping at 0.5 from the
+    file; the script neither names the stage nor clips. Ends equal to the single-process reference."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 2, "overlap_comm": True}, "fp16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "steps_per_print": 10,
+    }))
+    launch(isolated_env, N, "--out", str(tmp_path), "--no_clip", prefix=["--deepspeed_config_file", str(ds)])
+    records = json.loads((tmp_path / "record.json").read_text())
+    assert records[0]["zero_stage"] == 2 and records[0]["gradient_accumulation_steps"] == 2
+    assert records[0]["norms"] == []  # the script did not clip; the config did
+    ref_weights, *_ = reference(2)
+    assert_weights_equal(load_file(str(tmp_path / "weights.safetensors")), ref_weights)

@@ -190,7 +190,7 @@ def test_fp8_and_unknown_arguments_are_clear_errors():
         Accelerator(cpu=True, mixed_precision="fp8")
     with pytest.raises(ConfigError, match="mixed_precision.*'fp32'.*allowed: one of no, fp16, bf16, fp8"):
         Accelerator(cpu=True, mixed_precision="fp32")
-    with pytest.raises(NotImplementedError, match="deepspeed_plugin"):
+    with pytest.raises(ConfigError, match="deepspeed_plugin"):
         Accelerator(cpu=True, deepspeed_plugin=object())
     with pytest.raises(ConfigError, match="ParallelismConfig.*zero_stage.*bad value 7.*0 to 3"):
         ParallelismConfig(zero_stage=7)

@@ -55,9 +55,10 @@ def optimizer_state_tensors(optimizer):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stage", type=int, default=None, help="default: from the launched config")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--no_clip", action="store_true", help="leave clipping to the config's gradient_clipping")
     parser.add_argument("--mode", choices=["train", "load", "meta"], default="train")
     args = parser.parse_args()
     out = Path(args.out)
@@ -69,8 +70,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
-    parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload, offload_params=args.offload)
-    accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
+    if args.stage is None:  # everything from the config (e.g. accel launch --deepspeed_config_file ds.json)
+        accelerator = Accelerator()
+    else:
+        parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload,
+                                        offload_params=args.offload)
+        accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     if args.mode == "load":
@@ -102,7 +107,7 @@ def main() -> None:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(inputs), targets)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and not args.no_clip:
                     norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
                 optimizer.step()
                 scheduler.step()
@@ -116,6 +121,8 @@ def main() -> None:
         "param_bytes": local_bytes(model.parameters()),
         "optimizer_bytes": local_bytes(optimizer_state_tensors(optimizer.optimizer)),
         "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+        "zero_stage": accelerator.config.parallelism.zero_stage,
+        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
     }
     weights = accelerator.get_state_dict(model)
     all_records = accelerator.gather_for_metrics([record], use_gather_object=True)

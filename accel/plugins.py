@@ -1,0 +1,330 @@
+"""Accelerate's `DeepSpeedPlugin` and `FullyShardedDataParallelPlugin`, as config layers.
+
+accel has one config tree; a plugin is only another way to write part of it. `to_layer()` returns the
+layer (the shape `accel.config.parse_layer` returns) that the plugin means, and the `Accelerator` applies
+it with the precedence of its own arguments. Neither DeepSpeed nor FSDP's own classes are needed:
+
+* `DeepSpeedPlugin`: `hf_ds_config` (a DeepSpeed JSON path or dict, read exactly as
+  `accel launch --deepspeed_config_file` reads one) plus `zero_stage`, `offload_optimizer_device`,
+  `offload_param_device`, `gradient_accumulation_steps`, `gradient_clipping`;
+* `FullyShardedDataParallelPlugin`: `sharding_strategy` / `reshard_after_forward` (onto ZeRO stages:
+  FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0) and `cpu_offload`.
+
+Arguments that only tune how Accelerate wraps or prefetches (`auto_wrap_policy`, `backward_prefetch`,
+`use_orig_params`, `zero3_init_flag`, ...) are accepted and kept as attributes. Arguments whose meaning
+accel cannot honour (`mixed_precision_policy`, `activation_checkpointing`, nvme paths, MS-AMP, ...) are an
+error naming the argument when set to anything but their default; unknown argument names are a TypeError.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accel.config import (
+    PARALLEL_FIELDS,
+    TOP_FIELDS,
+    AccelConfig,
+    ConfigError,
+    _allowed,
+    _check_value,
+    deepspeed_json_layer,
+    merge_layers,
+    read_deepspeed_json,
+)
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# FSDP sharding strategy -> ZeRO stage; numbers are torch's ShardingStrategy values (and Accelerate's 1-5)
+_STRATEGY_STAGE = {
+    "FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2,
+    "_HYBRID_SHARD_ZERO2": 2,
+}
+_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2"}
+_STRATEGY_ALLOWED = "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 (a name, 1-5 or the enum)"
+
+
+def _unsupported(plugin: Any, accepted: dict[str, tuple], why: dict[str, str]) -> None:
+    """A one-line ConfigError for the first argument set to something other than its default(s)."""
+    for name, values in accepted.items():
+        value = getattr(plugin, name)
+        if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in values):
+            allowed = " or ".join(repr(ok) for ok in values)
+            raise ConfigError(f"{plugin._NAME}: argument '{name}': {value!r} is not supported by accel; allowed: "
+                              f"{allowed} (leave it unset){why.get(name, '')}")
+
+
+def _argument(owner: str, name: str, value: Any, meta: dict) -> Any:
+    """`value` checked against a config field's rules; errors name the argument."""
+    try:
+        return _check_value(value, meta, name, owner)
+    except ConfigError:
+        raise ConfigError(f"{owner}: argument '{name}': bad value {value!r}; allowed: {_allowed(meta)}") from None
+
+
+def _stage_unset_default(layer: dict, stage: int, base: AccelConfig | None) -> dict:
+    """A plugin that names no stage means Accelerate's default `stage` unless the other layers (`base`:
+    the config file or launched config) already ask for ZeRO/FSDP sharding, whose stage then stays."""
+    if base is not None and base.parallelism.zero_stage > 0:
+        return layer
+    return merge_layers([{"parallelism": {"zero_stage": stage}}, layer])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# DeepSpeed
+# -------------------------------------------------------------------------------------------------------------
+
+# DeepSpeedPlugin argument -> (section, key) of the layer it sets
+_DS_ARGUMENTS = {
+    "gradient_accumulation_steps": (None, "gradient_accumulation_steps"),
+    "gradient_clipping": ("parallelism", "gradient_clipping"),
+    "zero_stage": ("parallelism", "zero_stage"),
+    "offload_optimizer_device": ("parallelism", "offload_optimizer"),
+    "offload_param_device": ("parallelism", "offload_params"),
+}
+
+@dataclass
+class DeepSpeedPlugin:
+    """Accelerate's DeepSpeedPlugin, mapped onto accel's ZeRO settings (DeepSpeed itself is not needed).
+
+    `hf_ds_config`: a path to a DeepSpeed JSON file or its dict. The other arguments, when given, must agree
+    with the file (or the file must say "auto" there). No stage at all (neither `zero_stage` nor the file's
+    `zero_optimization.stage`, and no `hf_ds_config`) means ZeRO stage 2 as in Accelerate, unless the config
+    file/launch already asks for a ZeRO stage, which is then kept.
+    """
+
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: Any = None
+    gradient_clipping: Any = None
+    zero_stage: Any = None
+    is_train_batch_min: bool = True
+    offload_optimizer_device: Any = None
+    offload_param_device: Any = None
+    offload_optimizer_nvme_path: Any = None
+    offload_param_nvme_path: Any = None
+    zero3_init_flag: Any = None
+    zero3_save_16bit_model: Any = None
+    transformer_moe_cls_names: Any = None
+    enable_msamp: Any = None
+    msamp_opt_level: Any = None
+    deepspeed_config: dict = field(init=False, repr=False, default_factory=dict)
+
+    _NAME = "DeepSpeedPlugin"
+
+    def __post_init__(self) -> None:
+        _unsupported(self, {
+            "offload_optimizer_nvme_path": (None,), "offload_param_nvme_path": (None,),
+            "transformer_moe_cls_names": (None,), "enable_msamp": (None, False), "msamp_opt_level": (None,),
+        }, {
+            "offload_optimizer_nvme_path": "; nvme offload is not supported, use offload_optimizer_device='cpu'",
+            "offload_param_nvme_path": "; nvme offload is not supported, use offload_param_device='cpu'",
+            "enable_msamp": "; use Accelerator(mixed_precision=...)",
+            "msamp_opt_level": "; use Accelerator(mixed_precision=...)",
+        })
+        if self.hf_ds_config is None:
+            source = f"{self._NAME}(...)"
+            self.deepspeed_config = {}
+        elif isinstance(self.hf_ds_config, dict):
+            source = f"{self._NAME}(hf_ds_config=...)"
+            self.deepspeed_config = self.hf_ds_config
+        elif isinstance(self.hf_ds_config, (str, os.PathLike)):
+            path = Path(self.hf_ds_config).expanduser()
+            source = os.path.normpath(path)
+            self.deepspeed_config = read_deepspeed_json(path, f"{self._NAME}: argument 'hf_ds_config'")
+        else:
+            raise ConfigError(f"{self._NAME}: argument 'hf_ds_config': bad value of type "
+                              f"{type(self.hf_ds_config).__name__}; allowed: a DeepSpeed JSON file's path or its dict")
+        file_layer = deepspeed_json_layer(self.deepspeed_config, source) if self.hf_ds_config is not None else {}
+        args_layer = self._layer_of_arguments()  # validated now, not at Accelerator()
+        for arg, (section, key) in _DS_ARGUMENTS.items():  # an argument and the file must agree
+            mine = (args_layer.get(section, {}) if section else args_layer).get(key)
+            theirs = (file_layer.get(section, {}) if section else file_layer).get(key)
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ConfigError(f"{self._NAME}: argument '{arg}' gives {key}={mine!r} but {source} gives "
+                                  f"{theirs!r}; allowed: the same value, or leave one unset (or \"auto\" in the JSON)")
+        self._layer = merge_layers([file_layer, args_layer])
+
+    def _layer_of_arguments(self) -> dict:
+        owner = self._NAME
+        top: dict = {}
+        par: dict = {}
+        if self.gradient_accumulation_steps not in (None, "auto"):
+            top["gradient_accumulation_steps"] = _argument(owner, "gradient_accumulation_steps",
+                                                           self.gradient_accumulation_steps,
+                                                           TOP_FIELDS["gradient_accumulation_steps"])
+        if self.gradient_clipping not in (None, "auto"):
+            par["gradient_clipping"] = _argument(owner, "gradient_clipping", self.gradient_clipping,
+                                                 {**PARALLEL_FIELDS["gradient_clipping"], "optional": False})
+        if self.zero_stage not in (None, "auto"):
+            par["zero_stage"] = _argument(owner, "zero_stage", self.zero_stage, PARALLEL_FIELDS["zero_stage"])
+        for arg, key in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+            device = getattr(self, arg)
+            if device is None or device == "auto":
+                continue
+            device = getattr(device, "value", device)  # an enum of devices
+            if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+                raise ConfigError(f"{owner}: argument '{arg}': bad value {device!r}; allowed: none, cpu")
+            if device.lower() == "nvme":
+                raise ConfigError(f"{owner}: argument '{arg}': 'nvme' offload is not supported by accel; "
+                                  "allowed: none, cpu")
+            par[key] = device.lower() == "cpu"
+        if par:
+            top["parallelism"] = par
+        return top
+
+    def to_layer(self, base: AccelConfig | None = None) -> dict:
+        """The config layer this plugin means (apply it with `Accelerator(...)`-argument precedence).
+
+        `base` is the config the other layers resolve to (files or the launched config); it only decides
+        the stage when nothing here names one (see the class docstring)."""
+        layer = merge_layers([self._layer])  # a copy
+        if self.hf_ds_config is None and "zero_stage" not in layer.get("parallelism", {}):
+            layer = _stage_unset_default(layer, 2, base)
+        return layer
+
+
+# -------------------------------------------------------------------------------------------------------------
+# FSDP
+# -------------------------------------------------------------------------------------------------------------
+
+def _strategy_stage(value: Any, arg: str, owner: str) -> int:
+    """A ShardingStrategy enum, its name (any case) or its number (1-5) -> ZeRO stage."""
+    name = getattr(value, "name", None)
+    if name is None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            name = _STRATEGY_NUMBERS.get(value)
+        elif isinstance(value, str):
+            text = value.strip()
+            name = _STRATEGY_NUMBERS.get(int(text)) if text.isdigit() else text.upper()
+    stage = _STRATEGY_STAGE.get(str(name).upper()) if name is not None else None
+    if stage is None:
+        raise ConfigError(f"{owner}: argument '{arg}': bad value {value!r}; allowed: {_STRATEGY_ALLOWED}")
+    return stage
+
+
+def _offload_flag(value: Any, owner: str) -> bool:
+    """cpu_offload: a bool, torch's CPUOffload(offload_params=...), or FSDP2's CPUOffloadPolicy/OffloadPolicy."""
+    if isinstance(value, bool):
+        return value
+    if hasattr(value, "offload_params"):
+        return bool(value.offload_params)
+    kind = type(value).__name__
+    if kind == "CPUOffloadPolicy":
+        return True
+    if kind == "OffloadPolicy":
+        return False
+    raise ConfigError(f"{owner}: argument 'cpu_offload': bad value {value!r}; allowed: true, false, "
+                      "CPUOffload(offload_params=...) or CPUOffloadPolicy()")
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """Accelerate's FSDP plugin, mapped onto accel's ZeRO stages: sharding parameters, gradients and optimizer
+    state is stage 3 (FULL_SHARD, HYBRID_SHARD, reshard_after_forward=True), gradients and optimizer state
+    stage 2 (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2, reshard_after_forward=False), none stage 0 (NO_SHARD).
+
+    No strategy given means FULL_SHARD (stage 3) as in Accelerate, unless the config file/launch already
+    asks for a ZeRO stage, which is then kept. `cpu_offload` turns on both offload_params and
+    offload_optimizer (FSDP's CPU offload moves both).
+    """
+
+    sharding_strategy: Any = None
+    reshard_after_forward: Any = None
+    cpu_offload: Any = None
+    fsdp_version: Any = None
+    backward_prefetch: Any = None
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: Any = None
+    ignored_modules: Any = None
+    state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: Any = True
+    use_orig_params: Any = None
+    param_init_fn: Any = None
+    sync_module_states: Any = None
+    forward_prefetch: Any = None
+    activation_checkpointing: Any = None
+    cpu_ram_efficient_loading: Any = None
+    transformer_cls_names_to_wrap: Any = None
+    min_num_params: Any = None
+
+    _NAME = "FullyShardedDataParallelPlugin"
+
+    def __post_init__(self) -> None:
+        owner = self._NAME
+        _unsupported(self, {
+            "mixed_precision_policy": (None,), "ignored_modules": (None,), "state_dict_config": (None,),
+            "optim_state_dict_config": (None,), "param_init_fn": (None,), "activation_checkpointing": (None, False),
+        }, {
+            "mixed_precision_policy": "; use Accelerator(mixed_precision=...)",
+            "activation_checkpointing": "; call torch.utils.checkpoint in the model instead",
+            "param_init_fn": "; a model built on the meta device is materialized by the ZeRO backend itself",
+        })
+        if self.fsdp_version is not None and self.fsdp_version not in (1, 2):
+            raise ConfigError(f"{owner}: argument 'fsdp_version': bad value {self.fsdp_version!r}; allowed: 1 or 2")
+        par: dict = {}
+        if self.sharding_strategy is not None:
+            par["zero_stage"] = _strategy_stage(self.sharding_strategy, "sharding_strategy", owner)
+        if self.reshard_after_forward is not None:
+            if isinstance(self.reshard_after_forward, bool):
+                stage = 3 if self.reshard_after_forward else 2
+            else:  # Accelerate also takes FSDP1 strategy names here
+                stage = _strategy_stage(self.reshard_after_forward, "reshard_after_forward", owner)
+            if "zero_stage" in par and par["zero_stage"] != stage:
+                raise ConfigError(f"{owner}: arguments 'sharding_strategy' ({self.sharding_strategy!r}) and "
+                                  f"'reshard_after_forward' ({self.reshard_after_forward!r}) disagree (ZeRO stage "
+                                  f"{par['zero_stage']} vs {stage}); allowed: give one of them")
+            par["zero_stage"] = stage
+        if self.cpu_offload is not None:
+            offload = _offload_flag(self.cpu_offload, owner)
+            par["offload_params"] = offload
+            par["offload_optimizer"] = offload
+        self._layer = {"parallelism": par} if par else {}
+
+    def to_layer(self, base: AccelConfig | None = None) -> dict:
+        """The config layer this plugin means (apply it with `Accelerator(...)`-argument precedence).
+
+        `base` is the config the other layers resolve to; it only decides the stage when no strategy is given."""
+        layer = merge_layers([self._layer])
+        if "zero_stage" not in layer.get("parallelism", {}):
+            layer = _stage_unset_default(layer, 3, base)
+        return layer
+
+
+# -------------------------------------------------------------------------------------------------------------
+# for the Accelerator
+# -------------------------------------------------------------------------------------------------------------
+
+def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugin: Any = None,
+                  base: AccelConfig | None = None) -> dict:
+    """The `Accelerator(...)` layer with a plugin applied: the plugin's layer under the plain arguments
+    (`mixed_precision=`, `gradient_accumulation_steps=` win), except that the plugin's parallelism keys win
+    over `parallelism_config=` (which sets every field). `base` defaults to `accel.config.worker_config()`
+    (the files or the launched config) and is only read when the plugin names no stage."""
+    if deepspeed_plugin is None and fsdp_plugin is None:
+        return argument_layer
+    if deepspeed_plugin is not None and fsdp_plugin is not None:
+        raise ConfigError("Accelerator: deepspeed_plugin and fsdp_plugin are both given; allowed: one of them")
+    plugin = deepspeed_plugin if deepspeed_plugin is not None else fsdp_plugin
+    name = "deepspeed_plugin" if deepspeed_plugin is not None else "fsdp_plugin"
+    if isinstance(plugin, dict):
+        raise ConfigError(f"Accelerator: argument '{name}': a dict of several plugins (one per model) is not "
+                          "supported by accel; allowed: one plugin")
+    if not hasattr(plugin, "to_layer"):
+        raise ConfigError(f"Accelerator: argument '{name}': expected accel.DeepSpeedPlugin or "
+                          f"accel.FullyShardedDataParallelPlugin, got {type(plugin).__name__}")
+    if base is None and _needs_base(plugin):
+        from accel.config import worker_config
+
+        base = worker_config()
+    layer = plugin.to_layer(base)
+    merged = merge_layers([layer, argument_layer])
+    if "parallelism" in layer and "parallelism" in argument_layer:
+        merged["parallelism"].update(layer["parallelism"])
+    return merged
+
+
+def _needs_base(plugin: Any) -> bool:
+    return "zero_stage" not in plugin.to_layer(AccelConfig(parallelism={"zero_stage": 1})).get("parallelism", {})
