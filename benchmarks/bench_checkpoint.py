@@ -21,14 +21,19 @@ Their workers therefore fsync the file after the timed save and time that separa
 plain save both without and with fsync ("+ fsync"), and no dirty page cache is left to slow the next worker.
 Loads read checkpoints written a moment earlier, i.e. from the page cache (dropping it needs root).
 
-Peak memory: before the operation the worker resets its peak-RSS counter (writing 5 to /proc/self/clear_refs,
-Linux >= 4.0) and reads VmRSS; after it, VmHWM. "peak +MB" is VmHWM - VmRSS-before: what the operation needs
-on top of the live model and optimizer. Without clear_refs it falls back to the ru_maxrss difference (which
-can hide an operation's peak below the setup's). File-backed pages touched through mmap (safetensors reads)
-count as resident too.
+Memory, two measures of what the operation needs on top of the live model and optimizer:
+* "peak +MB": the worker resets its peak-RSS counter just before the operation (writes 5 to
+  /proc/self/clear_refs, Linux >= 4.0) and reads VmRSS; after it, VmHWM; the difference. It counts every
+  resident page, including the pages of a checkpoint file that a reader maps (safetensors' safe_open), which
+  the kernel can drop at will. Without clear_refs it falls back to the ru_maxrss difference (which can hide
+  an operation's peak below the setup's).
+* "anon +MB": the highest RssAnon (heap: buffers and copies) during the operation minus RssAnon before it,
+  sampled every 5 ms by the driver from /proc/<pid>/status (a sampling thread inside the worker would be
+  starved of the GIL while a big buffer is being copied). A spike shorter than 5 ms can be missed.
 
 Runs alternate (accel first in even rounds, plain first in odd ones); the table shows medians, minima, MB/s
-(tensor bytes / median seconds; MB = 10**6 bytes), peak memory and the size on disk, with accel/plain ratios.
+(tensor bytes / median seconds; MB = 10**6 bytes), memory and the size on disk, with accel/plain ratios. Each
+load checks that it restored a parameter (and, for training state, its exp_avg) disturbed just before it.
 Everything is written under a temporary folder in the system temp dir (/tmp), removed at the end.
 A benchmark, not a test: it asserts nothing.
 """
@@ -346,9 +351,10 @@ def main(args: argparse.Namespace) -> None:
           "sampled every 5 ms from the driver; MB = 10**6 bytes\n")
 
     def ratio(a: float, b: float, floor: float = 10.0) -> str:
-        return f"{a / b:.2f}x" if b >= floor else f"n/a ({a - b:+.0f} MB)"
+        diff = f"{round(a - b):+d} MB"
+        return f"{a / b:.2f}x ({diff})" if b >= floor else f"{diff} (plain < {floor:.0f} MB)"
 
-    header = (f"{'operation':<42}{'median s':>9}{'min s':>8}{'MB/s':>7}{'peak +MB':>9}{'anon +MB':>9}"
+    header = (f"{'operation':<42}{'median s':>9}{'min s':>7}{'max s':>7}{'MB/s':>7}{'peak +MB':>9}{'anon +MB':>9}"
               f"{'disk MB':>9}{'files':>6}{'restored':>9}")
     for title, pairs, payload in (("training state (model + AdamW)", [SAVE_PAIRS[0], LOAD_PAIRS[0]], state_bytes),
                                   ("model weights only", [SAVE_PAIRS[1], LOAD_PAIRS[1]], info["model_bytes"])):
@@ -363,16 +369,17 @@ def main(args: argparse.Namespace) -> None:
                 rows[op] = (median(secs), median([r["peak_mb"] for r in runs_]), median([r["anon_mb"] for r in runs_]))
                 disk, files = sizes.get(op) or sizes.get(SOURCE.get(op, ""), (0, 0))
                 ok = "" if "restored" not in runs_[0] else ("yes" if all(r["restored"] for r in runs_) else "NO")
-                print(f"{LABELS[op]:<42}{rows[op][0]:>9.2f}{min(secs):>8.2f}{payload / MB / rows[op][0]:>7.0f}"
-                      f"{rows[op][1]:>9.0f}{rows[op][2]:>9.0f}{disk / MB:>9.1f}{files:>6}{ok:>9}")
+                print(f"{LABELS[op]:<42}{rows[op][0]:>9.2f}{min(secs):>7.2f}{max(secs):>7.2f}"
+                      f"{payload / MB / rows[op][0]:>7.0f}{round(rows[op][1]):>9d}{round(rows[op][2]):>9d}"
+                      f"{disk / MB:>9.1f}{files:>6}{ok:>9}")
             (t_a, p_a, n_a), (t_p, p_p, n_p) = rows[accel_op], rows[plain_op]
-            ratio_line = (f"  accel/plain: time {t_a / t_p:.2f}x, peak {ratio(p_a, p_p)} ({p_a - p_p:+.0f} MB), "
+            ratio_line = (f"  accel/plain: time {t_a / t_p:.2f}x, peak {ratio(p_a, p_p)}, "
                           f"anon {ratio(n_a, n_p)}")
             if plain_op in ("torch_save", "st_save_file"):
-                synced = median([r["seconds"] + r["fsync_s"] for r in results[plain_op]])
-                print(f"{LABELS[plain_op] + ' + fsync':<42}{synced:>9.2f}"
-                      f"{min(r['seconds'] + r['fsync_s'] for r in results[plain_op]):>8.2f}"
-                      f"{payload / MB / synced:>7.0f}")
+                synced_all = [r["seconds"] + r["fsync_s"] for r in results[plain_op]]
+                synced = median(synced_all)
+                print(f"{LABELS[plain_op] + ' + fsync':<42}{synced:>9.2f}{min(synced_all):>7.2f}"
+                      f"{max(synced_all):>7.2f}{payload / MB / synced:>7.0f}")
                 ratio_line += f"; time against the fsynced save {t_a / synced:.2f}x"
             print(ratio_line)
         print()
