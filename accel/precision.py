@@ -33,9 +33,14 @@ class PrecisionPolicy:
         self.dtype: torch.dtype | None = _DTYPES[mode]
         self.autocast_kwargs = dict(autocast_kwargs or {})
         self.scaler = None
+        self.scaler_kwargs = dict(scaler_kwargs or {})
         if mode == "fp16":
-            scaler_kwargs = dict(scaler_kwargs or {})
-            self.scaler = torch.amp.GradScaler(self.device_type, **scaler_kwargs)
+            self.scaler = torch.amp.GradScaler(self.device_type, **self.scaler_kwargs)
+
+    def use_scaler_class(self, scaler_class: type) -> None:
+        """A backend whose gradients are sharded swaps in a scaler that agrees on inf/nan across ranks."""
+        if self.scaler is not None:
+            self.scaler = scaler_class(self.device_type, **self.scaler_kwargs)
 
     # -- forward --------------------------------------------------------------------------------------------
     def autocast(self, **overrides: Any):

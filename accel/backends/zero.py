@@ -60,9 +60,10 @@ class ZeroBackend(Backend):
         if self.offload and self.stage < 2:
             raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
                               f"offload), got zero_stage={self.stage}; allowed: zero_stage 2 or 3 with offload")
-        if self.stage >= 2 and self.precision.mode == "fp16":
-            raise ConfigError("mixed_precision: fp16 with zero_stage 2/3 is not available yet in accel (it needs a "
-                              "sharded grad scaler); use bf16")
+        if self.stage >= 2 and self.sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.precision.use_scaler_class(ShardedGradScaler)  # each rank sees only its shard of the gradients
         self._replacements: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> sharded one
         self._optimizers: list[torch.optim.Optimizer] = []
         self._ddp = DDPBackend(*args, **kwargs)  # stage 1 wraps the model in DDP

@@ -134,3 +134,14 @@ def test_deepspeed_json_config_trains(isolated_env, tmp_path):
     assert records[0]["norms"] == []  # the script did not clip; the config did
     ref_weights, *_ = reference(2)
     assert_weights_equal(load_file(str(tmp_path / "weights.safetensors")), ref_weights)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_inf_step_is_skipped_on_every_rank(isolated_env, tmp_path, stage):
+    """Only rank 1 sees an inf loss; the (sharded) grad scaler makes every rank skip that step together."""
+    launch(isolated_env, N, "--out", str(tmp_path), "--stage", str(stage), "--mode", "fp16")
+    reports = json.loads((tmp_path / "fp16.json").read_text())
+    for report in reports:
+        assert report["skipped"] == [False, True, False, False]
+        assert report["changed"] == [True, False, True, True]
+        assert report["scaler"] == ("ShardedGradScaler" if stage >= 2 else "GradScaler")

@@ -4,6 +4,7 @@
               gathered) and a checkpoint (save_state) to OUT/ckpt
 --mode load   builds the same objects, load_state(OUT/ckpt), writes loaded.safetensors
 --mode meta   builds the model on the meta device; prepare shards and materializes it; trains a few steps
+--mode fp16   fp16 with loss scaling; rank 1's loss is inf at step 1: every rank must skip that step
 """
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator, ParallelismConfig
+from accel import Accelerator, GradScalerKwargs, ParallelismConfig
 from accel.utils import set_seed
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--no_clip", action="store_true", help="leave clipping to the config's gradient_clipping")
-    parser.add_argument("--mode", choices=["train", "load", "meta"], default="train")
+    parser.add_argument("--mode", choices=["train", "load", "meta", "fp16"], default="train")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -75,7 +76,9 @@ def main() -> None:
     else:
         parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload,
                                         offload_params=args.offload)
-        accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
+        accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum,
+                                  mixed_precision="fp16" if args.mode == "fp16" else None,
+                                  kwargs_handlers=[GradScalerKwargs(init_scale=256)])
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     if args.mode == "load":
@@ -98,6 +101,27 @@ def main() -> None:
         reports = accelerator.gather_for_metrics([report], use_gather_object=True)
         if accelerator.is_main_process:
             (out / "meta.json").write_text(json.dumps(reports))
+        accelerator.end_training()
+        return
+
+    if args.mode == "fp16":
+        report = {"skipped": [], "changed": [], "scaler": type(accelerator.scaler).__name__}
+        for step, (inputs, targets) in enumerate(loader):
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            if step == 1 and accelerator.process_index == 1:
+                loss = loss * float("inf")
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1e6)
+            optimizer.step()
+            optimizer.zero_grad()
+            report["skipped"].append(accelerator.optimizer_step_was_skipped)
+            report["changed"].append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+            if step == 3:
+                break
+        reports = accelerator.gather_for_metrics([report], use_gather_object=True)
+        if accelerator.is_main_process:
+            (out / "fp16.json").write_text(json.dumps(reports))
         accelerator.end_training()
         return
 
