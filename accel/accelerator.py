@@ -281,6 +281,9 @@ class Accelerator:
         replacement = self.backend.prepare_optimizer(optimizer, models)
         if replacement is not optimizer:  # e.g. ZeRO-1 shards it; schedulers built on the original follow
             self._replaced_optimizers[id(optimizer)] = replacement
+            for prepared in self._schedulers:  # a scheduler prepared in an earlier call
+                if getattr(prepared.scheduler, "optimizer", None) is optimizer:
+                    retarget_scheduler(prepared.scheduler, replacement)
         wrapped = AcceleratedOptimizer(replacement, self.precision, self.gradient_state)
         clip_to = self.config.parallelism.gradient_clipping
         if clip_to:  # DeepSpeed's `gradient_clipping`: clip at every real step, without a call in the script
