@@ -1,7 +1,7 @@
 """Checkpoint cost: accel's save_state/load_state and save_model/load_checkpoint_in_model against plain PyTorch.
 
     python benchmarks/bench_checkpoint.py            # ~100M-parameter MLP + AdamW, 3 runs each (~3-4 minutes)
-    python benchmarks/bench_checkpoint.py --quick    # smoke run (~13M parameters, 1 run): its figures are noise
+    python benchmarks/bench_checkpoint.py --quick    # smoke run (12.6M parameters, 1 run): its figures are noise
 
 Every measured operation runs in a fresh interpreter (a worker: this file with --worker), so peak memory of one
 operation never carries over to the next. Each worker builds the same model (seed 0: an MLP of 12 blocks
@@ -19,7 +19,8 @@ and step for every parameter: about 3x the parameters) and drops the gradients; 
 accel's saves fsync what they write (they are atomic: temporary name, fsync, rename); the plain saves do not.
 Their workers therefore fsync the file after the timed save and time that separately, so the table shows the
 plain save both without and with fsync ("+ fsync"), and no dirty page cache is left to slow the next worker.
-Loads read checkpoints written a moment earlier, i.e. from the page cache (dropping it needs root).
+Loads read checkpoints written a moment earlier, i.e. from the page cache (dropping it needs root). What any
+operation imports (torch.distributed.checkpoint: ~0.6 s) is imported before timing, in every worker.
 
 Memory, two measures of what the operation needs on top of the live model and optimizer:
 * "peak +MB": the worker resets its peak-RSS counter just before the operation (writes 5 to
@@ -31,7 +32,7 @@ Memory, two measures of what the operation needs on top of the live model and op
   sampled every 5 ms by the driver from /proc/<pid>/status (a sampling thread inside the worker would be
   starved of the GIL while a big buffer is being copied). A spike shorter than 5 ms can be missed.
 
-Runs alternate (accel first in even rounds, plain first in odd ones); the table shows medians, minima, MB/s
+Runs alternate (accel first in even rounds, plain first in odd ones); the table shows median, min and max seconds, MB/s
 (tensor bytes / median seconds; MB = 10**6 bytes), memory and the size on disk, with accel/plain ratios. Each
 load checks that it restored a parameter (and, for training state, its exp_avg) disturbed just before it.
 Everything is written under a temporary folder in the system temp dir (/tmp), removed at the end.
@@ -80,7 +81,7 @@ SOURCE = {"accel_load_state": "accel_save_state", "torch_load": "torch_save", "a
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each operation (fresh process each)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: ~13M parameters, 1 run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 12.6M parameters, 1 run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
@@ -305,7 +306,7 @@ def main(args: argparse.Namespace) -> None:
     import torch
 
     size = "quick" if args.quick else "full"
-    runs = 1 if args.quick else args.runs
+    runs = 1 if args.quick else max(1, args.runs)
     start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="accel-bench-checkpoint-"))
     results: dict[str, list[dict]] = {op: [] for pair in SAVE_PAIRS + LOAD_PAIRS for op in pair}
@@ -314,14 +315,13 @@ def main(args: argparse.Namespace) -> None:
         for rnd in range(runs):
             folder = root / f"run{rnd}"
             folder.mkdir()
-            order = lambda pair: pair if rnd % 2 == 0 else pair[::-1]  # noqa: E731
             for pair in SAVE_PAIRS:
-                for op in order(pair):
+                for op in (pair if rnd % 2 == 0 else pair[::-1]):
                     results[op].append(run_worker(op, folder / OUTPUT[op], size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
                           flush=True)
             for pair in LOAD_PAIRS:
-                for op in order(pair):
+                for op in (pair if rnd % 2 == 0 else pair[::-1]):
                     source = root / "run0" / OUTPUT[SOURCE[op]]
                     results[op].append(run_worker(op, source, size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",

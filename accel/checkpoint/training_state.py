@@ -96,6 +96,23 @@ def _collect(objects: TrainingObjects) -> dict:
     }
 
 
+FILE_BYTES = 256 * 2**20  # DCP's safetensors writer builds each file in memory: bound the peak by the file size
+
+
+def _file_buckets(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Key -> file number (1-based): consecutive tensors in files of at most FILE_BYTES (one larger tensor
+    gets a file of its own), so a save never holds more than about one file's bytes extra."""
+    mapping, index, used = {}, 1, 0
+    for key, t in tensors.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        size = local.numel() * local.element_size()
+        if used and used + size > FILE_BYTES:
+            index, used = index + 1, 0
+        mapping[key] = index
+        used += size
+    return mapping
+
+
 def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Keys whose tensor shares storage with an earlier key (tied weights) -> that earlier key."""
     seen: dict[tuple, str] = {}
@@ -133,9 +150,10 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     for key in aliases:
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
+    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=_file_buckets(tensors),
+                                      save_distributed=True)
     with _quiet_single_process():
-        dcp_save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True),
-                 no_dist=world == 1)
+        dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
     _save_rng(tmp / "rng", rank)
     _barrier()
     if rank == 0:
