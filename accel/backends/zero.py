@@ -10,6 +10,7 @@ Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and t
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterable
 
 import torch
@@ -64,7 +65,7 @@ class ZeroBackend(Backend):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.precision.use_scaler_class(ShardedGradScaler)  # each rank sees only its shard of the gradients
-        self._replacements: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> sharded one
+        self._replacements: dict[int, tuple] = {}  # id(original parameter) -> (weakref to it, sharded one)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._ddp = DDPBackend(*args, **kwargs)  # stage 1 wraps the model in DDP
 
@@ -82,16 +83,15 @@ class ZeroBackend(Backend):
             if on_meta:
                 _materialize(model, self.state.device)
             return model
-        if self.stage == 1:
-            return self._ddp.prepare_model(model, device_placement=False)  # gradients: plain DDP all-reduce
+        if self.stage == 1:  # parameters stay whole: materialize, then plain DDP all-reduce for the gradients
+            if on_meta:
+                _materialize(model, self.state.device)
+            return self._ddp.prepare_model(model, device_placement=False)
         return self._fully_shard(model, on_meta)
 
     def _fully_shard(self, model: torch.nn.Module, on_meta: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        names = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), name)
         originals = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
         options = {
             "mesh": self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None,
@@ -109,8 +109,8 @@ class ZeroBackend(Backend):
         if on_meta:
             _materialize(model, "cpu" if self.offload else self.state.device)
         sharded = dict(model.named_parameters(remove_duplicate=False))
-        for name, old in originals.items():
-            self._replacements[id(old)] = sharded[name]
+        for name, old in originals.items():  # weak: the original full parameters may be freed
+            self._replacements[id(old)] = (weakref.ref(old), sharded[name])
         for optimizer in self._optimizers:
             self._repoint(optimizer)
         return model
@@ -133,8 +133,12 @@ class ZeroBackend(Backend):
 
     def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the optimizer update the sharded parameters that replaced the ones it was built with."""
+        def replacement(param):
+            ref, new = self._replacements.get(id(param), (None, None))
+            return new if ref is not None and ref() is param else param
+
         for group in optimizer.param_groups:
-            group["params"] = [self._replacements.get(id(p), p) for p in group["params"]]
+            group["params"] = [replacement(p) for p in group["params"]]
 
     def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
