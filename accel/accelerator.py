@@ -457,6 +457,8 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self._replaced_optimizers.clear()
+        self.backend.forget()
         self.gradient_state.step = 0
         gc.collect()
         if torch.cuda.is_available():

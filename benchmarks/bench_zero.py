@@ -1,6 +1,6 @@
 """ZeRO memory and speed: per-rank bytes and step time of DDP and ZeRO stages 1, 2, 3, 3 + offload (2 gloo processes).
 
-    python benchmarks/bench_zero.py             # ~52M-parameter model, AdamW fp32, 5 launched jobs (~3 minutes)
+    python benchmarks/bench_zero.py             # ~52M-parameter model, AdamW fp32, 2 x 5 launched jobs (~4 minutes)
     python benchmarks/bench_zero.py --quick     # smoke run (~1M parameters, 2 measured steps): figures are noise
     python benchmarks/bench_zero.py --configs ddp,zero1 --ddp-bucket-view   # DDP gradients as bucket views
 
@@ -33,6 +33,9 @@ between steps and VmHWM (peak resident) over the measured steps, after resetting
 Those include the interpreter, torch and gloo, allocator slack and buffers that tensor counts miss (e.g. DDP's
 gradient buckets).
 
+The configurations run one after the other, in `--repeats` passes (default 2; every other pass in reverse order,
+so slow phases of a shared machine do not all land on one configuration); step times are pooled over the passes
+(rank 0's), bytes and process memory come from the first pass (the byte counts do not change between runs).
 Each worker writes one JSON file (both ranks' records) into a temporary folder; the launcher prints the tables.
 A benchmark, not a test: it asserts nothing.
 """
@@ -80,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start")
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument("--quick", action="store_true", help="smoke run: small model, 1 warm-up and 2 measured steps")
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the configurations (every other pass "
+                        "in reverse order); step times are pooled over the passes")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     parser.add_argument("--ddp-bucket-view", action="store_true", help="pass DistributedDataParallelKwargs("
                         "gradient_as_bucket_view=True) (DDP and ZeRO-1: gradients become views of DDP's buckets)")
@@ -119,11 +124,13 @@ def run_all(args: argparse.Namespace) -> int:
         passed.append("--quick")
     if args.ddp_bucket_view:
         passed.append("--ddp-bucket-view")
-    results: dict[str, dict] = {}
+    repeats = 1 if args.quick else max(1, args.repeats)
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    failed = 0
     with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
-        for name in names:
+        for n_pass, name in [(p, name) for p in range(repeats) for name in (names if p % 2 == 0 else names[::-1])]:
             stage, offload = CONFIGS[name]
-            out = Path(tmp) / f"{name}.json"
+            out = Path(tmp) / f"{name}_{n_pass}.json"
             cmd = [*accel_command(), "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "no",
                    "--gradient_accumulation_steps", "1", "--zero_stage", str(stage), str(Path(__file__).resolve()),
                    "--worker", "--stage", str(stage), *(["--offload"] if offload else []), "--out", str(out), *passed]
@@ -136,13 +143,14 @@ def run_all(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - start
             if rc != 0 or not out.exists():
                 print(f"  {name}: FAILED (exit {rc}), left out of the tables", flush=True)
+                failed += 1
                 continue
-            results[name] = json.loads(out.read_text())
-            results[name]["wall_s"] = wall
-            print(f"  {name}: done in {wall:.0f} s", flush=True)
+            results[name].append(json.loads(out.read_text()))
+            print(f"  {name} (pass {n_pass + 1}/{repeats}): done in {wall:.0f} s", flush=True)
+    results = {name: runs for name, runs in results.items() if runs}
     if results:
         print_tables(results)
-    return 0 if len(results) == len(names) else 1
+    return 1 if failed else 0
 
 
 def median(values: list[float]) -> float:
@@ -151,12 +159,15 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def print_tables(results: dict[str, dict]) -> None:
+def print_tables(runs: dict[str, list[dict]]) -> None:
+    """Bytes and process memory from each configuration's first run; step times pooled over its runs."""
+    results = {name: runs_of[0] for name, runs_of in runs.items()}
     first = next(iter(results.values()))
     n, n_params = first["world"], first["n_params"]
     print(f"\ntorch {first['torch']}, {n} processes (gloo, CPU), {first['threads']} thread(s) each; model "
           f"{n_params:,} parameters ({first['n_blocks']} blocks), AdamW fp32, batch {first['batch_size']} per process, "
-          f"{first['warmup']} warm-up + {first['steps']} measured steps"
+          f"{first['warmup']} warm-up + {first['steps']} measured steps per run, "
+          f"{max(len(r) for r in runs.values())} run(s) per configuration"
           + ("; DDP gradient_as_bucket_view=True" if first.get("ddp_bucket_view") else ""))
 
     # 1. bytes per rank, measured vs theory
@@ -193,22 +204,24 @@ def print_tables(results: dict[str, dict]) -> None:
         print(f"{LABELS[name]:<17} {cells[0]:>13} {cells[1]:>13} {cells[2]:>13}  {totals}")
 
     # 3. time
-    base = results.get("ddp")
-    base_ms = median(base["ranks"][0]["step"]) * 1e3 if base else None
-    print("\nstep time, rank 0, median of the measured steps (ms); parts: zero_grad / forward / backward / "
-          "optimizer.step")
+    def pooled(name: str, key: str) -> list[float]:
+        return [t * 1e3 for run in runs[name] for t in run["ranks"][0][key]]
+
+    base_ms = median(pooled("ddp", "step")) if "ddp" in runs else None
+    print("\nstep time, rank 0, median of the measured steps of all runs (ms); parts: zero_grad / forward / "
+          "backward / optimizer.step")
     header = (f"{'config':<17} {'step ms':>8} {'vs DDP':>7} {'min':>7} {'max':>7} {'zero_grad':>9} {'forward':>8} "
-              f"{'backward':>8} {'opt.step':>8}")
+              f"{'backward':>8} {'opt.step':>8}  per-run medians")
     print(header)
     print("-" * len(header))
-    for name, res in results.items():
-        r0 = res["ranks"][0]
-        step = [t * 1e3 for t in r0["step"]]
+    for name in runs:
+        step = pooled(name, "step")
         med = median(step)
         ratio = f"{med / base_ms:7.2f}" if base_ms else f"{'-':>7}"
-        parts = [median(r0[k]) * 1e3 for k in ("zero_grad", "forward", "backward", "opt_step")]
+        parts = [median(pooled(name, k)) for k in ("zero_grad", "forward", "backward", "opt_step")]
+        per_run = " / ".join(f"{median([t * 1e3 for t in run['ranks'][0]['step']]):.0f}" for run in runs[name])
         print(f"{LABELS[name]:<17} {med:>8.1f} {ratio} {min(step):>7.1f} {max(step):>7.1f} {parts[0]:>9.1f} "
-              f"{parts[1]:>8.1f} {parts[2]:>8.1f} {parts[3]:>8.1f}")
+              f"{parts[1]:>8.1f} {parts[2]:>8.1f} {parts[3]:>8.1f}  {per_run}")
 
     # 4. process memory
     print("\nprocess memory per rank (MB, from /proc/self/status; rank 0 / rank 1): before the model was built, "

@@ -96,6 +96,9 @@ class Backend:
         return get_full_state_dict(self.unwrap_model(model))
 
     # -- lifetime --------------------------------------------------------------------------------------------
+    def forget(self) -> None:
+        """Drop references to prepared objects (Accelerator.free_memory)."""
+
     def release(self) -> None:
         """Drop references to communication objects before the process group is destroyed."""
 

@@ -67,7 +67,7 @@ class ZeroBackend(Backend):
             self.precision.use_scaler_class(ShardedGradScaler)  # each rank sees only its shard of the gradients
         self._replacements: dict[int, tuple] = {}  # id(original parameter) -> (weakref to it, sharded one)
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._ddp = DDPBackend(*args, **kwargs)  # stage 1 wraps the model in DDP
+        self._ddp = DDPBackend(*args, **kwargs) if self.stage == 1 else None  # stage 1 wraps the model in DDP
 
     @property
     def sharded(self) -> bool:
@@ -117,6 +117,10 @@ class ZeroBackend(Backend):
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DDP) else model
+
+    def forget(self) -> None:
+        self._replacements.clear()
+        self._optimizers.clear()
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
