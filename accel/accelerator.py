@@ -322,6 +322,11 @@ class Accelerator:
             non_blocking=self.dataloader_config.non_blocking,
         )
         self._dataloaders.append(prepared)
+        expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu
+        if expected and prepared.batch_size not in (None, expected):
+            warnings.warn(f"config: micro_batch_size (train_micro_batch_size_per_gpu) is {expected} but this data "
+                          f"loader gives each process batches of {prepared.batch_size}; the loader's size is used",
+                          stacklevel=2)
         return prepared
 
     def _shared_data_seed(self) -> int:

@@ -34,6 +34,8 @@ from pathlib import Path, PurePath
 import torch
 from torch import nn
 
+from accel.checkpoint.layout import fsync_dir, fsync_file
+
 __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -200,33 +202,12 @@ def _temp_path(directory: Path, final_name: str) -> Path:
     return directory / f".{final_name}.{secrets.token_hex(6)}.tmp"
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(directory: Path, final_name: str, write) -> Path:
     """Call ``write(tmp_path)``, fsync the result and rename it to ``final_name``; no temp file survives."""
     tmp = _temp_path(directory, final_name)
     try:
         write(tmp)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         final = directory / final_name
         os.replace(tmp, final)
     except BaseException:
@@ -392,7 +373,7 @@ def save_state_dict_sharded(
             index_meta[_TIED_KEY] = dict(aliases)
         index = {"metadata": index_meta, "weight_map": weight_map}
         written.append(_atomic_write(directory, index_name, lambda tmp: _write_json(tmp, index)))
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
     # Only now that the new checkpoint is complete: remove what an earlier save left behind.
     written_names = {p.name for p in written}
@@ -402,7 +383,7 @@ def save_state_dict_sharded(
             entry.unlink()
             removed = True
     if removed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return written
 
 

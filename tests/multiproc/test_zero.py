@@ -61,10 +61,14 @@ def assert_weights_equal(weights, ref):
         assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), f"{key}: {(weights[key] - value).abs().max()}"
 
 
-@pytest.mark.parametrize("stage,offload,accum", [(1, False, 1), (2, False, 2), (3, False, 1), (3, True, 1)],
-                         ids=["stage1", "stage2-accum2", "stage3", "stage3-offload"])
-def test_zero_matches_single_process_reference(isolated_env, tmp_path, stage, offload, accum):
+@pytest.mark.parametrize("stage,offload,accum,separate",
+                         [(1, False, 1, False), (2, False, 2, False), (3, False, 1, False), (3, True, 1, False),
+                          (1, False, 1, True), (3, False, 1, True)],
+                         ids=["stage1", "stage2-accum2", "stage3", "stage3-offload", "stage1-separate-prepare",
+                              "stage3-separate-prepare"])
+def test_zero_matches_single_process_reference(isolated_env, tmp_path, stage, offload, accum, separate):
     args = ["--out", str(tmp_path), "--stage", str(stage), "--accum", str(accum)] + (["--offload"] if offload else [])
+    args += ["--separate"] if separate else []
     launch(isolated_env, N, *args)
     records = json.loads((tmp_path / "record.json").read_text())
     ref_weights, ref_losses, ref_norms, total_params = reference(accum)

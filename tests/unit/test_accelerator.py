@@ -211,3 +211,9 @@ def test_facade_never_branches_on_backend():
     for forbidden in ("isinstance(self.backend", "backend.name ==", "DistributedDataParallel(", "torch.nn.parallel", "DDPBackend",
                       "DistributedType.MULTI", "distributed_type =="):
         assert forbidden not in source, forbidden
+
+
+def test_micro_batch_size_from_a_deepspeed_config_is_checked_against_the_loader():
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(micro_batch_size=8))
+    with pytest.warns(UserWarning, match="micro_batch_size .* is 8 but this data loader gives each process batches of 2"):
+        accelerator.prepare(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))

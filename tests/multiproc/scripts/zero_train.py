@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--no_clip", action="store_true", help="leave clipping to the config's gradient_clipping")
+    parser.add_argument("--separate", action="store_true", help="prepare optimizer+scheduler first, the model after")
     parser.add_argument("--mode", choices=["train", "load", "meta", "fp16"], default="train")
     args = parser.parse_args()
     out = Path(args.out)
@@ -79,7 +80,12 @@ def main() -> None:
         accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum,
                                   mixed_precision="fp16" if args.mode == "fp16" else None,
                                   kwargs_handlers=[GradScalerKwargs(init_scale=256)])
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if args.separate:  # the optimizer must follow the model's sharded parameters prepared later
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        model = accelerator.prepare(model)
+        loader = accelerator.prepare(loader)
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     if args.mode == "load":
         accelerator.load_state(str(out / "ckpt"))
