@@ -227,6 +227,10 @@ class Accelerator:
         return self.project_configuration.project_dir
 
     @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
     def split_batches(self) -> bool:
         return self.dataloader_config.split_batches
 
@@ -539,6 +543,28 @@ class Accelerator:
         name = Path(input_dir).name
         if project.automatic_checkpoint_naming and name.startswith("checkpoint_") and name[11:].isdigit():
             project.iteration = int(name[11:]) + 1
+
+    def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
+        """Accelerate's `save`: write `obj` once, from the main process, atomically. With
+        `safe_serialization`, `obj` must be a dict of tensors (safetensors); otherwise `torch.save` is used,
+        as in Accelerate (load such files with `torch.load(weights_only=True)`)."""
+        from pathlib import Path
+
+        from accel.checkpoint.layout import fsync_dir, fsync_file
+
+        if self.is_main_process:
+            path = Path(f)
+            tmp = path.with_name(f".{path.name}.tmp")
+            if safe_serialization:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in obj.items()}, str(tmp), metadata={"format": "pt"})
+            else:
+                torch.save(obj, tmp)
+            fsync_file(tmp)
+            tmp.replace(path)
+            fsync_dir(path.parent)
+        self.wait_for_everyone()
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The full (unsharded) state dict, on CPU, with the user's parameter names."""

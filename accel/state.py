@@ -24,6 +24,18 @@ class DistributedType(str, enum.Enum):
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    # Accelerate's other values, so scripts that compare against them run; accel reports the hardware kind
+    # above (its ZeRO backend is selected by the config, not by a distributed type).
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    MEGATRON_LM = "MEGATRON_LM"
+    XLA = "XLA"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_HPU = "MULTI_HPU"
 
     def __str__(self) -> str:
         return self.value

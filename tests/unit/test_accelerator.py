@@ -217,3 +217,24 @@ def test_micro_batch_size_from_a_deepspeed_config_is_checked_against_the_loader(
     accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(micro_batch_size=8))
     with pytest.warns(UserWarning, match="micro_batch_size .* is 8 but this data loader gives each process batches of 2"):
         accelerator.prepare(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+
+
+def test_save_writes_once_atomically(tmp_path):
+    from safetensors.torch import load_file
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.save({"w": torch.arange(3.0)}, tmp_path / "w.safetensors", safe_serialization=True)
+    assert torch.equal(load_file(str(tmp_path / "w.safetensors"))["w"], torch.arange(3.0))
+    accelerator.save({"step": 3, "w": torch.ones(2)}, tmp_path / "obj.pt")
+    loaded = torch.load(tmp_path / "obj.pt", weights_only=True)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["obj.pt", "w.safetensors"]
+
+
+def test_accelerate_distributed_type_names_exist():
+    from accel import DistributedType
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.distributed_type != DistributedType.DEEPSPEED
+    assert accelerator.distributed_type != DistributedType.FSDP
+    assert accelerator.distributed_type == "NO"
