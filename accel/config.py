@@ -61,6 +61,9 @@ class ParallelismConfig:
     pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
     pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
     pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+    tp_plan: dict | None = _spec(
+        None, dict, optional=True,
+        help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | replicate")
     zero_wrap_classes: str | None = _spec(
         None, str, optional=True,
         help="comma-separated module class names that ZeRO 2/3 shard one by one (default: nn.ModuleList members)")
@@ -176,6 +179,8 @@ def _allowed(meta: dict) -> str:
         text = "one of " + ", ".join(choices)
     elif kind is bool:
         text = "true or false"
+    elif kind is dict:
+        text = "a mapping of module names to style names"
     elif kind in (int, float):
         noun = "an integer" if kind is int else "a number"
         if lo is not None and hi is not None:
@@ -218,6 +223,10 @@ def _check_value(value: Any, meta: dict, key: str, source: str) -> Any:
         if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
             fail()
         return float(value)
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            fail()
+        return dict(value)
     # strings
     if key.endswith("gpu_ids") and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)

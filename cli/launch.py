@@ -275,7 +275,7 @@ def run_command(args: argparse.Namespace) -> int:
             sys.stderr.write(f"accel launch: warning: {warning.message}\n")
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-    check_available(cfg.parallelism)  # refuse before starting any process
+    check_available(cfg.parallelism, cfg.num_processes)  # refuse before starting any process
     gpu_ids = cfg.gpu_ids.replace(" ", "")
     if not cfg.use_cpu and gpu_ids.lower() != "all":
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids  # before torch counts the GPUs

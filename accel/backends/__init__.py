@@ -7,7 +7,7 @@ from __future__ import annotations
 from accel.config import ConfigError, ParallelismConfig
 
 # backend name -> module that implements (and registers) it
-BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero"}
+BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero", "tensor": "accel.backends.tensor"}
 
 
 class BackendNotAvailable(ConfigError):
@@ -25,13 +25,18 @@ def backend_name_for(parallelism: ParallelismConfig) -> str:
     return "ddp"
 
 
-def check_available(parallelism: ParallelismConfig) -> str:
+def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
     """The backend's name, or a clear error when it is not available (never a silent fallback to DDP)."""
     name = backend_name_for(parallelism)
+    if name == "tensor" and (parallelism.zero_stage or (num_processes and num_processes != parallelism.tp_size)):
+        raise BackendNotAvailable(
+            f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) combined with data parallelism or ZeRO "
+            f"(num_processes={num_processes}, zero_stage={parallelism.zero_stage}) is not available yet in accel; "
+            "allowed now: tp_size equal to num_processes, zero_stage 0")
     if name not in BACKEND_MODULES:
         wanted = " and ".join(parallelism.requested_features())
         raise BackendNotAvailable(
-            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP) and "
-            "ZeRO stages 1-3 only: set tp_size 1 and pp_size 1"
+            f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP), "
+            "ZeRO stages 1-3 and tensor parallelism over all processes only: set pp_size 1"
         )
     return name

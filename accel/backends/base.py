@@ -103,6 +103,52 @@ class Backend:
         """Drop references to communication objects before the process group is destroyed."""
 
 
+class ParameterReplacements:
+    """Sharding (FSDP2, DTensor) replaces a module's Parameters with new objects; optimizers built from the
+    originals must be re-pointed at them, whichever of the two was prepared first."""
+
+    def __init__(self) -> None:
+        self._new: dict[int, tuple] = {}  # id(original) -> (weakref to it: ids can be reused, replacement)
+        self._optimizers: list = []
+
+    @staticmethod
+    def snapshot(model: torch.nn.Module) -> dict:
+        return dict(model.named_parameters(remove_duplicate=False))
+
+    def record(self, before: dict, model: torch.nn.Module) -> None:
+        """Map the parameters of `before` (a snapshot) to the model's current ones, and re-point optimizers."""
+        import weakref
+
+        after = dict(model.named_parameters(remove_duplicate=False))
+        for name, old in before.items():
+            self._new[id(old)] = (weakref.ref(old), after[name])
+        for optimizer in self._optimizers:
+            self.repoint(optimizer)
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Re-point now, and again whenever a model is sharded later."""
+        self.repoint(optimizer)
+        self._optimizers.append(optimizer)
+
+    def repoint(self, optimizer: torch.optim.Optimizer) -> None:
+        def replacement(param):
+            ref, new = self._new.get(id(param), (None, None))
+            return new if ref is not None and ref() is param else param
+
+        for group in optimizer.param_groups:
+            group["params"] = [replacement(p) for p in group["params"]]
+
+    def clear(self) -> None:
+        self._new.clear()
+        self._optimizers.clear()
+
+
+def refuse_stepped_optimizer(optimizer: torch.optim.Optimizer, what: str) -> None:
+    if any(optimizer.state.values()):
+        raise RuntimeError(f"prepare: the optimizer already has state (it has stepped); with {what}, call "
+                           "accelerator.prepare(model, optimizer) before the first optimizer.step()")
+
+
 _REGISTRY: dict[str, type[Backend]] = {}
 
 

@@ -46,15 +46,18 @@ class DDPBackend(Backend):
         return model.no_sync() if isinstance(model, DDP) else super().no_sync(model)
 
     def release(self) -> None:
-        """Drop each live DDP module's reducer and logger (C++ objects that hold the process group).
-
-        The user's script still holds the DDP module at interpreter exit; its reducer must go before the
-        group does, or a rank can abort ("terminate called without an active exception").
-        """
-        for ref in self._wrapped:
-            module = ref()
-            if module is not None:
-                for attr in ("logger", "reducer"):
-                    if attr in module.__dict__:
-                        module.__dict__[attr] = None
+        release_ddp([ref() for ref in self._wrapped])
         self._wrapped.clear()
+
+
+def release_ddp(modules: list) -> None:
+    """Drop each live DDP module's reducer and logger (C++ objects that hold the process group).
+
+    The user's script still holds the DDP module at interpreter exit; its reducer must go before the
+    group does, or a rank can abort ("terminate called without an active exception").
+    """
+    for module in modules:
+        if module is not None:
+            for attr in ("logger", "reducer"):
+                if attr in module.__dict__:
+                    module.__dict__[attr] = None

@@ -10,13 +10,12 @@ Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and t
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accel.backends.base import Backend, register_backend
+from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
 from accel.backends.ddp import DDPBackend
 from accel.config import ConfigError
 
@@ -65,8 +64,7 @@ class ZeroBackend(Backend):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.precision.use_scaler_class(ShardedGradScaler)  # each rank sees only its shard of the gradients
-        self._replacements: dict[int, tuple] = {}  # id(original parameter) -> (weakref to it, sharded one)
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self.replacements = ParameterReplacements()
         self._ddp = DDPBackend(*args, **kwargs) if self.stage == 1 else None  # stage 1 wraps the model in DDP
 
     @property
@@ -92,7 +90,7 @@ class ZeroBackend(Backend):
     def _fully_shard(self, model: torch.nn.Module, on_meta: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        originals = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
+        originals = self.replacements.snapshot(model)
         options = {
             "mesh": self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None,
             "reshard_after_forward": self.stage == 3,
@@ -108,41 +106,24 @@ class ZeroBackend(Backend):
         fully_shard(model, **options)
         if on_meta:
             _materialize(model, "cpu" if self.offload else self.state.device)
-        sharded = dict(model.named_parameters(remove_duplicate=False))
-        for name, old in originals.items():  # weak: the original full parameters may be freed
-            self._replacements[id(old)] = (weakref.ref(old), sharded[name])
-        for optimizer in self._optimizers:
-            self._repoint(optimizer)
+        self.replacements.record(originals, model)
         return model
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DDP) else model
 
     def forget(self) -> None:
-        self._replacements.clear()
-        self._optimizers.clear()
+        self.replacements.clear()
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
-        if any(optimizer.state.values()):
-            raise RuntimeError("prepare: the optimizer already has state (it has stepped); with ZeRO, call "
-                               "accelerator.prepare(model, optimizer) before the first optimizer.step()")
+        refuse_stepped_optimizer(optimizer, "ZeRO")
         if not self.sharded:
             return optimizer
         if self.stage == 1:
             return self._zero_redundancy(optimizer)
-        self._repoint(optimizer)
-        self._optimizers.append(optimizer)
+        self.replacements.track(optimizer)
         return optimizer
-
-    def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the optimizer update the sharded parameters that replaced the ones it was built with."""
-        def replacement(param):
-            ref, new = self._replacements.get(id(param), (None, None))
-            return new if ref is not None and ref() is param else param
-
-        for group in optimizer.param_groups:
-            group["params"] = [replacement(p) for p in group["params"]]
 
     def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer

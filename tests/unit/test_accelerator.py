@@ -175,14 +175,18 @@ def test_split_between_processes_rule():
 
 
 @pytest.mark.parametrize("parallelism,needle", [
-    (ParallelismConfig(zero_stage=2, tp_size=2), "tensor parallelism (tp_size=2) is not available yet"),
-    (ParallelismConfig(tp_size=2), "tensor parallelism (tp_size=2) is not available yet"),
+    (ParallelismConfig(zero_stage=2, pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
     (ParallelismConfig(pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
 ])
 def test_unavailable_backends_error_instead_of_falling_back(parallelism, needle):
     with pytest.raises(ConfigError, match="not available yet") as info:
         Accelerator(cpu=True, parallelism_config=parallelism)
     assert needle in str(info.value)
+
+
+def test_degrees_that_do_not_divide_the_world_are_refused():
+    with pytest.raises(ConfigError, match="tp_size=2 x pp_size=1 = 2 does not divide the world size 1"):
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
 
 
 def test_fp8_and_unknown_arguments_are_clear_errors():

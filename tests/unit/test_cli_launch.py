@@ -221,8 +221,11 @@ def test_cross_field_error(run_accel, script):
 def test_unavailable_backend_is_refused_before_starting(run_accel, script):
     assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--pp_size", "2", script),
                           "pipeline parallelism (pp_size=2) is not available yet")
-    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--tp_size", "2", script),
-                          "tensor parallelism (tp_size=2) is not available yet")
+
+
+def test_tensor_parallel_with_data_parallel_is_refused_before_starting(run_accel, script):
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "4", "--tp_size", "2", script),
+                          "tensor parallelism (tp_size=2) combined with data parallelism", "not available yet")
 
 
 def test_port_in_use(run_accel, script):

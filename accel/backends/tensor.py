@@ -1,0 +1,173 @@
+"""Tensor parallelism (Megatron-LM style) on DTensor: `parallelize_module` over the `tp` mesh. For now tp_size
+must equal the number of processes; combining it with data parallelism or ZeRO (a 2-D mesh) comes later.
+
+A pair of linear layers is split so that only one all-reduce per block is needed: the first by columns
+(its output stays sharded), the second by rows (it takes the sharded input and all-reduces its output).
+
+Where the plan comes from, in order: `ParallelismConfig(tp_plan={...})` (names with `*` wildcards; styles
+colwise, rowwise, sequence_parallel, replicate), the model's own `_tp_plan`/`base_model_tp_plan`
+(transformers), else an automatic plan for recognised patterns (q/k/v/o and gate/up/down projections,
+consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+import torch
+
+from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.config import ConfigError
+
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep")
+_COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv")
+_ROW_NAMES = ("o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj")
+
+
+def automatic_plan(model: torch.nn.Module) -> dict[str, str]:
+    """A plan for the patterns this module recognises (empty when none applies)."""
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear) and leaf in _COLUMN_NAMES:
+            plan[name] = "colwise"
+        elif isinstance(module, torch.nn.Linear) and leaf in _ROW_NAMES:
+            plan[name] = "rowwise"
+        elif isinstance(module, torch.nn.Sequential):
+            linears = [(n, m) for n, m in module.named_children() if isinstance(m, torch.nn.Linear)]
+            children = list(module.named_children())
+            for (first, _), (second, _) in zip(linears, linears[1:]):
+                between = children[[n for n, _ in children].index(first) + 1:[n for n, _ in children].index(second)]
+                if all(not list(m.parameters()) for _, m in between):  # only activations/dropout between them
+                    prefix = f"{name}." if name else ""
+                    if f"{prefix}{first}" not in plan and f"{prefix}{second}" not in plan:
+                        plan[f"{prefix}{first}"] = "colwise"
+                        plan[f"{prefix}{second}"] = "rowwise"
+    return plan
+
+
+def model_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The plan a transformers model publishes (`base_model_tp_plan` on its config, `_tp_plan` on the class)."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_base = prefix and hasattr(model, prefix)
+    for key, style in base.items():
+        plan[f"{prefix}.{key}" if has_base else key] = style
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return {k: v.replace("local_", "") for k, v in plan.items() if isinstance(v, str)}
+
+
+def expand_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Wildcard names -> the concrete module names they match (a pattern that matches nothing is an error)."""
+    names = [n for n, _ in model.named_modules() if n]
+    concrete: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"parallelism.tp_plan: '{pattern}': bad style {style!r}; allowed: {', '.join(STYLES)}")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ConfigError(f"parallelism.tp_plan: '{pattern}' matches no module of the model")
+        for hit in hits:
+            concrete[hit] = style
+    return concrete
+
+
+def check_divisible(model: torch.nn.Module, plan: dict[str, str], tp_size: int) -> None:
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        module = modules[name]
+        if isinstance(module, torch.nn.Linear) and style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep"):
+            dim, size = ("out_features", module.out_features) if style.startswith("colwise") else ("in_features", module.in_features)
+            if size % tp_size:
+                raise ConfigError(f"tensor parallelism: layer '{name}' ({style}) has {dim}={size}, not divisible "
+                                  f"by tp_size={tp_size}")
+        if isinstance(module, torch.nn.Embedding) and style.startswith("rowwise") and module.num_embeddings % tp_size:
+            raise ConfigError(f"tensor parallelism: embedding '{name}' has num_embeddings={module.num_embeddings}, "
+                              f"not divisible by tp_size={tp_size}")
+
+
+def _style(name: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel(),
+        "replicate": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+    }[name]()
+
+
+@register_backend("tensor")
+class TensorParallelBackend(Backend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.parallelism.zero_stage or self.parallelism.pp_size > 1 or self.topology.dp_size > 1:
+            raise ConfigError(
+                f"parallelism: tensor parallelism combined with data parallelism (here dp={self.topology.dp_size}), "
+                "ZeRO or pipeline parallelism is not available yet in accel; allowed now: tp_size equal to the "
+                "number of processes")
+        self.applied_plans: list[dict[str, str]] = []
+        self.replacements = ParameterReplacements()
+
+    def plan_for(self, model: torch.nn.Module) -> dict[str, str]:
+        given = getattr(self.parallelism, "tp_plan", None)
+        source, plan = "ParallelismConfig(tp_plan=...)", given
+        if not plan:
+            source, plan = "the model's own tp plan", model_plan(model)
+        if not plan:
+            source, plan = "accel's automatic plan", automatic_plan(model)
+        if not plan:
+            raise ConfigError(f"tensor parallelism: no plan applies to {type(model).__name__}: no q/k/v/o or "
+                              "gate/up/down projections and no Linear pairs in an nn.Sequential; give "
+                              "ParallelismConfig(tp_plan={'layer.name': 'colwise', ...})")
+        plan = expand_plan(model, plan)
+        check_divisible(model, plan, self.topology.tp_size)
+        if self.state.is_main_process:
+            lines = ", ".join(f"{k}: {v}" for k, v in plan.items())
+            print(f"accel: tensor parallel plan ({source}, tp_size={self.topology.tp_size}): {lines}", flush=True)
+        return plan
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if device_placement:
+            model = model.to(self.state.device)
+        plan = self.plan_for(model)
+        self.applied_plans.append(plan)
+        mesh = self.topology.mesh(self.state.device.type)
+        originals = self.replacements.snapshot(model)
+        parallelize_module(model, mesh["tp"], {name: _style(style) for name, style in plan.items()})
+        self.replacements.record(originals, model)  # the split layers have new (DTensor) parameters
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
+        refuse_stepped_optimizer(optimizer, "tensor parallelism")
+        self.replacements.track(optimizer)
+        return optimizer
+
+    def forget(self) -> None:
+        self.replacements.clear()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0):
+        parameters = list(parameters)
+        total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

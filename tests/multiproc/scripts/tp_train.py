@@ -1,0 +1,59 @@
+"""Worker for tests/multiproc/test_tensor.py: an MLP trained under tensor parallelism (tp_size from the
+launch flags), alone or with data parallelism on a 2-D mesh. Writes weights.safetensors and record.json."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel import Accelerator, ParallelismConfig
+from accel.utils import set_seed
+
+
+def make_problem():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 1, generator=g)
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return x, y, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp_size", type=int, required=True)
+    parser.add_argument("--user_plan", action="store_true")
+    args = parser.parse_args()
+
+    x, y, model = make_problem()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+    plan = {"0": "colwise", "2": "rowwise"} if args.user_plan else None
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    losses, norms = [], []
+    for _ in range(2):
+        for inputs, targets in loader:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(accelerator.gather(loss.detach()[None]).tolist())
+    record = {"losses": losses, "norms": norms, "batches": len(loader),
+              "local_weight_shape": list(accelerator.unwrap_model(model)[0].weight.to_local().shape)}
+    weights = accelerator.get_state_dict(model)
+    records = accelerator.gather_for_metrics([record], use_gather_object=True)
+    if accelerator.is_main_process:
+        out = Path(args.out)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "weights.safetensors"))
+        (out / "record.json").write_text(json.dumps(records))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
