@@ -39,13 +39,18 @@ def reference():
     return model.state_dict(), losses, norms
 
 
-@pytest.mark.parametrize("user_plan", [False, True], ids=["automatic-plan", "user-plan"])
-def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2", str(SCRIPT),
-           "--out", str(tmp_path), "--tp_size", "2"] + (["--user_plan"] if user_plan else [])
+def launch(isolated_env, num_processes: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
+           str(SCRIPT), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("user_plan", [False, True], ids=["automatic-plan", "user-plan"])
+def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
+    proc = launch(isolated_env, 2, "--out", str(tmp_path), "--tp_size", "2", *(["--user_plan"] if user_plan else []))
     source = "ParallelismConfig(tp_plan=...)" if user_plan else "accel's automatic plan"
     assert f"tensor parallel plan ({source}, tp_size=2): 0: colwise, 2: rowwise" in proc.stdout
     records = json.loads((tmp_path / "record.json").read_text())
@@ -61,3 +66,12 @@ def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
     assert weights.keys() == ref_weights.keys()
     for key, value in ref_weights.items():
         assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), key
+
+    if user_plan:
+        return
+    # the sharded checkpoint reloads with tp_size 2, and with tp_size 1 on one process (resharded)
+    launch(isolated_env, 2, "--out", str(tmp_path), "--tp_size", "2", "--load")
+    launch(isolated_env, 1, "--out", str(tmp_path), "--tp_size", "1", "--load")
+    for tp in (2, 1):
+        loaded = load_file(str(tmp_path / f"loaded_tp{tp}.safetensors"))
+        assert all(torch.equal(loaded[k], weights[k]) for k in weights), tp

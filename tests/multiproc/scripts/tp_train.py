@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp_size", type=int, required=True)
     parser.add_argument("--user_plan", action="store_true")
+    parser.add_argument("--load", action="store_true", help="load_state(OUT/ckpt) and write loaded_tp<N>.safetensors")
     args = parser.parse_args()
 
     x, y, model = make_problem()
@@ -34,6 +35,14 @@ def main() -> None:
     plan = {"0": "colwise", "2": "rowwise"} if args.user_plan else None
     accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.load:
+        accelerator.load_state(str(Path(args.out) / "ckpt"))
+        weights = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            save_file({k: v.contiguous() for k, v in weights.items()},
+                      str(Path(args.out) / f"loaded_tp{args.tp_size}.safetensors"))
+        accelerator.end_training()
+        return
 
     losses, norms = [], []
     for _ in range(2):
@@ -47,6 +56,7 @@ def main() -> None:
     record = {"losses": losses, "norms": norms, "batches": len(loader),
               "local_weight_shape": list(accelerator.unwrap_model(model)[0].weight.to_local().shape)}
     weights = accelerator.get_state_dict(model)
+    accelerator.save_state(str(Path(args.out) / "ckpt"))
     records = accelerator.gather_for_metrics([record], use_gather_object=True)
     if accelerator.is_main_process:
         out = Path(args.out)
