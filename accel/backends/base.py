@@ -63,7 +63,14 @@ class Backend:
         loss.backward(**kwargs)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        """Clip to the global norm over all gradients; for sharded (DTensor) gradients the norm is reduced
+        over the shards, so it equals the single-process norm."""
+        parameters = list(parameters)
+        total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
 
     # -- checkpoint hooks ------------------------------------------------------------------------------------
     # Training state goes through torch.distributed.checkpoint: these return the (possibly sharded) state

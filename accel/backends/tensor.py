@@ -13,7 +13,6 @@ consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head).
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable
 
 import torch
 
@@ -158,14 +157,6 @@ class TensorParallelBackend(Backend):
 
     def forget(self) -> None:
         self.replacements.clear()
-
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0):
-        parameters = list(parameters)
-        total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
-        if hasattr(total, "full_tensor"):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-        return total
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -144,16 +144,6 @@ class ZeroBackend(Backend):
             return _fsdp_no_sync(model)
         return super().no_sync(model)
 
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm over all shards (equal to the single-process norm), then clip every shard by it."""
-        parameters = list(parameters)
-        grads = [p.grad for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if hasattr(total, "full_tensor"):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-        return total
-
     # -- checkpoints ------------------------------------------------------------------------------------------
     def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         from torch.distributed.optim import ZeroRedundancyOptimizer
