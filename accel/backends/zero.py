@@ -126,9 +126,9 @@ class ZeroBackend(Backend):
         return optimizer
 
     def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         import inspect
+
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. AdamW lacks one of Adam's
