@@ -1,7 +1,6 @@
 """save_state / load_state end to end in real processes: bit-exact resume, resharding, and SIGKILL."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from accel.accumulation import GradientState
 from accel.data import (
