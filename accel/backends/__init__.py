@@ -28,15 +28,14 @@ def backend_name_for(parallelism: ParallelismConfig) -> str:
 def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
     """The backend's name, or a clear error when it is not available (never a silent fallback to DDP)."""
     name = backend_name_for(parallelism)
-    if name == "tensor" and (parallelism.zero_stage or (num_processes and num_processes != parallelism.tp_size)):
+    if name == "tensor" and (parallelism.zero_stage == 1 or parallelism.offload_optimizer or parallelism.offload_params):
         raise BackendNotAvailable(
-            f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) combined with data parallelism or ZeRO "
-            f"(num_processes={num_processes}, zero_stage={parallelism.zero_stage}) is not available yet in accel; "
-            "allowed now: tp_size equal to num_processes, zero_stage 0")
+            f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) with ZeRO stage 1 or CPU offload is not "
+            "available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")
     if name not in BACKEND_MODULES:
         wanted = " and ".join(parallelism.requested_features())
         raise BackendNotAvailable(
             f"parallelism: {wanted} is not available yet in accel; this version runs data parallelism (DDP), "
-            "ZeRO stages 1-3 and tensor parallelism over all processes only: set pp_size 1"
+            "ZeRO stages 1-3 and tensor parallelism (alone, with DDP or ZeRO 2/3) only: set pp_size 1"
         )
     return name

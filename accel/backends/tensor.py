@@ -1,5 +1,5 @@
-"""Tensor parallelism (Megatron-LM style) on DTensor: `parallelize_module` over the `tp` mesh. For now tp_size
-must equal the number of processes; combining it with data parallelism or ZeRO (a 2-D mesh) comes later.
+"""Tensor parallelism (Megatron-LM style) on DTensor: `parallelize_module` over the `tp` sub-mesh, then, on a
+2-D mesh, FSDP2 over the `dp` sub-mesh (data parallelism; ZeRO 2/3 semantics with zero_stage 2/3).
 
 A pair of linear layers is split so that only one all-reduce per block is needed: the first by columns
 (its output stays sharded), the second by rows (it takes the sharded input and all-reduces its output).
@@ -111,11 +111,14 @@ def _style(name: str):
 class TensorParallelBackend(Backend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.parallelism.zero_stage or self.parallelism.pp_size > 1 or self.topology.dp_size > 1:
-            raise ConfigError(
-                f"parallelism: tensor parallelism combined with data parallelism (here dp={self.topology.dp_size}), "
-                "ZeRO or pipeline parallelism is not available yet in accel; allowed now: tp_size equal to the "
-                "number of processes")
+        par = self.parallelism
+        if par.zero_stage == 1 or par.offload_optimizer or par.offload_params or par.pp_size > 1:
+            raise ConfigError("parallelism: tensor parallelism with ZeRO stage 1, CPU offload or pipeline "
+                              "parallelism is not available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")
+        if self.precision.mode == "fp16" and self.topology.dp_size > 1:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.precision.use_scaler_class(ShardedGradScaler)
         self.applied_plans: list[dict[str, str]] = []
         self.replacements = ParameterReplacements()
 
@@ -147,8 +150,33 @@ class TensorParallelBackend(Backend):
         mesh = self.topology.mesh(self.state.device.type)
         originals = self.replacements.snapshot(model)
         parallelize_module(model, mesh["tp"], {name: _style(style) for name, style in plan.items()})
+        if self.topology.dp_size > 1:
+            self._shard_over_dp(model, mesh["dp"])
         self.replacements.record(originals, model)  # the split layers have new (DTensor) parameters
         return model
+
+    def _shard_over_dp(self, model: torch.nn.Module, dp_mesh) -> None:
+        """The data-parallel dimension of the 2-D mesh: FSDP2 over `dp` (TP first, then this). Gradients are
+        averaged over the dp ranks as DDP would (reduce-scatter); zero_stage 3 also reshards parameters after
+        forward. DDP itself does not take DTensor parameters."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from accel.backends.zero import DEFAULT_MIN_PARAMS, wrap_targets
+
+        options = {"mesh": dp_mesh, "reshard_after_forward": self.parallelism.zero_stage == 3}
+        if self.precision.dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+        classes = [c.strip() for c in (self.parallelism.zero_wrap_classes or "").split(",") if c.strip()]
+        for block in reversed(wrap_targets(model, classes, self.parallelism.zero_min_params or DEFAULT_MIN_PARAMS)):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+
+    def no_sync(self, model: torch.nn.Module):
+        if hasattr(model, "set_requires_gradient_sync"):
+            from accel.backends.zero import _fsdp_no_sync
+
+            return _fsdp_no_sync(model)
+        return super().no_sync(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         refuse_stepped_optimizer(optimizer, "tensor parallelism")

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "tp_train.py"
 ATOL = 1e-5
 
 
-def reference():
+def reference(dp: int = 1):
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import tp_train
@@ -26,10 +26,10 @@ def reference():
     x, y, model = tp_train.make_problem()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
-    for epoch in range(2):  # one data-parallel rank: the loader's own order, batch 4
+    for epoch in range(2):  # dp data-parallel ranks of batch 4 = one process with batch 4*dp, same order
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
-        for start in range(0, len(x), 4):
-            idx = order[start:start + 4]
+        for start in range(0, len(x), 4 * dp):
+            idx = order[start:start + 4 * dp]
             loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
@@ -75,3 +75,20 @@ def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
     for tp in (2, 1):
         loaded = load_file(str(tmp_path / f"loaded_tp{tp}.safetensors"))
         assert all(torch.equal(loaded[k], weights[k]) for k in weights), tp
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3], ids=["dp2xtp2", "zero3xtp2"])
+def test_2d_mesh_data_parallel_times_tensor_parallel(isolated_env, tmp_path, zero_stage):
+    """4 processes: TP over pairs of ranks, then data parallelism (FSDP2 over dp) across the pairs."""
+    launch(isolated_env, 4, "--out", str(tmp_path), "--tp_size", "2", "--zero_stage", str(zero_stage))
+    records = json.loads((tmp_path / "record.json").read_text())
+    ref_weights, ref_losses, ref_norms = reference(dp=2)
+    for rec in records:
+        assert rec["batches"] == 8  # the data is sharded over the 2 data-parallel ranks only
+        assert torch.allclose(torch.tensor(rec["norms"]), torch.tensor(ref_norms), atol=ATOL, rtol=0)
+    losses = torch.tensor(records[0]["losses"])  # ranks 0,1 form one TP group, ranks 2,3 the other
+    assert torch.equal(losses[:, 0], losses[:, 1]) and torch.equal(losses[:, 2], losses[:, 3])
+    assert torch.allclose(losses[:, [0, 2]].mean(dim=1), torch.tensor(ref_losses), atol=ATOL, rtol=0)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    for key, value in ref_weights.items():
+        assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), key

@@ -223,9 +223,9 @@ def test_unavailable_backend_is_refused_before_starting(run_accel, script):
                           "pipeline parallelism (pp_size=2) is not available yet")
 
 
-def test_tensor_parallel_with_data_parallel_is_refused_before_starting(run_accel, script):
-    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "4", "--tp_size", "2", script),
-                          "tensor parallelism (tp_size=2) combined with data parallelism", "not available yet")
+def test_tensor_parallel_with_zero_stage_1_is_refused_before_starting(run_accel, script):
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "4", "--tp_size", "2", "--zero_stage", "1",
+                                    script), "tensor parallelism (tp_size=2) with ZeRO stage 1", "not available yet")
 
 
 def test_port_in_use(run_accel, script):

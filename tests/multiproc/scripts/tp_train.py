@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp_size", type=int, required=True)
     parser.add_argument("--user_plan", action="store_true")
+    parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--load", action="store_true", help="load_state(OUT/ckpt) and write loaded_tp<N>.safetensors")
     args = parser.parse_args()
 
@@ -33,7 +34,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
     plan = {"0": "colwise", "2": "rowwise"} if args.user_plan else None
-    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan))
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan, zero_stage=args.zero_stage))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.load:
         accelerator.load_state(str(Path(args.out) / "ckpt"))
