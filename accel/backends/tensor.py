@@ -21,6 +21,8 @@ from accel.config import ConfigError
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep")
 _COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv")
+_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
+_HEAD_NAMES = ("lm_head", "output")
 _ROW_NAMES = ("o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj")
 
 
@@ -29,7 +31,11 @@ def automatic_plan(model: torch.nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear) and leaf in _COLUMN_NAMES:
+        if isinstance(module, torch.nn.Embedding) and leaf in _EMBEDDING_NAMES:
+            plan[name] = "rowwise_rep"  # vocabulary split; the looked-up vectors are all-reduced
+        elif isinstance(module, torch.nn.Linear) and leaf in _HEAD_NAMES:
+            plan[name] = "colwise_rep"  # vocabulary split; the logits are gathered
+        elif isinstance(module, torch.nn.Linear) and leaf in _COLUMN_NAMES:
             plan[name] = "colwise"
         elif isinstance(module, torch.nn.Linear) and leaf in _ROW_NAMES:
             plan[name] = "rowwise"
@@ -46,8 +52,14 @@ def automatic_plan(model: torch.nn.Module) -> dict[str, str]:
     return plan
 
 
+# transformers' style names -> ours
+_STYLE_ALIASES = {"colwise_gather_output": "colwise_rep", "embedding_rowwise": "rowwise_rep",
+                  "gather_output": "colwise_rep", "rowwise_split_input": "rowwise"}
+
+
 def model_plan(model: torch.nn.Module) -> dict[str, str]:
-    """The plan a transformers model publishes (`base_model_tp_plan` on its config, `_tp_plan` on the class)."""
+    """The plan a transformers model publishes (`base_model_tp_plan` on its config, `_tp_plan` on the model);
+    style names translated to ours, entries in styles accel does not know left out (and printed)."""
     plan: dict[str, str] = {}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
@@ -56,7 +68,13 @@ def model_plan(model: torch.nn.Module) -> dict[str, str]:
     for key, style in base.items():
         plan[f"{prefix}.{key}" if has_base else key] = style
     plan.update(getattr(model, "_tp_plan", None) or {})
-    return {k: v.replace("local_", "") for k, v in plan.items() if isinstance(v, str)}
+    translated, skipped = {}, []
+    for key, style in plan.items():
+        style = _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
+        (translated.__setitem__(key, style) if style in STYLES else skipped.append(f"{key}: {style}"))
+    if skipped:
+        print(f"accel: tensor parallel plan: left out entries in styles accel does not know: {', '.join(skipped)}")
+    return translated
 
 
 def expand_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:

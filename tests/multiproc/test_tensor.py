@@ -92,3 +92,40 @@ def test_2d_mesh_data_parallel_times_tensor_parallel(isolated_env, tmp_path, zer
     weights = load_file(str(tmp_path / "weights.safetensors"))
     for key, value in ref_weights.items():
         assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), key
+
+
+@pytest.mark.parametrize("num_processes", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tiny_llama_with_its_own_tp_plan(isolated_env, tmp_path, num_processes):
+    """transformers' LlamaForCausalLM (from a LlamaConfig, no download): its published plan is applied, the
+    attention reshapes by the local head count, and training matches one process (loss 1e-5, weights 1e-5)."""
+    pytest.importorskip("transformers")
+    script = SCRIPT.parent / "tp_llama.py"
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
+           str(script), "--out", str(tmp_path)]  # every rank trains on the same batches: dp ranks agree
+    proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor parallel plan (the model's own tp plan, tp_size=2)" in proc.stdout
+    assert "model.layers.1.self_attn.o_proj: rowwise" in proc.stdout and "lm_head: colwise_rep" in proc.stdout
+
+    sys.path.insert(0, str(script.parent))
+    try:
+        import tp_llama
+    finally:
+        sys.path.pop(0)
+    model, tokens = tp_llama.make_problem()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tp_llama.LR)
+    ref_losses = []
+    for batch in tokens:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    losses = torch.tensor(json.loads((tmp_path / "losses.json").read_text()))
+    assert all(torch.equal(losses[:, 0], losses[:, r]) for r in range(num_processes))
+    assert torch.allclose(losses[:, 0], torch.tensor(ref_losses), atol=ATOL, rtol=0)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    assert weights.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), (key, (weights[key] - value).abs().max())

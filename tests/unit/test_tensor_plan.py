@@ -33,6 +33,9 @@ def test_automatic_plan_finds_attention_and_mlp_pairs():
     assert plan["layers.0.attn.o_proj"] == "rowwise"
     assert plan["layers.0.mlp.0"] == "colwise" and plan["layers.0.mlp.2"] == "rowwise"
     assert automatic_plan(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))) == {}
+    lm = torch.nn.Module()
+    lm.embed_tokens, lm.lm_head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)
+    assert automatic_plan(lm) == {"embed_tokens": "rowwise_rep", "lm_head": "colwise_rep"}
 
 
 def test_wildcards_expand_and_bad_entries_are_named():
