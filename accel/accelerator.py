@@ -339,7 +339,7 @@ class Accelerator:
             seed = self.dataloader_config.data_seed
             if seed is None:
                 seed = torch.initial_seed() % (2**63)  # reading it consumes no random numbers
-                seed = ops.broadcast_object_list([seed])[0]
+                seed = int(ops.broadcast(torch.tensor([seed], dtype=torch.int64, device=self.device))[0])
             self._data_seed = int(seed)
         return self._data_seed
 
