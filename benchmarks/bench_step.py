@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from _common import accel_command
 
 TARGET_RATIO = 1.02
 # name -> (input features, hidden widths, classes); parameter counts are printed exactly at run time
@@ -56,15 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------------------
 # launcher side
 # ------------------------------------------------------------------------------------------------------------
-
-def accel_command() -> list[str]:
-    """The `accel` console script of this interpreter (not a pyenv shim), else the module."""
-    beside = Path(sys.executable).parent / "accel"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("accel")
-    return [found] if found else [sys.executable, "-m", "accel.cli.main"]
-
 
 def launch(argv: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")  # two processes on two cores: one thread each

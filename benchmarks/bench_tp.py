@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import accel_command
 
 SIZES = {"full": (10, 512), "quick": (2, 64)}  # (blocks, width); hidden = 4 * width
 MB = 1e6
@@ -55,14 +56,6 @@ def median(values: list[float]) -> float:
 
 
 # launcher side -------------------------------------------------------------------------------------------
-
-def accel_command() -> list[str]:
-    beside = Path(sys.executable).parent / "accel"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("accel")
-    return [found] if found else [sys.executable, "-m", "accel.cli.main"]
-
 
 def run_all(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")

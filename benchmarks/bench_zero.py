@@ -45,12 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import accel_command
 
 # name -> (zero_stage, offload)
 CONFIGS = {
@@ -102,15 +103,6 @@ def theory(stage: int, n: int) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------------------
 # launcher side
 # ------------------------------------------------------------------------------------------------------------
-
-def accel_command() -> list[str]:
-    """The `accel` console script of this interpreter (not a pyenv shim), else the module."""
-    beside = Path(sys.executable).parent / "accel"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("accel")
-    return [found] if found else [sys.executable, "-m", "accel.cli.main"]
-
 
 def run_all(args: argparse.Namespace) -> int:
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
