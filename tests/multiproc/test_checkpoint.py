@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launch import accel_launch
 import torch
 from safetensors.torch import load_file
 
@@ -15,11 +16,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def run(isolated_env, num_processes: int, script: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes)]
-    proc = subprocess.run([*launch, str(script), *args], cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == expect, f"{script.name} {args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, script, *args, expect=expect)
 
 
 @pytest.mark.multiproc

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _launch
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -22,13 +23,8 @@ ATOL = 1e-5
 
 
 def accel_launch(num_processes: int, script: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("ACCEL_CONFIG_FILE", None)
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
-           str(script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    env = {k: v for k, v in os.environ.items() if k != "ACCEL_CONFIG_FILE"}
+    return _launch.accel_launch(env, "--cpu", "--num_processes", num_processes, script, *args, timeout=timeout)
 
 
 def load_problem():

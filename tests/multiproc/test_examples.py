@@ -1,21 +1,17 @@
 """Every example runs under `accel launch`: on the embedded default (one process) and on 2 CPU processes."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _launch import accel_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def launch(isolated_env, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    return accel_launch(isolated_env, *args)
 
 
 def test_there_are_examples():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launch import accel_launch
 import torch
 from safetensors.torch import load_file
 
@@ -40,12 +41,7 @@ def reference(dp: int = 1):
 
 
 def launch(isolated_env, num_processes: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
-           str(SCRIPT), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+    return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, SCRIPT, *args)
 
 
 @pytest.mark.parametrize("user_plan", [False, True], ids=["automatic-plan", "user-plan"])

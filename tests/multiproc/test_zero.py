@@ -4,11 +4,11 @@ share of parameters (stage 3) and optimizer state (stages >= 1); checkpoints loa
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import accel_launch
 import torch
 from safetensors.torch import load_file
 
@@ -21,11 +21,7 @@ N = 2
 
 
 def launch(isolated_env, num_processes: int, *args: str, prefix: list[str] = ()) -> None:
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
-           *prefix, str(SCRIPT), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout}\n{proc.stderr}"
+    accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, *prefix, SCRIPT, *args)
 
 
 def reference(accum: int):
