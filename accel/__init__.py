@@ -29,6 +29,10 @@ _LAZY = {
     "ProjectConfiguration": "accel.checkpoint.layout",
     "CheckpointError": "accel.checkpoint.layout",
     "load_checkpoint_in_model": "accel.checkpoint.model_io",
+    "init_empty_weights": "accel.big_modeling", "init_on_device": "accel.big_modeling",
+    "cpu_offload": "accel.big_modeling", "disk_offload": "accel.big_modeling",
+    "dispatch_model": "accel.big_modeling", "load_checkpoint_and_dispatch": "accel.big_modeling",
+    "infer_auto_device_map": "accel.utils.modeling",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -567,15 +567,21 @@ class _Loader:
             self.consumed.add(key)
         return out
 
-    def assign(self, name: str, value: torch.Tensor) -> None:
+    def target_dtype(self, name: str, value_dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``name`` ends up in: the load's ``dtype`` for floating-point values, else the model's."""
+        target = self.current(name)
+        if self.dtype is not None and target.is_floating_point() and value_dtype.is_floating_point:
+            return self.dtype
+        return target.dtype
+
+    def assign(self, name: str, value: torch.Tensor, device: torch.device | str | None = None) -> None:
+        """Load ``value`` into ``name``; a meta tensor is replaced by a new one on ``device`` (default CPU)."""
         self.check_shape(name, value.shape)
         target = self.current(name)
-        dtype = target.dtype
-        if self.dtype is not None and target.is_floating_point() and value.is_floating_point():
-            dtype = self.dtype
+        dtype = self.target_dtype(name, value.dtype)
         with torch.no_grad():
             if target.device.type == "meta":
-                new = self._fresh(value, "cpu", dtype)
+                new = self._fresh(value, "cpu" if device is None else device, dtype)
                 if isinstance(target, nn.Parameter):
                     new = nn.Parameter(new, requires_grad=target.requires_grad)
                 for module, attr, is_param in self.places.get(id(target), [self.slots[name]]):
@@ -589,11 +595,116 @@ class _Loader:
                 target.copy_(value)
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+class _CheckpointPlan:
+    """A checkpoint's files and keys, checked against the model (names, shapes) before anything is changed."""
+
+    def __init__(self, checkpoint, loader: _Loader):
+        self.checkpoint = checkpoint
+        files, tied = _resolve_checkpoint(checkpoint)
+        expected = set(loader.slots)
+        self.files: list[tuple[Path, list[str] | None]] = []  # keys None: a whole .bin file, read later
+        checkpoint_keys: list[str] = []
+        for path, index_keys in files:
+            keys = index_keys
+            if path.suffix == ".safetensors":
+                with _safe_open(path) as f:
+                    try:
+                        file_keys = list(f.keys())
+                        file_tied = _parse_tied((f.metadata() or {}).get(_TIED_KEY), f"file {str(path)!r}")
+                        keys = file_keys if index_keys is None else index_keys
+                        absent = [k for k in keys if k not in set(file_keys)]
+                        if absent:
+                            raise KeyError(
+                                f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index."
+                            )
+                        for key in keys:
+                            if key in expected:
+                                loader.check_shape(key, f.get_slice(key).get_shape())
+                    except (KeyError, ValueError, RuntimeError):
+                        raise
+                    except Exception as exc:
+                        raise RuntimeError(f"Could not read safetensors file {str(path)!r}: {exc}") from exc
+                tied = {**file_tied, **tied}
+            self.files.append((path, keys))
+            if keys is not None:
+                checkpoint_keys.extend(keys)
+
+        self.single_bin: dict[str, torch.Tensor] | None = None
+        if len(files) == 1 and files[0][1] is None and files[0][0].suffix != ".safetensors":
+            self.single_bin = _torch_load(files[0][0])
+            checkpoint_keys = list(self.single_bin)
+            for key, value in self.single_bin.items():
+                if key in expected:
+                    loader.check_shape(key, value.shape)
+
+        saved = set(checkpoint_keys)
+        tied = {alias: target for alias, target in tied.items() if target in saved and alias not in saved}
+        present = saved | set(tied)
+        self.missing = [name for name in loader.slots if name not in present]
+        self.unexpected = [name for name in list(dict.fromkeys(checkpoint_keys)) + list(tied) if name not in expected]
+        self.aliases_of: dict[str, list[str]] = {}  # saved name -> model names tied to it
+        for alias, target in tied.items():
+            if alias in expected:
+                self.aliases_of.setdefault(target, []).append(alias)
+
+    def key_problems(self) -> str | None:
+        """One message naming the missing and unexpected keys, or None."""
+        problems = []
+        if self.missing:
+            problems.append(f"missing keys (in the model, not in the checkpoint): {_format_keys(self.missing)}")
+        if self.unexpected:
+            problems.append(
+                f"unexpected keys (in the checkpoint, not in the model): {_format_keys(self.unexpected)}"
+            )
+        return f"Loading checkpoint {str(self.checkpoint)!r}: " + "; ".join(problems) if problems else None
+
+    def tensors(self, loader: _Loader):
+        """Yields ``(file, key, stored dtype, read)`` for every saved tensor, one file at a time; ``read()``
+        returns the value (for safetensors the data is read only then, so a caller may skip it)."""
+        for path, keys in self.files:
+            if path.suffix == ".safetensors":
+                with _safe_open(path) as f:
+                    for key in keys:
+                        stored = getattr(torch, _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), ""), None)
+                        yield path, key, stored, lambda f=f, key=key, path=path: _read_safetensor(f, path, key)
+                continue
+            shard = self.single_bin if self.single_bin is not None else _torch_load(path)
+            wanted: list[str] = list(shard) if keys is None else keys
+            absent = [k for k in wanted if k not in shard]
+            if absent:
+                raise KeyError(f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index.")
+            for key in wanted:
+                if key in loader.slots:
+                    loader.check_shape(key, shard[key].shape)
+            for key in wanted:
+                yield path, key, shard[key].dtype, lambda value=shard[key]: value
+            del shard
+
+
+def _read_safetensor(f, path: Path, key: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(key)
+    except Exception as exc:
+        raise RuntimeError(f"Could not read tensor {key!r} from safetensors file {str(path)!r}: {exc}") from exc
+
+
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
     strict: bool = False,
+    *,
+    device_map: Mapping[str, int | str | torch.device] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Load a checkpoint written in Hugging Face's layout into ``model``'s parameters and buffers.
 
@@ -608,106 +719,36 @@ def load_checkpoint_in_model(
     sharing the meta tensor gets the same new one; ``requires_grad`` is kept). Tied aliases recorded by
     :func:`save_state_dict_sharded` are filled from their saved tensor.
 
+    With ``device_map`` (keyword only; Accelerate's meaning) each tensor goes straight to its mapped device
+    and "disk" ones to ``offload_folder``: see :func:`accel.utils.modeling.load_checkpoint_with_device_map`.
+
     Returns ``(missing_keys, unexpected_keys)``; both are warned about, or raised as ``RuntimeError``
     when ``strict``. Shape mismatches always raise ``RuntimeError``. For safetensors checkpoints keys and
     shapes are checked from the headers before the model is modified.
     """
-    dtype = _resolve_dtype(dtype)
-    model = _unwrap_model(model)
-    files, tied = _resolve_checkpoint(checkpoint)
-    loader = _Loader(model, dtype)
-    expected = set(loader.slots)
+    if device_map is not None:
+        from accel.utils.modeling import load_checkpoint_with_device_map
 
-    # First pass: headers and key sets (safetensors), so errors come before the model changes.
-    headers: list[tuple[Path, list[str] | None, dict[str, str]]] = []
-    checkpoint_keys: list[str] = []
-    for path, index_keys in files:
-        if path.suffix == ".safetensors":
-            with _safe_open(path) as f:
-                try:
-                    file_keys = list(f.keys())
-                    file_tied = _parse_tied((f.metadata() or {}).get(_TIED_KEY), f"file {str(path)!r}")
-                    keys = file_keys if index_keys is None else index_keys
-                    absent = [k for k in keys if k not in set(file_keys)]
-                    if absent:
-                        raise KeyError(
-                            f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index."
-                        )
-                    for key in keys:
-                        if key in expected:
-                            loader.check_shape(key, f.get_slice(key).get_shape())
-                except (KeyError, ValueError, RuntimeError):
-                    raise
-                except Exception as exc:
-                    raise RuntimeError(f"Could not read safetensors file {str(path)!r}: {exc}") from exc
-            tied = {**file_tied, **tied}
-        else:
-            keys = index_keys
-            file_tied = {}
-        headers.append((path, keys, file_tied))
-        if keys is not None:
-            checkpoint_keys.extend(keys)
-
-    single_bin: dict[str, torch.Tensor] | None = None
-    if len(files) == 1 and files[0][1] is None and files[0][0].suffix != ".safetensors":
-        single_bin = _torch_load(files[0][0])
-        checkpoint_keys = list(single_bin)
-        for key, value in single_bin.items():
-            if key in expected:
-                loader.check_shape(key, value.shape)
-
-    saved = set(checkpoint_keys)
-    tied = {alias: target for alias, target in tied.items() if target in saved and alias not in saved}
-    present = saved | set(tied)
-    missing = [name for name in loader.slots if name not in present]
-    unexpected = [name for name in list(dict.fromkeys(checkpoint_keys)) + list(tied) if name not in expected]
-    problems = []
-    if missing:
-        problems.append(f"missing keys (in the model, not in the checkpoint): {_format_keys(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_format_keys(unexpected)}")
-    if problems:
-        message = f"Loading checkpoint {str(checkpoint)!r}: " + "; ".join(problems)
-        if strict:
-            raise RuntimeError(message)
+        return load_checkpoint_with_device_map(
+            model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
+            offload_state_dict=offload_state_dict, offload_buffers=offload_buffers,
+        )
+    loader = _Loader(_unwrap_model(model), _resolve_dtype(dtype))
+    plan = _CheckpointPlan(checkpoint, loader)
+    message = plan.key_problems()
+    if message and strict:
+        raise RuntimeError(message)
+    if message:
         warnings.warn(message, stacklevel=2)
 
-    aliases_of: dict[str, list[str]] = {}
-    for alias, target in tied.items():
-        if alias in expected:
-            aliases_of.setdefault(target, []).append(alias)
-
-    def place(name: str, value: torch.Tensor) -> None:
-        if name not in expected:
-            return
-        loader.assign(name, value)
-        source = loader.current(name)
-        for alias in aliases_of.get(name, ()):
+    for _, key, _, read in plan.tensors(loader):
+        if key not in loader.slots:
+            continue
+        value = read()
+        loader.assign(key, value)
+        source = loader.current(key)
+        for alias in plan.aliases_of.get(key, ()):
             if loader.current(alias) is not source:
                 loader.assign(alias, value)
-
-    for path, keys, _ in headers:
-        if path.suffix == ".safetensors":
-            with _safe_open(path) as f:
-                for key in keys:
-                    try:
-                        value = f.get_tensor(key)
-                    except Exception as exc:
-                        raise RuntimeError(
-                            f"Could not read tensor {key!r} from safetensors file {str(path)!r}: {exc}"
-                        ) from exc
-                    place(key, value)
-                    del value
-        else:
-            shard = single_bin if single_bin is not None else _torch_load(path)
-            wanted: Iterable[str] = shard.keys() if keys is None else keys
-            absent = [k for k in wanted if k not in shard]
-            if absent:
-                raise KeyError(f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index.")
-            for key in wanted:
-                if key in expected:
-                    loader.check_shape(key, shard[key].shape)
-            for key in wanted:
-                place(key, shard[key])
-            del shard
-    return missing, unexpected
+        del value
+    return plan.missing, plan.unexpected

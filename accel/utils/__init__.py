@@ -19,6 +19,18 @@ from accel.state import DistributedType
 from accel.utils.random import set_seed
 
 
+# big-model inference helpers, imported on first use
+_MODELING = (
+    "check_device_map", "clean_device_map", "compute_module_sizes", "find_tied_parameters", "get_balanced_memory",
+    "get_max_layer_size", "get_max_memory", "infer_auto_device_map", "named_module_tensors",
+    "set_module_tensor_to_device",
+)
+_OFFLOAD = (
+    "OffloadedWeightsLoader", "PrefixedDataset", "load_offloaded_weight", "offload_state_dict", "offload_weight",
+    "save_offload_index",
+)
+
+
 def __getattr__(name: str):
     # data-loading names live in accel.data; imported lazily so `import accel.utils` stays light
     if name in ("DataLoaderConfiguration", "skip_first_batches"):
@@ -33,6 +45,14 @@ def __getattr__(name: str):
         import accel.plugins
 
         return getattr(accel.plugins, name)
+    if name in _MODELING:
+        import accel.utils.modeling
+
+        return getattr(accel.utils.modeling, name)
+    if name in _OFFLOAD:
+        import accel.utils.offload
+
+        return getattr(accel.utils.offload, name)
     if name == "GradientAccumulationPlugin":
         from accel.accumulation import GradientAccumulationPlugin
 
@@ -45,4 +65,5 @@ __all__ = [
     "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
     "skip_first_batches", "GradientAccumulationPlugin", "ProjectConfiguration", "load_checkpoint_in_model",
+    *_MODELING, *_OFFLOAD,
 ]
