@@ -99,14 +99,14 @@ class Accelerator:
         self.precision = PrecisionPolicy(self.config.mixed_precision, self.state.device,
                                          scaler.to_kwargs() if scaler else None,
                                          autocast.to_kwargs() if autocast else None)
-        self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
-                                   self.kwargs_handlers)
         plugin = gradient_accumulation_plugin
         self.gradient_state = GradientState(
             num_steps=self.config.gradient_accumulation_steps,
             sync_with_dataloader=getattr(plugin, "sync_with_dataloader", True),
             adjust_scheduler=getattr(plugin, "adjust_scheduler", True),
         )
+        self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
+                                   self.kwargs_handlers, gradient_state=self.gradient_state)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -246,11 +246,15 @@ class Accelerator:
     # ------------------------------------------------------------------------------------------------------
     # prepare
     # ------------------------------------------------------------------------------------------------------
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None, loss_fn: Callable | None = None) -> Any:
         """Prepare models, optimizers, data loaders and schedulers, in any order; returned in the same order.
 
         Models are wrapped first, then optimizers (which may need the wrapped parameters), then schedulers.
+        `loss_fn(outputs, targets)` is for pipeline parallelism: `loss = model(inputs, target=targets)` then runs
+        forward and backward over the micro-batches (other backends ignore it).
         """
+        if loss_fn is not None:
+            self.backend.set_loss_fn(loss_fn)
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"prepare: device_placement has {len(placement)} entries for {len(args)} objects")
@@ -258,6 +262,9 @@ class Accelerator:
         models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
         for i in models:
             result[i] = self.prepare_model(args[i], device_placement=placement[i])
+        if loss_fn is not None:
+            for model in self._models:
+                self.backend.attach_loss(model)
         for i, obj in enumerate(args):
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
                 result[i] = self._prepare_optimizer(obj, [result[m] for m in models])

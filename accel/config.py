@@ -44,7 +44,8 @@ def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = N
     return field(default=default, metadata=meta)
 
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+# torch.distributed.pipelining's schedules: one stage per process, then several (looped or V-shaped) per process
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 RDZV_BACKENDS = ("static", "c10d")
@@ -61,6 +62,12 @@ class ParallelismConfig:
     pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
     pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
     pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+    pp_stages_per_rank: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="model stages each process holds (default: 1; 2 for the interleaved, looped and V schedules)")
+    pp_split_points: list | None = _spec(
+        None, list, optional=True,
+        help="names of the modules where a new stage begins, e.g. [layers.4] (default: balanced by parameter count)")
     tp_plan: dict | None = _spec(
         None, dict, optional=True,
         help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | replicate")
@@ -181,6 +188,8 @@ def _allowed(meta: dict) -> str:
         text = "true or false"
     elif kind is dict:
         text = "a mapping of module names to style names"
+    elif kind is list:
+        text = "a list of module names"
     elif kind in (int, float):
         noun = "an integer" if kind is int else "a number"
         if lo is not None and hi is not None:
@@ -223,6 +232,12 @@ def _check_value(value: Any, meta: dict, key: str, source: str) -> Any:
         if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
             fail()
         return float(value)
+    if kind is list:  # of names; a comma-separated string is accepted too (launch flags)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            fail()
+        return list(value)
     if kind is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             fail()

@@ -62,10 +62,15 @@ class PrecisionPolicy:
         def forward(*args, **kwargs):
             with autocast():
                 outputs = original(*args, **kwargs)
-            return recursively_apply(_to_float32, outputs, test_type=_is_low_precision)
+            return self.outputs_to_float32(outputs)
 
         model._accel_original_forward = original
         model.forward = forward
+
+    @staticmethod
+    def outputs_to_float32(outputs: Any) -> Any:
+        """Low-precision tensors in a model's outputs, as float32 (what a wrapped forward returns)."""
+        return recursively_apply(_to_float32, outputs, test_type=_is_low_precision)
 
     @staticmethod
     def unwrap_forward(model: torch.nn.Module) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from accel.config import ConfigError, ParallelismConfig
 
 # backend name -> module that implements (and registers) it
-BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero", "tensor": "accel.backends.tensor"}
+BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero", "tensor": "accel.backends.tensor",
+                   "pipeline": "accel.backends.pipeline"}
 
 
 class BackendNotAvailable(ConfigError):
@@ -28,7 +29,11 @@ def backend_name_for(parallelism: ParallelismConfig) -> str:
 def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
     """The backend's name, or a clear error when it is not available (never a silent fallback to DDP)."""
     name = backend_name_for(parallelism)
-    if name == "tensor" and (parallelism.zero_stage == 1 or parallelism.offload_optimizer or parallelism.offload_params):
+    if name == "pipeline" and (parallelism.offload_optimizer or parallelism.offload_params):
+        raise BackendNotAvailable(
+            f"parallelism: pipeline parallelism (pp_size={parallelism.pp_size}) with CPU offload is not available yet "
+            "in accel; allowed: offload_optimizer and offload_params false")
+    if parallelism.tp_size > 1 and (parallelism.zero_stage == 1 or parallelism.offload_optimizer or parallelism.offload_params):
         raise BackendNotAvailable(
             f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) with ZeRO stage 1 or CPU offload is not "
             "available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")

@@ -24,14 +24,16 @@ class Backend:
     """Wraps models/optimizers for one kind of parallelism and owns what depends on it."""
 
     name = "base"
+    holds_part_of_model = False  # True: each process has only some of the model's tensors (pipeline stages)
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
-                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None) -> None:
+                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None) -> None:
         self.state = state
         self.topology = topology
         self.precision = precision
         self.parallelism = parallelism
         self.kwargs_handlers = list(kwargs_handlers or [])
+        self.gradient_state = gradient_state  # accumulation steps, for backends that own the backward
 
     # -- data ------------------------------------------------------------------------------------------------
     @property
@@ -54,6 +56,27 @@ class Backend:
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    loss_fn = None
+
+    def set_loss_fn(self, loss_fn) -> None:
+        """The loss function given to `prepare(..., loss_fn=...)`, so `model(x, target=y)` returns the loss."""
+        self.loss_fn = loss_fn
+
+    def attach_loss(self, model: torch.nn.Module) -> None:
+        """Let the prepared model take `target=`: then it returns `loss_fn(outputs, target)`, so a loop written
+        for pipeline parallelism runs unchanged on every backend. Backends that run the loss themselves
+        (pipelines) override this."""
+        if self.loss_fn is None or "_accel_loss_forward" in model.__dict__:
+            return
+        inner, loss_fn = model.forward, self.loss_fn
+
+        def forward(*args, target=None, **kwargs):
+            outputs = inner(*args, **kwargs)
+            return outputs if target is None else loss_fn(outputs, target)
+
+        model.forward = forward
+        model._accel_loss_forward = inner
+
     # -- the step --------------------------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module):
         """Context in which backward accumulates locally without communicating."""
@@ -66,10 +89,8 @@ class Backend:
         """Clip to the global norm over all gradients; for sharded (DTensor) gradients the norm is reduced
         over the shards, so it equals the single-process norm."""
         parameters = list(parameters)
-        total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=norm_type)
-        if hasattr(total, "full_tensor"):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        total = total_norm([p.grad for p in parameters if p.grad is not None], norm_type, self.state.device)
+        clip_grads_with_norm(parameters, max_norm, total)
         return total
 
     # -- checkpoint hooks ------------------------------------------------------------------------------------
@@ -108,6 +129,31 @@ class Backend:
 
     def release(self) -> None:
         """Drop references to communication objects before the process group is destroyed."""
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The norm of all `grads` as one vector. Sharded (DTensor) gradients are reduced over their mesh; those on
+    different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined."""
+    by_mesh: dict = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device=device, dtype=torch.float32))
+    if not norms:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_grads_with_norm(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients by max_norm / total when that is below 1 (each shard in place, whatever its mesh)."""
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.mul_(coefficient.to(grad.device, grad.dtype))
 
 
 class ParameterReplacements:

@@ -130,14 +130,15 @@ class TensorParallelBackend(Backend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         par = self.parallelism
-        if par.zero_stage == 1 or par.offload_optimizer or par.offload_params or par.pp_size > 1:
-            raise ConfigError("parallelism: tensor parallelism with ZeRO stage 1, CPU offload or pipeline "
-                              "parallelism is not available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")
+        if par.zero_stage == 1 or par.offload_optimizer or par.offload_params:
+            raise ConfigError("parallelism: tensor parallelism with ZeRO stage 1 or CPU offload is not available yet "
+                              "in accel; allowed: zero_stage 0, 2 or 3 without offload")
         if self.precision.mode == "fp16" and self.topology.dp_size > 1:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.precision.use_scaler_class(ShardedGradScaler)
         self.applied_plans: list[dict[str, str]] = []
+        self.fixed_plan: dict[str, str] | None = None  # a pipeline checks the plan on the whole model, then sets it
         self.replacements = ParameterReplacements()
 
     def plan_for(self, model: torch.nn.Module) -> dict[str, str]:
@@ -163,7 +164,11 @@ class TensorParallelBackend(Backend):
 
         if device_placement:
             model = model.to(self.state.device)
-        plan = self.plan_for(model)
+        if self.fixed_plan is None:
+            plan = self.plan_for(model)
+        else:  # a pipeline stage: the entries for modules this stage holds
+            held = {name for name, m in model.named_modules() if not hasattr(m, "_accel_where")}
+            plan = {name: style for name, style in self.fixed_plan.items() if name in held}
         self.applied_plans.append(plan)
         mesh = self.topology.mesh(self.state.device.type)
         originals = self.replacements.snapshot(model)

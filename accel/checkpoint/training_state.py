@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import warnings
@@ -99,13 +100,13 @@ def _collect(objects: TrainingObjects) -> dict:
 FILE_BYTES = 256 * 2**20  # DCP's safetensors writer builds each file in memory: bound the peak by the file size
 
 
-def _file_buckets(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+def _file_buckets(specs: dict[str, tuple[list[int], str]]) -> dict[str, int]:
     """Key -> file number (1-based): consecutive tensors in files of at most FILE_BYTES (one larger tensor
-    gets a file of its own), so a save never holds more than about one file's bytes extra."""
+    gets a file of its own), so a save never holds more than about one file's bytes extra. Sizes are the
+    whole tensors' (a rank writing a shard writes less)."""
     mapping, index, used = {}, 1, 0
-    for key, t in tensors.items():
-        local = t.to_local() if hasattr(t, "to_local") else t
-        size = local.numel() * local.element_size()
+    for key, (shape, dtype) in specs.items():
+        size = math.prod(shape) * getattr(torch, dtype).itemsize
         if used and used + size > FILE_BYTES:
             index, used = index + 1, 0
         mapping[key] = index
@@ -150,7 +151,12 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     for key in aliases:
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
-    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=_file_buckets(tensors),
+    if world > 1:  # ranks may hold different tensors (pipeline stages): one skeleton and file plan for all
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (skeleton, aliases))
+        skeleton = tree.merge([s for s, _ in everyone])
+        aliases = {k: v for _, a in everyone for k, v in a.items()}
+    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=_file_buckets(tree.tensor_specs(skeleton)),
                                       save_distributed=True)
     with _quiet_single_process():
         dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
@@ -194,6 +200,8 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         if key in aliases:
             continue
         target = live.get(key)
+        if target is None and key.startswith(("/models/", "/optimizers/")) and objects.backend.holds_part_of_model:
+            continue  # another pipeline stage's tensor
         if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
             target = tree.empty_like_spec(shape, dtype)
         targets[key] = target.detach()

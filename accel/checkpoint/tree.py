@@ -65,6 +65,21 @@ def tensor_specs(skeleton: Any) -> dict[str, tuple[list[int], str]]:
     return specs
 
 
+def merge(skeletons: list) -> Any:
+    """One skeleton from several ranks' (pipeline stages hold different tensors): dicts are united, lists of
+    equal length merged item by item, other lists of names united in order; otherwise the first rank's value."""
+    first = skeletons[0]
+    if all(isinstance(s, dict) for s in skeletons) and not any(_TENSOR in s for s in skeletons):
+        keys = list(dict.fromkeys(k for s in skeletons for k in s))
+        return {k: merge([s[k] for s in skeletons if k in s]) for k in keys}
+    if all(isinstance(s, list) for s in skeletons):
+        if len({len(s) for s in skeletons}) == 1:
+            return [merge([s[i] for s in skeletons]) for i in range(len(first))]
+        if all(isinstance(v, str) for s in skeletons for v in s):
+            return list(dict.fromkeys(v for s in skeletons for v in s))
+    return first
+
+
 def empty_like_spec(shape: list[int], dtype: str) -> torch.Tensor:
     return torch.empty(shape, dtype=getattr(torch, dtype))
 
@@ -75,7 +90,7 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return [join(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
-            return tensors[skeleton[_TENSOR]]
+            return tensors.get(skeleton[_TENSOR])  # None: a tensor another pipeline stage holds
         if _TUPLE in skeleton:
             return tuple(join(v, tensors) for v in skeleton[_TUPLE])
         if _DICT in skeleton:

@@ -175,8 +175,9 @@ def test_split_between_processes_rule():
 
 
 @pytest.mark.parametrize("parallelism,needle", [
-    (ParallelismConfig(zero_stage=2, pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
-    (ParallelismConfig(pp_size=2), "pipeline parallelism (pp_size=2) is not available yet"),
+    (ParallelismConfig(zero_stage=2, pp_size=2, offload_params=True),
+     "pipeline parallelism (pp_size=2) with CPU offload is not available yet"),
+    (ParallelismConfig(tp_size=2, zero_stage=1), "tensor parallelism (tp_size=2) with ZeRO stage 1"),
 ])
 def test_unavailable_backends_error_instead_of_falling_back(parallelism, needle):
     with pytest.raises(ConfigError, match="not available yet") as info:

@@ -218,9 +218,12 @@ def test_cross_field_error(run_accel, script):
                                     "--main_process_ip", "127.0.0.1", script), "num_processes", "divisible")
 
 
-def test_unavailable_backend_is_refused_before_starting(run_accel, script):
-    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--pp_size", "2", script),
-                          "pipeline parallelism (pp_size=2) is not available yet")
+def test_unavailable_backend_is_refused_before_starting(run_accel, script, tmp_path):
+    cfg_file = tmp_path / "pp_offload.yaml"
+    cfg_file.write_text("parallelism:\n  zero_stage: 3\n  offload_params: true\n")
+    assert_one_line_error(run_accel("launch", "--config_file", str(cfg_file), "--cpu", "--num_processes", "2",
+                                    "--pp_size", "2", script),
+                          "pipeline parallelism (pp_size=2) with CPU offload is not available yet")
 
 
 def test_tensor_parallel_with_zero_stage_1_is_refused_before_starting(run_accel, script):

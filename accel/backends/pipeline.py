@@ -1,0 +1,426 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: the model is cut into consecutive stages (see
+`pipeline_split.py`), each process holds one (or, for interleaved/looped/V schedules, several), and a batch is
+cut into micro-batches that PyTorch's schedule (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, ...)
+runs through the stages with `PipelineStage` over the `pp` sub-mesh.
+
+The loop changes in one line: the loss function is given to `prepare(..., loss_fn=...)` and
+`loss = model(x, target=y)` runs the whole forward/backward schedule and returns the batch loss on every rank;
+`accelerator.backward(loss)` is then a no-op. Without a target the model runs forward only and returns the
+outputs on every rank (evaluation).
+
+Combinations compose here, in one place: after cutting, each stage model is wrapped by the backend of the
+remaining degrees (DDP, ZeRO or TP x FSDP2 over `dp`), which PipelineStage drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accel.backends.base import Backend, refuse_stepped_optimizer, register_backend, select_backend, total_norm, \
+    clip_grads_with_norm
+from accel.backends.pipeline_split import StagePlan, balanced_split_points, check_split_points, run_stage, stage_model
+from accel.config import ConfigError
+
+_SINGLE_STAGE = ("GPipe", "1F1B")
+_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+class PipelineError(ValueError):
+    """Misuse of a pipeline model (bad batch size, missing loss function...), as one line."""
+
+
+def stage_placement(schedule: str, pp_size: int, num_stages: int) -> dict[int, int]:
+    """stage index -> pp rank, as torch's schedules place them (looped, or V-shaped for the V schedules)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    return generate_stage_to_rank_mapping(pp_size, num_stages, style="v" if schedule in _V_SHAPED else "loop")
+
+
+@register_backend("pipeline")
+class PipelineBackend(Backend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        par = self.parallelism
+        if par.offload_optimizer or par.offload_params:
+            raise ConfigError("parallelism: pipeline parallelism with CPU offload is not available yet in accel; "
+                              "allowed: offload_optimizer and offload_params false with pp_size > 1")
+        self.schedule = par.pp_schedule
+        per_rank = par.pp_stages_per_rank or (1 if self.schedule in _SINGLE_STAGE else 2)
+        if self.schedule in _SINGLE_STAGE and per_rank != 1:
+            raise ConfigError(f"parallelism: pp_schedule {self.schedule} runs one stage per process, got "
+                              f"pp_stages_per_rank={per_rank}; allowed: 1, or a schedule such as Interleaved1F1B")
+        if self.schedule in _V_SHAPED and per_rank != 2:
+            raise ConfigError(f"parallelism: pp_schedule {self.schedule} needs pp_stages_per_rank 2, got {per_rank}")
+        self.pp_size = self.topology.pp_size
+        self.num_stages = self.pp_size * per_rank
+        self.microbatches = par.pp_microbatches or self.pp_size
+        self.placement = stage_placement(self.schedule, self.pp_size, self.num_stages)
+        self.pp_rank = self.topology.coordinates(self.state.process_index)["pp"]
+        self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.pp_rank]
+        inner_parallelism = dataclasses.replace(par, pp_size=1)
+        self.inner = select_backend(inner_parallelism)(self.state, self.topology, self.precision, inner_parallelism,
+                                                       self.kwargs_handlers, gradient_state=self.gradient_state)
+        if self.precision.mode == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.precision.use_scaler_class(ShardedGradScaler)  # one inf on any stage skips the step everywhere
+        self._models: list[PipelineModel] = []
+        self._pending_backward = 0
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def attach_loss(self, model: nn.Module) -> None:
+        """Nothing to attach: the pipeline model computes the loss on its last stage, per micro-batch."""
+
+    def prepare_model(self, model: nn.Module, device_placement: bool = True) -> nn.Module:
+        if isinstance(model, PipelineModel):
+            return model
+        points = self.parallelism.pp_split_points
+        points = (check_split_points(model, points, self.num_stages) if points
+                  else balanced_split_points(model, self.num_stages))
+        plan = StagePlan(model, points)
+        self._sync_initial_weights(model)
+        if self.topology.tp_size > 1:
+            self.inner.fixed_plan = self.inner.plan_for(model)  # checked against the whole model, then per stage
+        users = plan.stages_of_param(model)
+        params = {id(p): p for p in model.parameters()}
+        aliases: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+        tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s) in set(self.local_stages))
+                for i, s in users.items() if len(s) > 1]
+        view, _ = stage_model(model, plan, set(self.local_stages), hooks=False)
+        stages, originals = [], []
+        for index in self.local_stages:
+            shell, run = stage_model(model, plan, {index})
+            if device_placement:
+                shell.to(self.state.device)
+            _install_stage_forward(shell, run, index, self.precision)
+            originals += list(shell.parameters())  # what the user's optimizer holds (TP/FSDP replace them)
+            prepared = self.inner.prepare_model(shell, device_placement=False)
+            stages.append((index, shell, prepared))
+        wrapped = PipelineModel(self, view, stages, tied, originals)
+        self._models.append(wrapped)
+        return wrapped
+
+    def _sync_initial_weights(self, model: nn.Module) -> None:
+        """The first pipeline rank's weights are the model's (as DDP takes rank 0's): every stage starts from
+        the weights of one model, also for weights tied across stages."""
+        group = self.topology.group("pp", self.state.device.type)
+        source = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                if not tensor.is_meta:
+                    moved = tensor.data.to(self.state.device)
+                    dist.broadcast(moved, src=source, group=group)
+                    if moved is not tensor.data:
+                        tensor.data.copy_(moved)
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model.local_view if isinstance(model, PipelineModel) else self.inner.unwrap_model(model)
+
+    # -- optimizer --------------------------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
+        refuse_stepped_optimizer(optimizer, "pipeline parallelism")
+        pipelines = [m for m in models if isinstance(m, PipelineModel)]
+        if not pipelines:
+            raise PipelineError("prepare: with pipeline parallelism, prepare the model before (or with) its optimizer")
+        keep = {id(p) for m in pipelines for p in m.original_parameters}
+        for group in optimizer.param_groups:  # other stages' parameters are not this process's to update
+            group["params"] = [p for p in group["params"] if id(p) in keep]
+        return self.inner.prepare_optimizer(optimizer, [shell for m in pipelines for shell in m.shells])
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """A no-op: `model(x, target=y)` has already run the backward of every micro-batch."""
+        if self._pending_backward == 0:
+            raise PipelineError("accelerator.backward: with pipeline parallelism the backward runs inside "
+                                "`loss = model(inputs, target=targets)` (loss_fn given to prepare); a loss computed "
+                                "outside the pipeline model cannot be back-propagated through it")
+        self._pending_backward -= 1
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm over all stages (each weight tied across stages counted once)."""
+        parameters = list(parameters)
+        skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
+        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
+        device = self.state.device
+        local = total_norm(grads, norm_type, device)
+        group = self.topology.group("pp", device.type)
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            powered = local ** norm_type
+            dist.all_reduce(powered, group=group)
+            total = powered ** (1.0 / norm_type)
+        clip_grads_with_norm(parameters, max_norm, total)
+        return total
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    holds_part_of_model = True
+
+    def load_checkpoint_model_state(self, model: nn.Module, state: dict) -> None:
+        super().load_checkpoint_model_state(model, {k: v for k, v in state.items() if v is not None})
+
+    def load_checkpoint_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """The checkpoint holds every stage's optimizer state: keep this process's parameters'."""
+        if "state" in state and "param_groups" in state:
+            local = {canonical: name for name, canonical in _tied_names(model).items()}
+            mine = {name for name, _ in model.named_parameters()}
+            state = _rename(state, local)
+            state = {"state": {k: v for k, v in state["state"].items() if k in mine},
+                     "param_groups": [{**g, "params": [p for p in g["params"] if p in mine]}
+                                      for g in state["param_groups"]]}
+        self.inner.load_checkpoint_optimizer_state(model, optimizer, state)
+
+    def checkpoint_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Keyed by parameter name; a weight tied across stages under the name the whole model gives it."""
+        return _rename(self.inner.checkpoint_optimizer_state(model, optimizer), _tied_names(model))
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """Every stage's full weights, collected on rank 0 with the original names (other ranks: {})."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        mine = {k: v.detach().to("cpu") for k, v in mine.items()}
+        coords = self.topology.coordinates(self.state.process_index)
+        if coords["dp"] or coords["tp"]:
+            return {}
+        return _collect_on_first(mine, self.topology.group("pp", self.state.device.type), self.state.device)
+
+    def forget(self) -> None:
+        self._models.clear()
+        self.inner.forget()
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedWeight:
+    """A weight used by several stages (e.g. an embedding tied to the output head): its names, its shape, and
+    whether this process holds the first stage that uses it (that one counts it in the gradient norm)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    owned: bool
+
+
+class PipelineModel(nn.Module):
+    """What `prepare` returns for a pipeline: this process's stages. Its parameters and state dict keep the
+    original names; calling it runs the schedule over the micro-batches."""
+
+    def __init__(self, backend: PipelineBackend, view: nn.Module, stages: list, tied: list[TiedWeight],
+                 original_parameters: list) -> None:
+        super().__init__()
+        for name, child in view.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "local_view", view)
+        object.__setattr__(self, "_backend", backend)
+        self.tied = tied
+        self._stages = stages  # (stage index, stage model, the stage model as the inner backend wrapped it)
+        self._originals = [weakref.ref(p) for p in original_parameters]
+        self._schedules: dict = {}
+        self._training_step = False
+        self._raw_losses: list = []
+
+    @property
+    def shells(self) -> list[nn.Module]:
+        return [shell for _, shell, _ in self._stages]
+
+    @property
+    def original_parameters(self) -> list[nn.Parameter]:
+        """This process's parameters as the model had them before TP/FSDP replaced them (the optimizer's)."""
+        return [p for p in (ref() for ref in self._originals) if p is not None]
+
+    def _tied_params(self) -> list:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        return [next((params[n] for n in weight.names if n in params), None) for weight in self.tied]
+
+    def not_owned_parameters(self) -> list[torch.Tensor]:
+        """Weights tied across stages that an earlier stage on another process counts (for the norm)."""
+        return [p for weight, p in zip(self.tied, self._tied_params()) if p is not None and not weight.owned]
+
+    # -- the schedule -----------------------------------------------------------------------------------------
+    def _schedule(self, packed: dict, with_loss: bool):
+        key = (with_loss,) + tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
+                                   for k, v in sorted(packed.items()))
+        if key not in self._schedules:
+            self._schedules[key] = self._build_schedule(with_loss)
+        return self._schedules[key]
+
+    def _build_schedule(self, with_loss: bool):
+        """PyTorch's schedule over fresh `PipelineStage`s (they learn the activation shapes on first use, so
+        each input shape gets its own)."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        backend = self._backend
+        group = backend.topology.group("pp", backend.state.device.type)
+        stages = [PipelineStage(prepared, index, backend.num_stages, backend.state.device, group=group)
+                  for index, _, prepared in self._stages]
+        cls = get_schedule_class(backend.schedule)
+        options = {"loss_fn": self._loss if with_loss else None, "scale_grads": False}
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], backend.microbatches, **options)
+        return cls(stages, backend.microbatches, **options)
+
+    def _loss(self, output, target):
+        """The user's loss on one micro-batch, scaled so the summed micro-batch gradients equal the batch's
+        (and divided by the accumulation steps, and scaled for fp16)."""
+        loss_fn = self._backend.loss_fn
+        raw = loss_fn(output, target)
+        self._raw_losses.append(raw.detach())
+        if not self._training_step:
+            return raw
+        backend = self._backend
+        steps = backend.gradient_state.num_steps if backend.gradient_state is not None else 1
+        return backend.precision.scale_loss(raw) / (backend.microbatches * steps)
+
+    # -- calling it -------------------------------------------------------------------------------------------
+    def forward(self, *args, target=None, **kwargs):
+        backend = self._backend
+        packed = {f"_accel_arg{i}": a for i, a in enumerate(args)} | {f"_accel_kw_{k}": v for k, v in kwargs.items()}
+        batch = next((v.shape[0] for v in packed.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+        if batch is None:
+            raise PipelineError("pipeline: the model's inputs hold no batched tensor to cut into micro-batches")
+        if batch % backend.microbatches:
+            raise PipelineError(f"pipeline: batch size {batch} is not divisible by pp_microbatches="
+                                f"{backend.microbatches}; allowed: a batch size that is a multiple of it")
+        device = backend.state.device
+        packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
+        if target is not None:
+            target = target.to(device)
+        if target is not None and backend.loss_fn is None:
+            raise PipelineError("pipeline: model(..., target=...) needs the loss function; give it once: "
+                                "accelerator.prepare(model, ..., loss_fn=torch.nn.functional.cross_entropy)")
+        schedule = self._schedule(packed, with_loss=target is not None)
+        self._training_step = target is not None and self.training and torch.is_grad_enabled()
+        self._raw_losses: list = []
+        if self._training_step:
+            before = self._tied_grads()
+            output = schedule.step(target=target, **packed)
+            self._sync_tied_grads(before)
+            backend._pending_backward += 1
+        else:
+            with torch.no_grad():
+                output = schedule.eval(target=target, **packed) if target is not None else schedule.step(**packed)
+        group = backend.topology.group("pp", device.type)
+        last = dist.get_global_rank(group, backend.placement[backend.num_stages - 1])
+        if target is not None:
+            losses = self._raw_losses[-backend.microbatches:]
+            loss = torch.stack(losses).float().mean() if losses and output is not None else torch.zeros((), device=device)
+            dist.broadcast(loss, src=last, group=group)
+            return loss
+        return _broadcast_output(output, last, group, device)
+
+    # -- weights tied across stages ---------------------------------------------------------------------------
+    def _tied_grads(self) -> list:
+        return [None if p is None or p.grad is None else _local(p.grad).clone() for p in self._tied_params()]
+
+    def _sync_tied_grads(self, before: list) -> None:
+        """Add each stage's new gradient of a tied weight to the other stages' (only this step's part, so
+        gradient accumulation stays right)."""
+        backend = self._backend
+        group = backend.topology.group("pp", backend.state.device.type)
+        for weight, param, old in zip(self.tied, self._tied_params(), before):
+            if param is None or param.grad is None:
+                shape = weight.shape if param is None else _local(param).shape
+                delta = torch.zeros(shape, device=backend.state.device)
+            else:
+                delta = _local(param.grad) - old if old is not None else _local(param.grad).clone()
+            dist.all_reduce(delta, group=group)
+            if param is not None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                _local(param.grad).copy_(delta if old is None else old + delta)
+
+
+def _tied_names(model) -> dict[str, str]:
+    """This process's name of each weight tied across stages -> the name the whole model gives it."""
+    if not isinstance(model, PipelineModel):
+        return {}
+    params = dict(model.named_parameters())
+    renames = {}
+    for weight in model.tied:
+        local = next((n for n in weight.names if n in params), None)
+        if local is not None and local != weight.names[0]:
+            renames[local] = weight.names[0]
+    return renames
+
+
+def _rename(state: dict, names: dict[str, str]) -> dict:
+    """An optimizer state dict (keyed by parameter name) with some parameters renamed."""
+    if not names or "state" not in state:
+        return state
+    return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _install_stage_forward(shell: nn.Module, run, index: int, precision) -> None:
+    """Make the stage model callable the way PipelineStage calls it: received activations positionally, the
+    model's own (micro-batched) inputs as keyword arguments."""
+
+    def forward(*received, **packed):
+        args = [packed[k] for k in sorted((k for k in packed if k.startswith("_accel_arg")), key=lambda k: int(k[10:]))]
+        kwargs = {k[10:]: v for k, v in packed.items() if k.startswith("_accel_kw_")}
+        with precision.autocast():
+            out = run_stage(shell, run, index, received[0] if received else None, tuple(args), kwargs)
+        if index == run.plan.num_stages - 1 and precision.dtype is not None:
+            out = precision.outputs_to_float32(out)
+        if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):
+            return out
+        raise PipelineError(f"pipeline: stage {index} returns {type(out).__name__}; allowed: a tensor or a tuple of "
+                            "tensors (return logits, and compute the loss with loss_fn)")
+
+    shell.forward = forward
+
+
+def _broadcast_output(output, src: int, group, device):
+    """The last stage's outputs, on every process of the pipeline."""
+    meta = [None]
+    if dist.get_rank() == src:
+        tensors = output if isinstance(output, tuple) else (output,)
+        meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in tensors])]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    is_tuple, shapes = meta[0]
+    results = []
+    for i, (shape, dtype) in enumerate(shapes):
+        tensor = (output if not is_tuple else output[i]).contiguous() if dist.get_rank() == src \
+            else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        results.append(tensor)
+    return tuple(results) if is_tuple else results[0]
+
+
+def _collect_on_first(state: dict, group, device) -> dict:
+    """Each pipeline rank's tensors, sent to the group's first rank (the others return {})."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [(k, v.shape, v.dtype) for k, v in state.items()], group=group)
+    first = dist.get_global_rank(group, 0)
+    me = dist.get_rank()
+    full: dict = dict(state) if me == first else {}
+    seen = {k for k, _, _ in gathered[0]}
+    for rank_in_group, entries in enumerate(gathered[1:], start=1):
+        sender = dist.get_global_rank(group, rank_in_group)
+        for key, shape, dtype in entries:
+            if key in seen:
+                continue  # a weight tied across stages: the first holder's copy
+            seen.add(key)
+            if me == sender:
+                dist.send(state[key].to(device).contiguous(), dst=first, group=group)
+            elif me == first:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, src=sender, group=group)
+                full[key] = buffer.to("cpu")
+    return full

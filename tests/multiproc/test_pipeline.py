@@ -1,0 +1,133 @@
+"""Pipeline parallelism on CPU processes against plain PyTorch on one process: per-step losses, clipped global
+norms, final weights and eval outputs within atol 1e-5 (fp32, AdamW lr 1e-2). Models: an nn.Sequential and a
+GPT-style toy whose head is tied to its embedding (the tie crosses the stages)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import accel_launch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "pp_train.py"
+ATOL = 1e-5
+
+
+def _worker_module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import pp_train
+    finally:
+        sys.path.pop(0)
+    return pp_train
+
+
+def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int = 1, dropout: float = 0.0):
+    """One process, plain PyTorch: dp data-parallel ranks of `batch` = one batch of batch*dp, in order."""
+    pp_train = _worker_module()
+    model = pp_train.make_model(kind, dropout)
+    x, y = pp_train.make_data(kind)
+    loss_fn = pp_train.loss_fn_for(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(steps * accum):
+        rows = slice(step * batch * dp, (step + 1) * batch * dp)
+        loss = loss_fn(model(x[rows]), y[rows])
+        (loss / accum).backward()
+        losses.append(loss.item())
+        if (step + 1) % accum == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        outputs = model(x[:batch])
+        eval_loss = loss_fn(outputs, y[:batch]).item()
+    return {"weights": model.state_dict(), "losses": losses, "norms": norms, "outputs": outputs, "eval_loss": eval_loss}
+
+
+def run(isolated_env, tmp_path, num_processes: int, *args, expect: int = 0):
+    return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, SCRIPT, "--out", str(tmp_path),
+                        *map(str, args), expect=expect)
+
+
+def check_against(tmp_path, ref, dp: int = 1, losses_per_rank=None) -> list:
+    records = json.loads((tmp_path / "record.json").read_text())
+    for rec in records:
+        assert torch.allclose(torch.tensor(rec["norms"]), torch.tensor(ref["norms"]), atol=ATOL, rtol=0)
+        assert torch.allclose(torch.tensor(rec["eval_outputs"]), ref["outputs"], atol=ATOL, rtol=0)
+        assert abs(rec["eval_loss"] - ref["eval_loss"]) < ATOL
+        if dp == 1:  # the batch loss, the same on every stage
+            assert torch.allclose(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
+    if dp > 1:  # each replica's loss is its half of the batch: their mean is the batch loss
+        by_replica = torch.tensor([rec["losses"] for rec in records])
+        assert torch.allclose(by_replica.mean(0), torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    assert sorted(weights) == sorted(ref["weights"])  # the original names, every weight once
+    for name, value in ref["weights"].items():
+        assert torch.allclose(weights[name], value, atol=ATOL, rtol=0), name
+    return records
+
+
+@pytest.mark.parametrize("kind", ["seq", "gpt"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_schedules_match_one_process(isolated_env, tmp_path, kind, schedule):
+    run(isolated_env, tmp_path, 2, "--model", kind, "--schedule", schedule)
+    records = check_against(tmp_path, reference(kind))
+    held = [set(r["param_names"]) for r in records]
+    assert not (held[0] & held[1]) or kind == "gpt"  # disjoint stages (the GPT's tied weight is on both)
+    if schedule == "Interleaved1F1B":  # 4 stages, 2 per process: process 0 holds stages 0 and 2
+        names = {"seq": ("0.weight", "4.weight"), "gpt": ("layers.0.up_proj.weight", "layers.2.up_proj.weight")}[kind]
+        assert set(names) <= held[0]
+
+
+def test_split_points_and_accumulation(isolated_env, tmp_path):
+    run(isolated_env, tmp_path, 2, "--model", "gpt", "--split_points", "layers.1", "--accum", "2", "--steps", "2")
+    records = check_against(tmp_path, reference("gpt", steps=2, accum=2))
+    assert "layers.0.up_proj.weight" in records[0]["param_names"]
+    assert "layers.1.up_proj.weight" in records[1]["param_names"]
+
+
+def test_eval_mode_turns_dropout_off(isolated_env, tmp_path):
+    run(isolated_env, tmp_path, 2, "--model", "gpt", "--dropout", "0.5", "--steps", "0")
+    check_against(tmp_path, reference("gpt", steps=0, dropout=0.5))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["ddp", "zero1"])
+def test_pipeline_times_data_parallel(isolated_env, tmp_path, zero_stage):
+    """4 processes: 2 stages x 2 replicas (DDP, or DDP + ZeroRedundancyOptimizer)."""
+    run(isolated_env, tmp_path, 4, "--model", "gpt", "--zero_stage", zero_stage)
+    check_against(tmp_path, reference("gpt", dp=2), dp=2)
+
+
+def test_three_d(isolated_env, tmp_path):
+    """8 processes: 2 stages x 2 data-parallel replicas x 2 tensor-parallel shards."""
+    run(isolated_env, tmp_path, 8, "--model", "gpt-untied", "--tp_size", 2, "--steps", 2)
+    check_against(tmp_path, reference("gpt-untied", dp=2, steps=2), dp=2)
+
+
+def test_checkpoint_loads_unsplit(isolated_env, tmp_path):
+    """save_state on 2 stages, load_state on one process and on 2 stages; save_model loads into the plain model."""
+    run(isolated_env, tmp_path, 2, "--model", "gpt", "--save")
+    trained = load_file(str(tmp_path / "weights.safetensors"))
+    for processes in (1, 2):  # unsplit, and back on 2 stages (each loads its part, optimizer state too)
+        run(isolated_env, tmp_path, processes, "--model", "gpt", "--pp_size", processes, "--load")
+        loaded = load_file(str(tmp_path / "loaded.safetensors"))
+        assert sorted(loaded) == sorted(trained)
+        for name in trained:
+            assert torch.equal(loaded[name], trained[name]), name
+    from accel import load_checkpoint_in_model
+
+    model = _worker_module().make_model("gpt")
+    load_checkpoint_in_model(model, str(tmp_path / "model"))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+
+
+def test_batch_not_divisible_is_one_line(isolated_env, tmp_path):
+    proc = run(isolated_env, tmp_path, 2, "--model", "seq", "--batch", 6, "--microbatches", 4, expect=1)
+    assert "batch size 6 is not divisible by pp_microbatches=4" in proc.stderr
