@@ -127,13 +127,9 @@ def cpu_offload(
 ) -> nn.Module:
     """Keep the weights on the CPU (in ``state_dict``) and bring each module's weights to ``execution_device``
     (default: where the parameters are) only while it runs; outputs return to the input's device."""
-    execution_device = _first_device(model) if execution_device is None else execution_device
     if state_dict is None:
         state_dict = {n: t.detach().to("cpu") for n, t in _named_tensors(model, offload_buffers).items()}
-    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
-    attach_align_device_hook(model, execution_device, offload=True, weights_map=state_dict,
-                             offload_buffers=offload_buffers, preload_module_classes=preload_module_classes)
-    return model
+    return _offload_every_module(model, execution_device, state_dict, offload_buffers, preload_module_classes)
 
 
 def disk_offload(
@@ -145,9 +141,14 @@ def disk_offload(
 ) -> nn.Module:
     """Write the weights to ``offload_dir`` (safetensors, unless its ``index.json`` already holds them) and read
     each module's weights from there, memory-mapped, only while it runs; between calls they are on meta."""
-    execution_device = _first_device(model) if execution_device is None else execution_device
     index = _disk_index(offload_dir, _named_tensors(model, offload_buffers))
     weights_map = OffloadedWeightsLoader(save_folder=offload_dir, index=index)
+    return _offload_every_module(model, execution_device, weights_map, offload_buffers, preload_module_classes)
+
+
+def _offload_every_module(model, execution_device, weights_map, offload_buffers, preload_module_classes):
+    """Hooks for cpu_offload/disk_offload: each module loads its own weights from ``weights_map`` as it runs."""
+    execution_device = _first_device(model) if execution_device is None else execution_device
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     attach_align_device_hook(model, execution_device, offload=True, weights_map=weights_map,
                              offload_buffers=offload_buffers, preload_module_classes=preload_module_classes)

@@ -139,7 +139,7 @@ def test_init_empty_weights_allocates_nothing():
 def test_dict_map_with_cpu_and_disk_matches_plain_model(saved, ids, tmp_path):
     model, folder = saved
     expected = model(ids)
-    device_map = {"embed": "cpu", "bias": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu",
+    device_map = {"embed": "cpu", "bias": "disk", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu",
                   "blocks.3": "disk", "norm": "disk", "head": "disk"}
     offload = tmp_path / "offload"
     dispatched = load_checkpoint_and_dispatch(empty_net(), folder, device_map=device_map, offload_folder=offload)
@@ -148,7 +148,7 @@ def test_dict_map_with_cpu_and_disk_matches_plain_model(saved, ids, tmp_path):
     disk = {n for n in meta_names(dispatched)}
     assert disk == {"blocks.1.up.weight", "blocks.1.up.bias", "blocks.1.down.weight", "blocks.1.down.bias",
                     "blocks.3.up.weight", "blocks.3.up.bias", "blocks.3.down.weight", "blocks.3.down.bias",
-                    "norm.weight", "norm.bias", "head.weight"}
+                    "norm.weight", "norm.bias", "head.weight", "bias"}  # "bias": a direct parameter of the root
     for _ in range(2):
         assert torch.equal(dispatched(ids), expected)
         assert meta_names(dispatched) == disk  # read for the call, released after it
@@ -195,6 +195,12 @@ def test_disk_offload_writes_converted_and_bin_weights(tmp_path, ids):
     stored = load_offloaded_weight(index["blocks.0.up.weight"], tmp_path / "off16")
     assert stored.dtype == torch.float16 and torch.equal(stored, model.blocks[0].up.weight.detach().half())
     half.blocks[0](torch.ones(2, D, dtype=torch.float16))  # runs in float16 with weights read from disk
+
+    with_buffers = load_checkpoint_and_dispatch(empty_net(), tmp_path / "st", device_map={"": "disk"},
+                                                offload_folder=tmp_path / "offb", offload_buffers=True)
+    assert with_buffers.blocks[0].scale.device.type == "meta"  # buffers offloaded too
+    assert torch.equal(with_buffers(ids), model(ids))
+    assert with_buffers.blocks[0].scale.device.type == "meta"
 
 
 def test_dispatch_model_cpu_offload_disk_offload_and_hook_removal(ids, tmp_path):
