@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path, PurePath
 

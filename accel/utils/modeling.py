@@ -103,7 +103,7 @@ def set_module_tensor_to_device(
             raise ValueError(f"{tensor_name!r} is on the meta device: a value is needed to put it on {device}.")
         value = old
     dtype = _resolve_dtype(dtype)
-    if dtype is None and old is not None and value.is_floating_point() and old.is_floating_point():
+    if dtype is None and value.is_floating_point() and old.is_floating_point():
         dtype = old.dtype
     with torch.no_grad():
         new = value.detach().to(device=device, dtype=dtype)
