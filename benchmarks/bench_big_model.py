@@ -1,7 +1,7 @@
 """Big-model inference cost on CPU: forward latency in memory vs cpu_offload vs disk offload, and the peak memory
 of load_checkpoint_and_dispatch's streaming load against the model's size.
 
-    python benchmarks/bench_big_model.py            # ~201M-parameter model (806 MB fp32), ~1-2 minutes
+    python benchmarks/bench_big_model.py            # ~201M-parameter model (806 MB fp32), ~20-40 s
     python benchmarks/bench_big_model.py --quick    # smoke run (4.2M parameters): its figures are noise
     python benchmarks/bench_big_model.py --threads 1   # steadier figures on a small shared machine
 
