@@ -80,6 +80,10 @@ class PipelineBackend(Backend):
     def prepare_model(self, model: nn.Module, device_placement: bool = True) -> nn.Module:
         if isinstance(model, PipelineModel):
             return model
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError("pipeline parallelism: the model has parameters on the meta device; build it on the "
+                              "CPU (or load its weights) before prepare; meta-device models are not available yet "
+                              "with pp_size > 1")
         points = self.parallelism.pp_split_points
         points = (check_split_points(model, points, self.num_stages) if points
                   else balanced_split_points(model, self.num_stages))
@@ -115,11 +119,10 @@ class PipelineBackend(Backend):
         source = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
-                if not tensor.is_meta:
-                    moved = tensor.data.to(self.state.device)
-                    dist.broadcast(moved, src=source, group=group)
-                    if moved is not tensor.data:
-                        tensor.data.copy_(moved)
+                moved = tensor.data.to(self.state.device)
+                dist.broadcast(moved, src=source, group=group)
+                if moved is not tensor.data:
+                    tensor.data.copy_(moved)
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model.local_view if isinstance(model, PipelineModel) else self.inner.unwrap_model(model)
@@ -230,6 +233,13 @@ class PipelineModel(nn.Module):
         self._training_step = False
         self._raw_losses: list = []
 
+    def train(self, mode: bool = True) -> "PipelineModel":
+        """Also the stage models' own copies of the containers (a forward may read `self.training`)."""
+        super().train(mode)
+        for module in [self.local_view, *self.shells]:
+            module.train(mode)
+        return self
+
     @property
     def shells(self) -> list[nn.Module]:
         return [shell for _, shell, _ in self._stages]
@@ -267,9 +277,13 @@ class PipelineModel(nn.Module):
                   for index, _, prepared in self._stages]
         cls = get_schedule_class(backend.schedule)
         options = {"loss_fn": self._loss if with_loss else None, "scale_grads": False}
-        if issubclass(cls, PipelineScheduleSingle):
-            return cls(stages[0], backend.microbatches, **options)
-        return cls(stages, backend.microbatches, **options)
+        try:
+            if issubclass(cls, PipelineScheduleSingle):
+                return cls(stages[0], backend.microbatches, **options)
+            return cls(stages, backend.microbatches, **options)
+        except ValueError as exc:  # e.g. 1F1B needs at least as many micro-batches as stages
+            raise ConfigError(f"parallelism: pp_schedule {backend.schedule} with pp_microbatches="
+                              f"{backend.microbatches} and {backend.num_stages} stages: {exc}") from None
 
     def _loss(self, output, target):
         """The user's loss on one micro-batch, scaled so the summed micro-batch gradients equal the batch's

@@ -37,3 +37,13 @@ def test_accelerate_script_with_bf16_and_accumulation(isolated_env):
                  str(ROOT / "examples" / "accelerate_style.py"), "--gradient_accumulation_steps", "2").stdout
     assert "on 203 eval samples" in out  # gather_for_metrics dropped the padding of the uneven last batch
     assert "mixed_precision=bf16" in out and "MULTI_CPU" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pipeline_example_on_two_stages(isolated_env, schedule):
+    out = launch(isolated_env, "--cpu", "--num_processes", "2", "--pp_size", "2", "--pp_schedule", schedule,
+                 "--pp_microbatches", "4", str(ROOT / "examples" / "pipeline.py")).stdout
+    assert "on 2 process(es), pp_size 2" in out
+    accuracy = float(out.strip().splitlines()[-1].split("accuracy ")[1].split()[0])
+    assert accuracy > 0.5  # it learns the repeating pattern (chance: 1/16)

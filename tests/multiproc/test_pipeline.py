@@ -26,7 +26,8 @@ def _worker_module():
     return pp_train
 
 
-def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int = 1, dropout: float = 0.0):
+def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int = 1, dropout: float = 0.0,
+              bf16: bool = False):
     """One process, plain PyTorch: dp data-parallel ranks of `batch` = one batch of batch*dp, in order."""
     pp_train = _worker_module()
     model = pp_train.make_model(kind, dropout)
@@ -36,7 +37,9 @@ def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int
     losses, norms = [], []
     for step in range(steps * accum):
         rows = slice(step * batch * dp, (step + 1) * batch * dp)
-        loss = loss_fn(model(x[rows]), y[rows])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            outputs = model(x[rows])
+        loss = loss_fn(outputs.float(), y[rows])
         (loss / accum).backward()
         losses.append(loss.item())
         if (step + 1) % accum == 0:
@@ -85,6 +88,16 @@ def test_schedules_match_one_process(isolated_env, tmp_path, kind, schedule):
         assert set(names) <= held[0]
 
 
+def test_bf16_autocast(isolated_env, tmp_path):
+    """bf16 autocast in every stage, fp32 master weights: losses within 2e-2 of a one-process bf16 run."""
+    accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--mixed_precision", "bf16", SCRIPT,
+                 "--out", str(tmp_path), "--model", "gpt")
+    ref = reference("gpt", bf16=True)
+    for rec in json.loads((tmp_path / "record.json").read_text()):
+        assert torch.allclose(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=2e-2, rtol=0)
+    assert load_file(str(tmp_path / "weights.safetensors"))["layers.0.up_proj.weight"].dtype == torch.float32
+
+
 def test_split_points_and_accumulation(isolated_env, tmp_path):
     run(isolated_env, tmp_path, 2, "--model", "gpt", "--split_points", "layers.1", "--accum", "2", "--steps", "2")
     records = check_against(tmp_path, reference("gpt", steps=2, accum=2))
@@ -128,6 +141,11 @@ def test_checkpoint_loads_unsplit(isolated_env, tmp_path):
         assert torch.equal(value, trained[name]), name
 
 
-def test_batch_not_divisible_is_one_line(isolated_env, tmp_path):
-    proc = run(isolated_env, tmp_path, 2, "--model", "seq", "--batch", 6, "--microbatches", 4, expect=1)
-    assert "batch size 6 is not divisible by pp_microbatches=4" in proc.stderr
+@pytest.mark.parametrize("args,message", [
+    (("--batch", 6, "--microbatches", 4), "batch size 6 is not divisible by pp_microbatches=4"),
+    (("--microbatches", 1), "pp_schedule 1F1B with pp_microbatches=1 and 2 stages"),
+    (("--outside_loss",), "with pipeline parallelism the backward runs inside `loss = model(inputs, target=targets)`"),
+], ids=["batch-not-divisible", "too-few-microbatches", "backward-of-outside-loss"])
+def test_misuse_is_a_clear_error(isolated_env, tmp_path, args, message):
+    proc = run(isolated_env, tmp_path, 2, "--model", "seq", *args, expect=1)
+    assert message in proc.stderr

@@ -243,3 +243,18 @@ def test_accelerate_distributed_type_names_exist():
     assert accelerator.distributed_type != DistributedType.DEEPSPEED
     assert accelerator.distributed_type != DistributedType.FSDP
     assert accelerator.distributed_type == "NO"
+
+
+def test_loss_fn_given_to_prepare_lets_any_backend_take_target():
+    """The pipeline loop (`loss = model(x, target=y)`) runs unchanged on the other backends."""
+    set_seed(0)
+    model = torch.nn.Linear(3, 1)
+    reference = copy.deepcopy(model)
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(model, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    loss = prepared(x, target=y)
+    assert torch.equal(loss, torch.nn.functional.mse_loss(reference(x), y))
+    assert torch.equal(prepared(x), reference(x))  # without target: the outputs
+    accelerator.backward(loss)
+    assert model.weight.grad is not None

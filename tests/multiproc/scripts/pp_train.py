@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--load", action="store_true")
+    parser.add_argument("--outside_loss", action="store_true", help="misuse: backward of a loss computed outside")
     args = parser.parse_args()
 
     model = make_model(args.model, args.dropout)
@@ -99,6 +100,9 @@ def main() -> None:
     accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn_for(args.model))
     out = Path(args.out)
+    if args.outside_loss:
+        inputs, targets = next(iter(loader))
+        accelerator.backward(loss_fn_for(args.model)(model(inputs), targets))
     if args.load:
         accelerator.load_state(str(out / "ckpt"))
     else:
