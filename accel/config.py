@@ -44,8 +44,9 @@ def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = N
     return field(default=default, metadata=meta)
 
 
-# torch.distributed.pipelining's schedules: one stage per process, then several (looped or V-shaped) per process
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+# torch.distributed.pipelining's schedules: one stage per process, then several (looped) per process. The V-shaped
+# ones (ZBVZeroBubble, DualPipeV) are left out: they cannot run forward only (evaluation) on torch 2.13.
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 RDZV_BACKENDS = ("static", "c10d")

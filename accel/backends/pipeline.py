@@ -28,18 +28,15 @@ from accel.backends.pipeline_split import StagePlan, balanced_split_points, chec
 from accel.config import ConfigError
 
 _SINGLE_STAGE = ("GPipe", "1F1B")
-_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 
 
 class PipelineError(ValueError):
     """Misuse of a pipeline model (bad batch size, missing loss function...), as one line."""
 
 
-def stage_placement(schedule: str, pp_size: int, num_stages: int) -> dict[int, int]:
-    """stage index -> pp rank, as torch's schedules place them (looped, or V-shaped for the V schedules)."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    return generate_stage_to_rank_mapping(pp_size, num_stages, style="v" if schedule in _V_SHAPED else "loop")
+def stage_placement(pp_size: int, num_stages: int) -> dict[int, int]:
+    """stage index -> pp rank, as torch's (looped) schedules place them: stage s on rank s mod pp_size."""
+    return {stage: stage % pp_size for stage in range(num_stages)}
 
 
 @register_backend("pipeline")
@@ -55,12 +52,10 @@ class PipelineBackend(Backend):
         if self.schedule in _SINGLE_STAGE and per_rank != 1:
             raise ConfigError(f"parallelism: pp_schedule {self.schedule} runs one stage per process, got "
                               f"pp_stages_per_rank={per_rank}; allowed: 1, or a schedule such as Interleaved1F1B")
-        if self.schedule in _V_SHAPED and per_rank != 2:
-            raise ConfigError(f"parallelism: pp_schedule {self.schedule} needs pp_stages_per_rank 2, got {per_rank}")
         self.pp_size = self.topology.pp_size
         self.num_stages = self.pp_size * per_rank
         self.microbatches = par.pp_microbatches or self.pp_size
-        self.placement = stage_placement(self.schedule, self.pp_size, self.num_stages)
+        self.placement = stage_placement(self.pp_size, self.num_stages)
         self.pp_rank = self.topology.coordinates(self.state.process_index)["pp"]
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.pp_rank]
         inner_parallelism = dataclasses.replace(par, pp_size=1)

@@ -76,14 +76,14 @@ def check_against(tmp_path, ref, dp: int = 1, losses_per_rank=None) -> list:
     return records
 
 
-@pytest.mark.parametrize("kind", ["seq", "gpt"])
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("kind,schedule", [(k, s) for s in ("GPipe", "1F1B", "Interleaved1F1B") for k in ("seq", "gpt")]
+                         + [("gpt", "LoopedBFS"), ("gpt", "InterleavedZeroBubble")])
 def test_schedules_match_one_process(isolated_env, tmp_path, kind, schedule):
     run(isolated_env, tmp_path, 2, "--model", kind, "--schedule", schedule)
     records = check_against(tmp_path, reference(kind))
     held = [set(r["param_names"]) for r in records]
     assert not (held[0] & held[1]) or kind == "gpt"  # disjoint stages (the GPT's tied weight is on both)
-    if schedule == "Interleaved1F1B":  # 4 stages, 2 per process: process 0 holds stages 0 and 2
+    if schedule != "GPipe" and schedule != "1F1B":  # 4 stages, 2 per process: process 0 holds stages 0 and 2
         names = {"seq": ("0.weight", "4.weight"), "gpt": ("layers.0.up_proj.weight", "layers.2.up_proj.weight")}[kind]
         assert set(names) <= held[0]
 
@@ -110,9 +110,9 @@ def test_eval_mode_turns_dropout_off(isolated_env, tmp_path):
     check_against(tmp_path, reference("gpt", steps=0, dropout=0.5))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1], ids=["ddp", "zero1"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3], ids=["ddp", "zero1", "zero2", "zero3"])
 def test_pipeline_times_data_parallel(isolated_env, tmp_path, zero_stage):
-    """4 processes: 2 stages x 2 replicas (DDP, or DDP + ZeroRedundancyOptimizer)."""
+    """4 processes: 2 stages x 2 replicas (DDP, DDP + ZeroRedundancyOptimizer, or FSDP2 for ZeRO 2/3)."""
     run(isolated_env, tmp_path, 4, "--model", "gpt", "--zero_stage", zero_stage)
     check_against(tmp_path, reference("gpt", dp=2), dp=2)
 
