@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 MB = 1e6
 MARKER = "BENCH_BIG_MODEL_RESULT "
@@ -129,12 +130,6 @@ def run_worker(mode: str, folder: Path, size: str, runs: int, threads: int | Non
         sys.stderr.write(proc.stdout + proc.stderr)
         raise SystemExit(f"worker {mode} failed (exit {proc.returncode})")
     return json.loads(lines[-1][len(MARKER):])
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main(args: argparse.Namespace) -> None:

@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 MB = 1e6
 MARKER = "BENCH_CHECKPOINT_RESULT "
@@ -86,12 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def disk_usage(path: Path) -> tuple[int, int]:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 TARGET_MS = 50.0
 COMMANDS = {
@@ -50,12 +51,6 @@ import accel.data
 t3 = time.perf_counter()
 print(json.dumps([(t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3]))
 """
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def wall(code: str, env: dict) -> float:

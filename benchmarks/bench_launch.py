@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 TARGET_RATIO = 1.05
 HERE = Path(__file__).resolve().parent
@@ -42,12 +43,6 @@ def console_script(name: str) -> list[str]:
         return [found]
     modules = {"accel": "accel.cli.main", "torchrun": "torch.distributed.run"}
     return [sys.executable, "-m", modules[name]]
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def run_once(cmd: list[str], env: dict) -> float:

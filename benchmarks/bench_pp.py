@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import accel_command
 
@@ -51,12 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launched job")
     return parser.parse_args(argv)
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 # worker side ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import accel_command
 
@@ -47,12 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small model, 1 warm-up and 2 measured steps")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
     return parser.parse_args(argv)
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 # launcher side -------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import accel_command
 
@@ -143,12 +144,6 @@ def run_all(args: argparse.Namespace) -> int:
     if results:
         print_tables(results)
     return 1 if failed else 0
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def print_tables(runs: dict[str, list[dict]]) -> None:

@@ -24,7 +24,8 @@ class Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, num_heads=4, batch_first=True)
-        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, x):
         length = x.shape[1]

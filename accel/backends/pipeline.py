@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.backends.base import Backend, refuse_stepped_optimizer, register_backend, select_backend, total_norm, \
-    clip_grads_with_norm
+from accel.backends.base import (
+    Backend,
+    clip_grads_with_norm,
+    refuse_stepped_optimizer,
+    register_backend,
+    select_backend,
+    total_norm,
+)
 from accel.backends.pipeline_split import StagePlan, balanced_split_points, check_split_points, run_stage, stage_model
 from accel.config import ConfigError
 
@@ -66,7 +72,7 @@ class PipelineBackend(Backend):
 
             self.precision.use_scaler_class(ShardedGradScaler)  # one inf on any stage skips the step everywhere
         self._models: list[PipelineModel] = []
-        self._pending_backward = 0
+        self.backward_ran = False  # set by a training call of a pipeline model, cleared by backward()
 
     # -- model ------------------------------------------------------------------------------------------------
     def attach_loss(self, model: nn.Module) -> None:
@@ -136,13 +142,14 @@ class PipelineBackend(Backend):
     # -- the step ---------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """A no-op: `model(x, target=y)` has already run the backward of every micro-batch."""
-        if self._pending_backward == 0:
+        if not self.backward_ran:
             raise PipelineError("accelerator.backward: with pipeline parallelism the backward runs inside "
                                 "`loss = model(inputs, target=targets)` (loss_fn given to prepare); a loss computed "
                                 "outside the pipeline model cannot be back-propagated through it")
-        self._pending_backward -= 1
+        self.backward_ran = False
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over all stages (each weight tied across stages counted once)."""
         parameters = list(parameters)
         skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
@@ -316,15 +323,17 @@ class PipelineModel(nn.Module):
             before = self._tied_grads()
             output = schedule.step(target=target, **packed)
             self._sync_tied_grads(before)
-            backend._pending_backward += 1
+            backend.backward_ran = True
         else:
             with torch.no_grad():
                 output = schedule.eval(target=target, **packed) if target is not None else schedule.step(**packed)
         group = backend.topology.group("pp", device.type)
         last = dist.get_global_rank(group, backend.placement[backend.num_stages - 1])
         if target is not None:
-            losses = self._raw_losses[-backend.microbatches:]
-            loss = torch.stack(losses).float().mean() if losses and output is not None else torch.zeros((), device=device)
+            if dist.get_rank() == last:  # the micro-batches' losses (after any from PyTorch's shape inference)
+                loss = torch.stack(self._raw_losses[-backend.microbatches:]).float().mean()
+            else:
+                loss = torch.zeros((), device=device)
             dist.broadcast(loss, src=last, group=group)
             return loss
         return _broadcast_output(output, last, group, device)

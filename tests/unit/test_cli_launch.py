@@ -257,3 +257,12 @@ def test_launcher_does_not_import_torch_before_it_needs_it(isolated_env, tmp_pat
                             timeout=60, env=isolated_env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--pp_schedule", "Foo", "'parallelism.pp_schedule': bad value 'Foo'; allowed: one of GPipe, 1F1B"),
+    ("--pp_microbatches", "0", "'parallelism.pp_microbatches': bad value 0; allowed: an integer >= 1"),
+])
+def test_bad_pipeline_flags_are_one_line_errors(run_accel, script, flag, value, needle):
+    assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--pp_size", "2", flag, value, script),
+                          needle)
