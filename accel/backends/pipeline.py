@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -394,12 +394,14 @@ def _install_stage_forward(shell: nn.Module, run, index: int, precision) -> None
         kwargs = {k[10:]: v for k, v in packed.items() if k.startswith("_accel_kw_")}
         with precision.autocast():
             out = run_stage(shell, run, index, received[0] if received else None, tuple(args), kwargs)
+        if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+            out = out["logits"]  # a transformers ModelOutput (or dict): the pipeline carries its logits
         if index == run.plan.num_stages - 1 and precision.dtype is not None:
             out = precision.outputs_to_float32(out)
         if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):
             return out
-        raise PipelineError(f"pipeline: stage {index} returns {type(out).__name__}; allowed: a tensor or a tuple of "
-                            "tensors (return logits, and compute the loss with loss_fn)")
+        raise PipelineError(f"pipeline: stage {index} returns {type(out).__name__}; allowed: a tensor, a tuple of "
+                            "tensors, or a dict/ModelOutput with 'logits' (compute the loss with loss_fn)")
 
     shell.forward = forward
 

@@ -149,3 +149,13 @@ def test_checkpoint_loads_unsplit(isolated_env, tmp_path):
 def test_misuse_is_a_clear_error(isolated_env, tmp_path, args, message):
     proc = run(isolated_env, tmp_path, 2, "--model", "seq", *args, expect=1)
     assert message in proc.stderr
+
+
+def test_transformers_llama_splits_without_stage_code(isolated_env, tmp_path):
+    """A tiny LlamaForCausalLM on 2 stages (cut between its decoder layers; its ModelOutput's logits go to
+    loss_fn) matches the same model trained on one process, within 1e-5."""
+    pytest.importorskip("transformers")
+    accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT.parent / "pp_llama.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert torch.allclose(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), atol=ATOL, rtol=0)
+    assert result["names_match"] and result["max_weight_diff"] < ATOL
