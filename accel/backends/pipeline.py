@@ -308,7 +308,8 @@ class PipelineModel(nn.Module):
             raise PipelineError("pipeline: the model's inputs hold no batched tensor to cut into micro-batches")
         if batch % backend.microbatches:
             raise PipelineError(f"pipeline: batch size {batch} is not divisible by pp_microbatches="
-                                f"{backend.microbatches}; allowed: a batch size that is a multiple of it")
+                                f"{backend.microbatches}; allowed: a batch size that is a multiple of it (for a "
+                                "smaller last batch: DataLoader(..., drop_last=True))")
         device = backend.state.device
         packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
         if target is not None:
