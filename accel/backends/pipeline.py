@@ -24,6 +24,7 @@ from torch import nn
 
 from accel.backends.base import (
     Backend,
+    ParameterReplacements,
     clip_grads_with_norm,
     refuse_stepped_optimizer,
     register_backend,
@@ -31,6 +32,7 @@ from accel.backends.base import (
     total_norm,
 )
 from accel.backends.pipeline_split import StagePlan, balanced_split_points, check_split_points, run_stage, stage_model
+from accel.backends.zero import _materialize
 from accel.config import ConfigError
 
 _SINGLE_STAGE = ("GPipe", "1F1B")
@@ -73,6 +75,7 @@ class PipelineBackend(Backend):
             self.precision.use_scaler_class(ShardedGradScaler)  # one inf on any stage skips the step everywhere
         self._models: list[PipelineModel] = []
         self.backward_ran = False  # set by a training call of a pipeline model, cleared by backward()
+        self.materialized = ParameterReplacements()  # a meta-device model's parameters, once allocated
 
     # -- model ------------------------------------------------------------------------------------------------
     def attach_loss(self, model: nn.Module) -> None:
@@ -81,15 +84,13 @@ class PipelineBackend(Backend):
     def prepare_model(self, model: nn.Module, device_placement: bool = True) -> nn.Module:
         if isinstance(model, PipelineModel):
             return model
-        if any(p.is_meta for p in model.parameters()):
-            raise ConfigError("pipeline parallelism: the model has parameters on the meta device; build it on the "
-                              "CPU (or load its weights) before prepare; meta-device models are not available yet "
-                              "with pp_size > 1")
+        on_meta = any(p.is_meta for p in model.parameters())
         points = self.parallelism.pp_split_points
         points = (check_split_points(model, points, self.num_stages) if points
                   else balanced_split_points(model, self.num_stages))
         plan = StagePlan(model, points)
-        self._sync_initial_weights(model)
+        if not on_meta:
+            self._sync_initial_weights(model)
         if self.topology.tp_size > 1:
             self.inner.fixed_plan = self.inner.plan_for(model)  # checked against the whole model, then per stage
         users = plan.stages_of_param(model)
@@ -97,19 +98,25 @@ class PipelineBackend(Backend):
         aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
-        tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s) in set(self.local_stages))
+        tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s), min(s) in set(self.local_stages))
                 for i, s in users.items() if len(s) > 1]
         view, _ = stage_model(model, plan, set(self.local_stages), hooks=False)
         stages, originals = [], []
         for index in self.local_stages:
             shell, run = stage_model(model, plan, {index})
-            if device_placement:
+            originals += list(shell.parameters())  # what the user's optimizer holds (TP/FSDP replace them)
+            if on_meta:  # each process allocates only its own stages
+                before = self.materialized.snapshot(shell)
+                _materialize(shell, self.state.device)
+                self.materialized.record(before, shell)
+            elif device_placement:
                 shell.to(self.state.device)
             _install_stage_forward(shell, run, index, self.precision)
-            originals += list(shell.parameters())  # what the user's optimizer holds (TP/FSDP replace them)
             prepared = self.inner.prepare_model(shell, device_placement=False)
             stages.append((index, shell, prepared))
         wrapped = PipelineModel(self, view, stages, tied, originals)
+        if on_meta and tied:
+            wrapped.broadcast_tied_weights()
         self._models.append(wrapped)
         return wrapped
 
@@ -137,6 +144,7 @@ class PipelineBackend(Backend):
         keep = {id(p) for m in pipelines for p in m.original_parameters}
         for group in optimizer.param_groups:  # other stages' parameters are not this process's to update
             group["params"] = [p for p in group["params"] if id(p) in keep]
+        self.materialized.repoint(optimizer)  # meta-device parameters -> the allocated ones
         return self.inner.prepare_optimizer(optimizer, [shell for m in pipelines for shell in m.shells])
 
     # -- the step ---------------------------------------------------------------------------------------------
@@ -201,6 +209,7 @@ class PipelineBackend(Backend):
 
     def forget(self) -> None:
         self._models.clear()
+        self.materialized.clear()
         self.inner.forget()
 
     def release(self) -> None:
@@ -209,11 +218,12 @@ class PipelineBackend(Backend):
 
 @dataclasses.dataclass(frozen=True)
 class TiedWeight:
-    """A weight used by several stages (e.g. an embedding tied to the output head): its names, its shape, and
-    whether this process holds the first stage that uses it (that one counts it in the gradient norm)."""
+    """A weight used by several stages (e.g. an embedding tied to the output head): its names, its shape, the
+    first stage that uses it, and whether this process holds that stage (it counts it in the gradient norm)."""
 
     names: tuple[str, ...]
     shape: tuple[int, ...]
+    first_stage: int
     owned: bool
 
 
@@ -340,6 +350,16 @@ class PipelineModel(nn.Module):
         return _broadcast_output(output, last, group, device)
 
     # -- weights tied across stages ---------------------------------------------------------------------------
+    def broadcast_tied_weights(self) -> None:
+        """Give every copy of a tied weight the first stage's values (a meta-device model is initialised by
+        each process on its own)."""
+        backend = self._backend
+        group = backend.topology.group("pp", backend.state.device.type)
+        for weight, param in zip(self.tied, self._tied_params()):
+            source = dist.get_global_rank(group, backend.placement[weight.first_stage])
+            buffer = torch.empty(weight.shape, device=backend.state.device) if param is None else _local(param.data)
+            dist.broadcast(buffer, src=source, group=group)
+
     def _tied_grads(self) -> list:
         return [None if p is None or p.grad is None else _local(p.grad).clone() for p in self._tied_params()]
 

@@ -117,6 +117,12 @@ def test_pipeline_times_data_parallel(isolated_env, tmp_path, zero_stage):
     check_against(tmp_path, reference("gpt", dp=2), dp=2)
 
 
+def test_pipeline_times_data_parallel_with_accumulation(isolated_env, tmp_path):
+    """Gradient accumulation 2 with 2 stages x 2 replicas: the replicas reduce accumulated gradients."""
+    run(isolated_env, tmp_path, 4, "--model", "gpt", "--accum", 2, "--steps", 2)
+    check_against(tmp_path, reference("gpt", dp=2, steps=2, accum=2), dp=2)
+
+
 def test_three_d(isolated_env, tmp_path):
     """8 processes: 2 stages x 2 data-parallel replicas x 2 tensor-parallel shards."""
     run(isolated_env, tmp_path, 8, "--model", "gpt-untied", "--tp_size", 2, "--steps", 2)
@@ -124,11 +130,13 @@ def test_three_d(isolated_env, tmp_path):
 
 
 def test_checkpoint_loads_unsplit(isolated_env, tmp_path):
-    """save_state on 2 stages, load_state on one process and on 2 stages; save_model loads into the plain model."""
+    """save_state on 2 stages, load_state on one process and on 2 stages (also into a model built on the meta
+    device: each process allocates only its stage); save_model loads into the plain model."""
     run(isolated_env, tmp_path, 2, "--model", "gpt", "--save")
     trained = load_file(str(tmp_path / "weights.safetensors"))
-    for processes in (1, 2):  # unsplit, and back on 2 stages (each loads its part, optimizer state too)
-        run(isolated_env, tmp_path, processes, "--model", "gpt", "--pp_size", processes, "--load")
+    for processes, meta in ((1, False), (2, False), (2, True)):  # unsplit; 2 stages (built normally, on meta)
+        run(isolated_env, tmp_path, processes, "--model", "gpt", "--pp_size", processes, "--load",
+            *(["--meta"] if meta else []))
         loaded = load_file(str(tmp_path / "loaded.safetensors"))
         assert sorted(loaded) == sorted(trained)
         for name in trained:
@@ -159,3 +167,13 @@ def test_transformers_llama_splits_without_stage_code(isolated_env, tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert torch.allclose(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), atol=ATOL, rtol=0)
     assert result["names_match"] and result["max_weight_diff"] < ATOL
+
+
+def test_meta_device_model(isolated_env, tmp_path):
+    """Built on the meta device, each process allocates and initialises only its stage; the weight tied
+    across the stages gets one value (the first stage's) and stays one through training."""
+    run(isolated_env, tmp_path, 2, "--model", "gpt", "--meta")
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    assert torch.equal(weights["embed_tokens.weight"], weights["lm_head.weight"])
+    losses = [rec["losses"] for rec in json.loads((tmp_path / "record.json").read_text())]
+    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]

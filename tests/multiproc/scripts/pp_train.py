@@ -87,10 +87,15 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--load", action="store_true")
+    parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
     parser.add_argument("--outside_loss", action="store_true", help="misuse: backward of a loss computed outside")
     args = parser.parse_args()
 
-    model = make_model(args.model, args.dropout)
+    if args.meta:
+        with torch.device("meta"):
+            model = make_model(args.model, args.dropout)
+    else:
+        model = make_model(args.model, args.dropout)
     x, y = make_data(args.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch)
