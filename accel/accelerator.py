@@ -250,8 +250,8 @@ class Accelerator:
         """Prepare models, optimizers, data loaders and schedulers, in any order; returned in the same order.
 
         Models are wrapped first, then optimizers (which may need the wrapped parameters), then schedulers.
-        `loss_fn(outputs, targets)` is for pipeline parallelism: `loss = model(inputs, target=targets)` then runs
-        forward and backward over the micro-batches (other backends ignore it).
+        With `loss_fn(outputs, targets)`, `loss = model(inputs, target=targets)` returns the loss; under pipeline
+        parallelism that call runs forward and backward over the micro-batches (so one loop fits every config).
         """
         if loss_fn is not None:
             self.backend.set_loss_fn(loss_fn)

@@ -156,8 +156,8 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         dist.all_gather_object(everyone, (skeleton, aliases))
         skeleton = tree.merge([s for s, _ in everyone])
         aliases = {k: v for _, a in everyone for k, v in a.items()}
-    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=_file_buckets(tree.tensor_specs(skeleton)),
-                                      save_distributed=True)
+    files = _file_buckets(tree.tensor_specs(skeleton))
+    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True)
     with _quiet_single_process():
         dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
     _save_rng(tmp / "rng", rank)

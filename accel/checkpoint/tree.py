@@ -67,16 +67,17 @@ def tensor_specs(skeleton: Any) -> dict[str, tuple[list[int], str]]:
 
 def merge(skeletons: list) -> Any:
     """One skeleton from several ranks' (pipeline stages hold different tensors): dicts are united, lists of
-    equal length merged item by item, other lists of names united in order; otherwise the first rank's value."""
+    names (an optimizer group's parameters) united in order, other lists of equal length merged item by item;
+    otherwise the first rank's value."""
     first = skeletons[0]
     if all(isinstance(s, dict) for s in skeletons) and not any(_TENSOR in s for s in skeletons):
         keys = list(dict.fromkeys(k for s in skeletons for k in s))
         return {k: merge([s[k] for s in skeletons if k in s]) for k in keys}
     if all(isinstance(s, list) for s in skeletons):
-        if len({len(s) for s in skeletons}) == 1:
-            return [merge([s[i] for s in skeletons]) for i in range(len(first))]
         if all(isinstance(v, str) for s in skeletons for v in s):
             return list(dict.fromkeys(v for s in skeletons for v in s))
+        if len({len(s) for s in skeletons}) == 1:
+            return [merge([s[i] for s in skeletons]) for i in range(len(first))]
     return first
 
 

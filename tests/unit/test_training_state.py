@@ -191,3 +191,18 @@ def test_interrupted_overwrite_is_explained(tmp_path):
     (tmp_path / ".old-ckpt-1234").mkdir()
     with pytest.raises(CheckpointError, match="previous checkpoint at .*\\.old-ckpt-1234"):
         layout.read_manifest(target)
+
+
+def test_skeletons_of_pipeline_stages_merge_into_one():
+    """Each stage saves its own tensors: the manifest's skeleton is the union, and an optimizer group's
+    parameter names are united even when the stages hold as many parameters each."""
+    stage0 = {"models": [{"a.weight": {"__tensor__": "/models/0/a.weight", "shape": [2], "dtype": "float32"}}],
+              "optimizers": [{"param_groups": [{"lr": 0.1, "params": ["a.weight", "a.bias"]}]}], "step": 3}
+    stage1 = {"models": [{"b.weight": {"__tensor__": "/models/0/b.weight", "shape": [2], "dtype": "float32"}}],
+              "optimizers": [{"param_groups": [{"lr": 0.1, "params": ["b.weight", "b.bias"]}]}], "step": 3}
+    merged = tree.merge([stage0, stage1])
+    assert sorted(merged["models"][0]) == ["a.weight", "b.weight"]
+    assert merged["optimizers"][0]["param_groups"][0] == {"lr": 0.1, "params": ["a.weight", "a.bias", "b.weight",
+                                                                                 "b.bias"]}
+    assert merged["step"] == 3
+    assert tree.join(merged, {"/models/0/a.weight": torch.ones(2)})["models"][0]["b.weight"] is None
