@@ -111,8 +111,7 @@ def worker(args: argparse.Namespace) -> None:
 def time_stage_compute(model, busy: list) -> None:
     """Add the seconds spent in each micro-batch's stage forward and backward to busy[0] (benchmark-only:
     wraps the PipelineStage objects of the prepared model's schedules)."""
-    for schedule in model._schedules.values():
-        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for _, stages in model._schedules.values():
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk"):
                 original = getattr(stage, name)

@@ -14,6 +14,7 @@ remaining degrees (DDP, ZeRO or TP x FSDP2 over `dp`), which PipelineStage drive
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Iterable, Mapping
@@ -145,9 +146,29 @@ class PipelineBackend(Backend):
         for group in optimizer.param_groups:  # other stages' parameters are not this process's to update
             group["params"] = [p for p in group["params"] if id(p) in keep]
         self.materialized.repoint(optimizer)  # meta-device parameters -> the allocated ones
-        return self.inner.prepare_optimizer(optimizer, [shell for m in pipelines for shell in m.shells])
+        prepared = self.inner.prepare_optimizer(optimizer, [shell for m in pipelines for shell in m.shells])
+        def sum_tied_grads(*_) -> None:
+            for model in pipelines:
+                model.sum_tied_grads()
+
+        prepared.register_step_pre_hook(sum_tied_grads)
+        return prepared
 
     # -- the step ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        """Inside an accumulation window, data-parallel stages (DDP) do not reduce gradients. FSDP2 stages
+        (ZeRO 2/3, TP x DP) still do: PipelineStage reduce-scatters after every step; the result is the same."""
+        if not isinstance(model, PipelineModel):
+            with self.inner.no_sync(model):
+                yield
+            return
+        model.skip_gradient_sync = True
+        try:
+            yield
+        finally:
+            model.skip_gradient_sync = False
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """A no-op: `model(x, target=y)` has already run the backward of every micro-batch."""
         if not self.backward_ran:
@@ -160,6 +181,9 @@ class PipelineBackend(Backend):
                         norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over all stages (each weight tied across stages counted once)."""
         parameters = list(parameters)
+        if self.gradient_state is None or self.gradient_state.sync_gradients:
+            for model in self._models:
+                model.sum_tied_grads()
         skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
         grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
         device = self.state.device
@@ -242,6 +266,8 @@ class PipelineModel(nn.Module):
         self._stages = stages  # (stage index, stage model, the stage model as the inner backend wrapped it)
         self._originals = [weakref.ref(p) for p in original_parameters]
         self._schedules: dict = {}
+        self.skip_gradient_sync = False  # inside accumulate(): DDP stages keep their gradients local
+        self._tied_pending = False  # tied weights have stage-local gradients not yet summed
         self._training_step = False
         self._raw_losses: list = []
 
@@ -275,7 +301,7 @@ class PipelineModel(nn.Module):
                                    for k, v in sorted(packed.items()))
         if key not in self._schedules:
             self._schedules[key] = self._build_schedule(with_loss)
-        return self._schedules[key]
+        return self._schedules[key]  # (schedule, its PipelineStages)
 
     def _build_schedule(self, with_loss: bool):
         """PyTorch's schedule over fresh `PipelineStage`s (they learn the activation shapes on first use, so
@@ -291,8 +317,8 @@ class PipelineModel(nn.Module):
         options = {"loss_fn": self._loss if with_loss else None, "scale_grads": False}
         try:
             if issubclass(cls, PipelineScheduleSingle):
-                return cls(stages[0], backend.microbatches, **options)
-            return cls(stages, backend.microbatches, **options)
+                return cls(stages[0], backend.microbatches, **options), stages
+            return cls(stages, backend.microbatches, **options), stages
         except ValueError as exc:  # e.g. 1F1B needs at least as many micro-batches as stages
             raise ConfigError(f"parallelism: pp_schedule {backend.schedule} with pp_microbatches="
                               f"{backend.microbatches} and {backend.num_stages} stages: {exc}") from None
@@ -327,13 +353,13 @@ class PipelineModel(nn.Module):
         if target is not None and backend.loss_fn is None:
             raise PipelineError("pipeline: model(..., target=...) needs the loss function; give it once: "
                                 "accelerator.prepare(model, ..., loss_fn=torch.nn.functional.cross_entropy)")
-        schedule = self._schedule(packed, with_loss=target is not None)
+        schedule, stages = self._schedule(packed, with_loss=target is not None)
         self._training_step = target is not None and self.training and torch.is_grad_enabled()
         self._raw_losses: list = []
         if self._training_step:
-            before = self._tied_grads()
-            output = schedule.step(target=target, **packed)
-            self._sync_tied_grads(before)
+            with _without_ddp(stages, self.skip_gradient_sync):
+                output = schedule.step(target=target, **packed)
+            self._tied_pending = bool(self.tied)
             backend.backward_ran = True
         else:
             with torch.no_grad():
@@ -360,25 +386,20 @@ class PipelineModel(nn.Module):
             buffer = torch.empty(weight.shape, device=backend.state.device) if param is None else _local(param.data)
             dist.broadcast(buffer, src=source, group=group)
 
-    def _tied_grads(self) -> list:
-        return [None if p is None or p.grad is None else _local(p.grad).clone() for p in self._tied_params()]
-
-    def _sync_tied_grads(self, before: list) -> None:
-        """Add each stage's new gradient of a tied weight to the other stages' (only this step's part, so
-        gradient accumulation stays right)."""
+    def sum_tied_grads(self) -> None:
+        """Each stage's gradient of a tied weight is its own part (averaged over the data-parallel replicas by
+        DDP/FSDP): before the norm or the optimizer step, every copy gets the sum over the stages. Once per
+        optimizer step, so accumulation windows and skipped reductions stay right."""
+        if not self._tied_pending:
+            return
+        self._tied_pending = False
         backend = self._backend
         group = backend.topology.group("pp", backend.state.device.type)
-        for weight, param, old in zip(self.tied, self._tied_params(), before):
-            if param is None or param.grad is None:
-                shape = weight.shape if param is None else _local(param).shape
-                delta = torch.zeros(shape, device=backend.state.device)
-            else:
-                delta = _local(param.grad) - old if old is not None else _local(param.grad).clone()
-            dist.all_reduce(delta, group=group)
-            if param is not None:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                _local(param.grad).copy_(delta if old is None else old + delta)
+        for weight, param in zip(self.tied, self._tied_params()):
+            if param is not None and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = torch.zeros(weight.shape, device=backend.state.device) if param is None else _local(param.grad)
+            dist.all_reduce(grad, group=group)
 
 
 def _tied_names(model) -> dict[str, str]:
@@ -400,6 +421,24 @@ def _rename(state: dict, names: dict[str, str]) -> dict:
         return state
     return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
             "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
+
+
+@contextlib.contextmanager
+def _without_ddp(stages: list, active: bool):
+    """Run the stages on the modules inside their DDP wrappers: no gradient reduction, gradients accumulate
+    locally (DDP's `no_sync`; PipelineStage would otherwise reduce after the last micro-batch). The next step
+    that goes through DDP reduces the accumulated gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    swapped = [(stage, stage.submod) for stage in stages
+               if active and isinstance(stage.submod, DistributedDataParallel)]
+    for stage, ddp in swapped:
+        stage.submod = ddp.module
+    try:
+        yield
+    finally:
+        for stage, ddp in swapped:
+            stage.submod = ddp
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

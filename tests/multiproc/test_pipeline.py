@@ -118,9 +118,14 @@ def test_pipeline_times_data_parallel(isolated_env, tmp_path, zero_stage):
 
 
 def test_pipeline_times_data_parallel_with_accumulation(isolated_env, tmp_path):
-    """Gradient accumulation 2 with 2 stages x 2 replicas: the replicas reduce accumulated gradients."""
-    run(isolated_env, tmp_path, 4, "--model", "gpt", "--accum", 2, "--steps", 2)
-    check_against(tmp_path, reference("gpt", dp=2, steps=2, accum=2), dp=2)
+    """Gradient accumulation 2 with 2 stages x 2 replicas: inside the window the DDP stages keep gradients
+    local, and the accumulated gradients match one process. 4 micro-steps reduce fewer times accumulated
+    (2 optimizer steps) than not (4)."""
+    run(isolated_env, tmp_path, 4, "--model", "gpt", "--accum", 2, "--steps", 2, "--count_reductions")
+    accumulated = [r["reductions"] for r in check_against(tmp_path, reference("gpt", dp=2, steps=2, accum=2), dp=2)]
+    run(isolated_env, tmp_path, 4, "--model", "gpt", "--steps", 4, "--count_reductions")
+    every_step = [r["reductions"] for r in json.loads((tmp_path / "record.json").read_text())]
+    assert all(0 < a < e for a, e in zip(accumulated, every_step)), (accumulated, every_step)
 
 
 def test_three_d(isolated_env, tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator, ParallelismConfig
+from accel import Accelerator, DistributedDataParallelKwargs, ParallelismConfig
 from accel.utils import set_seed
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
@@ -71,6 +71,19 @@ def loss_fn_for(kind: str):
     return lambda logits, targets: nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def counting_allreduce(counter: list, accelerator):
+    """A DDP communication hook: DDP's averaging all-reduce over the data-parallel group, counted."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        counter[0] += 1
+        group = accelerator().topology.group("dp", "cpu")
+        tensor = bucket.buffer().div_(dist.get_world_size(group))
+        return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    return hook
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -88,6 +101,7 @@ def main() -> None:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--load", action="store_true")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    parser.add_argument("--count_reductions", action="store_true", help="count DDP gradient reductions")
     parser.add_argument("--outside_loss", action="store_true", help="misuse: backward of a loss computed outside")
     args = parser.parse_args()
 
@@ -102,7 +116,11 @@ def main() -> None:
     parallelism = ParallelismConfig(pp_size=args.pp_size, pp_schedule=args.schedule, pp_microbatches=args.microbatches,
                                     tp_size=args.tp_size, zero_stage=args.zero_stage,
                                     pp_split_points=args.split_points.split(",") if args.split_points else None)
-    accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum)
+    reductions = [0]
+    handlers = [DistributedDataParallelKwargs(comm_hook=counting_allreduce(reductions, lambda: accelerator))] \
+        if args.count_reductions else None
+    accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum,
+                              kwargs_handlers=handlers)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn_for(args.model))
     out = Path(args.out)
     if args.outside_loss:
@@ -134,7 +152,7 @@ def main() -> None:
         eval_loss = model(probe, target=y[:args.batch]).item()
     record = {"losses": [] if args.load else losses, "norms": [] if args.load else norms,
               "eval_outputs": outputs.tolist(), "eval_loss": eval_loss, "rank": accelerator.process_index,
-              "param_names": sorted(n for n, _ in model.named_parameters())}
+              "param_names": sorted(n for n, _ in model.named_parameters()), "reductions": reductions[0]}
     weights = accelerator.get_state_dict(model)
     records = accelerator.gather_for_metrics([record], use_gather_object=True)
     if accelerator.is_main_process:
