@@ -139,7 +139,7 @@ class PipelineBackend(Backend):
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         refuse_stepped_optimizer(optimizer, "pipeline parallelism")
-        pipelines = [m for m in models if isinstance(m, PipelineModel)]
+        pipelines = [m for m in models if isinstance(m, PipelineModel)] or list(self._models)  # earlier prepare calls
         if not pipelines:
             raise PipelineError("prepare: with pipeline parallelism, prepare the model before (or with) its optimizer")
         keep = {id(p) for m in pipelines for p in m.original_parameters}

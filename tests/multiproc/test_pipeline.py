@@ -99,7 +99,9 @@ def test_bf16_autocast(isolated_env, tmp_path):
 
 
 def test_split_points_and_accumulation(isolated_env, tmp_path):
-    run(isolated_env, tmp_path, 2, "--model", "gpt", "--split_points", "layers.1", "--accum", "2", "--steps", "2")
+    """Also: the model and the optimizer prepared in two calls."""
+    run(isolated_env, tmp_path, 2, "--model", "gpt", "--split_points", "layers.1", "--accum", "2", "--steps", "2",
+        "--separate_prepare")
     records = check_against(tmp_path, reference("gpt", steps=2, accum=2))
     assert "layers.0.up_proj.weight" in records[0]["param_names"]
     assert "layers.1.up_proj.weight" in records[1]["param_names"]

@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--load", action="store_true")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device")
     parser.add_argument("--count_reductions", action="store_true", help="count DDP gradient reductions")
+    parser.add_argument("--separate_prepare", action="store_true", help="prepare(model), then prepare(optimizer, ...)")
     parser.add_argument("--outside_loss", action="store_true", help="misuse: backward of a loss computed outside")
     args = parser.parse_args()
 
@@ -121,7 +122,11 @@ def main() -> None:
         if args.count_reductions else None
     accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum,
                               kwargs_handlers=handlers)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn_for(args.model))
+    if args.separate_prepare:
+        model = accelerator.prepare(model, loss_fn=loss_fn_for(args.model))
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn_for(args.model))
     out = Path(args.out)
     if args.outside_loss:
         inputs, targets = next(iter(loader))
