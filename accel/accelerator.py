@@ -407,14 +407,19 @@ class Accelerator:
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather, then drop the duplicates that padded the last batch so each sample counts once."""
+        """Gather over the data-parallel processes, then drop the duplicates that padded the last batch, so
+        each sample counts once. Processes that share a data shard (tensor- or pipeline-parallel ranks of one
+        replica) hold the same samples: they are gathered once (use `gather` for every process's value)."""
         leaves: list = []
         ops.recursively_apply(leaves.append, input_data, test_type=lambda x: not isinstance(x, (list, tuple, dict)))
         all_tensors = all(isinstance(x, torch.Tensor) for x in leaves) and not isinstance(input_data, (str, int, float))
+        replicas = self.backend.data_parallel_size
+        group = self.topology.group("dp", self.device.type) if replicas < self.num_processes else None
         if use_gather_object or not all_tensors:
-            data = ops.gather_object(input_data if isinstance(input_data, list) else [input_data])
-        else:
-            data = ops.gather(input_data)
+            items = input_data if isinstance(input_data, list) else [input_data]
+            data = list(items) if replicas == 1 else ops.gather_object(items, group=group)
+        else:  # with one replica, every process already holds all of it
+            data = ops.gathered_alone(input_data) if replicas == 1 else ops.gather(input_data, group=group)
         remainder = self.gradient_state.remainder
         if self.gradient_state.end_of_dataloader and remainder > 0:
             if isinstance(data, list):

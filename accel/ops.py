@@ -55,42 +55,50 @@ def send_to_device(data: Any, device, non_blocking: bool = False, skip_keys=None
 # collectives
 # ---------------------------------------------------------------------------------------------------------
 
-def _world() -> int:
+def _world(group=None) -> int:
+    """The number of processes (of `group`, default all)."""
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
+def _gather_one(tensor: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
     if tensor.ndim == 0:
         tensor = tensor[None]
     tensor = tensor.contiguous()
-    if dist.get_backend() == "nccl":
-        out = torch.empty((_world() * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor)
+    size = _world(group)
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor, group=group)
         return out
-    parts = [torch.empty_like(tensor) for _ in range(_world())]
-    dist.all_gather(parts, tensor)
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=0)
 
 
-def gather(tensor: Any) -> Any:
-    """Concatenate each tensor from all processes along dim 0 (scalars become 1-D); same shape everywhere."""
-    if _world() == 1:
-        return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, tensor)
-    return recursively_apply(_gather_one, tensor)
+def gather(tensor: Any, group=None) -> Any:
+    """Concatenate each tensor from all processes (of `group`) along dim 0 (scalars become 1-D); same shape
+    everywhere."""
+    if _world(group) == 1:
+        return gathered_alone(tensor)
+    return recursively_apply(lambda t: _gather_one(t, group), tensor)
 
 
-def gather_object(obj: list) -> list:
-    """All processes' lists, concatenated in rank order (Accelerate's `gather_object`)."""
+def gathered_alone(tensor: Any) -> Any:
+    """What `gather` returns with a single process: the tensors themselves, scalars made 1-D."""
+    return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, tensor)
+
+
+def gather_object(obj: list, group=None) -> list:
+    """All processes' (of `group`) lists, concatenated in rank order (Accelerate's `gather_object`)."""
     import torch.distributed as dist
 
-    if _world() == 1:
+    if _world(group) == 1:
         return list(obj)
-    out: list = [None] * _world()
-    dist.all_gather_object(out, obj)
+    out: list = [None] * _world(group)
+    dist.all_gather_object(out, obj, group=group)
     return [item for part in out for item in part]
 
 

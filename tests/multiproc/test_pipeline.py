@@ -64,6 +64,7 @@ def check_against(tmp_path, ref, dp: int = 1, losses_per_rank=None) -> list:
         assert torch.allclose(torch.tensor(rec["norms"]), torch.tensor(ref["norms"]), atol=ATOL, rtol=0)
         assert torch.allclose(torch.tensor(rec["eval_outputs"]), ref["outputs"], atol=ATOL, rtol=0)
         assert abs(rec["eval_loss"] - ref["eval_loss"]) < ATOL
+        assert rec["metric_rows"] == len(ref["outputs"]) * dp  # gather_for_metrics: each replica's samples once
         if dp == 1:  # the batch loss, the same on every stage
             assert torch.allclose(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
     if dp > 1:  # each replica's loss is its half of the batch: their mean is the batch loss

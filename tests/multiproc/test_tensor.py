@@ -54,6 +54,7 @@ def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
     for rec in records:
         assert rec["local_weight_shape"] == [16, 6]  # the first layer is split by columns (output features)
         assert rec["batches"] == 16  # both ranks of the TP group see every batch
+        assert rec["metric_rows"] == 4  # gather_for_metrics: the TP group's shared batch counted once
         losses = torch.tensor(rec["losses"])
         assert torch.equal(losses[:, 0], losses[:, 1])  # the loss is the same on every TP rank
         assert torch.allclose(losses[:, 0], torch.tensor(ref_losses), atol=ATOL, rtol=0)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, DistributedDataParallelKwargs, ParallelismConfig
-from accel.utils import set_seed
+from accel.utils import gather_object, set_seed
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 
@@ -157,9 +157,10 @@ def main() -> None:
         eval_loss = model(probe, target=y[:args.batch]).item()
     record = {"losses": [] if args.load else losses, "norms": [] if args.load else norms,
               "eval_outputs": outputs.tolist(), "eval_loss": eval_loss, "rank": accelerator.process_index,
-              "param_names": sorted(n for n, _ in model.named_parameters()), "reductions": reductions[0]}
+              "param_names": sorted(n for n, _ in model.named_parameters()), "reductions": reductions[0],
+              "metric_rows": accelerator.gather_for_metrics(outputs).shape[0]}  # stages of a replica count once
     weights = accelerator.get_state_dict(model)
-    records = accelerator.gather_for_metrics([record], use_gather_object=True)
+    records = gather_object([record])  # every process's, TP/PP ranks included
     if accelerator.is_main_process:
         save_file({k: v.clone().contiguous() for k, v in weights.items()},  # tied weights: one copy each
                   str(out / ("loaded.safetensors" if args.load else "weights.safetensors")))

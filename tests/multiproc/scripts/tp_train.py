@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, ParallelismConfig
-from accel.utils import set_seed
+from accel.utils import gather_object, set_seed
 
 
 def make_problem():
@@ -55,10 +55,11 @@ def main() -> None:
             optimizer.zero_grad()
             losses.append(accelerator.gather(loss.detach()[None]).tolist())
     record = {"losses": losses, "norms": norms, "batches": len(loader),
+              "metric_rows": accelerator.gather_for_metrics(targets).shape[0],  # TP ranks of a replica count once
               "local_weight_shape": list(accelerator.unwrap_model(model)[0].weight.to_local().shape)}
     weights = accelerator.get_state_dict(model)
     accelerator.save_state(str(Path(args.out) / "ckpt"))
-    records = accelerator.gather_for_metrics([record], use_gather_object=True)
+    records = gather_object([record])  # every process's, TP/PP ranks included
     if accelerator.is_main_process:
         out = Path(args.out)
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "weights.safetensors"))
