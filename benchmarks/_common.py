@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -14,3 +18,19 @@ def accel_command() -> list[str]:
         return [str(beside)]
     found = shutil.which("accel")
     return [found] if found else [sys.executable, "-m", "accel.cli.main"]
+
+
+def run_job(cmd: list[str], out: Path, timeout: float, label: str = "") -> dict | None:
+    """Run one benchmark job (one thread per process) that writes a JSON record to `out`: the record, or
+    None when the job failed or timed out (both printed, prefixed with `label`)."""
+    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    try:
+        rc = subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if rc != 0 or not out.exists():
+        print(f"  {label}FAILED (exit {rc})", flush=True)
+        return None
+    print(f"  {label}done in {time.perf_counter() - start:.0f} s", flush=True)
+    return json.loads(out.read_text())

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import accel_command
+from _common import accel_command, run_job
 
 SIZES = {"full": (8, 2048, 2048), "quick": (4, 256, 64)}  # (layers, width, batch)
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -127,18 +125,6 @@ def time_stage_compute(model, busy: list) -> None:
 
 
 # launcher side -------------------------------------------------------------------------------------------
-
-def run_job(cmd: list[str], out: Path, timeout: float) -> float | None:
-    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd), flush=True)
-    try:
-        rc = subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    if rc != 0 or not out.exists():
-        print(f"  FAILED (exit {rc})", flush=True)
-        return None
-    return json.loads(out.read_text())
-
 
 def run_all(args: argparse.Namespace) -> int:
     me = str(Path(__file__).resolve())

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import accel_command
+from _common import accel_command, run_job
 
 SIZES = {"full": (10, 512), "quick": (2, 64)}  # (blocks, width); hidden = 4 * width
 MB = 1e6
@@ -53,7 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # launcher side -------------------------------------------------------------------------------------------
 
 def run_all(args: argparse.Namespace) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     passed = ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if args.quick:
         passed.append("--quick")
@@ -64,17 +61,9 @@ def run_all(args: argparse.Namespace) -> int:
             out = Path(tmp) / f"tp{tp}.json"
             cmd = [*accel_command(), "launch", "--cpu", *flags, "--mixed_precision", "no",
                    str(Path(__file__).resolve()), "--worker", "--out", str(out), *passed]
-            print("$ OMP_NUM_THREADS=1 " + " ".join(cmd), flush=True)
-            start = time.perf_counter()
-            try:
-                rc = subprocess.call(cmd, env=env, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if rc != 0 or not out.exists():
-                print(f"  tp {tp}: FAILED (exit {rc})", flush=True)
-                continue
-            results[tp] = json.loads(out.read_text())
-            print(f"  tp {tp}: done in {time.perf_counter() - start:.0f} s", flush=True)
+            record = run_job(cmd, out, args.timeout, label=f"tp {tp}: ")
+            if record is not None:
+                results[tp] = record
     if results:
         print_table(results)
     return 0 if len(results) == len(jobs) else 1

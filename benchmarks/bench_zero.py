@@ -45,14 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import accel_command
+from _common import accel_command, run_job
 
 # name -> (zero_stage, offload)
 CONFIGS = {
@@ -111,7 +110,6 @@ def run_all(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown configs {unknown}; allowed: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # two processes on two cores: one thread each
     passed = ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if args.quick:
         passed.append("--quick")
@@ -127,19 +125,11 @@ def run_all(args: argparse.Namespace) -> int:
             cmd = [*accel_command(), "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "no",
                    "--gradient_accumulation_steps", "1", "--zero_stage", str(stage), str(Path(__file__).resolve()),
                    "--worker", "--stage", str(stage), *(["--offload"] if offload else []), "--out", str(out), *passed]
-            print("$ OMP_NUM_THREADS=1 " + " ".join(cmd), flush=True)
-            start = time.perf_counter()
-            try:
-                rc = subprocess.call(cmd, env=env, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            wall = time.perf_counter() - start
-            if rc != 0 or not out.exists():
-                print(f"  {name}: FAILED (exit {rc}), left out of the tables", flush=True)
-                failed += 1
+            record = run_job(cmd, out, args.timeout, label=f"{name} (pass {n_pass + 1}/{repeats}): ")
+            if record is None:
+                failed += 1  # left out of the tables
                 continue
-            results[name].append(json.loads(out.read_text()))
-            print(f"  {name} (pass {n_pass + 1}/{repeats}): done in {wall:.0f} s", flush=True)
+            results[name].append(record)
     results = {name: runs for name, runs in results.items() if runs}
     if results:
         print_tables(results)
