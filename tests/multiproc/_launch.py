@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def worker_module(name: str):
+    """Import a worker script from scripts/ as a module (its model and data build the one-process reference)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def accel_launch(env: dict, *launch_args: str, timeout: int = 300, expect: int = 0) -> subprocess.CompletedProcess:

@@ -7,7 +7,6 @@ per-rank gradients, the reference takes one mean over the large batch).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import _launch
@@ -28,12 +27,7 @@ def accel_launch(num_processes: int, script: Path, *args: str, timeout: int = 18
 
 
 def load_problem():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ddp_train
-    finally:
-        sys.path.pop(0)
-    return ddp_train.make_problem
+    return _launch.worker_module("ddp_train").make_problem
 
 
 def reference_run(num_processes: int, batch_size: int, accum: int, epochs: int):

@@ -3,12 +3,11 @@ norms, final weights and eval outputs within atol 1e-5 (fp32, AdamW lr 1e-2). Mo
 GPT-style toy whose head is tied to its embedding (the tie crosses the stages)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _launch import accel_launch
+from _launch import accel_launch, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -18,12 +17,7 @@ ATOL = 1e-5
 
 
 def _worker_module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import pp_train
-    finally:
-        sys.path.pop(0)
-    return pp_train
+    return worker_module("pp_train")
 
 
 def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int = 1, dropout: float = 0.0,

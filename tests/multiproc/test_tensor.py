@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import accel_launch
 import torch
+from _launch import accel_launch, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -19,11 +19,7 @@ ATOL = 1e-5
 
 
 def reference(dp: int = 1):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import tp_train
-    finally:
-        sys.path.pop(0)
+    tp_train = worker_module("tp_train")
     x, y, model = tp_train.make_problem()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
@@ -105,11 +101,7 @@ def test_tiny_llama_with_its_own_tp_plan(isolated_env, tmp_path, num_processes):
     assert "tensor parallel plan (the model's own tp plan, tp_size=2)" in proc.stdout
     assert "model.layers.1.self_attn.o_proj: rowwise" in proc.stdout and "lm_head: colwise_rep" in proc.stdout
 
-    sys.path.insert(0, str(script.parent))
-    try:
-        import tp_llama
-    finally:
-        sys.path.pop(0)
+    tp_llama = worker_module("tp_llama")
     model, tokens = tp_llama.make_problem()
     optimizer = torch.optim.AdamW(model.parameters(), lr=tp_llama.LR)
     ref_losses = []

@@ -4,12 +4,11 @@ share of parameters (stage 3) and optimizer state (stages >= 1); checkpoints loa
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from _launch import accel_launch
 import torch
+from _launch import accel_launch, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -26,11 +25,7 @@ def launch(isolated_env, num_processes: int, *args: str, prefix: list[str] = ())
 
 def reference(accum: int):
     """One process, batch N*accum*4 in the documented order; clip at 0.5; scheduler stepped N times."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import zero_train
-    finally:
-        sys.path.pop(0)
+    zero_train = worker_module("zero_train")
     x, y, model = zero_train.make_problem()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
@@ -90,11 +85,7 @@ def test_zero_matches_single_process_reference(isolated_env, tmp_path, stage, of
     # the Hugging Face export holds the full weights too
     from accel import load_checkpoint_in_model
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    import zero_train
-
-    sys.path.pop(0)
-    fresh = zero_train.Net()
+    fresh = worker_module("zero_train").Net()
     load_checkpoint_in_model(fresh, str(tmp_path / "hf_model"), strict=True)
     assert_weights_equal(fresh.state_dict(), ref_weights)
 
