@@ -99,8 +99,7 @@ class PipelineBackend(Backend):
         aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
-        tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s), min(s) in set(self.local_stages))
-                for i, s in users.items() if len(s) > 1]
+        tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s)) for i, s in users.items() if len(s) > 1]
         view, _ = stage_model(model, plan, set(self.local_stages), hooks=False)
         stages, originals = [], []
         for index in self.local_stages:
@@ -242,13 +241,12 @@ class PipelineBackend(Backend):
 
 @dataclasses.dataclass(frozen=True)
 class TiedWeight:
-    """A weight used by several stages (e.g. an embedding tied to the output head): its names, its shape, the
-    first stage that uses it, and whether this process holds that stage (it counts it in the gradient norm)."""
+    """A weight used by several stages (e.g. an embedding tied to the output head): its names, its shape, and the
+    first stage that uses it (the process holding that stage counts it in the gradient norm)."""
 
     names: tuple[str, ...]
     shape: tuple[int, ...]
     first_stage: int
-    owned: bool
 
 
 class PipelineModel(nn.Module):
@@ -293,7 +291,9 @@ class PipelineModel(nn.Module):
 
     def not_owned_parameters(self) -> list[torch.Tensor]:
         """Weights tied across stages that an earlier stage on another process counts (for the norm)."""
-        return [p for weight, p in zip(self.tied, self._tied_params()) if p is not None and not weight.owned]
+        local = self._backend.local_stages
+        return [p for weight, p in zip(self.tied, self._tied_params())
+                if p is not None and weight.first_stage not in local]
 
     # -- the schedule -----------------------------------------------------------------------------------------
     def _schedule(self, packed: dict, with_loss: bool):
