@@ -151,7 +151,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     for key in aliases:
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
-    if world > 1:  # ranks may hold different tensors (pipeline stages): one skeleton and file plan for all
+    if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (skeleton, aliases))
         skeleton = tree.merge([s for s, _ in everyone])
