@@ -579,18 +579,30 @@ class Accelerator:
         self.wait_for_everyone()
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
-        """The full (unsharded) state dict, on CPU, with the user's parameter names."""
-        return self.backend.full_state_dict(model) if unwrap else model.state_dict()
+        """The full (unsharded) state dict, on CPU, with the user's parameter names; tied weights are one tensor
+        under each of their names (as `model.state_dict()` gives them)."""
+        from accel.checkpoint.ties import share_tied
+
+        if not unwrap:
+            return model.state_dict()
+        return share_tied(self.backend.full_state_dict(model), self.backend.tied_groups(model))
 
     def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
-        """Save the full weights in Hugging Face's layout (sharded safetensors + index) from the main process."""
+        """Save the full weights in Hugging Face's layout (sharded safetensors + index) from the main process;
+        tied weights once, with the record that restores the tie. A transformers model's `config.json` is written
+        beside them, so `from_pretrained(save_directory)` loads the trained model."""
+        from pathlib import Path
+
         from accel.checkpoint.model_io import save_state_dict_sharded
 
         state = self.get_state_dict(model)
         if self.is_main_process:
             save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
                                     safe_serialization=safe_serialization)
+            config = getattr(self.unwrap_model(model), "config", None)
+            if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained(save_directory) works
+                config.to_json_file(str(Path(save_directory) / "config.json"))
         self.wait_for_everyone()
 
     # -- experiment trackers: accepted for compatibility, not implemented -------------------------------------

@@ -123,6 +123,12 @@ class Backend:
 
         return get_full_state_dict(self.unwrap_model(model))
 
+    def tied_groups(self, model: torch.nn.Module) -> list[tuple[str, ...]]:
+        """Names that are one (tied) parameter of the user's model, so a full state dict stores it once."""
+        from accel.checkpoint.ties import tied_names
+
+        return tied_names(self.unwrap_model(model))
+
     # -- lifetime --------------------------------------------------------------------------------------------
     def forget(self) -> None:
         """Drop references to prepared objects (Accelerator.free_memory)."""

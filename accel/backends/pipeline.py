@@ -230,6 +230,12 @@ class PipelineBackend(Backend):
             return {}
         return _collect_on_first(mine, self.topology.group("pp", self.state.device.type), self.state.device)
 
+    def tied_groups(self, model: nn.Module) -> list[tuple[str, ...]]:
+        """Weights tied across stages (each stage holds a copy, kept bit-equal), and ties within this process's
+        stages."""
+        groups = [w.names for w in model.tied] if isinstance(model, PipelineModel) else []
+        return groups + super().tied_groups(model)
+
     def forget(self) -> None:
         self._models.clear()
         self.materialized.clear()

@@ -12,101 +12,25 @@ consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head).
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 
+from accel.backends import fused
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.backends.tensor_plan import (  # noqa: F401  (the plan functions are also importable from here)
+    automatic_plan,
+    check_divisible,
+    expand_plan,
+    fused_parent,
+    keep_ties,
+    kept_whole,
+    model_plan,
+)
+from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
+from accel.backends.tensor_plan import is_conv1d
 from accel.config import ConfigError
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep")
-_COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv")
-_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
-_HEAD_NAMES = ("lm_head", "output")
-_ROW_NAMES = ("o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj")
-
-
-def automatic_plan(model: torch.nn.Module) -> dict[str, str]:
-    """A plan for the patterns this module recognises (empty when none applies)."""
-    plan: dict[str, str] = {}
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Embedding) and leaf in _EMBEDDING_NAMES:
-            plan[name] = "rowwise_rep"  # vocabulary split; the looked-up vectors are all-reduced
-        elif isinstance(module, torch.nn.Linear) and leaf in _HEAD_NAMES:
-            plan[name] = "colwise_rep"  # vocabulary split; the logits are gathered
-        elif isinstance(module, torch.nn.Linear) and leaf in _COLUMN_NAMES:
-            plan[name] = "colwise"
-        elif isinstance(module, torch.nn.Linear) and leaf in _ROW_NAMES:
-            plan[name] = "rowwise"
-        elif isinstance(module, torch.nn.Sequential):
-            linears = [(n, m) for n, m in module.named_children() if isinstance(m, torch.nn.Linear)]
-            children = list(module.named_children())
-            for (first, _), (second, _) in zip(linears, linears[1:]):
-                between = children[[n for n, _ in children].index(first) + 1:[n for n, _ in children].index(second)]
-                if all(not list(m.parameters()) for _, m in between):  # only activations/dropout between them
-                    prefix = f"{name}." if name else ""
-                    if f"{prefix}{first}" not in plan and f"{prefix}{second}" not in plan:
-                        plan[f"{prefix}{first}"] = "colwise"
-                        plan[f"{prefix}{second}"] = "rowwise"
-    return plan
-
-
-# transformers' style names -> ours
-_STYLE_ALIASES = {"colwise_gather_output": "colwise_rep", "embedding_rowwise": "rowwise_rep",
-                  "gather_output": "colwise_rep", "rowwise_split_input": "rowwise"}
-
-
-def model_plan(model: torch.nn.Module) -> dict[str, str]:
-    """The plan a transformers model publishes (`base_model_tp_plan` on its config, `_tp_plan` on the model);
-    style names translated to ours, entries in styles accel does not know left out (and printed)."""
-    plan: dict[str, str] = {}
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    has_base = prefix and hasattr(model, prefix)
-    for key, style in base.items():
-        plan[f"{prefix}.{key}" if has_base else key] = style
-    plan.update(getattr(model, "_tp_plan", None) or {})
-    translated, skipped = {}, []
-    for key, style in plan.items():
-        style = _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
-        (translated.__setitem__(key, style) if style in STYLES else skipped.append(f"{key}: {style}"))
-    if skipped:
-        print(f"accel: tensor parallel plan: left out entries in styles accel does not know: {', '.join(skipped)}")
-    return translated
-
-
-def expand_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Wildcard names -> the concrete module names they match (a pattern that matches nothing is an error)."""
-    names = [n for n, _ in model.named_modules() if n]
-    concrete: dict[str, str] = {}
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ConfigError(f"parallelism.tp_plan: '{pattern}': bad style {style!r}; allowed: {', '.join(STYLES)}")
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise ConfigError(f"parallelism.tp_plan: '{pattern}' matches no module of the model")
-        for hit in hits:
-            concrete[hit] = style
-    return concrete
-
-
-def check_divisible(model: torch.nn.Module, plan: dict[str, str], tp_size: int) -> None:
-    modules = dict(model.named_modules())
-    for name, style in plan.items():
-        module = modules[name]
-        if isinstance(module, torch.nn.Linear) and style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep"):
-            dim, size = ("out_features", module.out_features) if style.startswith("colwise") else ("in_features", module.in_features)
-            if size % tp_size:
-                raise ConfigError(f"tensor parallelism: layer '{name}' ({style}) has {dim}={size}, not divisible "
-                                  f"by tp_size={tp_size}")
-        if isinstance(module, torch.nn.Embedding) and style.startswith("rowwise") and module.num_embeddings % tp_size:
-            raise ConfigError(f"tensor parallelism: embedding '{name}' has num_embeddings={module.num_embeddings}, "
-                              f"not divisible by tp_size={tp_size}")
-
-
-def _style(name: str):
+def _style(name: str, module: torch.nn.Module, tp_size: int):
+    """The torch ParallelStyle for one plan entry; transformers' Conv1D and fused q/k/v layers get accel's own."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -115,6 +39,12 @@ def _style(name: str):
         SequenceParallel,
     )
 
+    if name == "fused_qkv":
+        return ColumnSplit(out_dim=1 if is_conv1d(module) else 0, parts=3, tp_size=tp_size)
+    if is_conv1d(module) and name in ("colwise", "colwise_rep"):
+        return ColumnSplit(out_dim=1, **({"output_layouts": Replicate()} if name == "colwise_rep" else {}))
+    if is_conv1d(module) and name in ("rowwise", "rowwise_rep"):
+        return TransposedRowwise(**({"input_layouts": Replicate()} if name == "rowwise_rep" else {}))
     return {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
@@ -142,6 +72,8 @@ class TensorParallelBackend(Backend):
         self.replacements = ParameterReplacements()
 
     def plan_for(self, model: torch.nn.Module) -> dict[str, str]:
+        """The plan for `model` (checked, with tied weights kept one parameter), printed on the main process
+        with what stays whole and why."""
         given = getattr(self.parallelism, "tp_plan", None)
         source, plan = "ParallelismConfig(tp_plan=...)", given
         if not plan:
@@ -149,18 +81,25 @@ class TensorParallelBackend(Backend):
         if not plan:
             source, plan = "accel's automatic plan", automatic_plan(model)
         if not plan:
-            raise ConfigError(f"tensor parallelism: no plan applies to {type(model).__name__}: no q/k/v/o or "
-                              "gate/up/down projections and no Linear pairs in an nn.Sequential; give "
-                              "ParallelismConfig(tp_plan={'layer.name': 'colwise', ...})")
-        plan = expand_plan(model, plan)
+            raise ConfigError(f"tensor parallelism: no plan applies to {type(model).__name__}: it publishes no tp "
+                              "plan and has no layer accel recognises (q/k/v/o or gate/up/down projections, GPT-2's "
+                              "Conv1D c_attn/c_proj/c_fc, Linear pairs in an nn.Sequential, vocabulary embeddings "
+                              "or lm_head); give ParallelismConfig(tp_plan={'layer.name': 'colwise', ...})")
+        plan, tied = keep_ties(model, expand_plan(model, plan))
         check_divisible(model, plan, self.topology.tp_size)
         if self.state.is_main_process:
-            lines = ", ".join(f"{k}: {v}" for k, v in plan.items())
+            lines = ", ".join(f"{k}: {v}" + (f" (tied to {tied[k]})" if k in tied else "") for k, v in plan.items())
             print(f"accel: tensor parallel plan ({source}, tp_size={self.topology.tp_size}): {lines}", flush=True)
+            whole = kept_whole(model, plan)
+            if whole:
+                print("accel: tensor parallel: kept whole (every tp rank holds all of it): "
+                      + ", ".join(f"{k} ({v})" for k, v in whole.items()), flush=True)
         return plan
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
+
+        from accel.checkpoint.ties import tied_names
 
         if device_placement:
             model = model.to(self.state.device)
@@ -172,7 +111,16 @@ class TensorParallelBackend(Backend):
         self.applied_plans.append(plan)
         mesh = self.topology.mesh(self.state.device.type)
         originals = self.replacements.snapshot(model)
-        parallelize_module(model, mesh["tp"], {name: _style(style) for name, style in plan.items()})
+        ties = tied_names(model)
+        tp_size = self.topology.tp_size
+        modules = dict(model.named_modules())
+        for name, style in plan.items():
+            parent = fused_parent(model, name, modules[name]) if style == "fused_qkv" else None
+            if parent is not None:
+                parent.split_size //= tp_size  # its forward splits the (now local) q/k/v output by this width
+        parallelize_module(model, mesh["tp"], {name: _style(style, modules[name], tp_size)
+                                               for name, style in plan.items()})
+        _retie(model, ties)
         if self.topology.dp_size > 1:
             self._shard_over_dp(model, mesh["dp"])
         self.replacements.record(originals, model)  # the split layers have new (DTensor) parameters
@@ -212,4 +160,17 @@ class TensorParallelBackend(Backend):
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return fused.to_model_order(state, model)
+
+
+def _retie(model: torch.nn.Module, ties: list[tuple[str, ...]]) -> None:
+    """Splitting gives each module a new parameter; a tied weight's uses get the one split parameter back (the
+    plan split them alike: keep_ties), so they train as one and stay identical."""
+    for names in ties:
+        params = [model.get_parameter(n) for n in names]
+        kept = next((p for p in params if hasattr(p, "device_mesh")), params[0])
+        for name, param in zip(names, params):
+            if param is not kept:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner) if owner else model, leaf, kept)

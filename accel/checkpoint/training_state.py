@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,16 @@ def _collect(objects: TrainingObjects) -> dict:
     }
 
 
+def first_cause(exc: BaseException) -> str:
+    """The original error inside DCP's `CheckpointException` (which nests every rank's traceback), as one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        return first_cause(inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner))
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
+
+
 FILE_BYTES = 256 * 2**20  # DCP's safetensors writer builds each file in memory: bound the peak by the file size
 
 
@@ -115,13 +126,18 @@ def _file_buckets(specs: dict[str, tuple[list[int], str]]) -> dict[str, int]:
 
 
 def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Keys whose tensor shares storage with an earlier key (tied weights) -> that earlier key."""
+    """Keys whose tensor is the same data as an earlier key's (tied weights) -> that earlier key. Sharded
+    (DTensor) values are compared by their local shard: a tied parameter's two names hold the same shard."""
     seen: dict[tuple, str] = {}
     aliases = {}
     for key, t in tensors.items():
-        if type(t) is not torch.Tensor or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor):
             continue
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.device.type == "meta" or local.numel() == 0:
+            continue
+        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()),
+                 local.dtype, tuple(t.shape))
         if ident in seen:
             aliases[key] = seen[ident]
         else:
@@ -133,6 +149,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank, world = _rank_world()
     target = Path(output_dir).absolute()
@@ -158,8 +175,13 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         aliases = {k: v for _, a in everyone for k, v in a.items()}
     files = _file_buckets(tree.tensor_specs(skeleton))
     writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True)
-    with _quiet_single_process():
-        dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
+    try:
+        with _quiet_single_process():
+            dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
+    except (Exception, CheckpointException) as exc:  # one line naming the folder and the cause, not DCP's nest
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{target}: could not be saved: {first_cause(exc)}") from None
     _save_rng(tmp / "rng", rank)
     _barrier()
     if rank == 0:
@@ -209,7 +231,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         with _quiet_single_process():
             dcp_load(targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
     except (Exception, CheckpointException) as exc:  # name the folder; DCP's message says which key or file
-        raise CheckpointError(f"{folder / 'state'}: could not be loaded: {str(exc).splitlines()[0]}") from exc
+        raise CheckpointError(f"{folder / 'state'}: could not be loaded: {first_cause(exc)}") from None
     for key, original in aliases.items():
         targets[key] = targets[original]
     state = tree.join(skeleton, targets)
