@@ -123,6 +123,13 @@ class Backend:
 
         return get_full_state_dict(self.unwrap_model(model))
 
+    def checkpoint_layouts(self, model: torch.nn.Module) -> dict[str, str]:
+        """Parameters held in a layout of accel's own (TP's reordered fused q/k/v), recorded by `save_state` so a
+        checkpoint is never resumed into another layout."""
+        from accel.backends import fused
+
+        return fused.layouts(model)
+
     def tied_groups(self, model: torch.nn.Module) -> list[tuple[str, ...]]:
         """Names that are one (tied) parameter of the user's model, so a full state dict stores it once."""
         from accel.checkpoint.ties import tied_names

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.backends import fused
 from accel.backends.base import (
     Backend,
     ParameterReplacements,
@@ -224,7 +225,7 @@ class PipelineBackend(Backend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        mine = {k: v.detach().to("cpu") for k, v in mine.items()}
+        mine = fused.to_model_order({k: v.detach().to("cpu") for k, v in mine.items()}, model)  # this stage's
         coords = self.topology.coordinates(self.state.process_index)
         if coords["dp"] or coords["tp"]:
             return {}
@@ -404,6 +405,9 @@ class PipelineModel(nn.Module):
         for weight, param in zip(self.tied, self._tied_params()):
             if param is not None and param.grad is None:
                 param.grad = torch.zeros_like(param)
+            if param is not None and getattr(param.grad, "placements", None) != getattr(param, "placements", None):
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)  # e.g. an embedding's
+                # gradient comes back replicated: every stage's copy is summed shard by shard, in the same layout
             grad = torch.zeros(weight.shape, device=backend.state.device) if param is None else _local(param.grad)
             dist.all_reduce(grad, group=group)
 

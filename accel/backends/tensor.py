@@ -16,18 +16,19 @@ import torch
 
 from accel.backends import fused
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
 from accel.backends.tensor_plan import (  # noqa: F401  (the plan functions are also importable from here)
     automatic_plan,
     check_divisible,
     expand_plan,
     fused_parent,
+    is_conv1d,
     keep_ties,
     kept_whole,
     model_plan,
 )
-from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
-from accel.backends.tensor_plan import is_conv1d
 from accel.config import ConfigError
+
 
 def _style(name: str, module: torch.nn.Module, tp_size: int):
     """The torch ParallelStyle for one plan entry; transformers' Conv1D and fused q/k/v layers get accel's own."""

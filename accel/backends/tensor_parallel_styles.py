@@ -36,7 +36,8 @@ class ColumnSplit(ColwiseParallel):
 
     def _reorder(self, name: str, tensor):
         dim = self.out_dim if name == "weight" else 0
-        return tensor.index_select(dim, fused.permutation(tensor.shape[dim], self.parts, self.tp_size).to(tensor.device))
+        order = fused.permutation(tensor.shape[dim], self.parts, self.tp_size)
+        return tensor.index_select(dim, order.to(tensor.device))
 
     def _partition(self, _name, module: nn.Module, mesh) -> None:
         _distribute(module, mesh, {"weight": Shard(self.out_dim), "bias": Shard(0)}, self.src_data_rank,

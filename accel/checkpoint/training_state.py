@@ -168,11 +168,13 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     for key in aliases:
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
+    layouts = [objects.backend.checkpoint_layouts(m) for m in objects.models]
     if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, (skeleton, aliases))
-        skeleton = tree.merge([s for s, _ in everyone])
-        aliases = {k: v for _, a in everyone for k, v in a.items()}
+        dist.all_gather_object(everyone, (skeleton, aliases, layouts))
+        skeleton = tree.merge([s for s, _, _ in everyone])
+        aliases = {k: v for _, a, _ in everyone for k, v in a.items()}
+        layouts = [{k: v for _, _, ls in everyone for k, v in ls[i].items()} for i in range(len(layouts))]
     files = _file_buckets(tree.tensor_specs(skeleton))
     writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True)
     try:
@@ -186,7 +188,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     _barrier()
     if rank == 0:
         layout.fsync_tree(tmp)
-        layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": aliases,
+        layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": aliases, "layouts": layouts,
                                     "skeleton": skeleton})
         layout.publish(tmp, target)
     _barrier()
@@ -212,6 +214,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
             raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
                                   "registered; prepare the same objects, in the same order, before load_state")
 
+    _check_layouts(folder, manifest.get("layouts") or [{} for _ in objects.models], objects)
     # Targets: the live model/optimizer tensors, loaded in place (no second copy of the state in memory;
     # sharded layouts reshard), fresh tensors for the rest. read_manifest has already checked every file.
     live: dict[str, torch.Tensor] = {}
@@ -251,6 +254,20 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         objects.scaler.load_state_dict(state["scaler"])
     _load_rng(folder / "rng", rank, manifest["world_size"])
     return manifest
+
+
+def _check_layouts(folder: Path, saved: list[dict], objects: TrainingObjects) -> None:
+    """A parameter held in a backend's own layout (TP's reordered fused q/k/v) is only resumed into the same
+    layout: loading it into another would scramble it silently."""
+    for model, before in zip(objects.models, saved):
+        now = objects.backend.checkpoint_layouts(model)
+        mine = {name for name, _ in model.named_parameters()}
+        for name in sorted((set(now) | set(before)) & mine):
+            if now.get(name) != before.get(name):
+                raise CheckpointError(
+                    f"{folder}: {name}: saved {before.get(name, 'in the model order')}, but this run holds it "
+                    f"{now.get(name, 'in the model order')}; resume with the parallelism it was saved with "
+                    "(save_model's weights, in the model order, load under any)")
 
 
 # -- RNG states, per rank ---------------------------------------------------------------------------------

@@ -47,3 +47,14 @@ def test_pipeline_example_on_two_stages(isolated_env, schedule):
     assert "on 2 process(es), pp_size 2" in out
     accuracy = float(out.strip().splitlines()[-1].split("accuracy ")[1].split()[0])
     assert accuracy > 0.5  # it learns the repeating pattern (chance: 1/16)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flags", [["--zero_stage", "2"], ["--zero_stage", "3", "--mixed_precision", "bf16"],
+                                   ["--tp_size", "2"], ["--pp_size", "2"]], ids=["zero2", "zero3-bf16", "tp2", "pp2"])
+def test_hf_gpt2_example_on_every_backend(isolated_env, flags):
+    """The issue's GPT-2 script: to the end, resumed from its last save_state, save_model tied in transformers."""
+    pytest.importorskip("transformers")
+    out = launch(isolated_env, "--cpu", "--num_processes", "2", *flags, str(ROOT / "examples" / "hf_gpt2.py")).stdout
+    assert "step 12: loss" in out and "resumed from step_10" in out
+    assert "from_pretrained: tied, logits match" in out

@@ -1,8 +1,9 @@
 """Real model shapes on every backend: tiny transformers models from configs (GPT-2 with Conv1D, fused q/k/v
 and a tied head; Llama tied and untied; BERT with a tied MLM head), each trained under DDP, ZeRO 1/2/3,
-ZeRO-3 + offload, TP 2, DP 2 x TP 2 and PP 2 (GPT-2 and Llama) against plain PyTorch on one process.
+ZeRO-3 + offload, TP 2, DP 2 x TP 2, PP 2 and PP 2 x TP 2 (pipelines: GPT-2 and Llama) against plain PyTorch
+on one process.
 
-One launch runs every 2-process backend (one Accelerator after another), one the 4-process DP x TP layout.
+One launch runs every 2-process backend (one Accelerator after another), one the 4-process layouts.
 Checked per (backend, model): per-step losses and clipped norms (atol 1e-5, fp32), final weights (atol 1e-5),
 ties one parameter at every step, a resume from the mid-run `save_state` ending bit-equal to the uninterrupted
 run, and `save_model` -> transformers' `from_pretrained`: tied weights stored once and tied again, logits equal
@@ -26,7 +27,8 @@ TIES = {"gpt2": [["transformer.wte.weight", "lm_head.weight"]],
         "llama_tied": [["model.embed_tokens.weight", "lm_head.weight"]], "llama_untied": [],
         "bert": [["bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"],
                  ["cls.predictions.bias", "cls.predictions.decoder.bias"]]}
-CASES = [(b, m) for b in TWO + ["dp2xtp2"] for m in MODELS if b != "pp2" or m != "bert"]
+FOUR = ["dp2xtp2", "pp2xtp2"]
+CASES = [(b, m) for b in TWO + FOUR for m in MODELS if not b.startswith("pp") or m != "bert"]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +44,16 @@ def runs(tmp_path_factory):
     env.update(HOME=str(home), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     script = SCRIPTS / "hf_matrix.py"
     logs = {}
-    for procs, backends in ((2, TWO), (4, ["dp2xtp2"])):
+    for procs, backends in ((2, TWO), (4, FOUR)):
         folder = out / f"p{procs}"
         folder.mkdir()
         proc = accel_launch(env, "--cpu", "--num_processes", procs, script, "--out", folder,
-                            "--backends", ",".join(backends), timeout=600)
+                            "--backends", ",".join(backends), *(["--keep_checkpoints"] if procs == 2 else []),
+                            timeout=600)
         logs[procs] = proc.stdout
     records = {**json.loads((out / "p2" / "records.json").read_text()),
                **json.loads((out / "p4" / "records.json").read_text())}
-    return records, out, logs
+    return records, out, logs, env
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,12 +63,12 @@ def reference(name: str, dp_size: int):
 
 @pytest.mark.parametrize("backend,name", CASES, ids=[f"{b}-{m}" for b, m in CASES])
 def test_model_matches_one_process(runs, backend, name):
-    records, out, _ = runs
+    records, out, *_ = runs
     record = records[f"{backend}-{name}"]
-    ref = reference(name, {"tp2": 1, "pp2": 1}.get(backend, 2))  # the data-parallel degree
+    ref = reference(name, {"tp2": 1, "pp2": 1, "pp2xtp2": 1}.get(backend, 2))  # the data-parallel degree
     assert torch.allclose(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
     assert torch.allclose(torch.tensor(record["norms"]), torch.tensor(ref["norms"]), atol=ATOL, rtol=0)
-    folder = out / ("p4" if backend == "dp2xtp2" else "p2")
+    folder = out / ("p4" if backend in FOUR else "p2")
     weights = load_file(str(folder / f"{backend}-{name}-weights.safetensors"))
     expected = ref["model"].state_dict()
     for names in TIES[name]:
@@ -96,3 +99,15 @@ def test_tensor_parallel_plans_are_printed(runs):
     assert "cls.predictions.decoder: colwise_rep (tied to bert.embeddings.word_embeddings.weight)" in log
     assert "kept whole (every tp rank holds all of it): transformer.wpe (Embedding" in log
     assert "transformer.h.*.ln_1 (LayerNorm: a norm, replicated)" in log
+
+
+def test_fused_layout_is_only_resumed_into_the_same_layout(runs):
+    """TP holds GPT-2's fused q/k/v reordered; its save_state checkpoint loaded without TP is refused in one
+    line naming the tensor (never loaded scrambled). The same checkpoint resumes under TP (checked above)."""
+    _, out, _, env = runs
+    proc = accel_launch(env, "--cpu", "--num_processes", 1, SCRIPTS / "hf_matrix.py", "--out", out,
+                        "--backends", "ddp", "--models", "gpt2", "--load_only", out / "p2" / "tp2-gpt2-ckpt", expect=3)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("CheckpointError"))
+    assert line == (f"CheckpointError: {out / 'p2' / 'tp2-gpt2-ckpt'}: transformer.h.0.attn.c_attn.bias: saved fused 3 "
+                    "parts, reordered for tp_size=2, but this run holds it in the model order; resume with the "
+                    "parallelism it was saved with (save_model's weights, in the model order, load under any)")

@@ -71,3 +71,64 @@ def test_model_plan_from_a_transformers_style_config():
 
     assert model_plan(CausalLM()) == {"model.layers.*.self_attn.q_proj": "colwise",
                                       "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_rep"}
+
+
+# -- real model shapes: transformers' Conv1D, GPT-2's fused q/k/v, tied weights ------------------------------
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, n_positions=8)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_blocks_are_split_and_the_tie_kept():
+    from accel.backends.tensor_plan import keep_ties, kept_whole
+
+    model = _tiny_gpt2()
+    plan = automatic_plan(model)
+    assert plan["transformer.h.0.attn.c_attn"] == "fused_qkv"  # whole heads of q, k and v per rank
+    assert plan["transformer.h.0.attn.c_proj"] == "rowwise" and plan["transformer.h.1.mlp.c_fc"] == "colwise"
+    assert plan["transformer.wte"] == "rowwise_rep" and plan["lm_head"] == "colwise_rep"  # both split by vocabulary
+    assert keep_ties(model, plan) == (plan, {})
+    check_divisible(model, plan, 4)
+    with pytest.raises(ConfigError, match="'transformer.h.0.attn.c_attn' \\(fused_qkv\\) has 4 heads, not divisible"):
+        check_divisible(model, plan, 8)
+    whole = kept_whole(model, plan)
+    assert whole["transformer.h.*.ln_1"] == "LayerNorm: a norm, replicated" and "transformer.wpe" in whole
+    assert "lm_head" not in whole  # its weight is the (split) embedding's
+
+
+def test_a_tie_is_completed_or_refused_with_both_names():
+    from accel.backends.tensor_plan import keep_ties
+
+    model = _tiny_gpt2()
+    plan, added = keep_ties(model, {"lm_head": "colwise_rep"})  # a model plan that names only the head
+    assert plan["transformer.wte"] == "rowwise_rep" and added == {"transformer.wte": "lm_head.weight"}
+    with pytest.raises(ConfigError, match="tied weights 'transformer.wte.weight' \\(split by 'colwise'\\) and "
+                                          "'lm_head.weight' \\(split by 'colwise_rep'\\) cannot stay one parameter"):
+        keep_ties(model, {"transformer.wte": "colwise", "lm_head": "colwise_rep"})  # embedding dim vs vocabulary
+
+
+def test_unrecognised_attention_keeps_its_output_projection_whole():
+    """A row-wise layer needs a split input: with no recognised column-wise sibling it stays whole."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o_proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    assert automatic_plan(Attention()) == {}
+
+
+def test_fused_order_round_trips():
+    from accel.backends import fused
+
+    order = fused.permutation(12, 3, 2)  # q, k, v of 4 features each; rank 0 gets q0 q1 k0 k1 v0 v1
+    assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    weight = torch.arange(24.0).reshape(2, 12)
+    module = torch.nn.Module()
+    fused.mark(module, 3, 2, 1)
+    state = fused.to_model_order({"weight": weight[:, order], "bias": torch.arange(12.0)[order]}, module)
+    assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], torch.arange(12.0))
+    assert fused.layouts(module) == {"weight": "fused 3 parts, reordered for tp_size=2",
+                                     "bias": "fused 3 parts, reordered for tp_size=2"}

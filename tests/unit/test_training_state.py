@@ -206,3 +206,46 @@ def test_skeletons_of_pipeline_stages_merge_into_one():
                                                                                  "b.bias"]}
     assert merged["step"] == 3
     assert tree.join(merged, {"/models/0/a.weight": torch.ones(2)})["models"][0]["b.weight"] is None
+
+
+def test_a_failed_save_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """DCP nests every rank's traceback in a CheckpointException; the user gets the folder and the cause."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failing_save(*_, **__):
+        cause = RuntimeError("Some tensors share memory, this will lead to duplicate memory on disk\n more lines")
+        raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (cause, None)})
+
+    accelerator, *_ = prepared()
+    monkeypatch.setattr(dcp, "save", failing_save)
+    with pytest.raises(CheckpointError) as caught:
+        accelerator.save_state(str(tmp_path / "ckpt"))
+    assert str(caught.value) == (f"{tmp_path / 'ckpt'}: could not be saved: RuntimeError: Some tensors share memory, "
+                                 "this will lead to duplicate memory on disk")
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.head(self.embed(x))
+
+    accelerator = Accelerator(cpu=True)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(torch.arange(4)).sum())
+    optimizer.step()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    manifest = json.loads((tmp_path / "ckpt" / layout.MANIFEST).read_text())
+    assert manifest["aliases"] == {"/models/0/head.weight": "/models/0/embed.weight"}
+    with torch.no_grad():
+        model.embed.weight.zero_()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert model.head.weight is model.embed.weight and model.embed.weight.abs().sum() > 0

@@ -28,6 +28,7 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "tp2": {"tp_size": 2},
     "dp2xtp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "pp_microbatches": 2},
+    "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
 }
 PP_MODELS = ("gpt2", "llama_tied", "llama_untied")
 
@@ -102,8 +103,8 @@ def reference(name: str, dp_size: int) -> dict:
 class Run:
     """One backend's Accelerator; trains a model from scratch or from a checkpoint."""
 
-    def __init__(self, backend: str, out: Path) -> None:
-        self.backend, self.out = backend, out
+    def __init__(self, backend: str, out: Path, keep_checkpoints: bool = False) -> None:
+        self.backend, self.out, self.keep_checkpoints = backend, out, keep_checkpoints
         self.accelerator = Accelerator(parallelism_config=ParallelismConfig(**BACKENDS[backend]))
 
     def check_ties(self, model, groups: list[list[str]]) -> bool:
@@ -169,8 +170,22 @@ class Run:
             for key, value in full["weights"].items():  # tied keys: the same tensor, saved once by save_model
                 unique.setdefault(id(value), (key, value))
             save_file({k: v.contiguous() for k, v in unique.values()}, str(self.out / f"{tag}-weights.safetensors"))
-            shutil.rmtree(checkpoint)
+            if not self.keep_checkpoints:
+                shutil.rmtree(checkpoint)
         return record
+
+    def load_only(self, name: str, checkpoint: Path) -> None:
+        """Prepare a fresh model and load `checkpoint` into it; a CheckpointError is printed and exits 3."""
+        from accel.checkpoint import CheckpointError
+
+        model = build(name)
+        optimizer, scheduler = make_optimizer(model)
+        self.accelerator.prepare(model, optimizer, scheduler, loss_fn=loss_fn)
+        try:
+            self.accelerator.load_state(str(checkpoint))
+        except CheckpointError as exc:
+            print(f"CheckpointError: {exc}", flush=True)
+            raise SystemExit(3) from None
 
 
 def _logits(outputs):
@@ -197,13 +212,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--backends", required=True, help="comma-separated names of BACKENDS")
     parser.add_argument("--models", default="gpt2,llama_tied,llama_untied,bert")
+    parser.add_argument("--keep_checkpoints", action="store_true")
+    parser.add_argument("--load_only", help="a checkpoint to load into each (backend, model), nothing else")
     args = parser.parse_args()
     out = Path(args.out)
     records = {}
     for backend in args.backends.split(","):
-        run = Run(backend, out)
+        run = Run(backend, out, args.keep_checkpoints)
+        if args.load_only:
+            for name in args.models.split(","):
+                run.load_only(name, Path(args.load_only))
+            continue
         for name in args.models.split(","):
-            if backend == "pp2" and name not in PP_MODELS:
+            if backend.startswith("pp") and name not in PP_MODELS:
                 continue
             records[f"{backend}-{name}"] = run.run(name)
     if run.accelerator.is_main_process:
