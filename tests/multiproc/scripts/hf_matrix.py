@@ -29,6 +29,8 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "dp2xtp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "pp_microbatches": 2},
     "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
+    "zero3xtp2": {"tp_size": 2, "zero_stage": 3},  # on 4 processes: dp 2 x tp 2 with parameters resharded
+    "pp2xdp2": {"pp_size": 2, "pp_microbatches": 2},  # on 4 processes: DDP per stage
 }
 PP_MODELS = ("gpt2", "llama_tied", "llama_untied")
 
@@ -132,7 +134,7 @@ class Run:
             if step < start:
                 continue
             local = batch[dp_rank * part:(dp_rank + 1) * part].to(acc.device)
-            loss = model(input_ids=local, target=local)
+            loss = model(local, target=local)
             acc.backward(loss)
             norms.append(acc.clip_grad_norm_(model.parameters(), MAX_NORM).item())
             optimizer.step()
