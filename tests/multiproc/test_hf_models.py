@@ -1,6 +1,6 @@
 """Real model shapes on every backend: tiny transformers models from configs (GPT-2 with Conv1D, fused q/k/v
 and a tied head; Llama tied and untied; BERT with a tied MLM head), each trained under DDP, ZeRO 1/2/3,
-ZeRO-3 + offload, TP 2, DP 2 x TP 2, ZeRO-3 x TP 2, PP 2, PP 2 x TP 2 and PP 2 x DP 2 (pipelines: GPT-2 and
+ZeRO-2 and ZeRO-3 with CPU offload, TP 2, DP 2 x TP 2, ZeRO-3 x TP 2, PP 2, PP 2 x TP 2 and PP 2 x DP 2 (pipelines: GPT-2 and
 Llama) against plain PyTorch on one process.
 
 One launch runs every 2-process backend (one Accelerator after another), one the 4-process layouts.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiproc
 pytest.importorskip("transformers")
 
 ATOL = 1e-5
-TWO = ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "tp2", "pp2"]
+TWO = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "tp2", "pp2"]
 MODELS = ["gpt2", "llama_tied", "llama_untied", "bert"]
 TIES = {"gpt2": [["transformer.wte.weight", "lm_head.weight"]],
         "llama_tied": [["model.embed_tokens.weight", "lm_head.weight"]], "llama_untied": [],

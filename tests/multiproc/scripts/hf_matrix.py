@@ -24,6 +24,7 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "zero1": {"zero_stage": 1},
     "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
+    "zero2_offload": {"zero_stage": 2, "offload_optimizer": True},
     "zero3_offload": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True},
     "tp2": {"tp_size": 2},
     "dp2xtp2": {"tp_size": 2},
