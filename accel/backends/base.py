@@ -128,7 +128,7 @@ class Backend:
         checkpoint is never resumed into another layout."""
         from accel.backends import fused
 
-        return fused.layouts(model)
+        return fused.layouts(self.unwrap_model(model))
 
     def tied_groups(self, model: torch.nn.Module) -> list[tuple[str, ...]]:
         """Names that are one (tied) parameter of the user's model, so a full state dict stores it once."""

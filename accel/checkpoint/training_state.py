@@ -261,7 +261,7 @@ def _check_layouts(folder: Path, saved: list[dict], objects: TrainingObjects) ->
     layout: loading it into another would scramble it silently."""
     for model, before in zip(objects.models, saved):
         now = objects.backend.checkpoint_layouts(model)
-        mine = {name for name, _ in model.named_parameters()}
+        mine = {name for name, _ in objects.backend.unwrap_model(model).named_parameters()}  # without DDP's prefix
         for name in sorted((set(now) | set(before)) & mine):
             if now.get(name) != before.get(name):
                 raise CheckpointError(

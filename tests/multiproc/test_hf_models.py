@@ -102,10 +102,10 @@ def test_tensor_parallel_plans_are_printed(runs):
 
 
 def test_fused_layout_is_only_resumed_into_the_same_layout(runs):
-    """TP holds GPT-2's fused q/k/v reordered; its save_state checkpoint loaded without TP is refused in one
+    """TP holds GPT-2's fused q/k/v reordered; its save_state checkpoint loaded under DDP is refused in one
     line naming the tensor (never loaded scrambled). The same checkpoint resumes under TP (checked above)."""
     _, out, _, env = runs
-    proc = accel_launch(env, "--cpu", "--num_processes", 1, SCRIPTS / "hf_matrix.py", "--out", out,
+    proc = accel_launch(env, "--cpu", "--num_processes", 2, SCRIPTS / "hf_matrix.py", "--out", out,
                         "--backends", "ddp", "--models", "gpt2", "--load_only", out / "p2" / "tp2-gpt2-ckpt", expect=3)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("CheckpointError"))
     assert line == (f"CheckpointError: {out / 'p2' / 'tp2-gpt2-ckpt'}: transformer.h.0.attn.c_attn.bias: saved fused 3 "
