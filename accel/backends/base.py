@@ -123,6 +123,11 @@ class Backend:
 
         return get_full_state_dict(self.unwrap_model(model))
 
+    def loads_checkpoint_key(self, key: str) -> bool:
+        """Whether this process loads tensor `key` of a `save_state` checkpoint (all of them, but for pipelines,
+        whose processes load their own stages' tensors only)."""
+        return True
+
     def checkpoint_layouts(self, model: torch.nn.Module) -> dict[str, str]:
         """Parameters held in a layout of accel's own (TP's reordered fused q/k/v), recorded by `save_state` so a
         checkpoint is never resumed into another layout."""

@@ -149,18 +149,26 @@ class ZeroBackend(Backend):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            # Consolidated on rank 0 (keyed by parameter index, whatever the world size); rank 0 writes it.
+            # Consolidated on the first data-parallel rank (of each pipeline stage), which writes it, keyed by
+            # parameter name like every other backend's (so stages do not collide and other backends load it).
             optimizer.consolidate_state_dict(to=0)
-            return optimizer.state_dict() if self.state.is_main_process else {}
+            if self.data_parallel_rank:
+                return {}
+            return _keyed_by_name(optimizer.state_dict(), self._parameter_order(model, optimizer))
         return super().checkpoint_optimizer_state(model, optimizer)
 
     def load_checkpoint_optimizer_state(self, model, optimizer, state: dict) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.load_state_dict(state)  # keeps this rank's partition
-            return
+            optimizer.load_state_dict(_keyed_by_index(state, self._parameter_order(model, optimizer)))  # keeps
+            return  # this rank's partition
         super().load_checkpoint_optimizer_state(model, optimizer, state)
+
+    def _parameter_order(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The names of the optimizer's parameters in its index order (ZeroRedundancyOptimizer's state keys)."""
+        names = {id(p): n for n, p in self.unwrap_model(model).named_parameters()}
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         if self.stage < 2 or not self.sharded:
@@ -169,6 +177,18 @@ class ZeroBackend(Backend):
 
         # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _keyed_by_name(state: dict, order: list[str]) -> dict:
+    return {"state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def _keyed_by_index(state: dict, order: list[str]) -> dict:
+    """A name-keyed optimizer state (any backend's checkpoint) in ZeroRedundancyOptimizer's index keys."""
+    index = {name: i for i, name in enumerate(order)}
+    return {"state": {index[n]: v for n, v in state["state"].items() if n in index},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 @contextlib.contextmanager

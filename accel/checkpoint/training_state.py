@@ -225,7 +225,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         if key in aliases:
             continue
         target = live.get(key)
-        if target is None and key.startswith(("/models/", "/optimizers/")) and objects.backend.holds_part_of_model:
+        if target is None and not objects.backend.loads_checkpoint_key(key):
             continue  # another pipeline stage's tensor
         if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
             target = tree.empty_like_spec(shape, dtype)

@@ -1,7 +1,7 @@
 """Real model shapes on every backend: tiny transformers models from configs (GPT-2 with Conv1D, fused q/k/v
 and a tied head; Llama tied and untied; BERT with a tied MLM head), each trained under DDP, ZeRO 1/2/3,
-ZeRO-2 and ZeRO-3 with CPU offload, TP 2, DP 2 x TP 2, ZeRO-3 x TP 2, PP 2, PP 2 x TP 2 and PP 2 x DP 2 (pipelines: GPT-2 and
-Llama) against plain PyTorch on one process.
+ZeRO-2 and ZeRO-3 with CPU offload, TP 2, DP 2 x TP 2, ZeRO-3 x TP 2, PP 2, PP 2 x TP 2, PP 2 x DP 2, PP 2 x ZeRO-1
+and PP 2 x ZeRO-3 (pipelines: GPT-2 and Llama) against plain PyTorch on one process.
 
 One launch runs every 2-process backend (one Accelerator after another), one the 4-process layouts.
 Checked per (backend, model): per-step losses and clipped norms (atol 1e-5, fp32), final weights (atol 1e-5),
@@ -27,7 +27,7 @@ TIES = {"gpt2": [["transformer.wte.weight", "lm_head.weight"]],
         "llama_tied": [["model.embed_tokens.weight", "lm_head.weight"]], "llama_untied": [],
         "bert": [["bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"],
                  ["cls.predictions.bias", "cls.predictions.decoder.bias"]]}
-FOUR = ["dp2xtp2", "zero3xtp2", "pp2xtp2", "pp2xdp2"]
+FOUR = ["dp2xtp2", "zero3xtp2", "pp2xtp2", "pp2xdp2", "pp2xzero1", "pp2xzero3"]
 CASES = [(b, m) for b in TWO + FOUR for m in MODELS if not b.startswith("pp") or m != "bert"]
 
 

@@ -32,6 +32,8 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
     "zero3xtp2": {"tp_size": 2, "zero_stage": 3},  # on 4 processes: dp 2 x tp 2 with parameters resharded
     "pp2xdp2": {"pp_size": 2, "pp_microbatches": 2},  # on 4 processes: DDP per stage
+    "pp2xzero1": {"pp_size": 2, "pp_microbatches": 2, "zero_stage": 1},  # on 4 processes
+    "pp2xzero3": {"pp_size": 2, "pp_microbatches": 2, "zero_stage": 3},  # on 4 processes: FSDP2 per stage
 }
 PP_MODELS = ("gpt2", "llama_tied", "llama_untied")
 
