@@ -6,8 +6,8 @@ and PP 2 x ZeRO-3 (pipelines: GPT-2 and Llama) against plain PyTorch on one proc
 One launch runs every 2-process backend (one Accelerator after another), one the 4-process layouts.
 Checked per (backend, model): per-step losses and clipped norms (atol 1e-5, fp32), final weights (atol 1e-5),
 ties one parameter at every step, a resume from the mid-run `save_state` ending bit-equal to the uninterrupted
-run, and `save_model` -> transformers' `from_pretrained`: tied weights stored once and tied again, logits equal
-to the trained model's (atol 1e-5: TP adds its partial sums in another order)."""
+run, and `save_model` -> transformers' `from_pretrained` and accel's `load_checkpoint_in_model` (into a fresh
+model): tied weights stored once and tied again, logits equal to the trained model's (atol 1e-5: TP adds its partial sums in another order)."""
 
 import functools
 import json
@@ -87,6 +87,7 @@ def test_ties_resume_and_from_pretrained(runs, backend, name):
     assert record["resume_mismatch"] == []  # resumed from the mid-run checkpoint: bit-equal final weights
     assert record["resumed_losses"] == record["losses"][-len(record["resumed_losses"]):]
     assert sorted(map(sorted, record["loaded_ties"])) == sorted(map(sorted, TIES[name]))  # tied in transformers
+    assert sorted(map(sorted, record["accel_loaded_ties"])) == sorted(map(sorted, TIES[name]))  # and by accel
     aliases = {alias: names[0] for names in TIES[name] for alias in names[1:]}
     assert not set(aliases) & set(record["saved_keys"])  # stored once ...
     assert json.loads(record["saved_metadata"].get("accel_tied", "{}")) == aliases  # ... with the tie's record

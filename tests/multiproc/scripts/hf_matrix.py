@@ -198,17 +198,23 @@ def _logits(outputs):
 
 
 def from_pretrained(name: str, folder: Path, logits: torch.Tensor) -> dict:
-    """transformers loads save_model's folder: same logits, ties intact, tied weights stored once."""
+    """transformers loads save_model's folder, and so does accel's load_checkpoint_in_model into a fresh model:
+    same logits, ties intact, tied weights stored once."""
     from safetensors import safe_open
 
-    cls = type(build(name))
-    loaded = cls.from_pretrained(str(folder))
-    loaded.eval()
-    with torch.no_grad():
-        again = loaded(input_ids=batches()[0]).logits.float()
+    from accel import load_checkpoint_in_model
+
+    model = build(name)
+    loaded = type(model).from_pretrained(str(folder))
+    load_checkpoint_in_model(model, str(folder))
+    diffs = []
+    for candidate in (loaded, model):
+        candidate.eval()
+        with torch.no_grad():
+            diffs.append((candidate(input_ids=batches()[0]).logits.float() - logits).abs().max().item())
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys, metadata = sorted(f.keys()), f.metadata()
-    return {"logits_diff": (again - logits).abs().max().item(), "loaded_ties": tie_groups(loaded),
+    return {"logits_diff": max(diffs), "loaded_ties": tie_groups(loaded), "accel_loaded_ties": tie_groups(model),
             "saved_keys": keys, "saved_metadata": metadata}
 
 
