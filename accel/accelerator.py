@@ -107,6 +107,7 @@ class Accelerator:
         )
         self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
                                    self.kwargs_handlers, gradient_state=self.gradient_state)
+        self.precision.choose_scaler(self.backend.partial_gradients)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []

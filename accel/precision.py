@@ -37,10 +37,23 @@ class PrecisionPolicy:
         if mode == "fp16":
             self.scaler = torch.amp.GradScaler(self.device_type, **self.scaler_kwargs)
 
-    def use_scaler_class(self, scaler_class: type) -> None:
-        """A backend whose gradients are sharded swaps in a scaler that agrees on inf/nan across ranks."""
-        if self.scaler is not None:
-            self.scaler = scaler_class(self.device_type, **self.scaler_kwargs)
+    def fsdp_policy(self):
+        """FSDP2's `MixedPrecisionPolicy` for this policy (None in fp32): parameters gathered in the compute dtype,
+        gradients reduced in fp32."""
+        if self.dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
+    def choose_scaler(self, partial_gradients: bool) -> None:
+        """Decided once, from what the backend says: where a rank holds only part of the gradients (sharded or
+        split across processes), fp16 loss scaling uses torch's ShardedGradScaler, so every rank agrees on an
+        inf/nan and skips the same steps."""
+        if self.scaler is not None and partial_gradients:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device_type, **self.scaler_kwargs)
 
     # -- forward --------------------------------------------------------------------------------------------
     def autocast(self, **overrides: Any):

@@ -8,6 +8,7 @@ import platform
 import sys
 
 from accel.cli._common import add_flag
+from accel.backends import check_available
 from accel.config import USER_CONFIG_ENV, ConfigError, resolve_config, user_config_path
 
 
@@ -62,6 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     try:
         cfg = resolve_config(args.config_file)
+        check_available(cfg.parallelism, cfg.num_processes)  # the same combination rules as `accel launch`
     except ConfigError:
         print("- resolved config: (not available, see the error below)")
         raise

@@ -26,17 +26,31 @@ def backend_name_for(parallelism: ParallelismConfig) -> str:
     return "ddp"
 
 
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # pipeline schedules that run one stage per process
+
+
 def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
-    """The backend's name, or a clear error when it is not available (never a silent fallback to DDP)."""
+    """The backend's name, or a clear error when it is not available (never a silent fallback to DDP).
+
+    Every rule about which parallelisms compose lives here, and every entry point runs it before any process
+    starts (`accel launch`, `accel config`, `accel env` and `Accelerator()`)."""
     name = backend_name_for(parallelism)
-    if name == "pipeline" and (parallelism.offload_optimizer or parallelism.offload_params):
+    offload = parallelism.offload_optimizer or parallelism.offload_params
+    if name == "pipeline" and offload:
         raise BackendNotAvailable(
             f"parallelism: pipeline parallelism (pp_size={parallelism.pp_size}) with CPU offload is not available yet "
             "in accel; allowed: offload_optimizer and offload_params false")
-    if parallelism.tp_size > 1 and (parallelism.zero_stage == 1 or parallelism.offload_optimizer or parallelism.offload_params):
+    if parallelism.tp_size > 1 and (parallelism.zero_stage == 1 or offload):
         raise BackendNotAvailable(
             f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) with ZeRO stage 1 or CPU offload is not "
             "available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")
+    if offload and parallelism.zero_stage < 2:
+        raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
+                          f"offload), got zero_stage={parallelism.zero_stage}; allowed: zero_stage 2 or 3 with offload")
+    schedule, per_rank = parallelism.pp_schedule, parallelism.pp_stages_per_rank
+    if name == "pipeline" and schedule in SINGLE_STAGE_SCHEDULES and per_rank not in (None, 0, 1):
+        raise ConfigError(f"parallelism: pp_schedule {schedule} runs one stage per process, got "
+                          f"pp_stages_per_rank={per_rank}; allowed: 1, or a schedule such as Interleaved1F1B")
     if name not in BACKEND_MODULES:
         wanted = " and ".join(parallelism.requested_features())
         raise BackendNotAvailable(

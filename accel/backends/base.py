@@ -25,6 +25,7 @@ class Backend:
 
     name = "base"
     holds_part_of_model = False  # True: each process has only some of the model's tensors (pipeline stages)
+    partial_gradients = False  # True: a rank holds only part of the gradients (the precision policy's scaler)
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
                  parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None) -> None:

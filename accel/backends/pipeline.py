@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.backends import fused
+from accel.backends import SINGLE_STAGE_SCHEDULES, fused
 from accel.backends.base import (
     Backend,
     ParameterReplacements,
@@ -34,10 +34,8 @@ from accel.backends.base import (
     total_norm,
 )
 from accel.backends.pipeline_split import StagePlan, balanced_split_points, check_split_points, run_stage, stage_model
-from accel.backends.zero import _materialize
+from accel.backends.recipe import materialize
 from accel.config import ConfigError
-
-_SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 class PipelineError(ValueError):
@@ -54,14 +52,8 @@ class PipelineBackend(Backend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         par = self.parallelism
-        if par.offload_optimizer or par.offload_params:
-            raise ConfigError("parallelism: pipeline parallelism with CPU offload is not available yet in accel; "
-                              "allowed: offload_optimizer and offload_params false with pp_size > 1")
         self.schedule = par.pp_schedule
-        per_rank = par.pp_stages_per_rank or (1 if self.schedule in _SINGLE_STAGE else 2)
-        if self.schedule in _SINGLE_STAGE and per_rank != 1:
-            raise ConfigError(f"parallelism: pp_schedule {self.schedule} runs one stage per process, got "
-                              f"pp_stages_per_rank={per_rank}; allowed: 1, or a schedule such as Interleaved1F1B")
+        per_rank = par.pp_stages_per_rank or (1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2)
         self.pp_size = self.topology.pp_size
         self.num_stages = self.pp_size * per_rank
         self.microbatches = par.pp_microbatches or self.pp_size
@@ -71,13 +63,11 @@ class PipelineBackend(Backend):
         inner_parallelism = dataclasses.replace(par, pp_size=1)
         self.inner = select_backend(inner_parallelism)(self.state, self.topology, self.precision, inner_parallelism,
                                                        self.kwargs_handlers, gradient_state=self.gradient_state)
-        if self.precision.mode == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.precision.use_scaler_class(ShardedGradScaler)  # one inf on any stage skips the step everywhere
         self._models: list[PipelineModel] = []
         self.backward_ran = False  # set by a training call of a pipeline model, cleared by backward()
         self.materialized = ParameterReplacements()  # a meta-device model's parameters, once allocated
+
+    partial_gradients = True  # each stage holds its own: one inf on any stage skips the step everywhere
 
     # -- model ------------------------------------------------------------------------------------------------
     def attach_loss(self, model: nn.Module) -> None:
@@ -108,7 +98,7 @@ class PipelineBackend(Backend):
             originals += list(shell.parameters())  # what the user's optimizer holds (TP/FSDP replace them)
             if on_meta:  # each process allocates only its own stages
                 before = self.materialized.snapshot(shell)
-                _materialize(shell, self.state.device)
+                materialize(shell, self.state.device)
                 self.materialized.record(before, shell)
             elif device_placement:
                 shell.to(self.state.device)

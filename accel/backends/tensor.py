@@ -16,6 +16,7 @@ import torch
 
 from accel.backends import fused
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.backends.recipe import apply_fsdp, fsdp_no_sync
 from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
 from accel.backends.tensor_plan import (  # noqa: F401  (the plan functions are also importable from here)
     automatic_plan,
@@ -60,17 +61,14 @@ def _style(name: str, module: torch.nn.Module, tp_size: int):
 class TensorParallelBackend(Backend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        par = self.parallelism
-        if par.zero_stage == 1 or par.offload_optimizer or par.offload_params:
-            raise ConfigError("parallelism: tensor parallelism with ZeRO stage 1 or CPU offload is not available yet "
-                              "in accel; allowed: zero_stage 0, 2 or 3 without offload")
-        if self.precision.mode == "fp16" and self.topology.dp_size > 1:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.precision.use_scaler_class(ShardedGradScaler)
         self.applied_plans: list[dict[str, str]] = []
         self.fixed_plan: dict[str, str] | None = None  # a pipeline checks the plan on the whole model, then sets it
         self.replacements = ParameterReplacements()
+
+    @property
+    def partial_gradients(self) -> bool:
+        """With data parallelism, FSDP2 over `dp` shards the gradients."""
+        return self.topology.dp_size > 1
 
     def plan_for(self, model: torch.nn.Module) -> dict[str, str]:
         """The plan for `model` (checked, with tied weights kept one parameter), printed on the main process
@@ -131,23 +129,11 @@ class TensorParallelBackend(Backend):
         """The data-parallel dimension of the 2-D mesh: FSDP2 over `dp` (TP first, then this). Gradients are
         averaged over the dp ranks as DDP would (reduce-scatter); zero_stage 3 also reshards parameters after
         forward. DDP itself does not take DTensor parameters."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from accel.backends.zero import DEFAULT_MIN_PARAMS, wrap_targets
-
-        options = {"mesh": dp_mesh, "reshard_after_forward": self.parallelism.zero_stage == 3}
-        if self.precision.dtype is not None:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
-        classes = [c.strip() for c in (self.parallelism.zero_wrap_classes or "").split(",") if c.strip()]
-        for block in reversed(wrap_targets(model, classes, self.parallelism.zero_min_params or DEFAULT_MIN_PARAMS)):
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+        apply_fsdp(model, dp_mesh, self.parallelism, self.precision)
 
     def no_sync(self, model: torch.nn.Module):
         if hasattr(model, "set_requires_gradient_sync"):
-            from accel.backends.zero import _fsdp_no_sync
-
-            return _fsdp_no_sync(model)
+            return fsdp_no_sync(model)
         return super().no_sync(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:

@@ -9,45 +9,12 @@ Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and t
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable
-
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
 from accel.backends.ddp import DDPBackend
-from accel.config import ConfigError
-
-DEFAULT_MIN_PARAMS = 100_000_000  # submodules this large get their own shard group when nothing repeats
-
-
-def wrap_targets(model: torch.nn.Module, class_names: Iterable[str] | None = None,
-                 min_params: int = DEFAULT_MIN_PARAMS) -> list[torch.nn.Module]:
-    """The submodules to shard one by one, outermost first: named classes if given, else the members of
-    every `nn.ModuleList` (repeated blocks), else submodules with at least `min_params` parameters."""
-    names = set(class_names or ())
-    if names:
-        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-        known = {type(m).__name__ for m in model.modules()}
-        unknown = names - known
-        if unknown:
-            raise ConfigError(f"parallelism.zero_wrap_classes: {sorted(unknown)} not found in the model; "
-                              f"its classes are: {', '.join(sorted(known))}")
-        return found
-    blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
-    if blocks:
-        return blocks
-    targets: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if sum(p.numel() for p in child.parameters()) >= min_params:
-                targets.append(child)
-            visit(child)
-
-    visit(model)
-    return targets
+from accel.backends.recipe import apply_fsdp, fsdp_no_sync, materialize
 
 
 @register_backend("zero")
@@ -57,15 +24,13 @@ class ZeroBackend(Backend):
         par = self.parallelism
         self.stage = par.zero_stage
         self.offload = par.offload_params or par.offload_optimizer
-        if self.offload and self.stage < 2:
-            raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
-                              f"offload), got zero_stage={self.stage}; allowed: zero_stage 2 or 3 with offload")
-        if self.stage >= 2 and self.sharded:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.precision.use_scaler_class(ShardedGradScaler)  # each rank sees only its shard of the gradients
         self.replacements = ParameterReplacements()
         self._ddp = DDPBackend(*args, **kwargs) if self.stage == 1 else None  # stage 1 wraps the model in DDP
+
+    @property
+    def partial_gradients(self) -> bool:
+        """Stages 2/3 shard the gradients: each rank sees only its shard."""
+        return self.stage >= 2 and self.sharded
 
     @property
     def sharded(self) -> bool:
@@ -79,33 +44,21 @@ class ZeroBackend(Backend):
             model = model.to(self.state.device)
         if not self.sharded:
             if on_meta:
-                _materialize(model, self.state.device)
+                materialize(model, self.state.device)
             return model
         if self.stage == 1:  # parameters stay whole: materialize, then plain DDP all-reduce for the gradients
             if on_meta:
-                _materialize(model, self.state.device)
+                materialize(model, self.state.device)
             return self._ddp.prepare_model(model, device_placement=False)
         return self._fully_shard(model, on_meta)
 
     def _fully_shard(self, model: torch.nn.Module, on_meta: bool) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
         originals = self.replacements.snapshot(model)
-        options = {
-            "mesh": self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None,
-            "reshard_after_forward": self.stage == 3,
-        }
-        if self.precision.dtype is not None:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
-        if self.offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.state.device.type == "cuda")
-        classes = [c.strip() for c in (self.parallelism.zero_wrap_classes or "").split(",") if c.strip()]
-        min_params = self.parallelism.zero_min_params or DEFAULT_MIN_PARAMS
-        for block in reversed(wrap_targets(model, classes, min_params)):  # inner blocks before their parents
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+        mesh = self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None
+        apply_fsdp(model, mesh, self.parallelism, self.precision, offload=self.offload,
+                   pin_memory=self.state.device.type == "cuda")
         if on_meta:
-            _materialize(model, "cpu" if self.offload else self.state.device)
+            materialize(model, "cpu" if self.offload else self.state.device)
         self.replacements.record(originals, model)
         return model
 
@@ -141,7 +94,7 @@ class ZeroBackend(Backend):
         if isinstance(model, DDP):
             return model.no_sync()
         if hasattr(model, "set_requires_gradient_sync"):
-            return _fsdp_no_sync(model)
+            return fsdp_no_sync(model)
         return super().no_sync(model)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
@@ -189,22 +142,3 @@ def _keyed_by_index(state: dict, order: list[str]) -> dict:
     index = {name: i for i, name in enumerate(order)}
     return {"state": {index[n]: v for n, v in state["state"].items() if n in index},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def _materialize(model: torch.nn.Module, device) -> None:
-    """Allocate a meta-device model's (local shards of) parameters and initialise them with each
-    submodule's `reset_parameters()`: a model larger than one process can be created this way."""
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()

@@ -258,3 +258,21 @@ def test_loss_fn_given_to_prepare_lets_any_backend_take_target():
     assert torch.equal(prepared(x), reference(x))  # without target: the outputs
     accelerator.backward(loss)
     assert model.weight.grad is not None
+
+
+def test_precision_policy_decides_the_scaler_and_fsdp_policy_once():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from accel.precision import PrecisionPolicy
+
+    fp16 = PrecisionPolicy("fp16", torch.device("cpu"))
+    fp16.choose_scaler(partial_gradients=False)
+    assert type(fp16.scaler) is torch.amp.GradScaler
+    fp16.choose_scaler(partial_gradients=True)  # a rank holding part of the gradients must agree on inf/nan
+    assert isinstance(fp16.scaler, ShardedGradScaler)
+    bf16 = PrecisionPolicy("bf16", torch.device("cpu"))
+    bf16.choose_scaler(partial_gradients=True)
+    assert bf16.scaler is None
+    policy = bf16.fsdp_policy()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert PrecisionPolicy("no", torch.device("cpu")).fsdp_policy() is None

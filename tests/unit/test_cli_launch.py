@@ -231,6 +231,23 @@ def test_tensor_parallel_with_zero_stage_1_is_refused_before_starting(run_accel,
                                     script), "tensor parallelism (tp_size=2) with ZeRO stage 1", "not available yet")
 
 
+@pytest.mark.parametrize("config,needle", [
+    ("parallelism:\n  zero_stage: 1\n  offload_optimizer: true\n",
+     "offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU offload), got zero_stage=1"),
+    ("parallelism:\n  pp_size: 2\n  pp_schedule: GPipe\n  pp_stages_per_rank: 2\n",
+     "pp_schedule GPipe runs one stage per process, got pp_stages_per_rank=2"),
+], ids=["offload-needs-stage-2", "single-stage-schedule"])
+def test_combination_rules_are_checked_before_any_process_starts(run_accel, script, tmp_path, config, needle):
+    """Rules that only a worker knew (every worker then refused the config) are checked by `accel launch` and
+    `accel env` alike."""
+    cfg_file = tmp_path / "combination.yaml"
+    cfg_file.write_text(config)
+    assert_one_line_error(run_accel("launch", "--config_file", str(cfg_file), "--cpu", "--num_processes", "2",
+                                    script), needle)
+    env = run_accel("env", "--config_file", str(cfg_file))
+    assert env.returncode == 2 and needle in env.stderr.strip().splitlines()[-1]
+
+
 def test_port_in_use(run_accel, script):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

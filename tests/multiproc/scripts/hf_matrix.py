@@ -189,7 +189,8 @@ class Run:
         try:
             self.accelerator.load_state(str(checkpoint))
         except CheckpointError as exc:
-            print(f"CheckpointError: {exc}", flush=True)
+            if self.accelerator.is_main_process:  # every rank refuses; one prints (their lines would interleave)
+                print(f"CheckpointError: {exc}", flush=True)
             raise SystemExit(3) from None
 
 

@@ -1,0 +1,84 @@
+"""Model transformations that several backends apply, as plain functions (the first steps toward one ordered
+recipe: materialize -> tensor parallel -> FSDP/DDP over the data-parallel dims).
+
+ZeRO 2/3 and TP x DP shard with the same FSDP2 loop, and ZeRO and pipelines allocate meta-device models the
+same way; each is written once here, so no backend imports another's private names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+
+from accel.config import ConfigError
+
+DEFAULT_MIN_PARAMS = 100_000_000  # submodules this large get their own shard group when nothing repeats
+
+
+def repeated_blocks(model: torch.nn.Module, class_names: Iterable[str] | None = None,
+                    min_params: int = DEFAULT_MIN_PARAMS) -> list[torch.nn.Module]:
+    """The submodules to shard one by one, outermost first: named classes if given, else the members of
+    every `nn.ModuleList` (repeated blocks), else submodules with at least `min_params` parameters."""
+    names = set(class_names or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        known = {type(m).__name__ for m in model.modules()}
+        unknown = names - known
+        if unknown:
+            raise ConfigError(f"parallelism.zero_wrap_classes: {sorted(unknown)} not found in the model; "
+                              f"its classes are: {', '.join(sorted(known))}")
+        return found
+    blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    if blocks:
+        return blocks
+    targets: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if sum(p.numel() for p in child.parameters()) >= min_params:
+                targets.append(child)
+            visit(child)
+
+    visit(model)
+    return targets
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,
+               pin_memory: bool = False) -> None:
+    """FSDP2 (`fully_shard`) over `mesh`: each repeated block (inner before outer), then the root. Parameters
+    are resharded after forward with zero_stage 3; gradients are reduced in fp32 under mixed precision."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    options = {"mesh": mesh, "reshard_after_forward": parallelism.zero_stage == 3}
+    mp_policy = precision.fsdp_policy()
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    classes = [c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()]
+    min_params = parallelism.zero_min_params or DEFAULT_MIN_PARAMS
+    for block in reversed(repeated_blocks(model, classes, min_params)):  # inner blocks before their parents
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model):
+    """FSDP2's `no_sync`: gradients accumulate locally until the context ends."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def materialize(model: torch.nn.Module, device) -> None:
+    """Allocate a meta-device model's (local shards of) parameters and initialise them with each
+    submodule's `reset_parameters()`: a model larger than one process can be created this way."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
