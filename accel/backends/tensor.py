@@ -4,10 +4,9 @@
 A pair of linear layers is split so that only one all-reduce per block is needed: the first by columns
 (its output stays sharded), the second by rows (it takes the sharded input and all-reduces its output).
 
-Where the plan comes from, in order: `ParallelismConfig(tp_plan={...})` (names with `*` wildcards; styles
-colwise, rowwise, sequence_parallel, replicate), the model's own `_tp_plan`/`base_model_tp_plan`
-(transformers), else an automatic plan for recognised patterns (q/k/v/o and gate/up/down projections,
-consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head).
+Which module is split how (the plan: given, the model's own, or automatic; tied weights kept one parameter) is
+decided in tensor_plan.py before anything is split; the styles torch does not ship (transformers' Conv1D, fused
+q/k/v) are in tensor_parallel_styles.py.
 """
 
 from __future__ import annotations
