@@ -50,6 +50,7 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 RDZV_BACKENDS = ("static", "c10d")
+ACTIVATION_CHECKPOINTING = ("no", "full", "selective")
 
 
 @dataclass
@@ -72,6 +73,10 @@ class ParallelismConfig:
     tp_plan: dict | None = _spec(
         None, dict, optional=True,
         help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | replicate")
+    activation_checkpointing: str = _spec(
+        "no", str, choices=ACTIVATION_CHECKPOINTING,
+        help="recompute each repeated block's activations in backward: no, full (keep only the block's input) or "
+             "selective (keep matmul and attention outputs, recompute the cheap rest)")
     zero_wrap_classes: str | None = _spec(
         None, str, optional=True,
         help="comma-separated module class names that ZeRO 2/3 shard one by one (default: nn.ModuleList members)")
@@ -352,6 +357,10 @@ def _from_fsdp_section(section: dict, source: str) -> dict:
                                where + "fsdp_offload_params", source)
         par["offload_params"] = offload
         par["offload_optimizer"] = offload  # FSDP's CPU offload keeps the optimizer state on the CPU too
+    if "fsdp_activation_checkpointing" in section:
+        checkpointing = _check_value(section["fsdp_activation_checkpointing"], PARALLEL_FIELDS["offload_params"],
+                                     where + "fsdp_activation_checkpointing", source)  # a bool, like offload
+        par["activation_checkpointing"] = "full" if checkpointing else "no"
     return par
 
 
@@ -482,6 +491,9 @@ def deepspeed_json_layer(data: Any, source: str) -> dict:
             if value is None:
                 continue
             par.update(_from_deepspeed_zero(mapping(value, key), source, ignored))
+        elif key == "activation_checkpointing" and value:  # DeepSpeed checkpoints whole layers: accel's "full"
+            par["activation_checkpointing"] = "full"
+            ignored.extend(f"{key}.{sub}" for sub in mapping(value, key))  # partitioning, CPU copies: not used
         else:  # optimizer/scheduler too: the warning explains them
             ignored.append(key)
     if precision.get("fp16") and precision.get("bf16"):

@@ -256,10 +256,9 @@ class FullyShardedDataParallelPlugin:
         owner = self._NAME
         _unsupported(self, {
             "mixed_precision_policy": (None,), "ignored_modules": (None,), "state_dict_config": (None,),
-            "optim_state_dict_config": (None,), "param_init_fn": (None,), "activation_checkpointing": (None, False),
+            "optim_state_dict_config": (None,), "param_init_fn": (None,),
         }, {
             "mixed_precision_policy": "; use Accelerator(mixed_precision=...)",
-            "activation_checkpointing": "; call torch.utils.checkpoint in the model instead",
             "param_init_fn": "; a model built on the meta device is materialized by the ZeRO backend itself",
         })
         if self.fsdp_version is not None and self.fsdp_version not in (1, 2):
@@ -277,6 +276,11 @@ class FullyShardedDataParallelPlugin:
                                   f"'reshard_after_forward' ({self.reshard_after_forward!r}) disagree (ZeRO stage "
                                   f"{par['zero_stage']} vs {stage}); allowed: give one of them")
             par["zero_stage"] = stage
+        if self.activation_checkpointing not in (None, False, True):
+            raise ConfigError(f"{owner}: argument 'activation_checkpointing': bad value "
+                              f"{self.activation_checkpointing!r}; allowed: true or false")
+        if self.activation_checkpointing:
+            par["activation_checkpointing"] = "full"  # each repeated block, as FSDP's checkpoint wrapper does
         if self.cpu_offload is not None:
             offload = _offload_flag(self.cpu_offload, owner)
             par["offload_params"] = offload

@@ -79,6 +79,7 @@ _FLAG_KEYS = {
     "pp_size": "parallelism.pp_size",
     "pp_schedule": "parallelism.pp_schedule",
     "pp_microbatches": "parallelism.pp_microbatches",
+    "activation_checkpointing": "parallelism.activation_checkpointing",
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
 }
 
@@ -116,6 +117,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "pp_size", type=int, metavar="N", default=None)
     add_flag(train, "pp_schedule", metavar="NAME", default=None, help="GPipe, 1F1B, Interleaved1F1B, ...")
     add_flag(train, "pp_microbatches", type=int, metavar="M", default=None, help="micro-batches per pipeline step")
+    add_flag(train, "activation_checkpointing", metavar="{no,full,selective}", default=None,
+             help="recompute each repeated block's activations in backward (saves activation memory)")
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,
              help="a DeepSpeed JSON config: its ZeRO stage, offload, batch sizes, clipping, accumulation and fp16/bf16 "
                   "are used (over the config file; the other flags win); DeepSpeed itself is not needed")

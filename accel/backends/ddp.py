@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.backends.base import Backend, register_backend
+from accel.backends.recipe import apply_activation_checkpointing
 from accel.kwargs import DistributedDataParallelKwargs, find_handler
 
 
@@ -24,6 +25,8 @@ class DDPBackend(Backend):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         if device_placement:
             model = model.to(self.state.device)
+        if not isinstance(model, DDP):
+            apply_activation_checkpointing(model, self.parallelism)
         if self.data_parallel_size == 1 or isinstance(model, DDP):
             return model
         if not any(p.requires_grad for p in model.parameters()):

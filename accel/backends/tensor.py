@@ -15,7 +15,7 @@ import torch
 
 from accel.backends import fused
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
-from accel.backends.recipe import apply_fsdp, fsdp_no_sync
+from accel.backends.recipe import apply_activation_checkpointing, apply_fsdp, fsdp_no_sync
 from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
 from accel.backends.tensor_plan import (  # noqa: F401  (the plan functions are also importable from here)
     automatic_plan,
@@ -119,6 +119,7 @@ class TensorParallelBackend(Backend):
         parallelize_module(model, mesh["tp"], {name: _style(style, modules[name], tp_size)
                                                for name, style in plan.items()})
         _retie(model, ties)
+        apply_activation_checkpointing(model, self.parallelism)  # the recipe's order: TP, then AC, then FSDP
         if self.topology.dp_size > 1:
             self._shard_over_dp(model, mesh["dp"])
         self.replacements.record(originals, model)  # the split layers have new (DTensor) parameters

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
 from accel.backends.ddp import DDPBackend
-from accel.backends.recipe import apply_fsdp, fsdp_no_sync, materialize
+from accel.backends.recipe import apply_activation_checkpointing, apply_fsdp, fsdp_no_sync, materialize
 
 
 @register_backend("zero")
@@ -42,6 +42,7 @@ class ZeroBackend(Backend):
         on_meta = any(p.is_meta for p in model.parameters())
         if device_placement and not on_meta and not self.offload:
             model = model.to(self.state.device)
+        apply_activation_checkpointing(model, self.parallelism)
         if not self.sharded:
             if on_meta:
                 materialize(model, self.state.device)

@@ -276,3 +276,30 @@ def test_precision_policy_decides_the_scaler_and_fsdp_policy_once():
     policy = bf16.fsdp_policy()
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert PrecisionPolicy("no", torch.device("cpu")).fsdp_policy() is None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_blocks_with_equal_gradients(mode):
+    """Each repeated block runs its forward again in backward; the gradients equal the run without (fp32, 1e-6)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads, calls = {}, {}
+    for name in ("no", mode):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(activation_checkpointing=name))
+        model = accelerator.prepare(model)
+        count = [0]
+        model.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        calls[name] = count[0]
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=tokens)  # evaluation does not recompute
+        calls[name + " eval"] = count[0]
+    assert calls == {"no": 1, "no eval": 2, mode: 2, mode + " eval": 3}
+    for key, value in grads["no"].items():
+        assert torch.allclose(grads[mode][key], value, atol=1e-6, rtol=0), key

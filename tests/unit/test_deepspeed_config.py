@@ -422,6 +422,8 @@ def test_fsdp_plugin_with_torch_enums_reshard_and_offload():
     if hasattr(fsdp, "CPUOffloadPolicy"):
         assert FullyShardedDataParallelPlugin(cpu_offload=fsdp.CPUOffloadPolicy()).to_layer()["parallelism"][
             "offload_params"] is True
+    assert FullyShardedDataParallelPlugin(activation_checkpointing=True).to_layer() == {
+        "parallelism": {"activation_checkpointing": "full", "zero_stage": 3}}
     # no strategy: FULL_SHARD, unless the config already asks for a stage
     assert FullyShardedDataParallelPlugin().to_layer() == {"parallelism": {"zero_stage": 3}}
     assert FullyShardedDataParallelPlugin().to_layer(AccelConfig(parallelism=ParallelismConfig(zero_stage=2))) == {}
@@ -435,7 +437,7 @@ def test_fsdp_plugin_with_torch_enums_reshard_and_offload():
     (dict(cpu_offload="yes"), "argument 'cpu_offload': bad value 'yes'"),
     (dict(fsdp_version=3), "argument 'fsdp_version': bad value 3; allowed: 1 or 2"),
     (dict(mixed_precision_policy={"param_dtype": "bf16"}), "argument 'mixed_precision_policy'"),
-    (dict(activation_checkpointing=True), "argument 'activation_checkpointing': True is not supported by accel"),
+    (dict(activation_checkpointing="always"), "argument 'activation_checkpointing': bad value 'always'"),
     (dict(param_init_fn=print), "argument 'param_init_fn'"),
 ])
 def test_fsdp_plugin_errors_name_the_argument(kwargs, message):
@@ -472,3 +474,20 @@ def test_plugins_are_exported_under_accelerates_names():
     assert accel.DeepSpeedPlugin is DeepSpeedPlugin and accel.utils.DeepSpeedPlugin is DeepSpeedPlugin
     assert accel.FullyShardedDataParallelPlugin is FullyShardedDataParallelPlugin
     assert accel.utils.FullyShardedDataParallelPlugin is FullyShardedDataParallelPlugin
+
+
+def test_activation_checkpointing_from_every_source(tmp_path):
+    """Accelerate's FSDP `fsdp_activation_checkpointing: true`, a DeepSpeed JSON's `activation_checkpointing`
+    section and the launch flag all set `parallelism.activation_checkpointing`."""
+    yaml_file = write(tmp_path / "fsdp.yaml", "fsdp_config:\n  fsdp_activation_checkpointing: true\n")
+    assert resolve_config(yaml_file).parallelism.activation_checkpointing == "full"
+    ds = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False}}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = resolve_config(write(tmp_path / "c.yaml", f"deepspeed_config_file: {write(tmp_path / 'ds.json', ds)}\n"))
+    assert cfg.parallelism.activation_checkpointing == "full"
+    assert {"activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing"} <= \
+        ignored_keys(ds_warnings(record)[0])
+    args = parse("--activation_checkpointing", "selective", "train.py")
+    cfg = launch.resolve_launch_config(None, launch.flag_overrides(args))
+    assert cfg.parallelism.activation_checkpointing == "selective"

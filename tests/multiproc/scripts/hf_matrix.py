@@ -29,6 +29,10 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "tp2": {"tp_size": 2},
     "dp2xtp2": {"tp_size": 2},
     "pp2": {"pp_size": 2, "pp_microbatches": 2},
+    "ddp_ac_selective": {"activation_checkpointing": "selective"},  # activation checkpointing on 4 backends
+    "zero3_ac": {"zero_stage": 3, "activation_checkpointing": "full"},
+    "tp2_ac_selective": {"tp_size": 2, "activation_checkpointing": "selective"},
+    "pp2_ac": {"pp_size": 2, "pp_microbatches": 2, "activation_checkpointing": "full"},
     "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
     "zero3xtp2": {"tp_size": 2, "zero_stage": 3},  # on 4 processes: dp 2 x tp 2 with parameters resharded
     "pp2xdp2": {"pp_size": 2, "pp_microbatches": 2},  # on 4 processes: DDP per stage
@@ -151,7 +155,9 @@ class Run:
         model.eval()
         with torch.no_grad():
             logits = _logits(model(input_ids=batches()[0].to(acc.device)))
+        checkpointed = sum("_accel_checkpointed" in m.__dict__ for m in acc.unwrap_model(model).modules())
         return {"model": model, "losses": losses, "norms": norms, "ties": all(ties), "weights": weights,
+                "checkpointed": checkpointed,
                 "logits": logits.detach().float().cpu()}
 
     def run(self, name: str) -> dict:
@@ -164,7 +170,8 @@ class Run:
         resumed = self.train(name, SAVE_AT, checkpoint)
         acc.free_memory()
         record = {"losses": full["losses"], "norms": full["norms"], "ties": full["ties"] and resumed["ties"],
-                  "resumed_losses": resumed["losses"]}
+                  "resumed_losses": resumed["losses"], "dp_size": acc.backend.data_parallel_size,
+                  "checkpointed_blocks": full["checkpointed"]}
         if acc.is_main_process:
             record["resume_mismatch"] = sorted(k for k, v in full["weights"].items()
                                                if not torch.equal(v, resumed["weights"][k]))
