@@ -50,6 +50,10 @@ class Backend:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         raise NotImplementedError
 
+    def plan_whole_model(self, model: torch.nn.Module) -> None:
+        """Decide what depends on the whole model (TP's plan) before a pipeline cuts it; each stage's
+        `prepare_model` then applies its part of that one decision."""
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> torch.optim.Optimizer:
         """Return the optimizer to wrap (re-pointed at sharded parameters where a backend shards them)."""
         return optimizer

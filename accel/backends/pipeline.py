@@ -83,8 +83,7 @@ class PipelineBackend(Backend):
         plan = StagePlan(model, points)
         if not on_meta:
             self._sync_initial_weights(model)
-        if self.topology.tp_size > 1:
-            self.inner.fixed_plan = self.inner.plan_for(model)  # checked against the whole model, then per stage
+        self.inner.plan_whole_model(model)  # e.g. TP's plan: checked on the whole model, applied per stage
         users = plan.stages_of_param(model)
         params = {id(p): p for p in model.parameters()}
         aliases: dict[int, list[str]] = {}

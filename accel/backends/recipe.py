@@ -61,8 +61,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
         config.use_cache = False  # a KV cache is state that the recomputation would update a second time
     classes = [c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()]
     for block in repeated_blocks(model, classes, parallelism.zero_min_params or DEFAULT_MIN_PARAMS):
-        if hasattr(block, "_accel_where") or "_accel_checkpointed" in block.__dict__:
-            continue  # another pipeline stage's stand-in, or already wrapped
+        if "_accel_checkpointed" in block.__dict__ or next(block.parameters(), None) is None:
+            continue  # already wrapped, or a stand-in for a block another pipeline stage holds
         block._accel_checkpointed = block.forward
         block.forward = _checkpointed(block.forward, mode)
 

@@ -61,7 +61,7 @@ class TensorParallelBackend(Backend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.applied_plans: list[dict[str, str]] = []
-        self.fixed_plan: dict[str, str] | None = None  # a pipeline checks the plan on the whole model, then sets it
+        self.fixed_plan: dict[str, str] | None = None  # plan_whole_model's, for a pipeline's stages
         self.replacements = ParameterReplacements()
 
     @property
@@ -94,6 +94,10 @@ class TensorParallelBackend(Backend):
                       + ", ".join(f"{k} ({v})" for k, v in whole.items()), flush=True)
         return plan
 
+    def plan_whole_model(self, model: torch.nn.Module) -> None:
+        """The plan is checked (ties, divisibility) and printed on the whole model, then applied stage by stage."""
+        self.fixed_plan = self.plan_for(model)
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -103,8 +107,8 @@ class TensorParallelBackend(Backend):
             model = model.to(self.state.device)
         if self.fixed_plan is None:
             plan = self.plan_for(model)
-        else:  # a pipeline stage: the entries for modules this stage holds
-            held = {name for name, m in model.named_modules() if not hasattr(m, "_accel_where")}
+        else:  # a pipeline stage: the entries for modules this stage holds (stand-ins hold no parameters)
+            held = {name for name, m in model.named_modules() if next(m.parameters(), None) is not None}
             plan = {name: style for name, style in self.fixed_plan.items() if name in held}
         self.applied_plans.append(plan)
         mesh = self.topology.mesh(self.state.device.type)
