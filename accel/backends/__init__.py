@@ -32,8 +32,8 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # pipeline schedules that run one st
 def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
     """The backend's name, or a clear error when it is not available (never a silent fallback to DDP).
 
-    Every rule about which parallelisms compose lives here, and every entry point runs it before any process
-    starts (`accel launch`, `accel config`, `accel env` and `Accelerator()`)."""
+    Every rule about which parallelisms compose lives here; `accel launch`, `accel env` and `Accelerator()` run
+    it before any process starts (`accel config` does not yet: it would refuse configs its questionnaire saves)."""
     name = backend_name_for(parallelism)
     offload = parallelism.offload_optimizer or parallelism.offload_params
     if name == "pipeline" and offload:

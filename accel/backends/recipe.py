@@ -8,7 +8,6 @@ same way; each is written once here, so no backend imports another's private nam
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
 
 import torch
 
@@ -17,11 +16,12 @@ from accel.config import ConfigError
 DEFAULT_MIN_PARAMS = 100_000_000  # submodules this large get their own shard group when nothing repeats
 
 
-def repeated_blocks(model: torch.nn.Module, class_names: Iterable[str] | None = None,
-                    min_params: int = DEFAULT_MIN_PARAMS) -> list[torch.nn.Module]:
-    """The submodules to shard one by one, outermost first: named classes if given, else the members of
-    every `nn.ModuleList` (repeated blocks), else submodules with at least `min_params` parameters."""
-    names = set(class_names or ())
+def repeated_blocks(model: torch.nn.Module, parallelism) -> list[torch.nn.Module]:
+    """The blocks that ZeRO shards and activation checkpointing recomputes one by one, outermost first: the
+    classes named in `zero_wrap_classes` if given, else the members of every `nn.ModuleList` (repeated blocks),
+    else submodules with at least `zero_min_params` parameters."""
+    names = {c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()}
+    min_params = parallelism.zero_min_params or DEFAULT_MIN_PARAMS
     if names:
         found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
         known = {type(m).__name__ for m in model.modules()}
@@ -59,8 +59,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):  # as transformers' own gradient checkpointing does
         config.use_cache = False  # a KV cache is state that the recomputation would update a second time
-    classes = [c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()]
-    for block in repeated_blocks(model, classes, parallelism.zero_min_params or DEFAULT_MIN_PARAMS):
+    for block in repeated_blocks(model, parallelism):
         if "_accel_checkpointed" in block.__dict__ or next(block.parameters(), None) is None:
             continue  # already wrapped, or a stand-in for a block another pipeline stage holds
         block._accel_checkpointed = block.forward
@@ -113,9 +112,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bo
         options["mp_policy"] = mp_policy
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
-    classes = [c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()]
-    min_params = parallelism.zero_min_params or DEFAULT_MIN_PARAMS
-    for block in reversed(repeated_blocks(model, classes, min_params)):  # inner blocks before their parents
+    for block in reversed(repeated_blocks(model, parallelism)):  # inner blocks before their parents
         fully_shard(block, **options)
     fully_shard(model, **options)
 
