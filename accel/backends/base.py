@@ -128,10 +128,10 @@ class Backend:
 
         return get_full_state_dict(self.unwrap_model(model))
 
-    def loads_checkpoint_key(self, key: str) -> bool:
-        """Whether this process loads tensor `key` of a `save_state` checkpoint (all of them, but for pipelines,
-        whose processes load their own stages' tensors only)."""
-        return True
+    def held_names(self, for_optimizer: bool = False) -> set[str] | None:
+        """The parameter (and buffer) names whose model tensors, or optimizer state, this process loads from a
+        `save_state` checkpoint; None: all of them (only pipelines hold a part of the model)."""
+        return None
 
     def checkpoint_layouts(self, model: torch.nn.Module) -> dict[str, str]:
         """Parameters held in a layout of accel's own (TP's reordered fused q/k/v), recorded by `save_state` so a

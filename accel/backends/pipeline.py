@@ -220,21 +220,16 @@ class PipelineBackend(Backend):
             return {}
         return _collect_on_first(mine, self.topology.group("pp", self.state.device.type), self.state.device)
 
-    def loads_checkpoint_key(self, key: str) -> bool:
-        """Model and optimizer tensors of parameters this process's stages hold (optimizer state of a weight tied
-        across stages is saved under its first name), also where the inner backend has no live copy yet (ZeRO-1
-        off its first data-parallel rank)."""
-        parts = key.split("/")
-        model_key = parts[1] == "models"
-        if not model_key and not (parts[1] == "optimizers" and len(parts) > 4 and parts[3] == "state"):
-            return True
+    def held_names(self, for_optimizer: bool = False) -> set[str] | None:
+        """The names of this process's stages' parameters and buffers; for optimizer state, also the first name of
+        each weight tied across stages that it holds (that state is saved under it)."""
         held = set()
         for model in self._models:
             held.update(n for n, _ in model.named_parameters(remove_duplicate=False))
             held.update(n for n, _ in model.named_buffers())
-            if not model_key:
+            if for_optimizer:
                 held.update(w.names[0] for w, p in zip(model.tied, model._tied_params()) if p is not None)
-        return ("/".join(parts[3:]) if model_key else parts[4]) in held
+        return held
 
     def tied_groups(self, model: nn.Module) -> list[tuple[str, ...]]:
         """Weights tied across stages (each stage holds a copy, kept bit-equal), and ties within this process's

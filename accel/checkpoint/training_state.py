@@ -220,12 +220,13 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     live: dict[str, torch.Tensor] = {}
     tree.split(_collect(objects), "", live)
     aliases = manifest.get("aliases", {})
+    loads = _held_keys(objects.backend)
     targets = {}
     for key, (shape, dtype) in tree.tensor_specs(skeleton).items():
         if key in aliases:
             continue
         target = live.get(key)
-        if target is None and not objects.backend.loads_checkpoint_key(key):
+        if target is None and not loads(key):
             continue  # another pipeline stage's tensor
         if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
             target = tree.empty_like_spec(shape, dtype)
@@ -254,6 +255,23 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
         objects.scaler.load_state_dict(state["scaler"])
     _load_rng(folder / "rng", rank, manifest["world_size"])
     return manifest
+
+
+def _held_keys(backend):
+    """Which checkpoint keys this process loads: model tensors (`/models/<i>/<name>`) and optimizer state
+    (`/optimizers/<i>/state/<name>/...`) of the names the backend holds, everything else; the held names are
+    asked once per load, also where no live tensor exists yet (ZeRO-1 off its first data-parallel rank)."""
+    model_names, optimizer_names = backend.held_names(), backend.held_names(for_optimizer=True)
+
+    def loads(key: str) -> bool:
+        parts = key.split("/")
+        if parts[1] == "models" and model_names is not None:
+            return "/".join(parts[3:]) in model_names
+        if parts[1] == "optimizers" and len(parts) > 4 and parts[3] == "state" and optimizer_names is not None:
+            return parts[4] in optimizer_names
+        return True
+
+    return loads
 
 
 def _check_layouts(folder: Path, saved: list[dict], objects: TrainingObjects) -> None:
