@@ -28,8 +28,8 @@ from accel.config import (
     TOP_FIELDS,
     AccelConfig,
     ConfigError,
-    _allowed,
-    _check_value,
+    allowed_values,
+    check_value,
     deepspeed_json_layer,
     merge_layers,
     read_deepspeed_json,
@@ -58,9 +58,9 @@ def _unsupported(plugin: Any, accepted: dict[str, tuple], why: dict[str, str]) -
 def _argument(owner: str, name: str, value: Any, meta: dict) -> Any:
     """`value` checked against a config field's rules; errors name the argument."""
     try:
-        return _check_value(value, meta, name, owner)
+        return check_value(value, meta, name, owner)
     except ConfigError:
-        raise ConfigError(f"{owner}: argument '{name}': bad value {value!r}; allowed: {_allowed(meta)}") from None
+        raise ConfigError(f"{owner}: argument '{name}': bad value {value!r}; allowed: {allowed_values(meta)}") from None
 
 
 def _stage_unset_default(layer: dict, stage: int, base: AccelConfig | None) -> dict:

@@ -1,0 +1,71 @@
+"""The one typed config tree, split by concept (see each module's docstring):
+
+* `schema`: the dataclasses, field rules, cross-field rules and the values derived from them;
+* `accelerate_import`: Accelerate's config sections and DeepSpeed JSON files, as accel layers;
+* `resolve`: layers and precedence (files, `accel launch` flags, the launched config, `Accelerator` args).
+
+Every name other modules use is re-exported here, so `from accel.config import X` keeps working.
+"""
+
+from accel.config.accelerate_import import (
+    ACCELERATE_IGNORED_KEYS,
+    ACCELERATE_SECTIONS,
+    DEEPSPEED_FILE_KEY,
+    KNOWN_TOP_KEYS,
+    DeepSpeedConfigWarning,
+    deepspeed_json_layer,
+    read_deepspeed_config,
+    read_deepspeed_json,
+)
+from accel.config.resolve import (
+    LAUNCH_ENV,
+    PACKAGED_DEFAULT,
+    USER_CONFIG_ENV,
+    build_config,
+    config_save_path,
+    default_user_config_path,
+    encode_for_workers,
+    file_layers,
+    launched_config,
+    merge_layers,
+    parse_layer,
+    read_config_file,
+    resolve_config,
+    resolve_launch_config,
+    user_config_path,
+    worker_config,
+)
+from accel.config.schema import (
+    ACTIVATION_CHECKPOINTING,
+    DISTRIBUTED_TYPES,
+    MIXED_PRECISIONS,
+    PARALLEL_FIELDS,
+    PP_SCHEDULES,
+    RDZV_BACKENDS,
+    TOP_FIELDS,
+    AccelConfig,
+    ConfigError,
+    ParallelismConfig,
+    allowed_values,
+    check_consistency,
+    check_value,
+    compact_gpu_ids,
+    cuda_visible_devices,
+    divides_world,
+    model_parallel_size,
+)
+
+# the names `accel/plugins.py` imported before the split
+_allowed = allowed_values
+_check_value = check_value
+
+__all__ = [
+    "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY",
+    "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "LAUNCH_ENV", "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
+    "PP_SCHEDULES", "RDZV_BACKENDS", "TOP_FIELDS", "USER_CONFIG_ENV", "AccelConfig", "ConfigError",
+    "DeepSpeedConfigWarning", "ParallelismConfig", "allowed_values", "build_config", "check_consistency",
+    "check_value", "compact_gpu_ids", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",
+    "default_user_config_path", "divides_world", "encode_for_workers", "file_layers", "launched_config",
+    "merge_layers", "model_parallel_size", "parse_layer", "read_config_file", "read_deepspeed_config",
+    "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config",
+]

@@ -1,0 +1,302 @@
+"""Reading Accelerate's config files and DeepSpeed JSONs into accel's config layers.
+
+Accelerate's sections (`deepspeed_config:`, `fsdp_config:`, `parallelism_config:`) and DeepSpeed's JSON keys
+are translated onto accel's own fields here, so the precedence code (`resolve.py`) only sees accel's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS, ConfigError, check_value, unknown_key
+
+# ---------------------------------------------------------------------------------------------------------
+# Accelerate's config sections
+# ---------------------------------------------------------------------------------------------------------
+
+# Keys of Accelerate's config files that carry nothing accel acts on; accepted so their files load.
+ACCELERATE_IGNORED_KEYS = frozenset({
+    "debug", "downcast_bf16", "enable_cpu_affinity", "main_training_function", "tpu_env", "tpu_use_cluster",
+    "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "commands", "command_file", "dynamo_config",
+    "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config", "use_mps_device", "dynamo_backend",
+    "num_cpu_threads_per_process", "ipex", "mpirun_hostfile",
+})
+ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config")
+DEEPSPEED_FILE_KEY = "deepspeed_config_file"  # a DeepSpeed JSON to read (top level, or in `deepspeed_config:`)
+KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
+                  + tuple(sorted(ACCELERATE_IGNORED_KEYS)))
+
+_FSDP_STRATEGY_TO_STAGE = {
+    "FULL_SHARD": 3, "1": 3, "SHARD_GRAD_OP": 2, "2": 2, "NO_SHARD": 0, "3": 0,
+    "HYBRID_SHARD": 3, "4": 3, "HYBRID_SHARD_ZERO2": 2, "5": 2,
+}
+
+
+def from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
+    """Accelerate's `deepspeed_config:` YAML section -> (parallelism fields, top-level fields).
+
+    Its `deepspeed_config_file` (a DeepSpeed JSON) is read by `parse_layer`, not here."""
+    where = "deepspeed_config."
+    par: dict = {}
+    top: dict = {}
+    if "zero_stage" in section:
+        par["zero_stage"] = check_value(section["zero_stage"], PARALLEL_FIELDS["zero_stage"], where + "zero_stage", source)
+    for src_key, dst_key in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        if src_key in section:
+            device = str(section[src_key]).lower()
+            if device not in ("none", "cpu", "nvme"):
+                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {section[src_key]!r}; allowed: none, cpu, nvme")
+            if device == "nvme":
+                raise ConfigError(f"{source}: key '{where}{src_key}': 'nvme' offload is not supported by accel; allowed: none, cpu")
+            par[dst_key] = device == "cpu"
+    gas = section.get("gradient_accumulation_steps")
+    if gas is not None and gas != "auto":
+        top["gradient_accumulation_steps"] = check_value(gas, TOP_FIELDS["gradient_accumulation_steps"],
+                                                          where + "gradient_accumulation_steps", source)
+    clip = section.get("gradient_clipping")
+    if clip is not None and clip != "auto":
+        par["gradient_clipping"] = check_value(clip, PARALLEL_FIELDS["gradient_clipping"],
+                                                where + "gradient_clipping", source)
+    return par, top
+
+
+def from_fsdp_section(section: dict, source: str) -> dict:
+    """Accelerate's `fsdp_config:` YAML section -> parallelism fields (FSDP sharding maps onto ZeRO stages)."""
+    where = "fsdp_config."
+    par: dict = {"zero_stage": 3}
+
+    def stage_of(key: str, allowed: str) -> int:
+        value = section[key]
+        stage = _FSDP_STRATEGY_TO_STAGE.get(str(value).upper())
+        if stage is None:
+            raise ConfigError(f"{source}: key '{where}{key}': bad value {value!r}; allowed: {allowed}")
+        return stage
+
+    if section.get("fsdp_sharding_strategy") is not None:
+        par["zero_stage"] = stage_of("fsdp_sharding_strategy",
+                                     "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    if "fsdp_reshard_after_forward" in section:
+        reshard = section["fsdp_reshard_after_forward"]
+        if isinstance(reshard, bool):
+            par["zero_stage"] = 3 if reshard else 2
+        else:  # FSDP1-style strategy names are also accepted here by Accelerate
+            par["zero_stage"] = stage_of("fsdp_reshard_after_forward", "true, false or a sharding strategy name")
+    if "fsdp_offload_params" in section:
+        offload = check_value(section["fsdp_offload_params"], PARALLEL_FIELDS["offload_params"],
+                               where + "fsdp_offload_params", source)
+        par["offload_params"] = offload
+        par["offload_optimizer"] = offload  # FSDP's CPU offload keeps the optimizer state on the CPU too
+    if "fsdp_activation_checkpointing" in section:
+        checkpointing = check_value(section["fsdp_activation_checkpointing"], PARALLEL_FIELDS["offload_params"],
+                                     where + "fsdp_activation_checkpointing", source)  # a bool, like offload
+        par["activation_checkpointing"] = "full" if checkpointing else "no"
+    return par
+
+
+def from_parallelism_config_section(section: dict, source: str) -> dict:
+    """Accelerate's `parallelism_config:` section (parallelism_config_tp_size, ..._dp_shard_size, ...)."""
+    where = "parallelism_config."
+    par: dict = {}
+    sizes = {}
+    for key, value in section.items():
+        short = key.removeprefix("parallelism_config_")
+        if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            sizes[short] = check_value(value, {"kind": int, "choices": (), "lo": 1, "hi": None, "optional": False},
+                                        where + key, source)
+        elif short in ("cp_backend", "cp_comm_strategy", "sp_backend", "sp_size", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"):
+            continue
+        else:
+            raise unknown_key(key, ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+                                     "parallelism_config_tp_size", "parallelism_config_cp_size"], source, where)
+    if sizes.get("cp_size", 1) > 1:
+        raise ConfigError(f"{source}: key '{where}parallelism_config_cp_size': {sizes['cp_size']}: context "
+                          "parallelism is not supported by accel; allowed: 1")
+    if "tp_size" in sizes:
+        par["tp_size"] = sizes["tp_size"]
+    if sizes.get("dp_shard_size", 1) > 1:
+        par["zero_stage"] = 3
+    return par
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed JSON files
+# ---------------------------------------------------------------------------------------------------------
+
+class DeepSpeedConfigWarning(UserWarning):
+    """A DeepSpeed JSON holds keys accel does not act on (they are listed, then ignored)."""
+
+
+_AUTO = "auto"  # DeepSpeed's "take it from elsewhere": the other layers decide
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed JSON key -> (section of the tree or None for the top level, field)
+_DS_SCALARS = {
+    "gradient_accumulation_steps": (None, "gradient_accumulation_steps"),
+    "train_micro_batch_size_per_gpu": ("parallelism", "micro_batch_size"),
+    "train_batch_size": ("parallelism", "train_batch_size"),
+    "gradient_clipping": ("parallelism", "gradient_clipping"),
+}
+_DS_PRECISION_SECTIONS = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}  # bfloat16: DeepSpeed's old name
+
+
+def _ds_meta(meta: dict) -> dict:
+    return {**meta, "auto": True}
+
+
+def _no_duplicate_keys(source: str):
+    def hook(pairs: list) -> dict:
+        seen: dict = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"{source}: key '{key}' appears twice in one JSON object; allowed: each key once")
+            seen[key] = value
+        return seen
+
+    return hook
+
+
+def read_deepspeed_json(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
+    """A DeepSpeed JSON file's contents (a dict), or a one-line ConfigError naming the file.
+
+    `referenced_by` is where the path was given (e.g. "my.yaml: key 'deepspeed_config.deepspeed_config_file'"),
+    named when the file is missing."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        where = f"{referenced_by}: " if referenced_by else ""
+        raise ConfigError(f"{where}{path}: DeepSpeed config file not found")
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys(str(path)))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text (UTF-8) JSON file: {exc.reason}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of DeepSpeed keys at the top level, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def deepspeed_json_layer(data: Any, source: str) -> dict:
+    """Map a DeepSpeed config (the JSON's dict) onto a config layer, as `parse_layer` returns one.
+
+    Mapped: zero_optimization.stage / .offload_optimizer.device / .offload_param.device, gradient_accumulation_steps,
+    fp16.enabled / bf16.enabled, train_micro_batch_size_per_gpu, train_batch_size, gradient_clipping. "auto" means
+    "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, "
+                          f"got {type(data).__name__}")
+    top: dict = {}
+    par: dict = {}
+    ignored: list[str] = []
+
+    def mapping(value: Any, key: str) -> dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}': expected a JSON object, got {value!r}")
+        return value
+
+    precision: dict[str, bool] = {}
+    for key, value in data.items():
+        if key in _DS_SCALARS:
+            section, name = _DS_SCALARS[key]
+            if value is None or value == _AUTO:
+                continue
+            fields = TOP_FIELDS if section is None else PARALLEL_FIELDS
+            checked = check_value(value, _ds_meta({**fields[name], "optional": False}), key, source)
+            (top if section is None else par)[name] = checked
+        elif key in _DS_PRECISION_SECTIONS:
+            if value is None:
+                continue
+            for sub in mapping(value, key):
+                if sub != "enabled":
+                    ignored.append(f"{key}.{sub}")
+            enabled = value.get("enabled")
+            if enabled is None or enabled == _AUTO:
+                continue
+            if not isinstance(enabled, bool):
+                raise ConfigError(f"{source}: key '{key}.enabled': bad value {enabled!r}; "
+                                  "allowed: true, false or \"auto\"")
+            precision[_DS_PRECISION_SECTIONS[key]] = precision.get(_DS_PRECISION_SECTIONS[key], False) or enabled
+        elif key == "zero_optimization":
+            if value is None:
+                continue
+            par.update(_from_deepspeed_zero(mapping(value, key), source, ignored))
+        elif key == "activation_checkpointing" and value:  # DeepSpeed checkpoints whole layers: accel's "full"
+            par["activation_checkpointing"] = "full"
+            ignored.extend(f"{key}.{sub}" for sub in mapping(value, key))  # partitioning, CPU copies: not used
+        else:  # optimizer/scheduler too: the warning explains them
+            ignored.append(key)
+    if precision.get("fp16") and precision.get("bf16"):
+        raise ConfigError(f"{source}: keys 'fp16.enabled' and 'bf16.enabled' are both true; allowed: at most one "
+                          "of them true (fp16 or bf16 mixed precision)")
+    for name in ("fp16", "bf16"):
+        if precision.get(name):
+            top["mixed_precision"] = name
+    if ignored:
+        note = ""
+        if "optimizer" in ignored or "scheduler" in ignored:
+            note = ("; 'optimizer'/'scheduler': DeepSpeed would build them, accel uses the optimizer and scheduler "
+                    "your script creates and passes to prepare()")
+        warnings.warn(f"{source}: DeepSpeed keys accel does not use, ignored: {', '.join(ignored)}{note}",
+                      DeepSpeedConfigWarning, stacklevel=2)
+    if par:
+        top["parallelism"] = par
+    return top
+
+
+def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
+    """`zero_optimization` -> parallelism fields; the keys accel does not use are appended to `ignored`."""
+    par: dict = {}
+    for key, value in zero.items():
+        where = f"zero_optimization.{key}"
+        if key == "stage":
+            if value is not None and value != _AUTO:
+                par["zero_stage"] = check_value(value, _ds_meta(PARALLEL_FIELDS["zero_stage"]), where, source)
+        elif key in ("offload_optimizer", "offload_param"):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key '{where}': expected a JSON object, got {value!r}")
+            for sub in value:
+                if sub != "device":
+                    ignored.append(f"{where}.{sub}")
+            device = value.get("device")
+            if device is None or device == _AUTO:
+                continue
+            if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+                raise ConfigError(f"{source}: key '{where}.device': bad value {device!r}; allowed: none, cpu, nvme")
+            if device.lower() == "nvme":
+                raise ConfigError(f"{source}: key '{where}.device': 'nvme' offload is not supported by accel; "
+                                  "allowed: none, cpu")
+            par["offload_optimizer" if key == "offload_optimizer" else "offload_params"] = device.lower() == "cpu"
+        elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer.device: cpu
+            if value is None or value == _AUTO:
+                continue
+            par.setdefault("offload_optimizer",
+                           check_value(value, PARALLEL_FIELDS["offload_optimizer"], where, source))
+        else:
+            ignored.append(where)
+    return par
+
+
+def read_deepspeed_config(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
+    """Read a DeepSpeed JSON file into a config layer (see `deepspeed_json_layer`); errors name the file."""
+    shown = os.path.normpath(Path(path).expanduser())  # "conf/../ds.json" reads "ds.json" in messages
+    return deepspeed_json_layer(read_deepspeed_json(path, referenced_by), shown)
+
+
+def deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) -> Path | None:
+    """The JSON path a `deepspeed_config_file` key names (relative: against `base_dir`, else the current
+    directory), or None for an empty value or Accelerate's "none"."""
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{source}: key '{key}': bad value {value!r}; allowed: the path of a DeepSpeed JSON file")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return path
+
