@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accel.config import ConfigError
+from accel.config import ConfigError, divides_world, model_parallel_size
 
 
 @dataclass
@@ -19,8 +19,8 @@ class Topology:
     _mesh: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        model_parallel = self.tp_size * self.pp_size
-        if self.world_size % model_parallel:
+        model_parallel = model_parallel_size(self.tp_size, self.pp_size)
+        if not divides_world(self.world_size, self.tp_size, self.pp_size):
             raise ConfigError(
                 f"parallelism: tp_size={self.tp_size} x pp_size={self.pp_size} = {model_parallel} does not divide "
                 f"the world size {self.world_size}; allowed: degrees whose product divides the number of processes"
@@ -29,7 +29,7 @@ class Topology:
     @property
     def dp_size(self) -> int:
         """Data-parallel degree: what is left of the world after the model-parallel degrees."""
-        return self.world_size // (self.tp_size * self.pp_size)
+        return self.world_size // model_parallel_size(self.tp_size, self.pp_size)
 
     @property
     def degrees(self) -> dict[str, int]:

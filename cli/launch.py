@@ -55,10 +55,10 @@ from accel.config import (
     AccelConfig,
     ConfigError,
     DeepSpeedConfigWarning,
-    file_layers,
-    merge_layers,
-    resolve_config,
+    cuda_visible_devices,
+    encode_for_workers,
 )
+from accel.config import resolve_launch_config as _resolve_launch_config
 
 DEFAULT_MULTI_MACHINE_PORT = 29500
 FLAGS_SOURCE = "accel launch flags"
@@ -156,17 +156,12 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 
 
 def resolve_launch_config(config_file: str | None, overrides: dict) -> AccelConfig:
-    """Resolve the files and the flag layer once. A file's `distributed_type: NO` (which Accelerate writes
-    for single-process configs) yields to a `--num_processes` above 1 instead of contradicting it."""
-    layers = file_layers(config_file)
-    if "distributed_type" not in overrides and (overrides.get("num_processes") or 0) > 1:
-        if merge_layers(layers).get("distributed_type") == "NO":
-            overrides = {**overrides, "distributed_type": None}
-    return resolve_config(config_file, overrides, FLAGS_SOURCE, layers=layers)
+    """Resolve the files and the flag layer once (the precedence rules live in `accel.config.resolve`)."""
+    return _resolve_launch_config(config_file, overrides, FLAGS_SOURCE)
 
 
 def nproc_per_node(cfg: AccelConfig) -> int:
-    return cfg.num_processes // cfg.num_machines
+    return cfg.processes_per_machine
 
 
 def rendezvous_port(cfg: AccelConfig) -> int:
@@ -213,12 +208,10 @@ def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: 
 def worker_env(cfg: AccelConfig) -> dict[str, str]:
     """The variables the launcher adds to the workers' environment: the resolved config (the one channel),
     and `CUDA_VISIBLE_DEVICES` when a GPU subset is asked for."""
-    from accel.config import encode_for_workers
-
     env = {LAUNCH_ENV: encode_for_workers(cfg)}
-    gpu_ids = cfg.gpu_ids.replace(" ", "")
-    if not cfg.use_cpu and gpu_ids.lower() != "all":
-        env["CUDA_VISIBLE_DEVICES"] = gpu_ids
+    visible = cuda_visible_devices(cfg)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     return env
 
 
@@ -283,9 +276,9 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     check_available(cfg.parallelism, cfg.num_processes)  # refuse before starting any process
-    gpu_ids = cfg.gpu_ids.replace(" ", "")
-    if not cfg.use_cpu and gpu_ids.lower() != "all":
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_ids  # before torch counts the GPUs
+    visible = cuda_visible_devices(cfg)
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs
 
     if cfg.num_processes == 1 and cfg.num_machines == 1:
         if cfg.distributed_type == "MULTI_GPU":
