@@ -28,7 +28,7 @@ _LAZY = {
     "set_seed": "accel.utils.random",
     "ProjectConfiguration": "accel.checkpoint.layout",
     "CheckpointError": "accel.checkpoint.layout",
-    "load_checkpoint_in_model": "accel.checkpoint.model_io",
+    "load_checkpoint_in_model": "accel.utils.modeling",  # the device_map-aware one
     "init_empty_weights": "accel.big_modeling", "init_on_device": "accel.big_modeling",
     "cpu_offload": "accel.big_modeling", "disk_offload": "accel.big_modeling",
     "dispatch_model": "accel.big_modeling", "load_checkpoint_and_dispatch": "accel.big_modeling",

@@ -28,6 +28,7 @@ from accel.utils.modeling import (
     check_device_map,
     get_balanced_memory,
     infer_auto_device_map,
+    load_checkpoint_in_model,
 )
 from accel.utils.offload import OffloadedWeightsLoader, PrefixedDataset, load_offload_index, offload_state_dict
 
@@ -287,8 +288,6 @@ def load_checkpoint_and_dispatch(
     peak memory is about what stays resident plus one tensor. Without ``device_map`` the model is loaded on
     the CPU and returned without hooks.
     """
-    from accel.checkpoint.model_io import load_checkpoint_in_model
-
     if isinstance(device_map, str):
         if device_map not in DEVICE_MAP_STRATEGIES:
             raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -88,6 +89,33 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_write(directory: Path, final_name: str, write) -> Path:
+    """Call ``write(tmp_path)``, fsync the result and rename it to ``final_name``; no temp file survives.
+
+    Shared by model weights (`model_io`) and disk offload (`accel.utils.offload`), so neither imports the other."""
+    tmp = directory / f".{final_name}.{secrets.token_hex(6)}.tmp"
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        final = directory / final_name
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    return final
+
+
+def write_json(path: Path, obj) -> None:
+    """Indented JSON with a final newline (index files people read)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
 
 
 def write_manifest(folder: Path, content: dict) -> None:

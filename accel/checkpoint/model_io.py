@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import warnings
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
@@ -34,7 +33,7 @@ from pathlib import Path, PurePath
 import torch
 from torch import nn
 
-from accel.checkpoint.layout import fsync_dir, fsync_file
+from accel.checkpoint.layout import atomic_write, fsync_dir, write_json
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",
@@ -117,7 +116,7 @@ def parse_size(size: int | str) -> int:
 # ------------------------------------------------------------------------------------------ state dict
 
 
-def _unwrap_model(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DistributedDataParallel / DataParallel and torch.compile wrappers."""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -156,7 +155,7 @@ def get_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered with ``full_tensor()`` (a collective: call this on every rank). Non-tensor entries (extra
     state) are passed through unchanged.
     """
-    model = _unwrap_model(model)
+    model = unwrap_model(model)
     try:  # optional: only present in distributed-enabled builds
         from torch.distributed.tensor import DTensor
     except Exception:  # pragma: no cover
@@ -196,34 +195,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _shard_name(base: str, index: int, total: int) -> str:
     stem, ext = base.rsplit(".", 1)
     return f"{stem}-{index:05d}-of-{total:05d}.{ext}"
-
-
-def _temp_path(directory: Path, final_name: str) -> Path:
-    return directory / f".{final_name}.{secrets.token_hex(6)}.tmp"
-
-
-def _atomic_write(directory: Path, final_name: str, write) -> Path:
-    """Call ``write(tmp_path)``, fsync the result and rename it to ``final_name``; no temp file survives."""
-    tmp = _temp_path(directory, final_name)
-    try:
-        write(tmp)
-        fsync_file(tmp)
-        final = directory / final_name
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    return final
-
-
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
 
 
 def _plan_saved_tensors(state_dict: Mapping[str, torch.Tensor]):
@@ -364,7 +335,7 @@ def save_state_dict_sharded(
                     torch.save(tensors, f)
                     f.flush()
 
-        written.append(_atomic_write(directory, file_name, write))
+        written.append(atomic_write(directory, file_name, write))
         del tensors
 
     if total > 1:
@@ -372,7 +343,7 @@ def save_state_dict_sharded(
         if aliases:
             index_meta[_TIED_KEY] = dict(aliases)
         index = {"metadata": index_meta, "weight_map": weight_map}
-        written.append(_atomic_write(directory, index_name, lambda tmp: _write_json(tmp, index)))
+        written.append(atomic_write(directory, index_name, lambda tmp: write_json(tmp, index)))
     fsync_dir(directory)
 
     # Only now that the new checkpoint is complete: remove what an earlier save left behind.
@@ -390,7 +361,7 @@ def save_state_dict_sharded(
 # ------------------------------------------------------------------------------------------------ load
 
 
-def _resolve_dtype(dtype) -> torch.dtype | None:
+def resolve_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str):
@@ -510,7 +481,7 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _format_keys(keys: list[str]) -> str:
+def format_keys(keys: list[str]) -> str:
     shown = ", ".join(keys[:10])
     more = f", ... ({len(keys) - 10} more)" if len(keys) > 10 else ""
     return f"{len(keys)} key(s): {shown}{more}"
@@ -540,7 +511,7 @@ def _model_slots(model: nn.Module):
     return slots, places
 
 
-class _Loader:
+class TensorLoader:
     def __init__(self, model: nn.Module, dtype: torch.dtype | None):
         self.dtype = dtype
         self.slots, self.places = _model_slots(model)
@@ -602,10 +573,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class _CheckpointPlan:
+class CheckpointPlan:
     """A checkpoint's files and keys, checked against the model (names, shapes) before anything is changed."""
 
-    def __init__(self, checkpoint, loader: _Loader):
+    def __init__(self, checkpoint, loader: TensorLoader):
         self.checkpoint = checkpoint
         files, tied = _resolve_checkpoint(checkpoint)
         expected = set(loader.slots)
@@ -622,7 +593,7 @@ class _CheckpointPlan:
                         absent = [k for k in keys if k not in set(file_keys)]
                         if absent:
                             raise KeyError(
-                                f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index."
+                                f"Shard {str(path)!r} does not hold {format_keys(absent)} listed in the index."
                             )
                         for key in keys:
                             if key in expected:
@@ -658,14 +629,14 @@ class _CheckpointPlan:
         """One message naming the missing and unexpected keys, or None."""
         problems = []
         if self.missing:
-            problems.append(f"missing keys (in the model, not in the checkpoint): {_format_keys(self.missing)}")
+            problems.append(f"missing keys (in the model, not in the checkpoint): {format_keys(self.missing)}")
         if self.unexpected:
             problems.append(
-                f"unexpected keys (in the checkpoint, not in the model): {_format_keys(self.unexpected)}"
+                f"unexpected keys (in the checkpoint, not in the model): {format_keys(self.unexpected)}"
             )
         return f"Loading checkpoint {str(self.checkpoint)!r}: " + "; ".join(problems) if problems else None
 
-    def tensors(self, loader: _Loader):
+    def tensors(self, loader: TensorLoader):
         """Yields ``(file, key, stored dtype, read)`` for every saved tensor, one file at a time; ``read()``
         returns the value (for safetensors the data is read only then, so a caller may skip it)."""
         for path, keys in self.files:
@@ -679,7 +650,7 @@ class _CheckpointPlan:
             wanted: list[str] = list(shard) if keys is None else keys
             absent = [k for k in wanted if k not in shard]
             if absent:
-                raise KeyError(f"Shard {str(path)!r} does not hold {_format_keys(absent)} listed in the index.")
+                raise KeyError(f"Shard {str(path)!r} does not hold {format_keys(absent)} listed in the index.")
             for key in wanted:
                 if key in loader.slots:
                     loader.check_shape(key, shard[key].shape)
@@ -700,11 +671,6 @@ def load_checkpoint_in_model(
     checkpoint: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
     strict: bool = False,
-    *,
-    device_map: Mapping[str, int | str | torch.device] | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    offload_state_dict: bool = False,
-    offload_buffers: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Load a checkpoint written in Hugging Face's layout into ``model``'s parameters and buffers.
 
@@ -719,22 +685,15 @@ def load_checkpoint_in_model(
     sharing the meta tensor gets the same new one; ``requires_grad`` is kept). Tied aliases recorded by
     :func:`save_state_dict_sharded` are filled from their saved tensor.
 
-    With ``device_map`` (keyword only; Accelerate's meaning) each tensor goes straight to its mapped device
-    and "disk" ones to ``offload_folder``: see :func:`accel.utils.modeling.load_checkpoint_with_device_map`.
+    Loading with a ``device_map`` is :func:`accel.utils.modeling.load_checkpoint_in_model` (also
+    ``accel.load_checkpoint_in_model``), which builds on this module: this one never imports device maps.
 
     Returns ``(missing_keys, unexpected_keys)``; both are warned about, or raised as ``RuntimeError``
     when ``strict``. Shape mismatches always raise ``RuntimeError``. For safetensors checkpoints keys and
     shapes are checked from the headers before the model is modified.
     """
-    if device_map is not None:
-        from accel.utils.modeling import load_checkpoint_with_device_map
-
-        return load_checkpoint_with_device_map(
-            model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
-            offload_state_dict=offload_state_dict, offload_buffers=offload_buffers,
-        )
-    loader = _Loader(_unwrap_model(model), _resolve_dtype(dtype))
-    plan = _CheckpointPlan(checkpoint, loader)
+    loader = TensorLoader(unwrap_model(model), resolve_dtype(dtype))
+    plan = CheckpointPlan(checkpoint, loader)
     message = plan.key_problems()
     if message and strict:
         raise RuntimeError(message)

@@ -22,8 +22,8 @@ from accel.utils.random import set_seed
 # big-model inference helpers, imported on first use
 _MODELING = (
     "check_device_map", "clean_device_map", "compute_module_sizes", "find_tied_parameters", "get_balanced_memory",
-    "get_max_layer_size", "get_max_memory", "infer_auto_device_map", "named_module_tensors",
-    "set_module_tensor_to_device",
+    "get_max_layer_size", "get_max_memory", "infer_auto_device_map", "load_checkpoint_in_model",
+    "named_module_tensors", "set_module_tensor_to_device",
 )
 _OFFLOAD = (
     "OffloadedWeightsLoader", "PrefixedDataset", "load_offloaded_weight", "offload_state_dict", "offload_weight",
@@ -37,7 +37,7 @@ def __getattr__(name: str):
         import accel.data
 
         return getattr(accel.data, name)
-    if name in ("ProjectConfiguration", "load_checkpoint_in_model"):
+    if name == "ProjectConfiguration":
         import accel.checkpoint
 
         return getattr(accel.checkpoint, name)

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from accel.checkpoint import model_io
 from accel.checkpoint.model_io import (
-    _CheckpointPlan,
-    _format_keys,
-    _Loader,
-    _resolve_dtype,
-    _unwrap_model,
+    CheckpointPlan,
+    TensorLoader,
+    format_keys,
     parse_size,
+    resolve_dtype,
+    unwrap_model,
 )
 from accel.utils.offload import _dtype_name, offload_weight, save_offload_index
 
@@ -38,6 +39,7 @@ __all__ = [
     "clean_device_map",
     "check_device_map",
     "load_checkpoint_with_device_map",
+    "load_checkpoint_in_model",
 ]
 
 Device = int | str | torch.device
@@ -102,7 +104,7 @@ def set_module_tensor_to_device(
         if old.device.type == "meta" and device.type != "meta":
             raise ValueError(f"{tensor_name!r} is on the meta device: a value is needed to put it on {device}.")
         value = old
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if dtype is None and value.is_floating_point() and old.is_floating_point():
         dtype = old.dtype
     with torch.no_grad():
@@ -133,8 +135,8 @@ def compute_module_sizes(
     With ``dtype`` floating-point tensors are sized in that dtype (the one they will be loaded in);
     ``special_dtypes`` overrides it for given tensor names.
     """
-    dtype = _resolve_dtype(dtype)
-    special = {name: _resolve_dtype(d) for name, d in (special_dtypes or {}).items()}
+    dtype = resolve_dtype(dtype)
+    special = {name: resolve_dtype(d) for name, d in (special_dtypes or {}).items()}
     sizes: dict[str, int] = {}
     for name, tensor in named_module_tensors(model, recurse=True):
         wanted = special.get(name) or (dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
@@ -418,7 +420,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict
             raise ValueError(f"device_map keys {parent!r} and {key!r} overlap: give each module one entry.")
     unassigned = [n for n in _all_tensor_names(model, persistent_only=True) if _map_key(n, resolved) is None]
     if unassigned:
-        raise ValueError(f"device_map leaves {_format_keys(unassigned)} without a device; add entries for them.")
+        raise ValueError(f"device_map leaves {format_keys(unassigned)} without a device; add entries for them.")
     return resolved
 
 
@@ -447,9 +449,9 @@ def load_checkpoint_with_device_map(
     unexpected keys warn, or raise ``RuntimeError`` with ``strict``.
     """
     del offload_state_dict
-    model = _unwrap_model(model)
+    model = unwrap_model(model)
     resolved = check_device_map(model, device_map)
-    loader = _Loader(model, _resolve_dtype(dtype))
+    loader = TensorLoader(model, resolve_dtype(dtype))
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
 
     def target(name: str) -> str | torch.device:
@@ -459,13 +461,13 @@ def load_checkpoint_with_device_map(
     to_disk = [n for n in loader.slots if target(n) == "disk"]
     if to_disk and offload_folder is None:
         raise ValueError(
-            f"device_map sends {_format_keys(to_disk)} to 'disk', so an offload folder is needed: "
+            f"device_map sends {format_keys(to_disk)} to 'disk', so an offload folder is needed: "
             "pass offload_folder=<a folder>."
         )
-    plan = _CheckpointPlan(checkpoint, loader)
+    plan = CheckpointPlan(checkpoint, loader)
     empty = [k for k in plan.missing if loader.current(k).device.type == "meta"]
     if empty:
-        raise ValueError(f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: {_format_keys(empty)}.")
+        raise ValueError(f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: {format_keys(empty)}.")
     message = plan.key_problems()
     if message and strict:
         raise RuntimeError(message)
@@ -493,3 +495,26 @@ def load_checkpoint_with_device_map(
         del value
     save_offload_index(index, offload_folder)
     return plan.missing, plan.unexpected
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    *,
+    device_map: Mapping[str, Device] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+) -> tuple[list[str], list[str]]:
+    """Accelerate's ``load_checkpoint_in_model``: without ``device_map`` the plain load of
+    :func:`accel.checkpoint.model_io.load_checkpoint_in_model`; with one (keyword only), each tensor goes
+    straight to its mapped device and "disk" ones to ``offload_folder`` (:func:`load_checkpoint_with_device_map`).
+    It lives here, above ``model_io``, so that ``model_io`` never imports device-map code."""
+    if device_map is None:
+        return model_io.load_checkpoint_in_model(model, checkpoint, dtype=dtype, strict=strict)
+    return load_checkpoint_with_device_map(
+        model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
+        offload_state_dict=offload_state_dict, offload_buffers=offload_buffers,
+    )

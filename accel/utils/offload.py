@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from accel.checkpoint.model_io import _atomic_write, _write_json
+from accel.checkpoint.layout import atomic_write, write_json
 
 __all__ = [
     "OFFLOAD_INDEX_NAME",
@@ -74,7 +74,7 @@ def save_offload_index(index: Mapping[str, dict], offload_folder: str | os.PathL
     folder = Path(offload_folder)
     folder.mkdir(parents=True, exist_ok=True)
     merged = {**load_offload_index(folder), **index}
-    _atomic_write(folder, OFFLOAD_INDEX_NAME, lambda tmp: _write_json(tmp, merged))
+    atomic_write(folder, OFFLOAD_INDEX_NAME, lambda tmp: write_json(tmp, merged))
 
 
 def load_offloaded_weight(
