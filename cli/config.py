@@ -7,7 +7,10 @@ The questionnaire reads one answer per line from stdin, so it can be scripted:
 An empty answer takes the default shown in [brackets]; when stdin ends, every remaining question takes its
 default. An invalid answer prints why and the same question is asked again. The answers are validated with
 the same code as config files (`accel.config.parse_layer` / `build_config`), including the rules that
-involve several keys. The file is saved to `--config_file`, else `$ACCEL_CONFIG_FILE`, else
+involve several keys, and with the combination check `accel launch` runs (`accel.backends.check_available`),
+so a saved config is one `accel launch` accepts. A refused combination prints the one-line error and asks
+the offending question again; when stdin has ended by then, nothing is saved and `accel config` exits 2
+with that error. The file is saved to `--config_file`, else `$ACCEL_CONFIG_FILE`, else
 `~/.cache/accel/default_config.yaml`.
 """
 
@@ -17,12 +20,15 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from accel.cli._common import UsageError, add_flag
 from accel.cli.launch import DEFAULT_MULTI_MACHINE_PORT
+
+from accel.backends import check_available
 from accel.config import (
     MIXED_PRECISIONS,
     PACKAGED_DEFAULT,
@@ -138,7 +144,7 @@ QUESTIONS: list[Question] = [
              _from_defaults("parallelism.zero_stage")),
     Question("parallelism.offload_optimizer", "Offload the optimizer state to the CPU?", "bool",
              _from_defaults("parallelism.offload_optimizer"),
-             lambda answers: answers.get("parallelism.zero_stage", 0) > 0),
+             lambda answers: answers.get("parallelism.zero_stage", 0) >= 2),  # CPU offload needs ZeRO 2 or 3
     Question("parallelism.tp_size", "Tensor-parallel size (1: none)?", "int", _from_defaults("parallelism.tp_size")),
     Question("parallelism.pp_size", "Pipeline-parallel size (1: none)?", "int", _from_defaults("parallelism.pp_size")),
     Question("parallelism.pp_schedule", "Pipeline schedule?", "choice", _from_defaults("parallelism.pp_schedule"),
@@ -166,6 +172,44 @@ def build_from_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConf
     """Validate the answers as one config layer over the packaged default, cross-field rules included."""
     layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(nest(answers), source)]
     return build_config(layers, source)
+
+
+def check_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConfig:
+    """`build_from_answers` plus the combination check `accel launch` runs before starting any process."""
+    cfg = build_from_answers(answers, source)
+    check_available(cfg.parallelism, cfg.num_processes)
+    return cfg
+
+
+def _refused(answers: dict) -> bool:
+    try:
+        check_answers(answers)
+    except ConfigError:
+        return True
+    return False
+
+
+def offending_key(answers: dict, defaults: AccelConfig) -> str | None:
+    """For a refusal that names no key (the combination check's): the latest answered question whose own
+    default would make the combination acceptable, i.e. the answer that completed the refused combination."""
+    for question in reversed(QUESTIONS):
+        if question.key not in answers:
+            continue
+        default = question.default(answers, defaults)
+        if default is REQUIRED or default == answers[question.key]:
+            continue
+        if not _refused(_applicable({**answers, question.key: default})):
+            return question.key
+    return None
+
+
+def _applicable(answers: dict) -> dict:
+    """The answers to the questions that still apply (a changed answer can make later ones moot)."""
+    kept: dict = {}
+    for question in QUESTIONS:
+        if question.key in answers and question.applies(kept):
+            kept[question.key] = answers[question.key]
+    return kept
 
 
 def error_key(exc: ConfigError) -> str | None:
@@ -263,8 +307,11 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
     else:
         shown = f" [{_show(default)}]"
     prompt = f"{question.prompt}{hint}{shown}: "
+    refusal: ConfigError | None = None  # the last refused combination: at end of input it is the error
     while True:
         text = asker.read(prompt)
+        if text is None and refusal is not None:
+            raise refusal
         if text is None or not text.strip():
             if default is REQUIRED:
                 if text is None:
@@ -282,34 +329,56 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
         trial[question.key] = value
         try:
             parse_layer(nest({question.key: value}), "your answer")
-            build_from_answers(_tentative(trial, defaults, question), "your answer")
+            tentative = _tentative(trial, defaults, question)
+            cfg = build_from_answers(tentative, "your answer")
         except ConfigError as exc:
             # a rule about another key may fail only because a later question is not answered yet
             if error_key(exc) == question.key:
                 if text is None:
                     raise
                 asker.say(f"  {exc}")
+                refusal = exc
+                continue
+            return value
+        try:
+            check_available(cfg.parallelism, cfg.num_processes)
+        except ConfigError as exc:
+            # refused because of this answer (its default would pass): ask it again
+            if offending_key(tentative, defaults) == question.key:
+                if text is None:
+                    raise
+                asker.say(f"  {exc}")
+                refusal = exc
                 continue
         return value
 
 
-def questionnaire(asker: Asker) -> AccelConfig:
-    defaults = packaged_defaults()
-    answers: dict = {}
+def _ask_remaining(answers: dict, defaults: AccelConfig, asker: Asker) -> dict:
+    """Ask every question that applies and is not answered yet; drop answers that no longer apply."""
+    answers = _applicable(answers)
     for question in QUESTIONS:
-        if question.applies(answers):
+        if question.key not in answers and question.applies(answers):
             answers[question.key] = ask(question, answers, defaults, asker)
+    return _applicable(answers)
+
+
+def questionnaire(asker: Asker) -> AccelConfig:
+    """Ask, then re-ask what the cross-field rules or the combination check refuse, until both accept."""
+    defaults = packaged_defaults()
+    answers = _ask_remaining({}, defaults, asker)
     for _ in range(len(QUESTIONS) * 3):
         try:
-            return build_from_answers(answers)
+            return check_answers(answers)
         except ConfigError as exc:
             key = error_key(exc)
-            question = QUESTION_BY_KEY.get(key or "")
-            if question is None or key not in answers or asker.eof:
+            if key is None or key not in QUESTION_BY_KEY:
+                key = offending_key(answers, defaults)
+            if key is None or key not in answers or asker.eof:
                 raise
             asker.say(f"  {exc}")
-            answers[key] = ask(question, answers, defaults, asker)
-    return build_from_answers(answers)
+            answers[key] = ask(QUESTION_BY_KEY[key], answers, defaults, asker)
+            answers = _ask_remaining(answers, defaults, asker)
+    return check_answers(answers)
 
 
 # -------------------------------------------------------------------------------------------------------

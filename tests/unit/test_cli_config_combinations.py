@@ -1,0 +1,59 @@
+"""`accel config` refuses the combinations `accel launch` refuses (accel.backends.check_available): it asks the
+offending question again, and with stdin ended it saves nothing and exits 2 with the one-line error."""
+
+from __future__ import annotations
+
+from accel.backends import check_available
+from accel.config import resolve_config
+
+# one machine, CPU only, 4 processes, default precision and accumulation, ZeRO 2 with optimizer offload
+ZERO2_OFFLOAD = ["1", "yes", "4", "", "", "2", "yes", ""]
+PIPELINE_OFFLOAD = "pipeline parallelism (pp_size=2) with CPU offload is not available yet"
+
+
+def test_a_refused_combination_reasks_the_question_that_completed_it(run_accel, tmp_path):
+    target = tmp_path / "combo.yaml"
+    answers = [*ZERO2_OFFLOAD, "2", "1"]  # pp size 2: refused with offload, asked again; then 1
+    result = run_accel("config", "--config_file", target, input="\n".join(answers) + "\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("Pipeline-parallel size") == 2
+    assert out.count(PIPELINE_OFFLOAD) == 1
+    assert "Pipeline schedule?" not in out  # pp_size ended up 1: the pipeline questions do not apply
+    cfg = resolve_config(target)
+    par = cfg.parallelism
+    assert (par.zero_stage, par.offload_optimizer, par.pp_size) == (2, True, 1)
+    assert check_available(par, cfg.num_processes) == "zero"  # what was saved, accel launch accepts
+
+
+def test_a_refused_combination_at_end_of_input_exits_2_and_saves_nothing(run_accel, tmp_path):
+    target = tmp_path / "never.yaml"
+    answers = [*ZERO2_OFFLOAD, "2"]  # then stdin ends while pp size is asked again
+    result = run_accel("config", "--config_file", target, input="\n".join(answers) + "\n")
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("accel config: error: ") and PIPELINE_OFFLOAD in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not target.exists()
+
+
+def test_tensor_parallelism_with_zero_stage_1_is_reasked(run_accel, tmp_path):
+    target = tmp_path / "tp.yaml"
+    answers = ["1", "yes", "4", "", "", "1", "2", "1", ""]  # ZeRO 1; tp 2 refused, then tp 1; pp default
+    result = run_accel("config", "--config_file", target, input="\n".join(answers) + "\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Offload the optimizer" not in out  # CPU offload needs ZeRO 2 or 3: not offered at stage 1
+    assert out.count("Tensor-parallel size") == 2
+    assert "tensor parallelism (tp_size=2) with ZeRO stage 1" in out
+    assert resolve_config(target).parallelism.tp_size == 1
+
+
+def test_offload_is_only_offered_from_zero_stage_2(run_accel, tmp_path):
+    target = tmp_path / "z1.yaml"
+    result = run_accel("config", "--config_file", target, input="1\nyes\n2\n\n\n1\n")  # ZeRO 1, then defaults
+    assert result.returncode == 0, result.stderr
+    assert "Offload the optimizer" not in result.stdout
+    cfg = resolve_config(target)
+    assert (cfg.parallelism.zero_stage, cfg.parallelism.offload_optimizer) == (1, False)
