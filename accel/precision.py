@@ -32,6 +32,7 @@ class PrecisionPolicy:
         self.device_type = torch.device(device).type
         self.dtype: torch.dtype | None = _DTYPES[mode]
         self.autocast_kwargs = dict(autocast_kwargs or {})
+        self.float8 = None  # torchao's float8 training settings under fp8 (the recipe converts the Linear layers)
         self.scaler = None
         self.scaler_kwargs = dict(scaler_kwargs or {})
         if mode == "fp16":

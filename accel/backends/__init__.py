@@ -7,7 +7,7 @@ from __future__ import annotations
 from accel.config import ConfigError, ParallelismConfig
 
 # backend name -> module that implements (and registers) it
-BACKEND_MODULES = {"ddp": "accel.backends.ddp", "zero": "accel.backends.zero", "tensor": "accel.backends.tensor",
+BACKEND_MODULES = {"ddp": "accel.backends.spmd", "zero": "accel.backends.zero", "tensor": "accel.backends.spmd",
                    "pipeline": "accel.backends.pipeline"}
 
 
@@ -33,7 +33,7 @@ def check_available(parallelism: ParallelismConfig, num_processes: int | None = 
     """The backend's name, or a clear error when it is not available (never a silent fallback to DDP).
 
     Every rule about which parallelisms compose lives here; `accel launch`, `accel env` and `Accelerator()` run
-    it before any process starts (`accel config` does not yet: it would refuse configs its questionnaire saves)."""
+    it before any process starts (`accel config` re-asks the question that completed a refused combination)."""
     name = backend_name_for(parallelism)
     offload = parallelism.offload_optimizer or parallelism.offload_params
     if name == "pipeline" and offload:

@@ -87,6 +87,11 @@ class Backend:
         """Context in which backward accumulates locally without communicating."""
         return contextlib.nullcontext()
 
+    def pipeline_stages_step(self, stages: list, skip_sync: bool):
+        """Context in which a pipeline's `PipelineStage`s (whose modules this backend prepared) run one training
+        step; `skip_sync`: inside `accumulate`, without reducing gradients."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         loss.backward(**kwargs)
 

@@ -1,56 +1,57 @@
-"""Data parallelism with `torch.nn.parallel.DistributedDataParallel` (gloo on CPU, NCCL on CUDA).
-
-One process: the model is only moved to the device; nothing to wrap.
-"""
+"""Data parallelism with `torch.nn.parallel.DistributedDataParallel`, the recipe's last step when parameters stay
+whole (zero_stage 0 or 1): gradients are all-reduced in buckets during backward (gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accel.backends.base import Backend, register_backend
-from accel.backends.recipe import apply_activation_checkpointing
-from accel.kwargs import DistributedDataParallelKwargs, find_handler
+from accel.kwargs import DistributedDataParallelKwargs
 
 
-@register_backend("ddp")
-class DDPBackend(Backend):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._wrapped: list[weakref.ref] = []
-        self.state.add_release_callback(self.release)
+def apply_ddp(model: torch.nn.Module, group, device: torch.device,
+              handler: DistributedDataParallelKwargs | None = None) -> torch.nn.Module:
+    """`model` in DDP over `group` with the options of the user's `DistributedDataParallelKwargs` (and its
+    communication hook); a model with nothing to train (e.g. a frozen evaluation model) is returned as is, since
+    DDP refuses it."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return model
+    options = (handler or DistributedDataParallelKwargs()).to_kwargs()
+    comm_hook, comm_state = options.pop("comm_hook", None), options.pop("comm_state", None)
+    device_ids = [device.index] if device.type == "cuda" else None
+    wrapped = DDP(model, device_ids=device_ids, process_group=group, **options)
+    if comm_hook is not None:
+        wrapped.register_comm_hook(comm_state, comm_hook)
+    return wrapped
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
-        if device_placement:
-            model = model.to(self.state.device)
-        if not isinstance(model, DDP):
-            apply_activation_checkpointing(model, self.parallelism)
-        if self.data_parallel_size == 1 or isinstance(model, DDP):
-            return model
-        if not any(p.requires_grad for p in model.parameters()):
-            return model  # nothing to synchronise (e.g. a frozen evaluation model); DDP would refuse it
-        handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs) or DistributedDataParallelKwargs()
-        options = handler.to_kwargs()
-        comm_hook, comm_state = options.pop("comm_hook", None), options.pop("comm_state", None)
-        device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
-        wrapped = DDP(model, device_ids=device_ids, process_group=self.topology.group("dp", self.state.device.type),
-                      **options)
-        if comm_hook is not None:
-            wrapped.register_comm_hook(comm_state, comm_hook)
-        self._wrapped.append(weakref.ref(wrapped))
-        return wrapped
 
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if isinstance(model, DDP) else model
+@contextlib.contextmanager
+def ddp_pipeline_stages(stages: list, skip_sync: bool):
+    """How pipeline stages (`PipelineStage`) whose module is in DDP run a training step.
 
-    def no_sync(self, model: torch.nn.Module):
-        return model.no_sync() if isinstance(model, DDP) else super().no_sync(model)
+    With `skip_sync` (inside `accumulate`): on the modules inside their DDP wrappers, so there is no gradient
+    reduction and gradients accumulate locally (DDP's `no_sync`; PipelineStage would otherwise reduce after the
+    last micro-batch). The next step that goes through DDP reduces the accumulated gradients.
 
-    def release(self) -> None:
-        release_ddp([ref() for ref in self._wrapped])
-        self._wrapped.clear()
+    Otherwise: inside DDP's `no_sync`, where only the last micro-batch's backward reduces, as PipelineStage
+    arranges it. Its shape-inference forward on the first step then does not arm DDP's reducer either (armed,
+    the reducer counted that pass and the real one as one backward and failed its bucket rebuild with
+    "rebuilt parameter indices size is not same as original model parameters size" when
+    pp_microbatches == pp_size)."""
+    ddp = [(stage, stage.submod) for stage in stages if isinstance(stage.submod, DDP)]
+    with contextlib.ExitStack() as stack:
+        for stage, module in ddp:
+            if skip_sync:
+                stage.submod = module.module
+            else:
+                stack.enter_context(module.no_sync())
+        try:
+            yield
+        finally:
+            for stage, module in ddp:
+                stage.submod = module
 
 
 def release_ddp(modules: list) -> None:

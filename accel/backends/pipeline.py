@@ -364,7 +364,7 @@ class PipelineModel(nn.Module):
         self._training_step = target is not None and self.training and torch.is_grad_enabled()
         self._raw_losses: list = []
         if self._training_step:
-            with _ddp_stages(stages, self.skip_gradient_sync):
+            with backend.inner.pipeline_stages_step(stages, self.skip_gradient_sync):
                 output = schedule.step(target=target, **packed)
             self._tied_pending = bool(self.tied)
             backend.backward_ran = True
@@ -431,35 +431,6 @@ def _rename(state: dict, names: dict[str, str]) -> dict:
         return state
     return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
             "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
-
-
-@contextlib.contextmanager
-def _ddp_stages(stages: list, skip_sync: bool):
-    """How DDP stages run a training step.
-
-    With `skip_sync` (inside `accumulate`): on the modules inside their DDP wrappers, so there is no gradient
-    reduction and gradients accumulate locally (DDP's `no_sync`; PipelineStage would otherwise reduce after the
-    last micro-batch). The next step that goes through DDP reduces the accumulated gradients.
-
-    Otherwise: inside DDP's `no_sync`, where only the last micro-batch's backward reduces, as PipelineStage
-    arranges it. Its shape-inference forward on the first step then does not arm DDP's reducer either (armed,
-    the reducer counted that pass and the real one as one backward and failed its bucket rebuild with
-    "rebuilt parameter indices size is not same as original model parameters size" when
-    pp_microbatches == pp_size)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = [(stage, stage.submod) for stage in stages if isinstance(stage.submod, DistributedDataParallel)]
-    with contextlib.ExitStack() as stack:
-        for stage, module in ddp:
-            if skip_sync:
-                stage.submod = module.module
-            else:
-                stack.enter_context(module.no_sync())
-        try:
-            yield
-        finally:
-            for stage, module in ddp:
-                stage.submod = module
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,103 +1,95 @@
-"""Model transformations that several backends apply, as plain functions (the first steps toward one ordered
-recipe: materialize -> tensor parallel -> FSDP/DDP over the data-parallel dims).
+"""The recipe: every model transformation accel applies, as plain functions called in one fixed order by
+`parallelize` (torchtitan's `parallelize_*` is the model):
 
-ZeRO 2/3 and TP x DP shard with the same FSDP2 loop, and ZeRO and pipelines allocate meta-device models the
-same way; each is written once here, so no backend imports another's private names.
+    1. place on the device            (skipped for CPU offload and meta-device models)
+    2. materialize                    (a meta-device model that will not be sharded: allocate it whole)
+    3. float8 conversion              (mixed_precision fp8: torchao's Float8Linear)
+    4. tensor parallel                (tp_size > 1: DTensor over the `tp` sub-mesh)
+    5. activation checkpointing       (each repeated block recomputed in backward)
+    6. regional compilation           (torch.compile of each repeated block)
+    7. data parallelism over `dp`:    FSDP2 (ZeRO 2/3, or any data parallelism with TP) then materialize a
+                                      meta-device model's shards; or DDP (zero_stage 0/1)
+    8. whole-model compilation        (torch.compile of the wrapped model, as Accelerate does)
+
+Why this order: float8 must see plain `nn.Linear` before TP replaces their weights with DTensors; TP splits
+before FSDP shards (FSDP2 shards the local TP shards over `dp`); checkpointing and compilation wrap the blocks
+that FSDP then shards, so FSDP's gathers stay outside the recomputed and compiled regions. The pipeline
+backend cuts the model into stages and runs this same recipe on each stage.
+
+A new transformation is one function here (or in its own module) and one field of `Recipe`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Any, Callable
 
 import torch
 
-from accel.config import ConfigError
-
-DEFAULT_MIN_PARAMS = 100_000_000  # submodules this large get their own shard group when nothing repeats
-
-
-def repeated_blocks(model: torch.nn.Module, parallelism) -> list[torch.nn.Module]:
-    """The blocks that ZeRO shards and activation checkpointing recomputes one by one, outermost first: the
-    classes named in `zero_wrap_classes` if given, else the members of every `nn.ModuleList` (repeated blocks),
-    else submodules with at least `zero_min_params` parameters."""
-    names = {c.strip() for c in (parallelism.zero_wrap_classes or "").split(",") if c.strip()}
-    min_params = parallelism.zero_min_params or DEFAULT_MIN_PARAMS
-    if names:
-        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-        known = {type(m).__name__ for m in model.modules()}
-        unknown = names - known
-        if unknown:
-            raise ConfigError(f"parallelism.zero_wrap_classes: {sorted(unknown)} not found in the model; "
-                              f"its classes are: {', '.join(sorted(known))}")
-        return found
-    blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
-    if blocks:
-        return blocks
-    targets: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if sum(p.numel() for p in child.parameters()) >= min_params:
-                targets.append(child)
-            visit(child)
-
-    visit(model)
-    return targets
+from accel.backends.activation_checkpointing import apply_activation_checkpointing
+from accel.backends.blocks import repeated_blocks
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
-    """Recompute each repeated block (the blocks ZeRO shards one by one) in backward instead of keeping its
-    activations: torch's non-reentrant `checkpoint` around the block's own forward, so names, hooks and state
-    dicts are unchanged and it composes with DDP, FSDP2, TP and pipeline stages.
+@dataclasses.dataclass
+class Recipe:
+    """What `parallelize` does to one model, decided by the backend from the config and the topology."""
 
-    `full` keeps only each block's input; `selective` also keeps the outputs of matmuls and attention (the costly
-    ops) and recomputes the rest (norms, activations, elementwise ops). A transformers model's `use_cache` is
-    turned off, as transformers' own gradient checkpointing does."""
-    mode = parallelism.activation_checkpointing
-    if mode == "no":
-        return
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):  # as transformers' own gradient checkpointing does
-        config.use_cache = False  # a KV cache is state that the recomputation would update a second time
+    parallelism: Any  # the ParallelismConfig (zero_stage, activation_checkpointing, wrap classes)
+    precision: Any  # the PrecisionPolicy (FSDP's mixed-precision policy, float8)
+    device: torch.device
+    device_placement: bool = True
+    offload: bool = False  # FSDP2's CPU offload (parameters and optimizer step on the CPU)
+    tp_mesh: Any = None
+    tp_plan: dict[str, str] | None = None
+    data_parallel: str | None = None  # "fsdp", "ddp" or None (one data-parallel rank)
+    dp_mesh: Any = None  # FSDP2's mesh (None: the default group)
+    wrap_ddp: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # the backend's DDP (options, group)
+    compile: dict | None = None  # torch.compile's keyword arguments plus "regional"; None: eager
+
+
+def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
+    """Apply the recipe's steps to `model` in the documented order; return the model to train (DDP wraps it)."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    if recipe.device_placement and not on_meta and not recipe.offload:
+        model = model.to(recipe.device)
+    if on_meta and recipe.data_parallel != "fsdp":
+        materialize(model, recipe.device)
+    if recipe.precision.float8 is not None:
+        from accel.backends.float8 import convert_to_float8
+
+        convert_to_float8(model, recipe.precision.float8, fsdp=recipe.data_parallel == "fsdp")
+    if recipe.tp_plan is not None:
+        from accel.backends.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, recipe.tp_mesh, recipe.tp_plan)
+    apply_activation_checkpointing(model, recipe.parallelism)
+    options = dict(recipe.compile or {})
+    regional = options.pop("regional", False)
+    if recipe.compile is not None and regional:
+        compile_blocks(model, recipe.parallelism, options)
+    if recipe.data_parallel == "fsdp":
+        apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, recipe.precision, offload=recipe.offload,
+                   pin_memory=recipe.device.type == "cuda")
+        if on_meta:
+            materialize(model, "cpu" if recipe.offload else recipe.device)
+    elif recipe.data_parallel == "ddp":
+        model = recipe.wrap_ddp(model)
+    if recipe.compile is not None and not regional:
+        model.compile(**options)  # in place: names, state dicts and the wrapper type stay the user's
+    return model
+
+
+def compile_blocks(model: torch.nn.Module, parallelism, options: dict) -> None:
+    """Regional compilation (Accelerate's `compile_regions`): `torch.compile` each repeated block in place, the
+    outermost ones only. Identical blocks share one compiled graph, so compiling takes about as long as for one
+    block, and FSDP's per-block hooks stay outside the graphs."""
+    covered: set[int] = set()
     for block in repeated_blocks(model, parallelism):
-        if "_accel_checkpointed" in block.__dict__ or next(block.parameters(), None) is None:
-            continue  # already wrapped, or a stand-in for a block another pipeline stage holds
-        block._accel_checkpointed = block.forward
-        block.forward = _checkpointed(block.forward, mode)
-
-
-_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-              "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _checkpointed(forward, mode: str):
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-
-    options = {"use_reentrant": False}
-    if mode == "selective":
-        options["context_fn"] = _selective_contexts
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # evaluation: nothing to recompute
-        return checkpoint(forward, *args, **options, **kwargs)
-
-    return run
-
-
-def _selective_contexts():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    saved = {getattr(torch.ops.aten, name).default for name in _SAVED_OPS if hasattr(torch.ops.aten, name)}
-
-    def policy(_ctx, op, *_args, **_kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+        if id(block) in covered or next(block.parameters(), None) is None:
+            continue  # inside a compiled block, or a stand-in for a block another pipeline stage holds
+        block.compile(**options)
+        covered.update(id(m) for m in block.modules())
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,

@@ -5,79 +5,32 @@ What each rank keeps (fp32 AdamW, N ranks): stage 1 shards the optimizer state, 
 (and, with FSDP2, the parameters between steps), stage 3 also the parameters during forward/backward.
 Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and the optimizer step on the CPU
 (FSDP2's `CPUOffloadPolicy`).
+
+The model's side is the recipe's (spmd.py, recipe.py); what this backend adds is ZeRO-1's optimizer and its
+checkpoints.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
-from accel.backends.ddp import DDPBackend
-from accel.backends.recipe import apply_activation_checkpointing, apply_fsdp, fsdp_no_sync, materialize
+from accel.backends.base import refuse_stepped_optimizer, register_backend
+from accel.backends.spmd import SpmdBackend
 
 
 @register_backend("zero")
-class ZeroBackend(Backend):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        par = self.parallelism
-        self.stage = par.zero_stage
-        self.offload = par.offload_params or par.offload_optimizer
-        self.replacements = ParameterReplacements()
-        self._ddp = DDPBackend(*args, **kwargs) if self.stage == 1 else None  # stage 1 wraps the model in DDP
-
-    @property
-    def partial_gradients(self) -> bool:
-        """Stages 2/3 shard the gradients: each rank sees only its shard."""
-        return self.stage >= 2 and self.sharded
-
+class ZeroBackend(SpmdBackend):
     @property
     def sharded(self) -> bool:
-        """Whether parameters are really sharded (one process has nothing to shard with)."""
+        """Whether there is anything to shard with (one process keeps everything)."""
         return self.data_parallel_size > 1
-
-    # -- model ------------------------------------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
-        on_meta = any(p.is_meta for p in model.parameters())
-        if device_placement and not on_meta and not self.offload:
-            model = model.to(self.state.device)
-        apply_activation_checkpointing(model, self.parallelism)
-        if not self.sharded:
-            if on_meta:
-                materialize(model, self.state.device)
-            return model
-        if self.stage == 1:  # parameters stay whole: materialize, then plain DDP all-reduce for the gradients
-            if on_meta:
-                materialize(model, self.state.device)
-            return self._ddp.prepare_model(model, device_placement=False)
-        return self._fully_shard(model, on_meta)
-
-    def _fully_shard(self, model: torch.nn.Module, on_meta: bool) -> torch.nn.Module:
-        originals = self.replacements.snapshot(model)
-        mesh = self.topology.mesh(self.state.device.type)["dp"] if self.topology.degrees["dp"] > 1 else None
-        apply_fsdp(model, mesh, self.parallelism, self.precision, offload=self.offload,
-                   pin_memory=self.state.device.type == "cuda")
-        if on_meta:
-            materialize(model, "cpu" if self.offload else self.state.device)
-        self.replacements.record(originals, model)
-        return model
-
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if isinstance(model, DDP) else model
-
-    def forget(self) -> None:
-        self.replacements.clear()
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         refuse_stepped_optimizer(optimizer, "ZeRO")
-        if not self.sharded:
-            return optimizer
-        if self.stage == 1:
+        if self.parallelism.zero_stage == 1 and self.sharded:
             return self._zero_redundancy(optimizer)
-        self.replacements.track(optimizer)
-        return optimizer
+        return super().prepare_optimizer(optimizer, models)
 
     def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         import inspect
@@ -86,17 +39,10 @@ class ZeroBackend(Backend):
 
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. AdamW lacks one of Adam's
+        self.replacements.repoint(optimizer)  # a meta-device model's parameters -> the allocated ones
         groups = [dict(group) for group in optimizer.param_groups]
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                        process_group=self.topology.group("dp", self.state.device.type), **defaults)
-
-    # -- the step ---------------------------------------------------------------------------------------------
-    def no_sync(self, model: torch.nn.Module):
-        if isinstance(model, DDP):
-            return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):
-            return fsdp_no_sync(model)
-        return super().no_sync(model)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -123,14 +69,6 @@ class ZeroBackend(Backend):
         """The names of the optimizer's parameters in its index order (ZeroRedundancyOptimizer's state keys)."""
         names = {id(p): n for n, p in self.unwrap_model(model).named_parameters()}
         return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict:
-        if self.stage < 2 or not self.sharded:
-            return super().full_state_dict(model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _keyed_by_name(state: dict, order: list[str]) -> dict:

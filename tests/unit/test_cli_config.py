@@ -33,7 +33,7 @@ def test_questionnaire_with_piped_answers_and_a_reasked_question(run_accel, tmp_
         "BF16",     # choices are case-insensitive
         "4",        # gradient accumulation
         "2",        # ZeRO stage
-        "y",        # offload optimizer (asked because stage > 0)
+        "n",        # offload optimizer (asked because stage >= 2; with pp_size 2 it would be refused and re-asked)
         "",         # tp size -> default
         "2",        # pp size
         "gpipe",    # schedule (asked because pp > 1)
@@ -54,7 +54,7 @@ def test_questionnaire_with_piped_answers_and_a_reasked_question(run_accel, tmp_
     assert (cfg.num_machines, cfg.use_cpu, cfg.num_processes) == (1, True, 4)
     assert (cfg.mixed_precision, cfg.gradient_accumulation_steps) == ("bf16", 4)
     par = cfg.parallelism
-    assert (par.zero_stage, par.offload_optimizer, par.tp_size, par.pp_size) == (2, True, 1, 2)
+    assert (par.zero_stage, par.offload_optimizer, par.tp_size, par.pp_size) == (2, False, 1, 2)
     assert (par.pp_schedule, par.pp_microbatches) == ("GPipe", 8)
     assert not (tmp_path / "home" / ".cache").exists()  # HOME untouched when --config_file is given
 

@@ -1,0 +1,132 @@
+"""The backend of every layout in which each process runs the whole model (data parallelism, ZeRO, tensor
+parallelism and their combinations): it decides the recipe once from the config and the topology, and
+`recipe.parallelize` applies it. ZeRO-1's optimizer is the only behaviour a subclass adds (zero.py)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accel.backends import backend_name_for
+from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.backends.ddp import apply_ddp, ddp_pipeline_stages, release_ddp
+from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
+from accel.kwargs import DistributedDataParallelKwargs, find_handler
+
+
+def data_parallel_kind(parallelism, dp_size: int) -> str | None:
+    """How the `dp` dimension is run: FSDP2 when gradients (ZeRO 2/3) or split DTensor parameters (TP) are
+    sharded, since DDP does not take DTensors; DDP when parameters stay whole (zero_stage 0/1); None alone."""
+    if dp_size <= 1:
+        return None
+    return "fsdp" if parallelism.zero_stage >= 2 or parallelism.tp_size > 1 else "ddp"
+
+
+@register_backend("ddp")
+@register_backend("tensor")
+class SpmdBackend(Backend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        par = self.parallelism
+        self.name = backend_name_for(par)
+        self.data_parallel = data_parallel_kind(par, self.topology.dp_size)
+        self.offload = bool(par.offload_params or par.offload_optimizer) and self.data_parallel == "fsdp"
+        self.compile_options: dict | None = None  # set by the Accelerator from the dynamo config
+        self.fixed_plan: dict[str, str] | None = None  # plan_whole_model's, for a pipeline's stages
+        self.applied_plans: list[dict[str, str]] = []
+        self.replacements = ParameterReplacements()
+        self._wrapped: list[weakref.ref] = []
+        self.state.add_release_callback(self.release)
+
+    @property
+    def partial_gradients(self) -> bool:
+        """FSDP2 shards the gradients: each rank sees only its shard."""
+        return self.data_parallel == "fsdp"
+
+    @property
+    def splits_parameters(self) -> bool:
+        """Whether prepare replaces the model's parameters (sharded or split): the optimizer must not have stepped."""
+        return self.parallelism.zero_stage > 0 or self.parallelism.tp_size > 1
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def plan_whole_model(self, model: torch.nn.Module) -> None:
+        """TP's plan is checked (ties, divisibility) and printed on the whole model, then applied stage by stage."""
+        if self.parallelism.tp_size > 1:
+            self.fixed_plan = self._plan(model)
+
+    def _plan(self, model: torch.nn.Module) -> dict[str, str]:
+        from accel.backends.tensor import plan_for
+
+        return plan_for(model, self.parallelism, self.topology.tp_size, self.state.is_main_process)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        if isinstance(model, DDP) or "_accel_parallelized" in model.__dict__:
+            return model  # prepared before
+        device_type = self.state.device.type
+        mesh = self.topology.mesh(device_type) if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1 else None
+        recipe = Recipe(self.parallelism, self.precision, self.state.device, device_placement=device_placement,
+                        offload=self.offload, data_parallel=self.data_parallel, compile=self.compile_options,
+                        dp_mesh=mesh["dp"] if self.data_parallel == "fsdp" else None, wrap_ddp=self._wrap_ddp)
+        if self.parallelism.tp_size > 1:
+            from accel.backends.tensor import held_part
+
+            recipe.tp_mesh = mesh["tp"]
+            recipe.tp_plan = self._plan(model) if self.fixed_plan is None else held_part(self.fixed_plan, model)
+            self.applied_plans.append(recipe.tp_plan)
+        originals = self.replacements.snapshot(model)
+        prepared = parallelize(model, recipe)
+        inner = self.unwrap_model(prepared)
+        if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1:
+            inner._accel_parallelized = True  # sharded or split: once only (a DDP model is wrapped again)
+        self.replacements.record(originals, inner)  # FSDP2 and TP give the model new (DTensor) parameters
+        return prepared
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs)
+        wrapped = apply_ddp(model, self.topology.group("dp", self.state.device.type), self.state.device, handler)
+        if wrapped is not model:
+            self._wrapped.append(weakref.ref(wrapped))
+        return wrapped
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    # -- optimizer --------------------------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
+        if self.splits_parameters:
+            refuse_stepped_optimizer(optimizer, "ZeRO or tensor parallelism")
+        self.replacements.track(optimizer)
+        return optimizer
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module):
+        if isinstance(model, DDP):
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):
+            return fsdp_no_sync(model)
+        return super().no_sync(model)
+
+    def pipeline_stages_step(self, stages: list, skip_sync: bool):
+        return ddp_pipeline_stages(stages, skip_sync)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        if self.data_parallel != "fsdp" and self.parallelism.tp_size == 1:
+            return super().full_state_dict(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from accel.backends import fused
+
+        # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return fused.to_model_order(state, model)
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+    def forget(self) -> None:
+        self.replacements.clear()
+
+    def release(self) -> None:
+        release_ddp([ref() for ref in self._wrapped])
+        self._wrapped.clear()
