@@ -17,6 +17,7 @@ import torch
 from accel import ops
 from accel.accumulation import GradientState
 from accel.backends.base import select_backend
+from accel.backends.compilation import compile_options
 from accel.config import AccelConfig, ParallelismConfig, worker_config
 from accel.kwargs import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
 from accel.optimizer import AcceleratedOptimizer
@@ -56,21 +57,22 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list | None = None,
         dynamo_backend: Any = None,
+        dynamo_plugin: Any = None,
         even_batches: bool | None = None,
         **unsupported: Any,
     ) -> None:
-        for name, value in (("megatron_lm_plugin", megatron_lm_plugin), ("dynamo_backend", dynamo_backend)):
-            if value is not None and value != "no":
-                raise NotImplementedError(f"Accelerator({name}=...) {_NOT_YET}; use parallelism_config="
-                                          "ParallelismConfig(...) or the config file's parallelism section")
+        if megatron_lm_plugin is not None:
+            raise NotImplementedError(f"Accelerator(megatron_lm_plugin=...) {_NOT_YET}; use parallelism_config="
+                                      "ParallelismConfig(...) or the config file's parallelism section")
         if unsupported:
             raise TypeError(f"Accelerator() got unexpected keyword arguments: {', '.join(sorted(unsupported))}")
         from accel.data import DataLoaderConfiguration
-        from accel.plugins import apply_plugins
+        from accel.plugins import apply_plugins, dynamo_layer
 
-        self.config: AccelConfig = worker_config(apply_plugins(self._argument_layer(
-            mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, gradient_accumulation_plugin),
-            deepspeed_plugin, fsdp_plugin))
+        arguments = self._argument_layer(mixed_precision, gradient_accumulation_steps, cpu, parallelism_config,
+                                         gradient_accumulation_plugin)
+        arguments.update(dynamo_layer(dynamo_backend, dynamo_plugin))
+        self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin))
         self.deepspeed_plugin, self.fsdp_plugin = deepspeed_plugin, fsdp_plugin
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
@@ -90,6 +92,7 @@ class Accelerator:
         self._warn_trackers(log_with)
 
         backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
+        compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         self.state = PartialState(cpu=self.config.use_cpu, **(init.to_kwargs() if init else {}))
         check_device_matches(self.config, self.state.device)
@@ -106,7 +109,8 @@ class Accelerator:
             adjust_scheduler=getattr(plugin, "adjust_scheduler", True),
         )
         self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
-                                   self.kwargs_handlers, gradient_state=self.gradient_state)
+                                   self.kwargs_handlers, gradient_state=self.gradient_state,
+                                   compile_options=compiling)
         self.precision.choose_scaler(self.backend.partial_gradients)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []

@@ -18,6 +18,7 @@ error naming the argument when set to anything but their default; unknown argume
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,3 +333,78 @@ def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugi
 
 def _needs_base(plugin: Any) -> bool:
     return "zero_stage" not in plugin.to_layer(AccelConfig(parallelism={"zero_stage": 1})).get("parallelism", {})
+
+
+# -------------------------------------------------------------------------------------------------------------
+# torch.compile
+# -------------------------------------------------------------------------------------------------------------
+
+class DynamoBackend(str, enum.Enum):
+    """Accelerate's names for torch.compile backends (the config takes them in any case)."""
+
+    NO = "no"
+    EAGER = "eager"
+    AOT_EAGER = "aot_eager"
+    INDUCTOR = "inductor"
+    AOT_TS_NVFUSER = "aot_ts_nvfuser"
+    NVPRIMS_NVFUSER = "nvprims_nvfuser"
+    CUDAGRAPHS = "cudagraphs"
+    OFI = "ofi"
+    FX2TRT = "fx2trt"
+    ONNXRT = "onnxrt"
+    TENSORRT = "tensorrt"
+    AOT_TORCHXLA_TRACE_ONCE = "aot_torchxla_trace_once"
+    TORCHXLA_TRACE_ONCE = "torchxla_trace_once"
+    IPEX = "ipex"
+    TVM = "tvm"
+    HPU_BACKEND = "hpu_backend"
+
+
+@dataclass
+class TorchDynamoPlugin:
+    """Accelerate's `TorchDynamoPlugin`: the config's `dynamo_*` keys, given in code. Unset arguments leave the
+    config's values (files, `accel launch` flags) as they are; `options` goes to torch.compile as is."""
+
+    backend: Any = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    _NAME = "TorchDynamoPlugin"
+
+    def __post_init__(self) -> None:
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ConfigError(f"{self._NAME}: argument 'options': expected a dict of torch.compile options, got "
+                              f"{type(self.options).__name__}")
+
+    def to_layer(self) -> dict:
+        if self.disable:
+            return {"dynamo_backend": "no"}
+        given = {"dynamo_backend": self.backend, "dynamo_mode": self.mode, "dynamo_use_fullgraph": self.fullgraph,
+                 "dynamo_use_dynamic": self.dynamic, "dynamo_use_regional_compilation": self.use_regional_compilation}
+        names = {"dynamo_backend": "backend", "dynamo_mode": "mode", "dynamo_use_fullgraph": "fullgraph",
+                 "dynamo_use_dynamic": "dynamic", "dynamo_use_regional_compilation": "use_regional_compilation"}
+        layer = {}
+        for key, value in given.items():
+            if value is not None:
+                value = value.value if isinstance(value, enum.Enum) else value
+                layer[key] = _argument(self._NAME, names[key], value, TOP_FIELDS[key])
+        return layer
+
+
+def dynamo_layer(dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> dict:
+    """`Accelerator(dynamo_backend=...)` or `Accelerator(dynamo_plugin=...)` as a config layer (not both, as in
+    Accelerate)."""
+    if dynamo_backend is not None and dynamo_plugin is not None:
+        raise ConfigError("Accelerator: dynamo_backend and dynamo_plugin are both given; allowed: one of them")
+    if dynamo_plugin is not None:
+        if not isinstance(dynamo_plugin, TorchDynamoPlugin):
+            raise ConfigError(f"Accelerator: argument 'dynamo_plugin': expected accel.utils.TorchDynamoPlugin, got "
+                              f"{type(dynamo_plugin).__name__}")
+        return dynamo_plugin.to_layer()
+    if dynamo_backend is None:
+        return {}
+    return TorchDynamoPlugin(backend=dynamo_backend).to_layer()

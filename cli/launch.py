@@ -80,6 +80,11 @@ _FLAG_KEYS = {
     "pp_schedule": "parallelism.pp_schedule",
     "pp_microbatches": "parallelism.pp_microbatches",
     "activation_checkpointing": "parallelism.activation_checkpointing",
+    "dynamo_backend": "dynamo_backend",
+    "dynamo_mode": "dynamo_mode",
+    "dynamo_use_fullgraph": "dynamo_use_fullgraph",
+    "dynamo_use_dynamic": "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation": "dynamo_use_regional_compilation",
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
 }
 
@@ -119,6 +124,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "pp_microbatches", type=int, metavar="M", default=None, help="micro-batches per pipeline step")
     add_flag(train, "activation_checkpointing", metavar="{no,full,selective}", default=None,
              help="recompute each repeated block's activations in backward (saves activation memory)")
+    add_flag(train, "dynamo_backend", metavar="{no,inductor,eager,aot_eager,...}", default=None,
+             help="torch.compile the model with this backend (no: eager)")
+    add_flag(train, "dynamo_mode", metavar="{default,reduce-overhead,max-autotune,...}", default=None)
+    add_flag(train, "dynamo_use_fullgraph", action="store_true", default=None, help="compile without graph breaks")
+    add_flag(train, "dynamo_use_dynamic", action="store_true", default=None, help="compile with dynamic shapes")
+    add_flag(train, "dynamo_use_regional_compilation", action="store_true", default=None,
+             help="compile each repeated block (faster to compile) instead of the whole model")
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,
              help="a DeepSpeed JSON config: its ZeRO stage, offload, batch sizes, clipping, accumulation and fp16/bf16 "
                   "are used (over the config file; the other flags win); DeepSpeed itself is not needed")

@@ -19,9 +19,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
     mode = parallelism.activation_checkpointing
     if mode == "no":
         return
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):  # as transformers' own gradient checkpointing does
-        config.use_cache = False  # a KV cache is state that the recomputation would update a second time
+    disable_kv_cache(model)  # as transformers' own gradient checkpointing does: the recomputation would update
+    # the cache a second time
     for block in repeated_blocks(model, parallelism):
         if "_accel_checkpointed" in block.__dict__ or next(block.parameters(), None) is None:
             continue  # already wrapped, or a stand-in for a block another pipeline stage holds
@@ -61,3 +60,12 @@ def _selective_contexts():
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def disable_kv_cache(model: torch.nn.Module) -> None:
+    """Turn off a transformers model's `use_cache` default (generation still asks for a cache explicitly): a KV
+    cache is state that training does not use, that a recomputed block would update twice, and whose per-layer
+    state makes every compiled block recompile."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False

@@ -28,13 +28,15 @@ class Backend:
     partial_gradients = False  # True: a rank holds only part of the gradients (the precision policy's scaler)
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
-                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None) -> None:
+                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None,
+                 compile_options: dict | None = None) -> None:
         self.state = state
         self.topology = topology
         self.precision = precision
         self.parallelism = parallelism
         self.kwargs_handlers = list(kwargs_handlers or [])
         self.gradient_state = gradient_state  # accumulation steps, for backends that own the backward
+        self.compile_options = compile_options  # torch.compile's (compilation.compile_options), None: eager
 
     # -- data ------------------------------------------------------------------------------------------------
     @property

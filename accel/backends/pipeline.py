@@ -62,7 +62,8 @@ class PipelineBackend(Backend):
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.pp_rank]
         inner_parallelism = dataclasses.replace(par, pp_size=1)
         self.inner = select_backend(inner_parallelism)(self.state, self.topology, self.precision, inner_parallelism,
-                                                       self.kwargs_handlers, gradient_state=self.gradient_state)
+                                                       self.kwargs_handlers, gradient_state=self.gradient_state,
+                                                       compile_options=self.compile_options)
         self._models: list[PipelineModel] = []
         self.backward_ran = False  # set by a training call of a pipeline model, cleared by backward()
         self.materialized = ParameterReplacements()  # a meta-device model's parameters, once allocated

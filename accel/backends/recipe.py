@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from accel.backends.activation_checkpointing import apply_activation_checkpointing
+from accel.backends.activation_checkpointing import apply_activation_checkpointing, disable_kv_cache
 from accel.backends.blocks import repeated_blocks
+from accel.backends.compilation import compile_blocks
 
 
 @dataclasses.dataclass
@@ -66,6 +67,8 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     apply_activation_checkpointing(model, recipe.parallelism)
     options = dict(recipe.compile or {})
     regional = options.pop("regional", False)
+    if recipe.compile is not None:
+        disable_kv_cache(model)  # a KV cache's per-layer state would make every compiled block recompile
     if recipe.compile is not None and regional:
         compile_blocks(model, recipe.parallelism, options)
     if recipe.data_parallel == "fsdp":
@@ -78,18 +81,6 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if recipe.compile is not None and not regional:
         model.compile(**options)  # in place: names, state dicts and the wrapper type stay the user's
     return model
-
-
-def compile_blocks(model: torch.nn.Module, parallelism, options: dict) -> None:
-    """Regional compilation (Accelerate's `compile_regions`): `torch.compile` each repeated block in place, the
-    outermost ones only. Identical blocks share one compiled graph, so compiling takes about as long as for one
-    block, and FSDP's per-block hooks stay outside the graphs."""
-    covered: set[int] = set()
-    for block in repeated_blocks(model, parallelism):
-        if id(block) in covered or next(block.parameters(), None) is None:
-            continue  # inside a compiled block, or a stand-in for a block another pipeline stage holds
-        block.compile(**options)
-        covered.update(id(m) for m in block.modules())
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,

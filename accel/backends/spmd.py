@@ -33,7 +33,6 @@ class SpmdBackend(Backend):
         self.name = backend_name_for(par)
         self.data_parallel = data_parallel_kind(par, self.topology.dp_size)
         self.offload = bool(par.offload_params or par.offload_optimizer) and self.data_parallel == "fsdp"
-        self.compile_options: dict | None = None  # set by the Accelerator from the dynamo config
         self.fixed_plan: dict[str, str] | None = None  # plan_whole_model's, for a pipeline's stages
         self.applied_plans: list[dict[str, str]] = []
         self.replacements = ParameterReplacements()

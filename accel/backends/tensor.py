@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from accel.backends.tensor_parallel_styles import ColumnSplit, TransposedRowwise
+from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, TransposedRowwise
 from accel.backends.tensor_plan import (
     automatic_plan,
     check_divisible,
@@ -43,6 +43,8 @@ def _style(name: str, module: torch.nn.Module, tp_size: int):
         return ColumnSplit(out_dim=1, **({"output_layouts": Replicate()} if name == "colwise_rep" else {}))
     if is_conv1d(module) and name in ("rowwise", "rowwise_rep"):
         return TransposedRowwise(**({"input_layouts": Replicate()} if name == "rowwise_rep" else {}))
+    if isinstance(module, torch.nn.Embedding) and name in ("rowwise", "rowwise_rep"):
+        return EmbeddingRowwise(**({"input_layouts": Replicate()} if name == "rowwise_rep" else {}))
     return {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),

@@ -64,3 +64,16 @@ class TransposedRowwise(RowwiseParallel):
             module, device_mesh, self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class EmbeddingRowwise(RowwiseParallel):
+    """torch's row-wise embedding (vocabulary split, partial sums all-reduced), with the all-reduce waited for in
+    the output hook. torch's returns an AsyncCollectiveTensor; a compiled block that takes it as its input (Llama's
+    first decoder layer under regional compilation) fails in backward ("'Tensor' object has no attribute
+    '_local_tensor'", torch 2.13). Nothing runs between the embedding and its first use, so nothing is lost."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)  # synchronous
+        return outputs.to_local() if use_local_output else outputs

@@ -21,11 +21,11 @@ from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS, ConfigError, check_
 # Keys of Accelerate's config files that carry nothing accel acts on; accepted so their files load.
 ACCELERATE_IGNORED_KEYS = frozenset({
     "debug", "downcast_bf16", "enable_cpu_affinity", "main_training_function", "tpu_env", "tpu_use_cluster",
-    "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "commands", "command_file", "dynamo_config",
-    "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config", "use_mps_device", "dynamo_backend",
+    "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "commands", "command_file",
+    "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config", "use_mps_device",
     "num_cpu_threads_per_process", "ipex", "mpirun_hostfile",
 })
-ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config")
+ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config", "dynamo_config")
 DEEPSPEED_FILE_KEY = "deepspeed_config_file"  # a DeepSpeed JSON to read (top level, or in `deepspeed_config:`)
 KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
                   + tuple(sorted(ACCELERATE_IGNORED_KEYS)))
@@ -120,6 +120,21 @@ def from_parallelism_config_section(section: dict, source: str) -> dict:
     if sizes.get("dp_shard_size", 1) > 1:
         par["zero_stage"] = 3
     return par
+
+
+DYNAMO_KEYS = ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+               "dynamo_use_regional_compilation")
+
+
+def from_dynamo_section(section: dict, source: str) -> dict:
+    """Accelerate's `dynamo_config:` section (dynamo_backend: INDUCTOR, dynamo_mode, dynamo_use_fullgraph, ...):
+    the same names as accel's top-level keys."""
+    out = {}
+    for key, value in section.items():
+        if key not in DYNAMO_KEYS:
+            raise unknown_key(key, DYNAMO_KEYS, source, "dynamo_config.")
+        out[key] = check_value(value, TOP_FIELDS[key], f"dynamo_config.{key}", source)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

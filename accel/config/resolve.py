@@ -22,6 +22,7 @@ from accel.config.accelerate_import import (
     KNOWN_TOP_KEYS,
     deepspeed_path,
     from_deepspeed_section,
+    from_dynamo_section,
     from_fsdp_section,
     from_parallelism_config_section,
     read_deepspeed_config,
@@ -110,6 +111,8 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                 if str(raw.get("distributed_type", "FSDP")).upper() != "FSDP":
                     continue
                 par.update(from_fsdp_section(value, source))
+            elif key == "dynamo_config":  # the top-level keys of the same names win
+                out.update({k: v for k, v in from_dynamo_section(value, source).items() if k not in raw})
             else:
                 par.update(from_parallelism_config_section(value, source))
         elif key in ACCELERATE_IGNORED_KEYS:

@@ -33,6 +33,12 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 RDZV_BACKENDS = ("static", "c10d")
 ACTIVATION_CHECKPOINTING = ("no", "full", "selective")
+# Accelerate's DynamoBackend names (lower case, as torch.compile takes them); which ones this torch really has is
+# checked when the Accelerator is built (torch._dynamo.list_backends)
+DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
+                   "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm",
+                   "hpu_backend")
+DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -115,6 +121,13 @@ class AccelConfig:
     gradient_accumulation_steps: int = _spec(1, int, lo=1)
     rdzv_backend: str = _spec("static", str, choices=RDZV_BACKENDS)
     same_network: bool = _spec(True, bool)
+    dynamo_backend: str = _spec("no", str, choices=DYNAMO_BACKENDS,
+                                help="torch.compile backend; no: eager (Accelerate's key and flag)")
+    dynamo_mode: str = _spec("default", str, choices=DYNAMO_MODES)
+    dynamo_use_fullgraph: bool = _spec(False, bool)
+    dynamo_use_dynamic: bool | None = _spec(None, bool, optional=True, help="null: torch.compile decides")
+    dynamo_use_regional_compilation: bool = _spec(False, bool,
+                                                  help="compile each repeated block instead of the whole model")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ def __getattr__(name: str):
         import accel.checkpoint
 
         return getattr(accel.checkpoint, name)
-    if name in ("DeepSpeedPlugin", "FullyShardedDataParallelPlugin"):
+    if name in ("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "DynamoBackend"):
         import accel.plugins
 
         return getattr(accel.plugins, name)
@@ -64,6 +64,6 @@ __all__ = [
     "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
-    "skip_first_batches", "GradientAccumulationPlugin", "ProjectConfiguration", "load_checkpoint_in_model",
+    "skip_first_batches", "GradientAccumulationPlugin", "TorchDynamoPlugin", "DynamoBackend", "ProjectConfiguration", "load_checkpoint_in_model",
     *_MODELING, *_OFFLOAD,
 ]

@@ -1,8 +1,9 @@
 """Real model shapes on every backend: tiny transformers models from configs (GPT-2 with Conv1D, fused q/k/v
 and a tied head; Llama tied and untied; BERT with a tied MLM head), each trained under DDP, ZeRO 1/2/3,
 ZeRO-2 and ZeRO-3 with CPU offload, TP 2, DP 2 x TP 2, ZeRO-3 x TP 2, PP 2, PP 2 x TP 2, PP 2 x DP 2, PP 2 x ZeRO-1
-and PP 2 x ZeRO-3 (pipelines: GPT-2 and Llama), and activation checkpointing (selective under DDP and TP 2, full
-under ZeRO-3 and PP 2), against plain PyTorch on one process.
+and PP 2 x ZeRO-3 (pipelines: GPT-2 and Llama), activation checkpointing (selective under DDP and TP 2, full
+under ZeRO-3 and PP 2) and regional torch.compile with inductor (DDP, ZeRO-3 with full checkpointing, TP 2, PP 2),
+against plain PyTorch (eager) on one process.
 
 One launch runs every 2-process backend (one Accelerator after another), one the 4-process layouts.
 Checked per (backend, model): per-step losses and clipped norms (atol 1e-5, fp32), final weights (atol 1e-5),
@@ -23,7 +24,8 @@ pytest.importorskip("transformers")
 
 ATOL = 1e-5
 TWO = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "tp2", "pp2",
-       "ddp_ac_selective", "zero3_ac", "tp2_ac_selective", "pp2_ac"]
+       "ddp_ac_selective", "zero3_ac", "tp2_ac_selective", "pp2_ac",
+       "ddp_compile", "zero3_ac_compile", "tp2_compile", "pp2_compile"]
 MODELS = ["gpt2", "llama_tied", "llama_untied", "bert"]
 TIES = {"gpt2": [["transformer.wte.weight", "lm_head.weight"]],
         "llama_tied": [["model.embed_tokens.weight", "lm_head.weight"]], "llama_untied": [],
@@ -95,8 +97,11 @@ def test_ties_resume_and_from_pretrained(runs, backend, name):
     assert json.loads(record["saved_metadata"].get("accel_tied", "{}")) == aliases  # ... with the tie's record
     assert record["logits_diff"] <= ATOL
     # activation checkpointing wraps every repeated block this process holds (2 layers; a pipeline stage: 1)
-    expected_blocks = 0 if "_ac" not in backend else (1 if backend.startswith("pp") else 2)
-    assert record["checkpointed_blocks"] == expected_blocks
+    per_process = 1 if backend.startswith("pp") else 2
+    assert record["checkpointed_blocks"] == (per_process if "_ac" in backend else 0)
+    # regional compilation compiles each of those blocks in place, and torch.compile really captured graphs
+    assert record["compiled_blocks"] == (per_process if "compile" in backend else 0)
+    assert (record["compiled_graphs"] > 0) == ("compile" in backend)
 
 
 def test_tensor_parallel_plans_are_printed(runs):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from accel import Accelerator, ParallelismConfig
-from accel.utils import set_seed
+from accel.utils import TorchDynamoPlugin, set_seed
 
 STEPS, SAVE_AT, GLOBAL_BATCH, SEQ, VOCAB, LR, MAX_NORM = 4, 2, 4, 8, 64, 1e-2, 1.0
 
@@ -33,6 +33,15 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "zero3_ac": {"zero_stage": 3, "activation_checkpointing": "full"},
     "tp2_ac_selective": {"tp_size": 2, "activation_checkpointing": "selective"},
     "pp2_ac": {"pp_size": 2, "pp_microbatches": 2, "activation_checkpointing": "full"},
+    # regional torch.compile (inductor) on 4 backends, with activation checkpointing under ZeRO-3
+    "ddp_compile": {"dynamo": {"backend": "inductor", "use_regional_compilation": True}},
+    "zero3_ac_compile": {"zero_stage": 3, "activation_checkpointing": "full",
+                         "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
+    "tp2_compile": {"tp_size": 2, "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
+    "pp2_compile": {"pp_size": 2, "pp_microbatches": 2,
+                    "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
+    "ddp_compile_whole": {"dynamo": {"backend": "inductor"}},  # not in the test (slow): checked by hand
+    "zero3_compile_whole": {"zero_stage": 3, "dynamo": {"backend": "inductor"}},
     "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
     "zero3xtp2": {"tp_size": 2, "zero_stage": 3},  # on 4 processes: dp 2 x tp 2 with parameters resharded
     "pp2xdp2": {"pp_size": 2, "pp_microbatches": 2},  # on 4 processes: DDP per stage
@@ -114,7 +123,10 @@ class Run:
 
     def __init__(self, backend: str, out: Path, keep_checkpoints: bool = False) -> None:
         self.backend, self.out, self.keep_checkpoints = backend, out, keep_checkpoints
-        self.accelerator = Accelerator(parallelism_config=ParallelismConfig(**BACKENDS[backend]))
+        fields = dict(BACKENDS[backend])
+        dynamo = fields.pop("dynamo", None)
+        self.accelerator = Accelerator(parallelism_config=ParallelismConfig(**fields),
+                                       dynamo_plugin=TorchDynamoPlugin(**dynamo) if dynamo else None)
 
     def check_ties(self, model, groups: list[list[str]]) -> bool:
         """Every tied group is one parameter object in what this process holds (pipelines: the stages' own)."""
@@ -156,22 +168,27 @@ class Run:
         with torch.no_grad():
             logits = _logits(model(input_ids=batches()[0].to(acc.device)))
         checkpointed = sum("_accel_checkpointed" in m.__dict__ for m in acc.unwrap_model(model).modules())
+        compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in acc.unwrap_model(model).modules())
         return {"model": model, "losses": losses, "norms": norms, "ties": all(ties), "weights": weights,
-                "checkpointed": checkpointed,
+                "checkpointed": checkpointed, "compiled": compiled,
                 "logits": logits.detach().float().cpu()}
 
     def run(self, name: str) -> dict:
         acc = self.accelerator
         tag = f"{self.backend}-{name}"
         checkpoint, folder = self.out / f"{tag}-ckpt", self.out / f"{tag}-model"
+        torch._dynamo.reset()  # this process compiles many model classes: each starts within the recompile limit
+        graphs = _compiled_graphs()
         full = self.train(name, 0, checkpoint)
+        graphs = _compiled_graphs() - graphs
         acc.save_model(full["model"], str(folder))
         acc.free_memory()
         resumed = self.train(name, SAVE_AT, checkpoint)
         acc.free_memory()
         record = {"losses": full["losses"], "norms": full["norms"], "ties": full["ties"] and resumed["ties"],
                   "resumed_losses": resumed["losses"], "dp_size": acc.backend.data_parallel_size,
-                  "checkpointed_blocks": full["checkpointed"]}
+                  "checkpointed_blocks": full["checkpointed"], "compiled_blocks": full["compiled"],
+                  "compiled_graphs": graphs}
         if acc.is_main_process:
             record["resume_mismatch"] = sorted(k for k, v in full["weights"].items()
                                                if not torch.equal(v, resumed["weights"][k]))
@@ -199,6 +216,13 @@ class Run:
             if self.accelerator.is_main_process:  # every rank refuses; one prints (their lines would interleave)
                 print(f"CheckpointError: {exc}", flush=True)
             raise SystemExit(3) from None
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has captured in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _logits(outputs):
