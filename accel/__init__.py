@@ -23,6 +23,7 @@ _LAZY = {
     "GradScalerKwargs": "accel.kwargs",
     "InitProcessGroupKwargs": "accel.kwargs",
     "AutocastKwargs": "accel.kwargs",
+    "AORecipeKwargs": "accel.kwargs",
     "GradientAccumulationPlugin": "accel.accumulation",
     "DeepSpeedPlugin": "accel.plugins", "FullyShardedDataParallelPlugin": "accel.plugins",
     "set_seed": "accel.utils.random",

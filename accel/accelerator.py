@@ -19,7 +19,7 @@ from accel.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
 from accel.config import AccelConfig, ParallelismConfig, worker_config
-from accel.kwargs import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
+from accel.kwargs import AORecipeKwargs, AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import PrecisionPolicy
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
@@ -101,7 +101,8 @@ class Accelerator:
         autocast = find_handler(self.kwargs_handlers, AutocastKwargs)
         self.precision = PrecisionPolicy(self.config.mixed_precision, self.state.device,
                                          scaler.to_kwargs() if scaler else None,
-                                         autocast.to_kwargs() if autocast else None)
+                                         autocast.to_kwargs() if autocast else None,
+                                         find_handler(self.kwargs_handlers, AORecipeKwargs))
         plugin = gradient_accumulation_plugin
         self.gradient_state = GradientState(
             num_steps=self.config.gradient_accumulation_steps,
@@ -150,7 +151,8 @@ class Accelerator:
         for handler in self.kwargs_handlers:
             if not isinstance(handler, KwargsHandler):
                 raise TypeError(f"kwargs_handlers: {handler!r} is not a kwargs handler; allowed: "
-                                "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs")
+                                "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, "
+                                "AORecipeKwargs")
             find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
 
     @staticmethod

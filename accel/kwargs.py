@@ -60,6 +60,16 @@ class AutocastKwargs(KwargsHandler):
     cache_enabled: bool | None = None
 
 
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """Accelerate's recipe for mixed_precision fp8 with torchao: `config` is a `torchao.float8.Float8LinearConfig`
+    (None: torchao's defaults, with float8 all-gather under ZeRO 2/3), `module_filter_func(module, name)` chooses
+    the layers to convert (None: accel's default, see accel/backends/float8.py)."""
+
+    config: Any = None
+    module_filter_func: Callable | None = None
+
+
 def find_handler(handlers, cls: type) -> KwargsHandler | None:
     """The handler of type `cls` among the user's kwargs_handlers, if any (at most one of each kind)."""
     found = [h for h in (handlers or []) if isinstance(h, cls)]

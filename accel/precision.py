@@ -2,6 +2,8 @@
 
 `no`: float32 throughout. `bf16`: autocast to bfloat16, no scaling (bf16 has float32's range).
 `fp16`: autocast to float16 plus dynamic loss scaling; a step with inf/nan gradients is skipped.
+`fp8`: the recipe converts the chosen Linear layers to torchao's Float8Linear (float8 matmuls with dynamic
+scales); everything else runs as `bf16`.
 Master weights stay float32 in every mode. Works on CPU and CUDA alike.
 """
 
@@ -16,23 +18,21 @@ import torch
 from accel.config import MIXED_PRECISIONS, ConfigError
 from accel.ops import recursively_apply
 
-_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class PrecisionPolicy:
     """One object that answers every precision question for the Accelerator and the backends."""
 
     def __init__(self, mode: str, device: torch.device, scaler_kwargs: dict | None = None,
-                 autocast_kwargs: dict | None = None) -> None:
+                 autocast_kwargs: dict | None = None, float8_recipe=None) -> None:
         if mode not in MIXED_PRECISIONS:
             raise ConfigError(f"mixed_precision: bad value {mode!r}; allowed: one of {', '.join(MIXED_PRECISIONS)}")
-        if mode == "fp8":
-            raise ConfigError("mixed_precision: 'fp8' is not available yet in accel; allowed now: no, bf16, fp16")
         self.mode = mode
         self.device_type = torch.device(device).type
         self.dtype: torch.dtype | None = _DTYPES[mode]
         self.autocast_kwargs = dict(autocast_kwargs or {})
-        self.float8 = None  # torchao's float8 training settings under fp8 (the recipe converts the Linear layers)
+        self.float8 = _float8_settings(torch.device(device), float8_recipe) if mode == "fp8" else None
         self.scaler = None
         self.scaler_kwargs = dict(scaler_kwargs or {})
         if mode == "fp16":
@@ -130,6 +130,20 @@ class PrecisionPolicy:
                 optimizer.step = own
         self.scaler.update()
         return not stepped
+
+
+def _float8_settings(device: torch.device, recipe):
+    """torchao's settings for fp8 (accel/backends/float8.py converts the layers): emulated where the device has no
+    float8 matmul (the CPU); refused in one line on a GPU without one, or without torchao."""
+    from accel.backends.float8 import INSTALL, Float8Settings, torchao_installed
+
+    if not torchao_installed():
+        raise ConfigError(f"mixed_precision: fp8 needs torchao; install it with {INSTALL}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"mixed_precision: fp8 needs a GPU with float8 matmuls (compute capability 8.9+, e.g. L4, "
+                          f"H100), this one has {torch.cuda.get_device_capability(device)}; allowed: bf16 or fp16")
+    return Float8Settings(config=getattr(recipe, "config", None),
+                          module_filter=getattr(recipe, "module_filter_func", None), emulate=device.type != "cuda")
 
 
 def _is_low_precision(obj: Any) -> bool:

@@ -43,6 +43,7 @@ class Recipe:
     offload: bool = False  # FSDP2's CPU offload (parameters and optimizer step on the CPU)
     tp_mesh: Any = None
     tp_plan: dict[str, str] | None = None
+    float8_layers: set[str] | None = None  # chosen on the whole model (pipelines); None: on this model
     data_parallel: str | None = None  # "fsdp", "ddp" or None (one data-parallel rank)
     dp_mesh: Any = None  # FSDP2's mesh (None: the default group)
     wrap_ddp: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # the backend's DDP (options, group)
@@ -59,7 +60,7 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if recipe.precision.float8 is not None:
         from accel.backends.float8 import convert_to_float8
 
-        convert_to_float8(model, recipe.precision.float8, fsdp=recipe.data_parallel == "fsdp")
+        convert_to_float8(model, recipe.precision.float8, recipe.data_parallel == "fsdp", recipe.float8_layers)
     if recipe.tp_plan is not None:
         from accel.backends.tensor import apply_tensor_parallel
 

@@ -34,6 +34,7 @@ class SpmdBackend(Backend):
         self.data_parallel = data_parallel_kind(par, self.topology.dp_size)
         self.offload = bool(par.offload_params or par.offload_optimizer) and self.data_parallel == "fsdp"
         self.fixed_plan: dict[str, str] | None = None  # plan_whole_model's, for a pipeline's stages
+        self.fixed_float8_layers: set[str] | None = None  # likewise
         self.applied_plans: list[dict[str, str]] = []
         self.replacements = ParameterReplacements()
         self._wrapped: list[weakref.ref] = []
@@ -51,9 +52,14 @@ class SpmdBackend(Backend):
 
     # -- model ------------------------------------------------------------------------------------------------
     def plan_whole_model(self, model: torch.nn.Module) -> None:
-        """TP's plan is checked (ties, divisibility) and printed on the whole model, then applied stage by stage."""
+        """TP's plan (checked for ties and divisibility, and printed) and the float8 layers are chosen on the whole
+        model, then applied stage by stage."""
         if self.parallelism.tp_size > 1:
             self.fixed_plan = self._plan(model)
+        if self.precision.float8 is not None:
+            from accel.backends.float8 import float8_layers
+
+            self.fixed_float8_layers = float8_layers(model, self.precision.float8)
 
     def _plan(self, model: torch.nn.Module) -> dict[str, str]:
         from accel.backends.tensor import plan_for
@@ -67,7 +73,8 @@ class SpmdBackend(Backend):
         mesh = self.topology.mesh(device_type) if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1 else None
         recipe = Recipe(self.parallelism, self.precision, self.state.device, device_placement=device_placement,
                         offload=self.offload, data_parallel=self.data_parallel, compile=self.compile_options,
-                        dp_mesh=mesh["dp"] if self.data_parallel == "fsdp" else None, wrap_ddp=self._wrap_ddp)
+                        dp_mesh=mesh["dp"] if self.data_parallel == "fsdp" else None, wrap_ddp=self._wrap_ddp,
+                        float8_layers=self.fixed_float8_layers)
         if self.parallelism.tp_size > 1:
             from accel.backends.tensor import held_part
 

@@ -22,10 +22,10 @@ from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS, ConfigError, check_
 ACCELERATE_IGNORED_KEYS = frozenset({
     "debug", "downcast_bf16", "enable_cpu_affinity", "main_training_function", "tpu_env", "tpu_use_cluster",
     "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "commands", "command_file",
-    "ipex_config", "mpirun_config", "megatron_lm_config", "fp8_config", "use_mps_device",
+    "ipex_config", "mpirun_config", "megatron_lm_config", "use_mps_device",
     "num_cpu_threads_per_process", "ipex", "mpirun_hostfile",
 })
-ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config", "dynamo_config")
+ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config", "dynamo_config", "fp8_config")
 DEEPSPEED_FILE_KEY = "deepspeed_config_file"  # a DeepSpeed JSON to read (top level, or in `deepspeed_config:`)
 KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
                   + tuple(sorted(ACCELERATE_IGNORED_KEYS)))
@@ -135,6 +135,23 @@ def from_dynamo_section(section: dict, source: str) -> dict:
             raise unknown_key(key, DYNAMO_KEYS, source, "dynamo_config.")
         out[key] = check_value(value, TOP_FIELDS[key], f"dynamo_config.{key}", source)
     return out
+
+
+# Transformer Engine's and MS-AMP's settings: Accelerate keeps them in fp8_config whichever backend is chosen
+_FP8_OTHER_BACKENDS_KEYS = ("fp8_format", "amax_history_len", "amax_compute_algo", "margin", "interval",
+                            "override_linear_precision", "use_autocast_during_eval", "opt_level")
+
+
+def check_fp8_section(section: dict, source: str) -> None:
+    """Accelerate's `fp8_config:` section: accel's fp8 is torchao's (`backend: AO`); Transformer Engine (TE) and
+    MS-AMP are refused in one line, their tuning keys are accepted and not used."""
+    for key, value in section.items():
+        if key == "backend":
+            if str(value).upper() != "AO":
+                raise ConfigError(f"{source}: key 'fp8_config.backend': {value!r} is not supported by accel; allowed: "
+                                  "AO (torchao's float8 training)")
+        elif key not in _FP8_OTHER_BACKENDS_KEYS:
+            raise unknown_key(key, ("backend",) + _FP8_OTHER_BACKENDS_KEYS, source, "fp8_config.")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from accel.config.accelerate_import import (
     ACCELERATE_SECTIONS,
     DEEPSPEED_FILE_KEY,
     KNOWN_TOP_KEYS,
+    check_fp8_section,
     deepspeed_path,
     from_deepspeed_section,
     from_dynamo_section,
@@ -111,6 +112,8 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                 if str(raw.get("distributed_type", "FSDP")).upper() != "FSDP":
                     continue
                 par.update(from_fsdp_section(value, source))
+            elif key == "fp8_config":
+                check_fp8_section(value, source)
             elif key == "dynamo_config":  # the top-level keys of the same names win
                 out.update({k: v for k, v in from_dynamo_section(value, source).items() if k not in raw})
             else:

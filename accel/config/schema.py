@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import tempfile
@@ -301,6 +302,9 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     if gpu_ids.lower() != "all" and not all(part.isdigit() for part in gpu_ids.split(",")):
         raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
                           "list of GPU indices like \"0,1\"")
+    if cfg.mixed_precision == "fp8" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it with "
+                          "pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
 
 
 

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from accel.config import ParallelismConfig
-from accel.kwargs import AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler
+from accel.kwargs import (
+    AORecipeKwargs,
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
 from accel.ops import (
     broadcast,
     broadcast_object_list,
@@ -61,7 +68,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "AORecipeKwargs", "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
     "skip_first_batches", "GradientAccumulationPlugin", "TorchDynamoPlugin", "DynamoBackend", "ProjectConfiguration", "load_checkpoint_in_model",

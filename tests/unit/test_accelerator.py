@@ -190,8 +190,12 @@ def test_degrees_that_do_not_divide_the_world_are_refused():
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
 
 
-def test_fp8_and_unknown_arguments_are_clear_errors():
-    with pytest.raises(ConfigError, match="'fp8' is not available yet"):
+def test_fp8_without_torchao_and_unknown_arguments_are_clear_errors(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"fp8 needs torchao.*pip install 'accel\[fp8\]'"):
         Accelerator(cpu=True, mixed_precision="fp8")
     with pytest.raises(ConfigError, match="mixed_precision.*'fp32'.*allowed: one of no, fp16, bf16, fp8"):
         Accelerator(cpu=True, mixed_precision="fp32")
