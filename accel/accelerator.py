@@ -18,7 +18,7 @@ from accel import ops
 from accel.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
-from accel.config import AccelConfig, ParallelismConfig, worker_config
+from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
 from accel.kwargs import AORecipeKwargs, AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import PrecisionPolicy
@@ -72,7 +72,9 @@ class Accelerator:
         arguments = self._argument_layer(mixed_precision, gradient_accumulation_steps, cpu, parallelism_config,
                                          gradient_accumulation_plugin)
         arguments.update(dynamo_layer(dynamo_backend, dynamo_plugin))
-        self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin))
+        layers = worker_layers()  # read once: a plugin's default stage depends on them, then the arguments go on top
+        base = build_config(*layers) if deepspeed_plugin is not None or fsdp_plugin is not None else None
+        self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin, base), layers)
         self.deepspeed_plugin, self.fsdp_plugin = deepspeed_plugin, fsdp_plugin
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:

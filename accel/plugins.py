@@ -306,8 +306,9 @@ def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugi
                   base: AccelConfig | None = None) -> dict:
     """The `Accelerator(...)` layer with a plugin applied: the plugin's layer under the plain arguments
     (`mixed_precision=`, `gradient_accumulation_steps=` win), except that the plugin's parallelism keys win
-    over `parallelism_config=` (which sets every field). `base` defaults to `accel.config.worker_config()`
-    (the files or the launched config) and is only read when the plugin names no stage."""
+    over `parallelism_config=` (which sets every field). `base` is the config without the Accelerator's
+    arguments (the files or the launched config, resolved once by the caller); it is only read when the plugin
+    names no stage, and when omitted then, resolved here."""
     if deepspeed_plugin is None and fsdp_plugin is None:
         return argument_layer
     if deepspeed_plugin is not None and fsdp_plugin is not None:

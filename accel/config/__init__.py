@@ -34,6 +34,7 @@ from accel.config.resolve import (
     resolve_launch_config,
     user_config_path,
     worker_config,
+    worker_layers,
 )
 from accel.config.schema import (
     ACTIVATION_CHECKPOINTING,
@@ -67,5 +68,5 @@ __all__ = [
     "check_value", "compact_gpu_ids", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",
     "default_user_config_path", "divides_world", "encode_for_workers", "file_layers", "launched_config",
     "merge_layers", "model_parallel_size", "parse_layer", "read_config_file", "read_deepspeed_config",
-    "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config",
+    "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config", "worker_layers",
 ]

@@ -251,15 +251,19 @@ def encode_for_workers(cfg: AccelConfig) -> str:
     return json.dumps(cfg.to_dict(), separators=(",", ":"))
 
 
-def worker_config(overrides: dict | None = None) -> AccelConfig:
-    """What an `Accelerator` starts from: the launched config if any, else the files; then its own arguments."""
+def worker_layers() -> tuple[list[dict], str]:
+    """The layers an `Accelerator` starts from (the launched config if any, else the files) and their source."""
     launched = launched_config()
     if launched is None:
-        layers = file_layers()
-        source = str(user_config_path() or PACKAGED_DEFAULT)
-    else:
-        layers = [parse_layer(launched.to_dict(), f"${LAUNCH_ENV}")]
-        source = f"${LAUNCH_ENV}"
+        return file_layers(), str(user_config_path() or PACKAGED_DEFAULT)
+    return [parse_layer(launched.to_dict(), f"${LAUNCH_ENV}")], f"${LAUNCH_ENV}"
+
+
+def worker_config(overrides: dict | None = None, base: tuple[list[dict], str] | None = None) -> AccelConfig:
+    """What an `Accelerator` runs with: `base` (worker_layers(), read once by the caller) or the launched config or
+    files; then its own arguments."""
+    layers, source = base if base is not None else worker_layers()
+    layers = list(layers)
     if overrides:
         layers.append(parse_layer(overrides, "Accelerator(...) arguments"))
         source = f"{source} + Accelerator(...) arguments"
