@@ -40,8 +40,11 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "tp2_compile": {"tp_size": 2, "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
     "pp2_compile": {"pp_size": 2, "pp_microbatches": 2,
                     "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
-    "ddp_compile_whole": {"dynamo": {"backend": "inductor"}},  # not in the test (slow): checked by hand
+    # whole-model compilation: not in the test (slow), run by hand (README)
+    "ddp_compile_whole": {"dynamo": {"backend": "inductor"}},
     "zero3_compile_whole": {"zero_stage": 3, "dynamo": {"backend": "inductor"}},
+    "tp2_compile_whole": {"tp_size": 2, "dynamo": {"backend": "inductor"}},
+    "pp2_compile_whole": {"pp_size": 2, "pp_microbatches": 2, "dynamo": {"backend": "inductor"}},
     "pp2xtp2": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2},
     "zero3xtp2": {"tp_size": 2, "zero_stage": 3},  # on 4 processes: dp 2 x tp 2 with parameters resharded
     "pp2xdp2": {"pp_size": 2, "pp_microbatches": 2},  # on 4 processes: DDP per stage
