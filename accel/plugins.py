@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.config import (
+    DYNAMO_BACKENDS,
     PARALLEL_FIELDS,
     TOP_FIELDS,
     AccelConfig,
@@ -340,25 +341,8 @@ def _needs_base(plugin: Any) -> bool:
 # torch.compile
 # -------------------------------------------------------------------------------------------------------------
 
-class DynamoBackend(str, enum.Enum):
-    """Accelerate's names for torch.compile backends (the config takes them in any case)."""
-
-    NO = "no"
-    EAGER = "eager"
-    AOT_EAGER = "aot_eager"
-    INDUCTOR = "inductor"
-    AOT_TS_NVFUSER = "aot_ts_nvfuser"
-    NVPRIMS_NVFUSER = "nvprims_nvfuser"
-    CUDAGRAPHS = "cudagraphs"
-    OFI = "ofi"
-    FX2TRT = "fx2trt"
-    ONNXRT = "onnxrt"
-    TENSORRT = "tensorrt"
-    AOT_TORCHXLA_TRACE_ONCE = "aot_torchxla_trace_once"
-    TORCHXLA_TRACE_ONCE = "torchxla_trace_once"
-    IPEX = "ipex"
-    TVM = "tvm"
-    HPU_BACKEND = "hpu_backend"
+# Accelerate's names for torch.compile backends (DynamoBackend.INDUCTOR == "inductor"), from the config's list
+DynamoBackend = enum.Enum("DynamoBackend", {name.upper(): name for name in DYNAMO_BACKENDS}, type=str)
 
 
 @dataclass

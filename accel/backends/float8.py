@@ -13,6 +13,7 @@ casts and scales with a higher-precision matmul, so CPU runs follow the same num
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -53,7 +54,11 @@ def float8_layers(model: torch.nn.Module, settings: Float8Settings) -> set[str]:
     """The names of the Linear layers to convert, chosen on the whole model (a pipeline stage converts its part of
     this one choice: its own first and last Linear layers are not the model's)."""
     keep = settings.module_filter or default_filter(model)
-    return {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and keep(m, name)}
+    chosen = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and keep(m, name)}
+    if not chosen:
+        warnings.warn(f"mixed_precision fp8: no layer of {type(model).__name__} qualifies for float8 (an nn.Linear with "
+                      "dimensions multiples of 16, not the first or the last one); it trains in bf16", stacklevel=3)
+    return chosen
 
 
 def convert_to_float8(model: torch.nn.Module, settings: Float8Settings, fsdp: bool,

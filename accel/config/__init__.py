@@ -39,6 +39,8 @@ from accel.config.resolve import (
 from accel.config.schema import (
     ACTIVATION_CHECKPOINTING,
     DISTRIBUTED_TYPES,
+    DYNAMO_BACKENDS,
+    DYNAMO_MODES,
     MIXED_PRECISIONS,
     PARALLEL_FIELDS,
     PP_SCHEDULES,
@@ -61,7 +63,7 @@ _allowed = allowed_values
 _check_value = check_value
 
 __all__ = [
-    "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY",
+    "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY", "DYNAMO_BACKENDS", "DYNAMO_MODES",
     "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "LAUNCH_ENV", "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
     "PP_SCHEDULES", "RDZV_BACKENDS", "TOP_FIELDS", "USER_CONFIG_ENV", "AccelConfig", "ConfigError",
     "DeepSpeedConfigWarning", "ParallelismConfig", "allowed_values", "build_config", "check_consistency",

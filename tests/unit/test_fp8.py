@@ -63,3 +63,14 @@ def test_recipe_kwargs_choose_the_layers_and_the_config():
     loss = model(input_ids=tokens, labels=tokens).loss
     accelerator.backward(loss)
     assert torch.isfinite(loss) and model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_a_model_with_no_qualifying_layer_is_warned_about():
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear; its only Linear is the head (the last one)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                                                                 n_positions=16))
+    accelerator = Accelerator(cpu=True, mixed_precision="fp8")
+    with pytest.warns(UserWarning, match="no layer of GPT2LMHeadModel qualifies for float8.*it trains in bf16"):
+        accelerator.prepare(model)
