@@ -628,3 +628,15 @@ class Accelerator:
 
 def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def __getattr__(name: str):
+    """Names Accelerate's `accelerate.accelerator` module also provides (scripts import them from there)."""
+    import accel
+
+    if name in ("DataLoaderConfiguration", "GradientAccumulationPlugin", "ProjectConfiguration", "DeepSpeedPlugin",
+                "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs",
+                "InitProcessGroupKwargs", "AutocastKwargs", "AORecipeKwargs", "PartialState", "AcceleratorState",
+                "GradientState", "DistributedType"):
+        return getattr(accel, name) if name != "GradientState" else getattr(accel.state, name)
+    raise AttributeError(f"module 'accel.accelerator' has no attribute {name!r}")

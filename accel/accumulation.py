@@ -18,6 +18,10 @@ class GradientState:
         self.step = 0
         self.dataloader_references: list = []  # stack of loaders being iterated (innermost last)
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's name (its test helpers call it between tests); each Accelerator owns its own state here."""
+
     # -- data loaders report their iteration here -------------------------------------------------------
     def _add_dataloader(self, loader) -> None:
         self.dataloader_references.append(loader)

@@ -11,6 +11,11 @@ from typing import Any, Callable
 import torch
 
 
+
+class DistributedOperationException(Exception):
+    """A collective called with inputs that do not match across processes (Accelerate's name)."""
+
+
 def is_tensor_like(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
@@ -124,24 +129,42 @@ def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
     return object_list
 
 
+_REDUCE_OPS = ("sum", "mean", "max", "min", "none")
+
+
 def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Sum (or mean) each tensor over all processes; returns new tensors, inputs are left alone."""
+    """Sum, mean, max or min of each tensor over all processes (Accelerate's `reduce`); returns new tensors, inputs
+    are left alone."""
     import torch.distributed as dist
 
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduce: bad reduction {reduction!r}; allowed: sum, mean, none")
+    if reduction not in _REDUCE_OPS:
+        raise ValueError(f"reduce: bad reduction {reduction!r}; allowed: {', '.join(_REDUCE_OPS)}")
+    op = {"max": "MAX", "min": "MIN"}.get(reduction, "SUM")
 
     def _one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         if reduction == "none":
             return out
         if _world() > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
         if reduction == "mean":
             out = out / _world()
         return out * scale if scale != 1.0 else out
 
     return recursively_apply(_one, tensor)
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor that exactly one process has (the others pass None), on every process; unlike `broadcast`, the
+    others need not know its shape or which process has it."""
+    from accel.state import PartialState
+
+    state = PartialState()
+    described = gather_object([None if tensor is None else (tuple(tensor.shape), tensor.dtype)])
+    shape, dtype = next(d for d in described if d is not None)
+    if tensor is None:
+        tensor = torch.zeros(shape, dtype=dtype, device=state.device)
+    return reduce(tensor, reduction="sum")
 
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:

@@ -204,8 +204,21 @@ class PartialState:
             cls._instance.destroy()
         cls._instance = None
 
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's name (its test helpers call it between tests): forget the process state."""
+        cls._reset_for_tests()
+
 
 AcceleratorState = PartialState
+
+
+def __getattr__(name: str):
+    if name == "GradientState":  # Accelerate's scripts import it from accelerate.state
+        from accel.accumulation import GradientState
+
+        return GradientState
+    raise AttributeError(f"module 'accel.state' has no attribute {name!r}")
 
 
 def check_device_matches(config, device: torch.device) -> None:

@@ -134,6 +134,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,
              help="a DeepSpeed JSON config: its ZeRO stage, offload, batch sizes, clipping, accumulation and fp16/bf16 "
                   "are used (over the config file; the other flags win); DeepSpeed itself is not needed")
+    add_flag(parser, "accelerate_shim", action="store_true", default=False,
+             help="run a script written for Hugging Face Accelerate unchanged: `import accelerate` (and its "
+                  "submodules) gives accel")
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a Python module name, as `python -m` does")
     parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
@@ -288,6 +291,10 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     check_available(cfg.parallelism, cfg.num_processes)  # refuse before starting any process
+    if args.accelerate_shim:
+        from accel.shim import PATH
+
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PATH, os.environ.get("PYTHONPATH")) if p)
     visible = cuda_visible_devices(cfg)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs

@@ -23,7 +23,7 @@ from accel.ops import (
     send_to_device,
 )
 from accel.state import DistributedType
-from accel.utils.random import set_seed
+from accel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_states
 
 
 # big-model inference helpers, imported on first use
@@ -60,6 +60,12 @@ def __getattr__(name: str):
         import accel.utils.offload
 
         return getattr(accel.utils.offload, name)
+    if name.startswith("is_") or name in ("compare_versions", "str_to_bool", "check_cuda_fp8_capability",
+                                          "parse_flag_from_env"):
+        import accel.utils.imports
+
+        if hasattr(accel.utils.imports, name):
+            return getattr(accel.utils.imports, name)
     if name == "GradientAccumulationPlugin":
         from accel.accumulation import GradientAccumulationPlugin
 
@@ -69,7 +75,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AORecipeKwargs", "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "KwargsHandler", "ParallelismConfig", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
+    "KwargsHandler", "ParallelismConfig", "synchronize_rng_state", "synchronize_rng_states", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
     "skip_first_batches", "GradientAccumulationPlugin", "TorchDynamoPlugin", "DynamoBackend", "ProjectConfiguration", "load_checkpoint_in_model",
     *_MODELING, *_OFFLOAD,

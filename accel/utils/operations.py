@@ -1,0 +1,16 @@
+"""Accelerate's module name for the collective operations (`from accelerate.utils.operations import ...`)."""
+
+from accel.ops import (  # noqa: F401
+    DistributedOperationException,
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    copy_tensor_to_devices,
+    gather,
+    gather_object,
+    is_tensor_like,
+    pad_across_processes,
+    recursively_apply,
+    reduce,
+    send_to_device,
+)

@@ -1,0 +1,104 @@
+"""Run Accelerate's own test scripts on accel (through the shim) and, for comparison, on Accelerate itself, on 1 and
+2 CPU processes; print per test function whether it passed (on every rank) and the totals, and write them as JSON.
+
+    python tests/accelerate_compat/measure.py --out /tmp/compat [--scripts test_ops,test_sync] [--impl accel]
+
+A function passes when every rank recorded it as passed. A launch that hangs is stopped after --timeout seconds;
+functions it had not finished count as failed ("did not finish")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ["test_script", "test_sync", "test_ops", "test_distributed_data_loop", "test_notebook", "test_ddp_comm_hook"]
+
+
+def launch_command(impl: str, procs: int, script: str, out: Path) -> list[str]:
+    runner = [str(HERE / "run_script.py"), script, str(out)]
+    if impl == "accel":
+        return [sys.executable, "-m", "accel.cli.main", "launch", "--accelerate_shim", "--cpu",
+                "--num_processes", str(procs), *runner]
+    # Accelerate's --cpu runs one process; --multi_gpu on a machine without GPUs is its multi-CPU (gloo) launch
+    mode = "--cpu" if procs == 1 else "--multi_gpu"
+    return [sys.executable, "-m", "accelerate.commands.launch", mode, "--num_processes", str(procs),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(_free_port()), *runner]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(impl: str, procs: int, script: str, out: Path, timeout: int) -> dict:
+    """{function (with its call's arguments): "pass" | error text}, and how the launch ended."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HOME": str(out),  # no saved configs
+           "ACCELERATE_USE_CPU": "true"}  # Accelerate: gloo on CPU (MULTI_CPU) with its --multi_gpu launch
+    try:
+        proc = subprocess.run(launch_command(impl, procs, script, out), env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=HERE.parents[1])
+        ended = f"exit {proc.returncode}"
+        tail = (proc.stdout + proc.stderr)[-2000:]
+    except subprocess.TimeoutExpired:
+        ended, tail = f"timed out after {timeout} s", ""
+    per_rank = []
+    for rank in range(procs):
+        path = out / f"rank{rank}.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        per_rank.append(lines)
+    results: dict[str, str] = {}
+    longest = max(per_rank, key=len)
+    for index, entry in enumerate(longest):
+        if entry["function"] == "<main finished>":
+            continue
+        key = f"{entry['function']}({entry.get('args', '')})"
+        while key in results:
+            key += "'"
+        outcomes = [r[index] if index < len(r) else None for r in per_rank]
+        if all(o is not None and o.get("ok") for o in outcomes):
+            results[key] = "pass"
+        else:
+            failed = next((o for o in outcomes if o is not None and not o.get("ok")), None)
+            results[key] = "did not finish" if failed is None else f"{failed['error']} [{failed.get('where', '')}]"
+    return {"results": results, "ended": ended, "tail": tail}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scripts", default=",".join(SCRIPTS))
+    parser.add_argument("--impl", default="accel,accelerate")
+    parser.add_argument("--procs", default="1,2")
+    parser.add_argument("--timeout", type=int, default=300)
+    args = parser.parse_args()
+    out = Path(args.out)
+    report = {}
+    for impl in args.impl.split(","):
+        for procs in map(int, args.procs.split(",")):
+            for script in args.scripts.split(","):
+                tag = f"{impl}-{procs}p-{script}"
+                report[tag] = run(impl, procs, script, out / tag, args.timeout)
+                results = report[tag]["results"]
+                passed = sum(v == "pass" for v in results.values())
+                print(f"{tag}: {passed}/{len(results)} passed ({report[tag]['ended']})", flush=True)
+                for key, value in results.items():
+                    if value != "pass":
+                        print(f"    FAIL {key}: {value}", flush=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
