@@ -340,6 +340,7 @@ class Accelerator:
             seed=self._shared_data_seed(),
             gradient_state=self.gradient_state,
             non_blocking=self.dataloader_config.non_blocking,
+            use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
         )
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu
@@ -468,6 +469,94 @@ class Accelerator:
 
     def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
         return self.state.on_process(function, process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        return self.state.on_local_process(function, local_process_index)
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module):
+        """Inside `no_sync`, make the next backward reduce the gradients (the model ran several forwards)."""
+        return self.backend.sync_in_backward(model)
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next `check_trigger()` on every process sees it (e.g. to stop together)."""
+        self._trigger = torch.ones((), device=self.device)
+
+    def check_trigger(self) -> bool:
+        """Whether any process called `set_trigger()` since the last check (all processes take part); the flags are
+        cleared."""
+        flag = getattr(self, "_trigger", None)
+        flag = torch.zeros((), device=self.device) if flag is None else flag
+        raised = bool(ops.reduce(flag, "sum").item() >= 1)
+        self._trigger = None
+        return raised
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None):
+        """Train on data loaders whose processes get different numbers of batches (`even_batches=False`): torch's
+        `Join` lets the processes that ran out shadow the others' gradient all-reduces, for DDP models on GPUs and,
+        unlike Accelerate, on CPU processes (gloo) too. `even_batches` overrides the prepared map-style loaders'
+        setting inside the block."""
+        from accel.data import BatchSamplerShard
+
+        restore = []
+        if even_batches is not None:
+            samplers = [getattr(d, "batch_sampler", None) for d in self._dataloaders]
+            if any(not isinstance(s, BatchSamplerShard) for s in samplers):
+                warnings.warn("join_uneven_inputs(even_batches=...): overriding even_batches is only supported for "
+                              "map-style datasets; iterable data loaders keep their setting", stacklevel=3)
+            for sampler in samplers:
+                if isinstance(sampler, BatchSamplerShard):
+                    restore.append((sampler, sampler.even_batches))
+                    sampler.even_batches = even_batches
+        try:
+            with self.backend.join(joinables):
+                yield
+        finally:
+            for sampler, value in restore:
+                sampler.even_batches = value
+
+    # -- Accelerate's read-only views ------------------------------------------------------------------------
+    @property
+    def parallelism_config(self) -> ParallelismConfig:
+        return self.config.parallelism
+
+    @property
+    def torch_device_mesh(self):
+        """The DeviceMesh of the parallel dimensions (pp, dp, tp), or None on one process."""
+        return self.topology.mesh(self.device.type) if self.use_distributed else None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.topology.coordinates(self.process_index)["dp"]
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.topology.coordinates(self.process_index)["tp"]
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.topology.coordinates(self.process_index)["pp"]
+
+    @property
+    def multi_device(self) -> bool:
+        """Several accelerator devices (Accelerate's: MULTI_GPU and the like; not several CPU processes)."""
+        return self.use_distributed and self.device.type != "cpu"
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    @property
+    def non_blocking(self) -> bool:
+        return getattr(self.dataloader_config, "non_blocking", False)
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return getattr(self.dataloader_config, "use_seedable_sampler", False)
+
+    @property
+    def dispatch_batches(self):
+        return getattr(self.dataloader_config, "dispatch_batches", None)
 
     # ------------------------------------------------------------------------------------------------------
     # models and lifetime

@@ -60,7 +60,8 @@ class DataLoaderConfiguration:
 
     def __post_init__(self):
         if self.dispatch_batches:
-            raise NotImplementedError("accel does not support dispatch_batches=True yet; each rank loads its own data.")
+            raise NotImplementedError("DataLoaderConfiguration(dispatch_batches=True) is not available yet in accel; "
+                                      "each rank loads its own share (dispatch_batches=False)")
         if self.use_stateful_dataloader:
             raise NotImplementedError("accel does not support use_stateful_dataloader=True yet.")
 
@@ -74,9 +75,12 @@ class SeedableRandomSampler(RandomSampler):
     It never reads the global RNG, so iterating it cannot perturb model initialisation or dropout.
     """
 
-    def __init__(self, data_source, replacement: bool = False, num_samples: Optional[int] = None, seed: int = 0):
-        super().__init__(data_source, replacement=replacement, num_samples=num_samples)
-        self.seed = int(seed)
+    def __init__(self, data_source, replacement: bool = False, num_samples: Optional[int] = None,
+                 seed: Optional[int] = None, generator=None, data_seed: Optional[int] = None):
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples, generator=generator)
+        # Accelerate's order of precedence: data_seed, else the seed torch was given (set_seed)
+        chosen = data_seed if data_seed is not None else seed
+        self.seed = int(torch.random.initial_seed() if chosen is None else chosen)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -89,6 +93,7 @@ class SeedableRandomSampler(RandomSampler):
             yield from torch.randperm(n, generator=generator).tolist()
         else:  # replacement / custom num_samples: torch's algorithm, fed our generator
             yield from RandomSampler(self.data_source, self.replacement, self.num_samples, generator=generator)
+        self.epoch += 1  # as Accelerate's: a plain DataLoader over it reshuffles each pass (prepared ones set it)
 
 
 class _Head:
@@ -428,11 +433,19 @@ class DataLoaderShard(DataLoader):
             self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "seed": self.seed}
+        state = {"iteration": self.iteration, "seed": self.seed}
+        generator = followed_generator(self)
+        if generator is not None:  # mid-epoch: the state the epoch's shuffle was drawn from
+            started = self.__dict__.get("_epoch_start_state")
+            state["generator_state"] = (generator.get_state() if started is None else started).clone()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.iteration = int(state_dict["iteration"])
         self.seed = int(state_dict.get("seed", self.seed))
+        generator = followed_generator(self)
+        if generator is not None and "generator_state" in state_dict:
+            generator.set_state(torch.as_tensor(state_dict["generator_state"], dtype=torch.uint8).cpu())
         sampler = getattr(getattr(self._shard, "batch_sampler", None), "sampler", None)
         if isinstance(sampler, SeedableRandomSampler):
             sampler.seed = self.seed
@@ -443,6 +456,13 @@ class DataLoaderShard(DataLoader):
         self.set_epoch(epoch)
         # torch draws the workers' base seed from `self.generator` (the global RNG when it is None).
         self.generator = torch.Generator().manual_seed(self.seed + epoch)
+        followed = followed_generator(self)
+        if followed is not None:  # every rank shuffles from the main process's generator state, as Accelerate does
+            from accel.utils.random import synchronize_rng_state
+
+            synchronize_rng_state("generator", generator=followed)
+            self._epoch_start_state = followed.get_state()
+            self.generator = followed  # torch draws the workers' base seed from it first, as the user's loader does
         if self.gradient_state is not None:
             self.gradient_state._add_dataloader(self)
         try:
@@ -477,6 +497,7 @@ class DataLoaderShard(DataLoader):
 
     def _finish_epoch(self, epoch: int) -> None:
         self.iteration = epoch + 1
+        self._epoch_start_state = None
         if self._parent is not None:  # a skip_first_batches view: the real loader moves to the next epoch
             self._parent.iteration += 1
 
@@ -520,21 +541,36 @@ class SkipDataLoader(DataLoader):
 # ----------------------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------------------
-def _seedable(sampler, seed: int):
-    """Replace a RandomSampler by one that shuffles as a function of (seed, epoch); keep anything else."""
+def _seedable(sampler, seed: int, use_seedable_sampler: bool = False):
+    """Replace a RandomSampler by one that shuffles as a function of (seed, epoch); keep anything else. A
+    RandomSampler with the user's own `generator` is kept (its order follows that generator, as in Accelerate)
+    unless `use_seedable_sampler` asks for the seedable one."""
     if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+        if sampler.generator is not None and not use_seedable_sampler:
+            return sampler
         return SeedableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, seed=seed)
     return sampler
 
 
-def _global_batch_sampler(dataloader: DataLoader, seed: int):
+def _global_batch_sampler(dataloader: DataLoader, seed: int, use_seedable_sampler: bool = False):
     """The original loader's batch order, made seedable; batches of one index when it does not batch."""
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
-        return BatchSampler(_seedable(dataloader.sampler, seed), 1, False)
+        return BatchSampler(_seedable(dataloader.sampler, seed, use_seedable_sampler), 1, False)
     if type(batch_sampler) is BatchSampler:
-        return BatchSampler(_seedable(batch_sampler.sampler, seed), batch_sampler.batch_size, batch_sampler.drop_last)
+        return BatchSampler(_seedable(batch_sampler.sampler, seed, use_seedable_sampler), batch_sampler.batch_size,
+                            batch_sampler.drop_last)
     return batch_sampler  # custom batch sampler: kept as is, sharded batch by batch
+
+
+def followed_generator(loader: DataLoader):
+    """The user's `torch.Generator` that a prepared loader's shuffle follows (a kept RandomSampler's), or None."""
+    shard = getattr(loader, "_shard", None)
+    sampler = getattr(getattr(shard, "batch_sampler", None), "sampler", None)
+    if type(sampler) is RandomSampler or (isinstance(sampler, RandomSampler)
+                                          and not isinstance(sampler, SeedableRandomSampler)):
+        return sampler.generator
+    return None
 
 
 def prepare_data_loader(
@@ -548,8 +584,27 @@ def prepare_data_loader(
     seed: Optional[int] = None,
     gradient_state=None,
     non_blocking: bool = False,
+    use_seedable_sampler: bool = False,
+    data_seed: Optional[int] = None,
+    dispatch_batches: Optional[bool] = None,
+    rng_types=None,
+    slice_fn_for_dispatch=None,
+    torch_device_mesh=None,
+    use_stateful_dataloader: bool = False,
 ) -> DataLoaderShard:
-    """Rebuild `dataloader` over the same dataset so that it yields this process's share of each epoch."""
+    """Rebuild `dataloader` over the same dataset so that it yields this process's share of each epoch.
+
+    Accelerate's arguments: `use_seedable_sampler` shuffles as a function of (seed, epoch) also where the user gave
+    a generator (without it, a RandomSampler with a generator follows that generator, synchronised from the main
+    process each epoch); `data_seed` is the seed; `rng_types`, `slice_fn_for_dispatch` and `torch_device_mesh` are
+    accepted (each rank loads its own share; no RNG other than the loader's is synchronised)."""
+    if dispatch_batches:
+        raise NotImplementedError("prepare_data_loader(dispatch_batches=True) is not available yet in accel; each "
+                                  "rank loads its own share (dispatch_batches=False)")
+    if use_stateful_dataloader:
+        raise NotImplementedError("prepare_data_loader(use_stateful_dataloader=True) is not available yet in accel")
+    if data_seed is not None:
+        seed = data_seed
     if not 0 <= process_index < num_processes:
         raise ValueError(f"process_index ({process_index}) must be in [0, num_processes={num_processes}).")
     seed = 0 if seed is None else int(seed)
@@ -576,7 +631,7 @@ def prepare_data_loader(
         )
         batch_size = None if unbatched else shard.part
         return DataLoaderShard(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
-    shard = BatchSamplerShard(_global_batch_sampler(dataloader, seed), **shard_args)
+    shard = BatchSamplerShard(_global_batch_sampler(dataloader, seed, use_seedable_sampler), **shard_args)
     if unbatched:
         return DataLoaderShard(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
     return DataLoaderShard(dataset, batch_sampler=shard, **settings, **kwargs)

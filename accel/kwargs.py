@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -17,9 +18,21 @@ class KwargsHandler:
                 if getattr(self, f.name) != getattr(defaults, f.name)}
 
 
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's names for torch's DDP communication hooks (`torch.distributed.algorithms.ddp_comm_hooks`)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """Options of `torch.nn.parallel.DistributedDataParallel`."""
+    """Options of `torch.nn.parallel.DistributedDataParallel`. `comm_hook` is a `DDPCommunicationHookType` (gradients
+    compressed to fp16/bf16, or PowerSGD), optionally wrapped by an fp16/bf16 `comm_wrapper`, with PowerSGD's
+    `comm_state_option`s (Accelerate's); or a hook function of your own with its `comm_state`."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -28,8 +41,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    comm_hook: Callable | None = None
+    comm_hook: Callable | str | None = None
     comm_state: Any = None
+    comm_wrapper: str | None = None
+    comm_state_option: dict = field(default_factory=dict)
 
 
 @dataclass

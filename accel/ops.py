@@ -67,6 +67,39 @@ def _world(group=None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+def _debug_mode() -> bool:
+    from accel.state import PartialState
+
+    state = PartialState._instance
+    return bool(state is not None and state.__dict__.get("debug"))
+
+
+def _shapes(data: Any):
+    if isinstance(data, torch.Tensor):
+        return list(data.shape)
+    if isinstance(data, Mapping):
+        return {k: _shapes(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_shapes(v) for v in data]
+    return None
+
+
+def verify_operation(operation: str, data: Any, group=None) -> None:
+    """Debug mode (`ACCELERATE_DEBUG_MODE=1`, or `PartialState().debug = True`): before a collective, every process
+    compares the shapes it was given; a mismatch raises `DistributedOperationException` on every process, naming
+    each one's shapes, where gloo or NCCL would otherwise hang or abort."""
+    if _world(group) == 1 or not _debug_mode():
+        return
+    shapes = [None] * _world(group)
+    import torch.distributed as dist
+
+    dist.all_gather_object(shapes, _shapes(data), group=group)
+    if any(shape != shapes[0] for shape in shapes):
+        listed = "; ".join(f"process {i}: {shape}" for i, shape in enumerate(shapes))
+        raise DistributedOperationException(f"{operation}: the processes' tensors have different shapes ({listed}); "
+                                            "every process must pass tensors of the same shapes")
+
+
 def _gather_one(tensor: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -88,6 +121,7 @@ def gather(tensor: Any, group=None) -> Any:
     everywhere."""
     if _world(group) == 1:
         return gathered_alone(tensor)
+    verify_operation("gather", tensor, group)
     return recursively_apply(lambda t: _gather_one(t, group), tensor)
 
 
@@ -113,6 +147,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
 
     if _world() == 1:
         return tensor
+    verify_operation("broadcast", tensor)
 
     def _one(t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, src=from_process)
@@ -140,6 +175,7 @@ def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     if reduction not in _REDUCE_OPS:
         raise ValueError(f"reduce: bad reduction {reduction!r}; allowed: {', '.join(_REDUCE_OPS)}")
     op = {"max": "MAX", "min": "MIN"}.get(reduction, "SUM")
+    verify_operation("reduce", tensor)
 
     def _one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
@@ -169,6 +205,8 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along `dim` to the largest size any process has, so it can be gathered."""
+    if _debug_mode():  # only the padded dimension may differ: the number of dimensions must agree
+        verify_operation("pad_across_processes", recursively_apply(lambda t: t.new_empty((0,) * t.ndim), tensor))
 
     def _one(t: torch.Tensor) -> torch.Tensor:
         if _world() == 1 or t.ndim == 0 or dim >= t.ndim:

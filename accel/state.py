@@ -36,6 +36,7 @@ class DistributedType(str, enum.Enum):
     MULTI_SDAA = "MULTI_SDAA"
     MULTI_MUSA = "MULTI_MUSA"
     MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
     def __str__(self) -> str:
         return self.value
@@ -74,6 +75,9 @@ class PartialState:
         self.process_index = _env_int("RANK", 0)
         self.local_process_index = _env_int("LOCAL_RANK", 0)
         self.use_cpu = cpu
+        # Accelerate's debug mode: collectives check that every process passes the same shapes (accel.ops)
+        self.debug = os.environ.get("ACCELERATE_DEBUG_MODE", os.environ.get("ACCEL_DEBUG_MODE", "0")).lower() in (
+            "1", "true", "yes", "on")
         if not cpu and torch.cuda.is_available():
             self.device = torch.device("cuda", self.local_process_index % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)
@@ -163,6 +167,27 @@ class PartialState:
             return lambda f: self.on_process(f, process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
 
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        if function is None:
+            return lambda f: self.on_local_process(f, local_process_index)
+        return self._only_if(function, lambda: self.local_process_index == local_process_index)
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.__dict__.get("_initialized"))
+
+    @property
+    def default_device(self) -> torch.device:
+        """The device this process would use (Accelerate's): its GPU under CUDA, else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_process_index % max(torch.cuda.device_count(), 1))
+        return torch.device("cpu")
+
+    def set_device(self) -> None:
+        """Make this process's device the current one (CUDA); nothing to do on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     @staticmethod
     def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
         import functools
@@ -198,10 +223,30 @@ class PartialState:
             dist.destroy_process_group()
         self._owns_group = False
 
+    def destroy_process_group(self, group=None) -> None:
+        """Accelerate's name for the end of a distributed run: release what uses the group, then destroy it (a
+        `group` given is destroyed alone)."""
+        if group is not None:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+            return
+        self.destroy()
+
+    def __getattr__(self, name: str):
+        if name in ("num_processes", "process_index", "local_process_index", "device", "backend", "use_cpu"):
+            raise AttributeError(f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+                                 "`AcceleratorState._reset_state()` was called and an `Accelerator` or `PartialState` "
+                                 "was not reinitialized.")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     @classmethod
     def _reset_for_tests(cls) -> None:
         if cls._instance is not None and cls._instance._initialized:
             cls._instance.destroy()
+            known = ("num_processes", "process_index", "local_process_index", "device", "backend", "use_cpu")
+            for name in known:  # as Accelerate's shared state: an object kept from before the reset is unusable
+                cls._instance.__dict__.pop(name, None)
+            cls._instance._initialized = False
         cls._instance = None
 
     @classmethod

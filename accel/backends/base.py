@@ -89,6 +89,19 @@ class Backend:
         """Context in which backward accumulates locally without communicating."""
         return contextlib.nullcontext()
 
+    def join(self, joinables: list):
+        """Context for data-parallel ranks with different numbers of batches (Accelerate's `join_uneven_inputs`)."""
+        import warnings
+
+        warnings.warn("join_uneven_inputs is only supported for multi-GPU (and, in accel, multi-CPU) training of DDP "
+                      f"models; with {self.name} it has no effect", stacklevel=4)
+        return contextlib.nullcontext()
+
+    def sync_in_backward(self, model: torch.nn.Module):
+        """Context in which the next backward reduces gradients even inside `no_sync` (Accelerate's
+        `trigger_sync_in_backward`, for a model run several times before one backward)."""
+        return contextlib.nullcontext()
+
     def pipeline_stages_step(self, stages: list, skip_sync: bool):
         """Context in which a pipeline's `PipelineStage`s (whose modules this backend prepared) run one training
         step; `skip_sync`: inside `accumulate`, without reducing gradients."""

@@ -20,11 +20,37 @@ def apply_ddp(model: torch.nn.Module, group, device: torch.device,
         return model
     options = (handler or DistributedDataParallelKwargs()).to_kwargs()
     comm_hook, comm_state = options.pop("comm_hook", None), options.pop("comm_state", None)
+    wrapper, state_options = options.pop("comm_wrapper", None), options.pop("comm_state_option", {})
     device_ids = [device.index] if device.type == "cuda" else None
     wrapped = DDP(model, device_ids=device_ids, process_group=group, **options)
+    if comm_hook is not None and not callable(comm_hook):  # Accelerate's DDPCommunicationHookType
+        comm_hook, comm_state = named_comm_hook(comm_hook, wrapper, state_options, group)
     if comm_hook is not None:
         wrapped.register_comm_hook(comm_state, comm_hook)
     return wrapped
+
+
+def named_comm_hook(name, wrapper, state_options: dict, group):
+    """(hook, state) for Accelerate's hook names: torch's fp16/bf16 compression or (batched) PowerSGD, optionally
+    wrapped to send in fp16/bf16; None for `no`."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    name, wrapper = str(getattr(name, "value", name)).lower(), str(getattr(wrapper, "value", wrapper) or "no").lower()
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
+             "power_sgd": powerSGD_hook.powerSGD_hook, "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook}
+    wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+    if name == "no":
+        return None, None
+    if name not in hooks or (wrapper != "no" and wrapper not in wrappers):
+        raise ValueError(f"DistributedDataParallelKwargs: comm_hook {name!r} / comm_wrapper {wrapper!r}; allowed: "
+                         f"comm_hook one of no, {', '.join(hooks)}; comm_wrapper no, fp16 or bf16")
+    hook = hooks[name]
+    state = group
+    if "power_sgd" in name:
+        state = powerSGD_hook.PowerSGDState(process_group=group, **state_options)
+    if wrapper != "no":
+        hook = wrappers[wrapper](hook)
+    return hook, state
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ parallelism and their combinations): it decides the recipe once from the config 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -113,6 +114,30 @@ class SpmdBackend(Backend):
         if hasattr(model, "set_requires_gradient_sync"):
             return fsdp_no_sync(model)
         return super().no_sync(model)
+
+    def join(self, joinables: list):
+        """torch's `Join`: ranks that ran out of batches shadow the others' DDP all-reduces (also on gloo)."""
+        if self.data_parallel == "ddp" and joinables and all(isinstance(j, DDP) for j in joinables):
+            from torch.distributed.algorithms.join import Join
+
+            return Join(joinables)
+        return super().join(joinables)
+
+    @contextlib.contextmanager
+    def sync_in_backward(self, model: torch.nn.Module):
+        if isinstance(model, DDP):
+            saved = model.require_backward_grad_sync, model.require_forward_param_sync
+            model.require_backward_grad_sync = model.require_forward_param_sync = True
+            model.reducer.prepare_for_backward([])  # arm the reducer as a synced forward would have
+            try:
+                yield
+            finally:
+                model.require_backward_grad_sync, model.require_forward_param_sync = saved
+        elif hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(True)
+            yield
+        else:
+            yield
 
     def pipeline_stages_step(self, stages: list, skip_sync: bool):
         return ddp_pipeline_stages(stages, skip_sync)

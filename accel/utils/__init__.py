@@ -6,6 +6,7 @@ from accel.config import ParallelismConfig
 from accel.kwargs import (
     AORecipeKwargs,
     AutocastKwargs,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -74,7 +75,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AORecipeKwargs", "AutocastKwargs", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "AORecipeKwargs", "AutocastKwargs", "DDPCommunicationHookType", "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "ParallelismConfig", "synchronize_rng_state", "synchronize_rng_states", "broadcast", "broadcast_object_list", "concatenate", "gather", "gather_object",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "set_seed", "DataLoaderConfiguration",
     "skip_first_batches", "GradientAccumulationPlugin", "TorchDynamoPlugin", "DynamoBackend", "ProjectConfiguration", "load_checkpoint_in_model",

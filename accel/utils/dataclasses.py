@@ -7,6 +7,7 @@ from accel.data import DataLoaderConfiguration  # noqa: F401
 from accel.kwargs import (  # noqa: F401
     AORecipeKwargs,
     AutocastKwargs,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,

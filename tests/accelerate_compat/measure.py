@@ -22,6 +22,10 @@ SCRIPTS = ["test_script", "test_sync", "test_ops", "test_distributed_data_loop",
 
 def launch_command(impl: str, procs: int, script: str, out: Path) -> list[str]:
     runner = [str(HERE / "run_script.py"), script, str(out)]
+    if script == "test_notebook":  # it starts its own processes (ACCELERATE_NUM_PROCESSES of them)
+        shim = [sys.executable, "-c", "import accel.shim, runpy, sys; accel.shim.install(); sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')"]
+        return [*(shim if impl == "accel" else [sys.executable]), *runner]
     if impl == "accel":
         return [sys.executable, "-m", "accel.cli.main", "launch", "--accelerate_shim", "--cpu",
                 "--num_processes", str(procs), *runner]
@@ -46,6 +50,7 @@ def run(impl: str, procs: int, script: str, out: Path, timeout: int) -> dict:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HOME": str(out),  # no saved configs
+           "ACCELERATE_NUM_PROCESSES": str(procs),  # test_notebook's number of processes
            "ACCELERATE_USE_CPU": "true"}  # Accelerate: gloo on CPU (MULTI_CPU) with its --multi_gpu launch
     try:
         proc = subprocess.run(launch_command(impl, procs, script, out), env=env, capture_output=True, text=True,
@@ -55,7 +60,7 @@ def run(impl: str, procs: int, script: str, out: Path, timeout: int) -> dict:
     except subprocess.TimeoutExpired:
         ended, tail = f"timed out after {timeout} s", ""
     per_rank = []
-    for rank in range(procs):
+    for rank in range(1 if script == "test_notebook" else procs):
         path = out / f"rank{rank}.jsonl"
         lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         per_rank.append(lines)

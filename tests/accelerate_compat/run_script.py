@@ -24,12 +24,13 @@ def main() -> None:
     log = open(os.path.join(out, f"rank{rank}.jsonl"), "a", buffering=1)
     module = importlib.import_module(f"accelerate.test_utils.scripts.{name}")
     depth = [0]
+    me = os.getpid()  # processes forked by notebook_launcher inherit the wrappers: they do not record
 
     def record(function):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
-            if depth[0]:
-                return function(*args, **kwargs)  # a helper called by a test function
+            if depth[0] or os.getpid() != me:
+                return function(*args, **kwargs)  # a helper called by a test function, or in a forked worker
             if only is not None and function.__name__ not in only:
                 return None
             depth[0] += 1

@@ -1,0 +1,77 @@
+"""Accelerate's `notebook_launcher` and `debug_launcher`: run a function on several processes from inside Python
+(a notebook, a test), with torch's own elastic launcher (`torch.distributed.launcher.api.elastic_launch`, what
+torchrun runs) forking the workers. The workers see the accel config as `accel launch`'s workers do."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Callable
+
+from accel.config import LAUNCH_ENV, AccelConfig, encode_for_workers
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _worker_config(cfg: AccelConfig):
+    """The config the forked workers read, set in this process's environment while they start."""
+    old = os.environ.get(LAUNCH_ENV)
+    os.environ[LAUNCH_ENV] = encode_for_workers(cfg)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(LAUNCH_ENV, None)
+        else:
+            os.environ[LAUNCH_ENV] = old
+
+
+def notebook_launcher(function: Callable, args: tuple = (), num_processes: int | None = None,
+                      mixed_precision: str = "no", use_port: str = "29500", master_addr: str = "127.0.0.1",
+                      node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
+                      rdzv_conf: dict | None = None, rdzv_id: str = "none", max_restarts: int = 0,
+                      monitor_interval: float = 0.1, log_line_prefix_template: str | None = None) -> None:
+    """Run `function(*args)` on `num_processes` forked processes per node (one: in this process). A worker's
+    failure raises torch's `ChildFailedError` here, after `max_restarts` restarts of the whole group."""
+    import torch
+
+    num_processes = num_processes or 1
+    if num_processes == 1 and num_nodes == 1:
+        with _worker_config(AccelConfig(mixed_precision=mixed_precision)):
+            function(*args)
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError("notebook_launcher: CUDA was already initialised in this process, so its workers cannot be "
+                           "forked; restart the kernel and do not touch CUDA before calling notebook_launcher")
+    cfg = AccelConfig(num_processes=num_processes * num_nodes, num_machines=num_nodes, mixed_precision=mixed_precision,
+                      use_cpu=not torch.cuda.is_available(), machine_rank=node_rank, main_process_ip=master_addr)
+    conf = dict(rdzv_conf or {})
+    if rdzv_backend == "static":
+        conf["rank"] = node_rank
+    _launch(function, args, cfg, num_processes, num_nodes, rdzv_backend, rdzv_endpoint or f"{master_addr}:{use_port}",
+            conf, rdzv_id, max_restarts, monitor_interval, log_line_prefix_template)
+
+
+def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
+    """Run `function(*args)` on `num_processes` CPU processes on this machine (for tests and debugging)."""
+    cfg = AccelConfig(num_processes=num_processes, use_cpu=True)
+    _launch(function, args, cfg, num_processes, 1, "c10d", f"127.0.0.1:{_free_port()}", {}, "accel-debug", 0, 0.1,
+            None)
+
+
+def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, run_id, max_restarts, monitor_interval,
+            log_line_prefix_template) -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
+                          rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=conf,
+                          max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
+                          log_line_prefix_template=log_line_prefix_template)
+    with _worker_config(cfg):
+        elastic_launch(config=config, entrypoint=function)(*args)

@@ -1,0 +1,92 @@
+"""Accelerate compatibility on one process: the shim (`import accelerate` gives accel), data loading that follows
+the user's generator (and resumes bit-exactly), Accelerate's sampler and loader arguments, triggers, reduce max/min,
+and the state members its scripts use. Accelerate's own test scripts run in tests/multiproc/test_accelerate_scripts.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from accel import Accelerator
+from accel.data import SeedableRandomSampler, prepare_data_loader
+
+
+def _order(loader, epochs=2):
+    return [[b.tolist() for b in loader] for _ in range(epochs)]
+
+
+def test_shim_resolves_accelerate_to_accel():
+    from accel.shim import PATH
+
+    code = ("import accelerate, accel\n"
+            "from accelerate import Accelerator\n"
+            "from accelerate.utils import DistributedType, is_cuda_available, set_seed\n"
+            "from accelerate.utils.dataclasses import DistributedDataParallelKwargs\n"
+            "from accelerate.data_loader import prepare_data_loader\n"
+            "from accelerate.state import GradientState, AcceleratorState\n"
+            "assert accelerate is accel and Accelerator is accel.Accelerator\n"
+            "import accelerate.utils.operations as ops, accel.ops\n"
+            "assert ops.gather is accel.ops.gather\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": PATH, "PATH": ""}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_loader_follows_the_users_generator_set_after_prepare():
+    """Accelerate's semantics: the shuffle is the user's DataLoader(shuffle=True, generator=g) order, with g as it is
+    when iteration starts (the test scripts seed it after prepare)."""
+    data = torch.arange(12)
+    generator = torch.Generator()
+    prepared = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=4, shuffle=True, generator=generator))
+    generator.manual_seed(42)
+    expected = _order(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(42)))
+    assert _order(prepared) == expected
+
+
+def test_followed_generator_resumes_bit_exactly():
+    data = torch.arange(12)
+    generator = torch.Generator().manual_seed(3)
+    loader = prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True, generator=generator), put_on_device=False)
+    first = [b.tolist() for b in loader]  # epoch 0
+    running = iter(loader)
+    epoch1 = [next(running).tolist()]  # epoch 1 started; a checkpoint is taken here
+    state = loader.state_dict()
+    epoch1 += [b.tolist() for b in running]  # the rest of epoch 1 in the uninterrupted run
+    other = prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator()),
+                                put_on_device=False)
+    other.load_state_dict(state)
+    assert [b.tolist() for b in other] == epoch1 != first
+
+
+def test_seedable_sampler_arguments():
+    data = list(range(10))
+    sampler = SeedableRandomSampler(data_source=data, generator=torch.Generator(), num_samples=10, data_seed=5)
+    assert sampler.seed == 5
+    torch.manual_seed(42)
+    assert SeedableRandomSampler(data).seed == 42  # the seed set_seed gave torch, as Accelerate's
+    prepared = prepare_data_loader(DataLoader(data, batch_size=1, shuffle=True, generator=torch.Generator()),
+                                   use_seedable_sampler=True, put_on_device=False)
+    assert isinstance(prepared.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
+    with pytest.raises(NotImplementedError, match=r"dispatch_batches=True\) is not available yet"):
+        prepare_data_loader(DataLoader(data), dispatch_batches=True)
+
+
+def test_triggers_reduce_and_state_members():
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.check_trigger() is False
+    accelerator.set_trigger()
+    assert accelerator.check_trigger() is True and accelerator.check_trigger() is False
+    t = torch.tensor([1.0, 5.0])
+    assert torch.equal(accelerator.reduce(t, "max"), t) and torch.equal(accelerator.reduce(t, "min"), t)
+    state = accelerator.state
+    assert state.initialized and state.default_device == torch.device("cpu")
+    assert accelerator.on_local_process(lambda: 7, local_process_index=0)() == 7
+    assert (accelerator.data_parallel_rank, accelerator.tensor_parallel_rank, accelerator.multi_device) == (0, 0, False)
+    from accel.state import DistributedType, GradientState  # noqa: F401  (Accelerate's scripts import it from here)
+
+    assert DistributedType.MULTI_NEURON == "MULTI_NEURON"
