@@ -26,6 +26,8 @@ _LAZY = {
     "AORecipeKwargs": "accel.kwargs",
     "DDPCommunicationHookType": "accel.kwargs",
     "notebook_launcher": "accel.launchers",
+    "find_executable_batch_size": "accel.utils.memory",
+    "synchronize_rng_states": "accel.utils.random",
     "debug_launcher": "accel.launchers",
     "GradientAccumulationPlugin": "accel.accumulation",
     "DeepSpeedPlugin": "accel.plugins", "FullyShardedDataParallelPlugin": "accel.plugins",

@@ -60,11 +60,17 @@ class PartialState:
     """
 
     _instance: "PartialState | None" = None
+    # Every instance shares one attribute dict (Accelerate's shared state): an object kept from before
+    # `_reset_state()` is unusable until a new PartialState() initialises the state again, then sees it.
+    _shared_state: dict = {}
+    _carried = None  # (owns the process group, release callbacks) of a state forgotten by _reset_state()
 
     def __new__(cls, cpu: bool = False, **kwargs: Any) -> "PartialState":
         if PartialState._instance is None:
-            PartialState._instance = super().__new__(cls)
-            PartialState._instance._initialized = False
+            instance = super().__new__(cls)
+            instance.__dict__ = PartialState._shared_state
+            instance.__dict__.setdefault("_initialized", False)
+            PartialState._instance = instance
         return PartialState._instance
 
     def __init__(self, cpu: bool = False, backend: str | None = None, init_method: str | None = None,
@@ -84,8 +90,10 @@ class PartialState:
         else:
             self.device = torch.device("cpu")
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self._release_callbacks: list[Callable[[], None]] = []
-        self._owns_group = False
+        owned, callbacks = PartialState.__dict__.get("_carried") or (False, [])
+        PartialState._carried = None  # taken over from a state forgotten by _reset_state()
+        self._release_callbacks: list[Callable[[], None]] = list(callbacks)
+        self._owns_group = owned and dist.is_initialized()
         if self.num_processes > 1:
             if not dist.is_initialized():
                 kwargs: dict[str, Any] = {"backend": self.backend}
@@ -243,16 +251,18 @@ class PartialState:
     def _reset_for_tests(cls) -> None:
         if cls._instance is not None and cls._instance._initialized:
             cls._instance.destroy()
-            known = ("num_processes", "process_index", "local_process_index", "device", "backend", "use_cpu")
-            for name in known:  # as Accelerate's shared state: an object kept from before the reset is unusable
-                cls._instance.__dict__.pop(name, None)
-            cls._instance._initialized = False
+        PartialState._shared_state.clear()  # objects kept from before are unusable until the state is re-initialised
         cls._instance = None
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
-        """Accelerate's name (its test helpers call it between tests): forget the process state."""
-        cls._reset_for_tests()
+        """Accelerate's name (its test helpers call it between tests): forget the state, so objects that still hold
+        it are unusable until a new `Accelerator()`/`PartialState()` initialises it again. The process group stays
+        (as in Accelerate); the next state takes it over, with the release callbacks of what uses it."""
+        if cls._shared_state.get("_initialized"):
+            cls._carried = (cls._shared_state.get("_owns_group", False), cls._shared_state.get("_release_callbacks", []))
+        cls._shared_state.clear()
+        cls._instance = None
 
 
 AcceleratorState = PartialState

@@ -67,6 +67,18 @@ def __getattr__(name: str):
 
         if hasattr(accel.utils.imports, name):
             return getattr(accel.utils.imports, name)
+    if name in ("find_executable_batch_size", "release_memory", "should_reduce_batch_size"):
+        import accel.utils.memory
+
+        return getattr(accel.utils.memory, name)
+    if name in ("patch_environment", "clear_environment", "get_int_from_env", "write_basic_config"):
+        import accel.utils.environment
+
+        return getattr(accel.utils.environment, name)
+    if name == "tqdm":
+        from accel.utils.progress import tqdm
+
+        return tqdm
     if name == "GradientAccumulationPlugin":
         from accel.accumulation import GradientAccumulationPlugin
 

@@ -90,3 +90,32 @@ def test_triggers_reduce_and_state_members():
     from accel.state import DistributedType, GradientState  # noqa: F401  (Accelerate's scripts import it from here)
 
     assert DistributedType.MULTI_NEURON == "MULTI_NEURON"
+
+
+def test_everyday_helpers(tmp_path, caplog):
+    import logging
+    import os
+
+    from accel.logging import get_logger
+    from accel.utils import find_executable_batch_size, patch_environment, release_memory, write_basic_config
+
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate ...")
+        return batch_size
+
+    assert train() == 16 and tried == [64, 32, 16]
+    with patch_environment(accel_probe_value=3):
+        assert os.environ["ACCEL_PROBE_VALUE"] == "3"
+    assert "ACCEL_PROBE_VALUE" not in os.environ
+    a, b = release_memory(torch.ones(2), torch.ones(3))
+    assert a is None and b is None
+    path = write_basic_config(save_location=str(tmp_path / "basic.yaml"))
+    assert path and write_basic_config(save_location=str(tmp_path / "basic.yaml")) is False
+    with caplog.at_level(logging.INFO):
+        get_logger("accel.test", "INFO").info("from the main process")
+    assert "from the main process" in caplog.text
