@@ -223,13 +223,17 @@ class PartialState:
         Destroying the group while a DDP reducer still holds it made ranks die with SIGABRT at exit on
         torch 2.13; releasing first removes that.
         """
-        callbacks, self._release_callbacks = self._release_callbacks, []
+        state = self.__dict__
+        if not state.get("_initialized") and PartialState._carried:  # forgotten by _reset_state(), not taken over
+            state = {"_owns_group": PartialState._carried[0], "_release_callbacks": PartialState._carried[1]}
+            PartialState._carried = None
+        callbacks, state["_release_callbacks"] = state.get("_release_callbacks", []), []
         for callback in callbacks:
             callback()
         gc.collect()
-        if self._owns_group and dist.is_initialized():
+        if state.get("_owns_group") and dist.is_initialized():
             dist.destroy_process_group()
-        self._owns_group = False
+        state["_owns_group"] = False
 
     def destroy_process_group(self, group=None) -> None:
         """Accelerate's name for the end of a distributed run: release what uses the group, then destroy it (a
