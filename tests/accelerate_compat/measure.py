@@ -20,8 +20,8 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = ["test_script", "test_sync", "test_ops", "test_distributed_data_loop", "test_notebook", "test_ddp_comm_hook"]
 
 
-def launch_command(impl: str, procs: int, script: str, out: Path) -> list[str]:
-    runner = [str(HERE / "run_script.py"), script, str(out)]
+def launch_command(impl: str, procs: int, script: str, out: Path, only: str = "") -> list[str]:
+    runner = [str(HERE / "run_script.py"), script, str(out), only]
     if script == "test_notebook":  # it starts its own processes (ACCELERATE_NUM_PROCESSES of them)
         shim = [sys.executable, "-c", "import accel.shim, runpy, sys; accel.shim.install(); sys.argv = sys.argv[1:]; "
                 "runpy.run_path(sys.argv[0], run_name='__main__')"]
@@ -44,7 +44,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(impl: str, procs: int, script: str, out: Path, timeout: int) -> dict:
+def run(impl: str, procs: int, script: str, out: Path, timeout: int, only: str = "") -> dict:
     """{function (with its call's arguments): "pass" | error text}, and how the launch ended."""
     if out.exists():
         shutil.rmtree(out)
@@ -53,7 +53,7 @@ def run(impl: str, procs: int, script: str, out: Path, timeout: int) -> dict:
            "ACCELERATE_NUM_PROCESSES": str(procs),  # test_notebook's number of processes
            "ACCELERATE_USE_CPU": "true"}  # Accelerate: gloo on CPU (MULTI_CPU) with its --multi_gpu launch
     try:
-        proc = subprocess.run(launch_command(impl, procs, script, out), env=env, capture_output=True, text=True,
+        proc = subprocess.run(launch_command(impl, procs, script, out, only), env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=HERE.parents[1])
         ended = f"exit {proc.returncode}"
         tail = (proc.stdout + proc.stderr)[-2000:]
