@@ -75,6 +75,10 @@ def __getattr__(name: str):
         import accel.utils.environment
 
         return getattr(accel.utils.environment, name)
+    if name == "copy_tensor_to_devices":
+        from accel.ops import copy_tensor_to_devices
+
+        return copy_tensor_to_devices
     if name == "tqdm":
         from accel.utils.progress import tqdm
 
