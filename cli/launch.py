@@ -291,6 +291,10 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     check_available(cfg.parallelism, cfg.num_processes)  # refuse before starting any process
+    if cfg.dynamo_backend != "no":  # a torch.compile backend this torch lacks (imports torch only then)
+        from accel.backends.compilation import compile_options
+
+        compile_options(cfg)
     if args.accelerate_shim:
         from accel.shim import PATH
 

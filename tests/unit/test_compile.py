@@ -103,3 +103,12 @@ def test_compiled_model_trains_like_eager(regional):
     assert compiled == (list(runs["inductor"][3].transformer.h) if regional else [runs["inductor"][3]])
     assert runs["inductor"][2] > 0
     assert torch.allclose(torch.tensor(runs["inductor"][0]), torch.tensor(runs["no"][0]), atol=1e-5, rtol=0)
+
+
+def test_launch_refuses_a_backend_this_torch_lacks(run_accel, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    result = run_accel("launch", "--dynamo_backend", "onnxrt", script)
+    assert result.returncode == 2 and "ran" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        result.stderr.strip().splitlines()[0]] and "dynamo_backend: 'onnxrt' is not a torch.compile backend" in result.stderr
