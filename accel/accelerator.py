@@ -110,6 +110,7 @@ class Accelerator:
             num_steps=self.config.gradient_accumulation_steps,
             sync_with_dataloader=getattr(plugin, "sync_with_dataloader", True),
             adjust_scheduler=getattr(plugin, "adjust_scheduler", True),
+            sync_each_batch=getattr(plugin, "sync_each_batch", False),
         )
         self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
                                    self.kwargs_handlers, gradient_state=self.gradient_state,
@@ -380,7 +381,7 @@ class Accelerator:
         """Count one micro-step; inside the window, backward runs without gradient communication."""
         sync = self.gradient_state.do_sync_step()
         with contextlib.ExitStack() as stack:
-            if not sync:
+            if not sync and not self.gradient_state.sync_each_batch:  # sync_each_batch: reduce every micro-batch
                 for model in models or self._models:
                     stack.enter_context(self.backend.no_sync(model))
             yield

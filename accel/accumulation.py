@@ -10,8 +10,10 @@ from __future__ import annotations
 class GradientState:
     """Shared by the Accelerator, the prepared optimizers/schedulers and the prepared data loaders."""
 
-    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True, adjust_scheduler: bool = True):
+    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True, adjust_scheduler: bool = True,
+                 sync_each_batch: bool = False):
         self.num_steps = num_steps
+        self.sync_each_batch = sync_each_batch
         self.sync_with_dataloader = sync_with_dataloader
         self.adjust_scheduler = adjust_scheduler
         self.sync_gradients = True
@@ -66,8 +68,7 @@ class GradientAccumulationPlugin:
 
     def __init__(self, num_steps: int | None = None, adjust_scheduler: bool = True, sync_with_dataloader: bool = True,
                  sync_each_batch: bool = False) -> None:
-        if sync_each_batch:
-            raise NotImplementedError("GradientAccumulationPlugin(sync_each_batch=True) is not available yet in accel")
+        self.sync_each_batch = sync_each_batch  # reduce gradients on every micro-batch (less memory with sharding)
         self.num_steps = num_steps
         self.adjust_scheduler = adjust_scheduler
         self.sync_with_dataloader = sync_with_dataloader

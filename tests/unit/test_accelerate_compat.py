@@ -119,3 +119,24 @@ def test_everyday_helpers(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         get_logger("accel.test", "INFO").info("from the main process")
     assert "from the main process" in caplog.text
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_sync_each_batch_reduces_on_every_micro_batch(sync_each_batch):
+    """GradientAccumulationPlugin(sync_each_batch=True): accumulate() never enters no_sync (gradients reduced every
+    micro-batch), while the optimizer still steps once per window."""
+    import contextlib
+
+    from accel.utils import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    entered = []
+    accelerator.backend.no_sync = lambda m: (entered.append(m), contextlib.nullcontext())[1]
+    syncs = []
+    for _ in range(4):
+        with accelerator.accumulate(model):
+            syncs.append(accelerator.sync_gradients)
+    assert syncs == [False, True, False, True]
+    assert len(entered) == (0 if sync_each_batch else 2)
