@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,13 +53,16 @@ def run(impl: str, procs: int, script: str, out: Path, timeout: int, only: str =
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HOME": str(out),  # no saved configs
            "ACCELERATE_NUM_PROCESSES": str(procs),  # test_notebook's number of processes
            "ACCELERATE_USE_CPU": "true"}  # Accelerate: gloo on CPU (MULTI_CPU) with its --multi_gpu launch
+    # its own session, so a launch that hangs is stopped with all its workers (not only the launcher)
+    proc = subprocess.Popen(launch_command(impl, procs, script, out, only), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=HERE.parents[1], start_new_session=True)
     try:
-        proc = subprocess.run(launch_command(impl, procs, script, out, only), env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=HERE.parents[1])
-        ended = f"exit {proc.returncode}"
-        tail = (proc.stdout + proc.stderr)[-2000:]
+        output, _ = proc.communicate(timeout=timeout)
+        ended, tail = f"exit {proc.returncode}", output[-2000:]
     except subprocess.TimeoutExpired:
-        ended, tail = f"timed out after {timeout} s", ""
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        ended, tail = f"timed out after {timeout} s", (output or "")[-2000:]
     per_rank = []
     for rank in range(1 if script == "test_notebook" else procs):
         path = out / f"rank{rank}.jsonl"
