@@ -32,6 +32,8 @@ CASES = [("test_script", 1, ""), ("test_script", 2, ""), ("test_sync", 1, ""), (
 
 @pytest.mark.parametrize("script,procs,only", CASES, ids=[f"{s}-{p}p" for s, p, _ in CASES])
 def test_accelerate_script_on_accel(tmp_path, script, procs, only):
+    if script == "test_notebook" and _port_in_use(29500):
+        pytest.skip("port 29500, which test_notebook's static rendezvous uses (Accelerate's default), is taken")
     report = measure.run("accel", procs, script, tmp_path / script, timeout=240, only=only)
     results = report["results"]
     assert results, f"nothing ran ({report['ended']}):\n{report['tail']}"
@@ -41,3 +43,15 @@ def test_accelerate_script_on_accel(tmp_path, script, procs, only):
     assert set(failed) == expected, failed
     if only:
         assert {key.split("(")[0] for key in results} == set(only.split(","))
+
+
+def _port_in_use(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
