@@ -67,7 +67,11 @@ def __getattr__(name: str):
 
         if hasattr(accel.utils.imports, name):
             return getattr(accel.utils.imports, name)
-    if name in ("find_executable_batch_size", "release_memory", "should_reduce_batch_size"):
+    if name in ("extract_model_from_parallel", "is_compiled_module"):
+        import accel.utils.other
+
+        return getattr(accel.utils.other, name)
+    if name in ("find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache"):
         import accel.utils.memory
 
         return getattr(accel.utils.memory, name)

@@ -59,3 +59,11 @@ def find_executable_batch_size(function=None, starting_batch_size: int = 128, re
                 batch_size = reduce(batch_size)
 
     return run
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Empty the accelerator's allocator cache (CUDA here), after a garbage collection if asked."""
+    if garbage_collection:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -55,3 +55,15 @@ def _port_in_use(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def test_nlp_example_runs_unmodified_through_the_shim(isolated_env):
+    """Accelerate's nlp_example.py shape (BERT, AdamW, warm-up, accumulation, gather_for_metrics), importing only
+    `accelerate`: with the real Accelerate installed, transformers also imports `accelerate.utils` names, which the
+    shim must provide."""
+    from _launch import accel_launch
+
+    script = Path(__file__).resolve().parents[1] / "accelerate_compat" / "nlp_example.py"
+    out = accel_launch({**isolated_env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+                       "--accelerate_shim", "--cpu", "--num_processes", 2, script, timeout=300).stdout
+    assert out.count("on 100 eval samples, 2 processes, MULTI_CPU") == 3  # one line per epoch, main process only
