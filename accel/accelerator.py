@@ -116,6 +116,10 @@ class Accelerator:
                                    self.kwargs_handlers, gradient_state=self.gradient_state,
                                    compile_options=compiling)
         self.precision.choose_scaler(self.backend.partial_gradients)
+        # Accelerate's AcceleratorState members, on the one shared state (scripts read them from AcceleratorState())
+        self.state.__dict__.update(mixed_precision=self.config.mixed_precision, deepspeed_plugin=deepspeed_plugin,
+                                   parallelism_config=self.config.parallelism, is_fsdp2=False,
+                                   topology=self.topology)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []

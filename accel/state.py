@@ -235,6 +235,15 @@ class PartialState:
             dist.destroy_process_group()
         state["_owns_group"] = False
 
+    @property
+    def device_mesh(self):
+        """Accelerate's `AcceleratorState.device_mesh`: the Accelerator's DeviceMesh of the parallel dimensions (built
+        by every process together, as `prepare` does), None on one process or before an Accelerator exists."""
+        topology = self.__dict__.get("topology")  # set by the Accelerator: its one mesh, not a second one
+        if self.num_processes <= 1 or topology is None:
+            return None
+        return topology.mesh(self.device.type)
+
     def destroy_process_group(self, group=None) -> None:
         """Accelerate's name for the end of a distributed run: release what uses the group, then destroy it (a
         `group` given is destroyed alone)."""

@@ -140,3 +140,13 @@ def test_sync_each_batch_reduces_on_every_micro_batch(sync_each_batch):
             syncs.append(accelerator.sync_gradients)
     assert syncs == [False, True, False, True]
     assert len(entered) == (0 if sync_each_batch else 2)
+
+
+def test_accelerator_state_members():
+    from accel.state import AcceleratorState
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    state = AcceleratorState()
+    assert state is accelerator.state and state.mixed_precision == "bf16"
+    assert state.parallelism_config is accelerator.parallelism_config and state.deepspeed_plugin is None
+    assert state.device_mesh is None  # one process
