@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Callable
 
 from accel.config import LAUNCH_ENV, AccelConfig, encode_for_workers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -61,8 +54,8 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
 def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
     """Run `function(*args)` on `num_processes` CPU processes on this machine (for tests and debugging)."""
     cfg = AccelConfig(num_processes=num_processes, use_cpu=True)
-    _launch(function, args, cfg, num_processes, 1, "c10d", f"127.0.0.1:{_free_port()}", {}, "accel-debug", 0, 0.1,
-            None)
+    # port 0: the agent's c10d store binds a free port itself, as `accel launch` does on one machine
+    _launch(function, args, cfg, num_processes, 1, "c10d", "127.0.0.1:0", {}, "accel-debug", 0, 0.1, None)
 
 
 def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, run_id, max_restarts, monitor_interval,

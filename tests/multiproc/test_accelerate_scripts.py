@@ -18,6 +18,8 @@ if importlib.util.find_spec("accelerate") is None:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "accelerate_compat"))
 import measure  # noqa: E402
 
+from accel.cli.launch import port_in_use  # noqa: E402
+
 GAPS = {  # function -> why it fails on accel (Accelerate passes it on CPU)
     "central_dl_preparation_check": "dispatch_batches=True (rank 0 loads and scatters) is not available yet",
 }
@@ -32,7 +34,7 @@ CASES = [("test_script", 1, ""), ("test_script", 2, ""), ("test_sync", 1, ""), (
 
 @pytest.mark.parametrize("script,procs,only", CASES, ids=[f"{s}-{p}p" for s, p, _ in CASES])
 def test_accelerate_script_on_accel(tmp_path, script, procs, only):
-    if script == "test_notebook" and _port_in_use(29500):
+    if script == "test_notebook" and port_in_use(29500):
         pytest.skip("port 29500, which test_notebook's static rendezvous uses (Accelerate's default), is taken")
     report = measure.run("accel", procs, script, tmp_path / script, timeout=240, only=only)
     results = report["results"]
@@ -45,18 +47,6 @@ def test_accelerate_script_on_accel(tmp_path, script, procs, only):
         assert {key.split("(")[0] for key in results} == set(only.split(","))
 
 
-def _port_in_use(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
 def test_nlp_example_runs_unmodified_through_the_shim(isolated_env):
     """Accelerate's nlp_example.py shape (BERT, AdamW, warm-up, accumulation, gather_for_metrics), importing only
     `accelerate`: with the real Accelerate installed, transformers also imports `accelerate.utils` names, which the
@@ -67,3 +57,28 @@ def test_nlp_example_runs_unmodified_through_the_shim(isolated_env):
     out = accel_launch({**isolated_env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
                        "--accelerate_shim", "--cpu", "--num_processes", 2, script, timeout=300).stdout
     assert out.count("on 100 eval samples, 2 processes, MULTI_CPU") == 3  # one line per epoch, main process only
+
+
+def _sum_ranks(out_dir):
+    import torch
+
+    from accel import PartialState
+    from accel.ops import reduce
+
+    state = PartialState()
+    total = reduce(torch.tensor([float(state.process_index)]), "sum")
+    Path(out_dir, f"rank{state.process_index}").write_text(f"{state.num_processes} {total.item()}")
+
+
+@pytest.mark.parametrize("launcher", ["debug_launcher", "notebook_launcher"])
+def test_launchers_fork_a_gloo_group(tmp_path, launcher):
+    """debug_launcher / notebook_launcher (torch's elastic_launch, forked workers): 2 processes in one gloo group."""
+    import accel
+
+    if launcher == "notebook_launcher":
+        if port_in_use(29500):
+            pytest.skip("port 29500 (notebook_launcher's default use_port) is taken")
+        accel.notebook_launcher(_sum_ranks, (str(tmp_path),), num_processes=2)
+    else:
+        accel.debug_launcher(_sum_ranks, (str(tmp_path),))
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["2 1.0", "2 1.0"]
