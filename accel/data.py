@@ -567,8 +567,7 @@ def followed_generator(loader: DataLoader):
     """The user's `torch.Generator` that a prepared loader's shuffle follows (a kept RandomSampler's), or None."""
     shard = getattr(loader, "_shard", None)
     sampler = getattr(getattr(shard, "batch_sampler", None), "sampler", None)
-    if type(sampler) is RandomSampler or (isinstance(sampler, RandomSampler)
-                                          and not isinstance(sampler, SeedableRandomSampler)):
+    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
         return sampler.generator
     return None
 

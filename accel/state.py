@@ -82,13 +82,11 @@ class PartialState:
         self.local_process_index = _env_int("LOCAL_RANK", 0)
         self.use_cpu = cpu
         # Accelerate's debug mode: collectives check that every process passes the same shapes (accel.ops)
-        self.debug = os.environ.get("ACCELERATE_DEBUG_MODE", os.environ.get("ACCEL_DEBUG_MODE", "0")).lower() in (
-            "1", "true", "yes", "on")
-        if not cpu and torch.cuda.is_available():
-            self.device = torch.device("cuda", self.local_process_index % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
+        from accel.utils.imports import parse_flag_from_env
+
+        self.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE") or parse_flag_from_env("ACCEL_DEBUG_MODE")
+        self.device = torch.device("cpu") if cpu else self.default_device
+        self.set_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         owned, callbacks = PartialState.__dict__.get("_carried") or (False, [])
         PartialState._carried = None  # taken over from a state forgotten by _reset_state()
