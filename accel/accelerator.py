@@ -528,11 +528,11 @@ class Accelerator:
     @property
     def torch_device_mesh(self):
         """The DeviceMesh of the parallel dimensions (pp, dp, tp), or None on one process."""
-        return self.topology.mesh(self.device.type) if self.use_distributed else None
+        return self.state.device_mesh
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.topology.coordinates(self.process_index)["dp"]
+        return self.backend.data_parallel_rank
 
     @property
     def tensor_parallel_rank(self) -> int:
@@ -553,15 +553,15 @@ class Accelerator:
 
     @property
     def non_blocking(self) -> bool:
-        return getattr(self.dataloader_config, "non_blocking", False)
+        return self.dataloader_config.non_blocking
 
     @property
     def use_seedable_sampler(self) -> bool:
-        return getattr(self.dataloader_config, "use_seedable_sampler", False)
+        return self.dataloader_config.use_seedable_sampler
 
     @property
     def dispatch_batches(self):
-        return getattr(self.dataloader_config, "dispatch_batches", None)
+        return self.dataloader_config.dispatch_batches
 
     # ------------------------------------------------------------------------------------------------------
     # models and lifetime
