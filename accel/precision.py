@@ -135,9 +135,10 @@ class PrecisionPolicy:
 def _float8_settings(device: torch.device, recipe):
     """torchao's settings for fp8 (accel/backends/float8.py converts the layers): emulated where the device has no
     float8 matmul (the CPU); refused in one line on a GPU without one, or without torchao."""
-    from accel.backends.float8 import INSTALL, Float8Settings, torchao_installed
+    from accel.backends.float8 import INSTALL, Float8Settings
+    from accel.utils.imports import is_torchao_available
 
-    if not torchao_installed():
+    if not is_torchao_available():
         raise ConfigError(f"mixed_precision: fp8 needs torchao; install it with {INSTALL}")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(f"mixed_precision: fp8 needs a GPU with float8 matmuls (compute capability 8.9+, e.g. L4, "

@@ -1,7 +1,7 @@
 """float8 training, one step of the recipe (mixed_precision fp8): torchao's `convert_to_float8_training` swaps the
 selected `nn.Linear` layers for `Float8Linear`, whose matmuls run in float8 with dynamic (tensor-wise) scales; the
-rest of the model runs under bf16 autocast. Before tensor parallelism (its float8 styles then split them) and
-before FSDP2 (which then all-gathers the weights in float8 under ZeRO 2/3).
+rest of the model runs under bf16 autocast. Before tensor parallelism (which splits the Float8Linear weights like
+any Linear's) and before FSDP2 (which then all-gathers them in float8 under ZeRO 2/3).
 
 Which layers: every `nn.Linear` whose in and out features are multiples of 16 (float8 matmul kernels need that),
 except the model's first and last Linear layers (the input projection and the output head are the most sensitive
@@ -18,15 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from accel.config import ConfigError
 
 INSTALL = "pip install 'accel[fp8]' (torchao)"
-
-
-def torchao_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torchao") is not None
 
 
 @dataclasses.dataclass
@@ -65,8 +58,6 @@ def convert_to_float8(model: torch.nn.Module, settings: Float8Settings, fsdp: bo
                       layers: set[str] | None = None) -> list[str]:
     """Swap the chosen Linear layers of `model` (`layers`, else chosen on `model`) for torchao's Float8Linear in
     place; return their names."""
-    if not torchao_installed():
-        raise ConfigError(f"mixed_precision: fp8 needs torchao; install it with {INSTALL}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = settings.config or Float8LinearConfig()
