@@ -58,6 +58,16 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
     _launch(function, args, cfg, num_processes, 1, "c10d", "127.0.0.1:0", {}, "accel-debug", 0, 0.1, None)
 
 
+def _in_fresh_state(function, *args):
+    """A forked worker starts from no process state: the parent's (its own single-process one, if it made an
+    Accelerator) is forgotten, so the worker's `PartialState()` joins the launched group."""
+    from accel.state import PartialState
+
+    PartialState._shared_state.clear()
+    PartialState._instance = PartialState._carried = None
+    return function(*args)
+
+
 def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, run_id, max_restarts, monitor_interval,
             log_line_prefix_template) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -67,4 +77,4 @@ def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, ru
                           max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
                           log_line_prefix_template=log_line_prefix_template)
     with _worker_config(cfg):
-        elastic_launch(config=config, entrypoint=function)(*args)
+        elastic_launch(config=config, entrypoint=_in_fresh_state)(function, *args)

@@ -72,8 +72,11 @@ def _sum_ranks(out_dir):
 
 @pytest.mark.parametrize("launcher", ["debug_launcher", "notebook_launcher"])
 def test_launchers_fork_a_gloo_group(tmp_path, launcher):
-    """debug_launcher / notebook_launcher (torch's elastic_launch, forked workers): 2 processes in one gloo group."""
+    """debug_launcher / notebook_launcher (torch's elastic_launch, forked workers): 2 processes in one gloo group, also
+    when this process already has its own (one-process) state, which the forked workers must not inherit."""
     import accel
+
+    accel.PartialState()
 
     if launcher == "notebook_launcher":
         if port_in_use(29500):
