@@ -26,6 +26,7 @@ from typing import Any
 
 from accel.config import (
     DYNAMO_BACKENDS,
+    OFFLOAD_DEVICES,
     PARALLEL_FIELDS,
     TOP_FIELDS,
     AccelConfig,
@@ -37,7 +38,6 @@ from accel.config import (
     read_deepspeed_json,
 )
 
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # FSDP sharding strategy -> ZeRO stage; numbers are torch's ShardingStrategy values (and Accelerate's 1-5)
 _STRATEGY_STAGE = {
     "FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2,
@@ -165,7 +165,7 @@ class DeepSpeedPlugin:
             if device is None or device == "auto":
                 continue
             device = getattr(device, "value", device)  # an enum of devices
-            if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+            if not isinstance(device, str) or device.lower() not in OFFLOAD_DEVICES:
                 raise ConfigError(f"{owner}: argument '{arg}': bad value {device!r}; allowed: none, cpu")
             if device.lower() == "nvme":
                 raise ConfigError(f"{owner}: argument '{arg}': 'nvme' offload is not supported by accel; "

@@ -12,6 +12,7 @@ from accel.config.accelerate_import import (
     ACCELERATE_SECTIONS,
     DEEPSPEED_FILE_KEY,
     KNOWN_TOP_KEYS,
+    OFFLOAD_DEVICES,
     DeepSpeedConfigWarning,
     deepspeed_json_layer,
     read_deepspeed_config,
@@ -64,7 +65,7 @@ _check_value = check_value
 
 __all__ = [
     "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY", "DYNAMO_BACKENDS", "DYNAMO_MODES",
-    "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "LAUNCH_ENV", "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
+    "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "OFFLOAD_DEVICES", "LAUNCH_ENV", "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
     "PP_SCHEDULES", "RDZV_BACKENDS", "TOP_FIELDS", "USER_CONFIG_ENV", "AccelConfig", "ConfigError",
     "DeepSpeedConfigWarning", "ParallelismConfig", "allowed_values", "build_config", "check_consistency",
     "check_value", "compact_gpu_ids", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",

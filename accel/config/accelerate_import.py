@@ -163,7 +163,7 @@ class DeepSpeedConfigWarning(UserWarning):
 
 
 _AUTO = "auto"  # DeepSpeed's "take it from elsewhere": the other layers decide
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # DeepSpeed JSON key -> (section of the tree or None for the top level, field)
 _DS_SCALARS = {
     "gradient_accumulation_steps": (None, "gradient_accumulation_steps"),
@@ -298,7 +298,7 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
             device = value.get("device")
             if device is None or device == _AUTO:
                 continue
-            if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+            if not isinstance(device, str) or device.lower() not in OFFLOAD_DEVICES:
                 raise ConfigError(f"{source}: key '{where}.device': bad value {device!r}; allowed: none, cpu, nvme")
             if device.lower() == "nvme":
                 raise ConfigError(f"{source}: key '{where}.device': 'nvme' offload is not supported by accel; "
