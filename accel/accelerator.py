@@ -346,6 +346,8 @@ class Accelerator:
             gradient_state=self.gradient_state,
             non_blocking=self.dataloader_config.non_blocking,
             use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
+            dispatch_batches=self.dataloader_config.dispatch_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
         )
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu

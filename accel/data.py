@@ -17,11 +17,21 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from .ops import send_to_device
+from .ops import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    find_batch_size,
+    get_data_structure,
+    initialize_tensors,
+    send_to_device,
+    slice_tensors,
+)
 
 __all__ = [
     "BatchSamplerShard",
     "DataLoaderConfiguration",
+    "DataLoaderDispatcher",
     "DataLoaderShard",
     "IterableDatasetShard",
     "SeedableRandomSampler",
@@ -59,9 +69,6 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
     def __post_init__(self):
-        if self.dispatch_batches:
-            raise NotImplementedError("DataLoaderConfiguration(dispatch_batches=True) is not available yet in accel; "
-                                      "each rank loads its own share (dispatch_batches=False)")
         if self.use_stateful_dataloader:
             raise NotImplementedError("accel does not support use_stateful_dataloader=True yet.")
 
@@ -446,7 +453,7 @@ class DataLoaderShard(DataLoader):
         generator = followed_generator(self)
         if generator is not None and "generator_state" in state_dict:
             generator.set_state(torch.as_tensor(state_dict["generator_state"], dtype=torch.uint8).cpu())
-        sampler = getattr(getattr(self._shard, "batch_sampler", None), "sampler", None)
+        sampler = self._order_sampler()
         if isinstance(sampler, SeedableRandomSampler):
             sampler.seed = self.seed
 
@@ -488,9 +495,16 @@ class DataLoaderShard(DataLoader):
             following = next(batches, done)
             if following is done:
                 self.end_of_dataloader = True
-                self.remainder = getattr(self._shard, "remainder", -1)
+                self.remainder = self._last_remainder()
             yield self._to_device(current)
             current = following
+
+    def _last_remainder(self) -> int:
+        return getattr(self._shard, "remainder", -1)
+
+    def _order_sampler(self):
+        """The sampler whose order the epoch follows (None for iterable datasets and custom batch samplers)."""
+        return getattr(getattr(self._shard, "batch_sampler", None), "sampler", None)
 
     def _to_device(self, batch):
         return batch if self.device is None else send_to_device(batch, self.device, non_blocking=self.non_blocking)
@@ -522,6 +536,118 @@ class DataLoaderShard(DataLoader):
         )
         settings.update(overrides)
         return DataLoaderShard(dataset, **settings, **kwargs)
+
+
+class DataLoaderDispatcher(DataLoaderShard):
+    """Only the main process reads the data; every batch is broadcast and each rank keeps its slice.
+
+    Accelerate's `dispatch_batches=True`: the way to share an iterable dataset that cannot be read identically on
+    every rank (a stream, a random generator), at the cost of one broadcast per batch. Without `split_batches` the
+    main process reads `num_processes` batches and joins them, and rank r keeps the r-th slice; with it, one batch is
+    cut in `num_processes` slices. A last round that does not divide evenly is padded with the epoch's first samples
+    (unless `drop_last`); `remainder` is then the number of real samples in that round.
+    """
+
+    def __init__(self, dataset, num_processes: int = 1, process_index: int = 0, split_batches: bool = False,
+                 slice_fn=None, global_drop_last: bool = False, global_batch_size: Optional[int] = None, **kwargs):
+        self.num_processes, self.process_index, self.split_batches = num_processes, process_index, split_batches
+        self.slice_fn = slice_tensors if slice_fn is None else slice_fn
+        self._global_drop_last, self._global_batch_size = global_drop_last, global_batch_size
+        self._base_kwargs = dict(kwargs)  # rebuilds the same loader (skip_first_batches)
+        self._dispatched_remainder = -1
+        settings = {k: kwargs.pop(k) for k in ("device", "seed", "gradient_state", "non_blocking", "skip_batches")
+                    if k in kwargs}
+        super().__init__(dataset, **settings, **kwargs)
+        if global_batch_size is not None:  # what each process receives, as for the other loaders
+            _set_locked(self, "batch_size", global_batch_size // num_processes if split_batches else global_batch_size)
+
+    def __len__(self) -> int:
+        whole = DataLoader.__len__(self)  # global batches (a TypeError for an iterable dataset without __len__)
+        if not self.split_batches:
+            whole = whole // self.num_processes if self._global_drop_last else math.ceil(whole / self.num_processes)
+        return max(whole - self.skip_batches, 0)
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        b = self._global_batch_size
+        return b if b is None or self.split_batches else b * self.num_processes
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = int(epoch)
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def _order_sampler(self):
+        return getattr(self.batch_sampler, "sampler", None) if type(self.batch_sampler) is BatchSampler else None
+
+    def _last_remainder(self) -> int:
+        return self._dispatched_remainder
+
+    def _raw_batches(self) -> Iterator:
+        import torch.distributed as dist
+
+        main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        batches = self._global_batches(DataLoader.__iter__(self) if main else None)
+        n, r, done = self.num_processes, self.process_index, object()
+        self._dispatched_remainder, first = -1, None
+        current = next(batches, done)
+        index = 0
+        while current is not done:
+            following = next(batches, done)
+            observed = find_batch_size(current)
+            size = observed // n
+            if first is None and not self._global_drop_last:  # kept to pad an uneven last round
+                first = self.slice_fn(current, slice(0, n), process_index=r, num_processes=n)
+            if following is done:
+                self._dispatched_remainder = observed
+                if observed % n and not self._global_drop_last:
+                    current, size = concatenate([current, first]), size + 1
+            if index >= self.skip_batches:
+                yield self.slice_fn(current, slice(r * size, (r + 1) * size), process_index=r, num_processes=n)
+            index += 1
+            current = following
+
+    def _global_batches(self, iterator) -> Iterator:
+        """The main process's batches (joined per round), broadcast to every rank; `iterator` is None elsewhere."""
+        per_round = 1 if self.split_batches else self.num_processes
+        device = self.device if self.device is not None else torch.device("cpu")
+        while True:
+            batch, info = None, [None]
+            if iterator is not None:
+                got = list(itertools.islice(iterator, per_round))
+                if got and (len(got) == per_round or not self._global_drop_last):
+                    batch = got[0] if len(got) == 1 else _join(got)
+                    info = [get_data_structure(batch)]
+            broadcast_object_list(info)  # the structure (or the end) first, so the others can allocate
+            if info[0] is None:
+                return
+            batch = initialize_tensors(info[0]) if batch is None else batch
+            yield broadcast(send_to_device(batch, device, non_blocking=self.non_blocking))
+
+    def _clone(self, **overrides) -> "DataLoaderDispatcher":
+        kwargs = dict(self._base_kwargs, device=self.device, seed=self.seed, gradient_state=self.gradient_state,
+                      non_blocking=self.non_blocking, skip_batches=self.skip_batches)
+        if "batch_sampler" in kwargs:
+            kwargs["batch_sampler"] = copy.copy(kwargs["batch_sampler"])
+        kwargs.update(overrides)
+        return DataLoaderDispatcher(self.dataset, self.num_processes, self.process_index, self.split_batches,
+                                    self.slice_fn, self._global_drop_last, self._global_batch_size, **kwargs)
+
+
+def _join(batches: list):
+    try:
+        return concatenate(batches)
+    except RuntimeError as error:
+        raise RuntimeError("dispatch_batches=True: the main process cannot join batches of different shapes "
+                           f"({error}); pad them in collate_fn, use split_batches=True, or dispatch_batches=False"
+                           ) from None
 
 
 class SkipDataLoader(DataLoader):
@@ -565,8 +691,7 @@ def _global_batch_sampler(dataloader: DataLoader, seed: int, use_seedable_sample
 
 def followed_generator(loader: DataLoader):
     """The user's `torch.Generator` that a prepared loader's shuffle follows (a kept RandomSampler's), or None."""
-    shard = getattr(loader, "_shard", None)
-    sampler = getattr(getattr(shard, "batch_sampler", None), "sampler", None)
+    sampler = loader._order_sampler() if isinstance(loader, DataLoaderShard) else None
     if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
         return sampler.generator
     return None
@@ -575,33 +700,49 @@ def followed_generator(loader: DataLoader):
 def prepare_data_loader(
     dataloader: DataLoader,
     device=None,
-    num_processes: int = 1,
-    process_index: int = 0,
+    num_processes: Optional[int] = None,
+    process_index: Optional[int] = None,
     split_batches: bool = False,
-    put_on_device: bool = True,
+    put_on_device: bool = False,
+    rng_types=None,
+    dispatch_batches: Optional[bool] = None,
     even_batches: bool = True,
-    seed: Optional[int] = None,
-    gradient_state=None,
-    non_blocking: bool = False,
+    slice_fn_for_dispatch=None,
     use_seedable_sampler: bool = False,
     data_seed: Optional[int] = None,
-    dispatch_batches: Optional[bool] = None,
-    rng_types=None,
-    slice_fn_for_dispatch=None,
-    torch_device_mesh=None,
+    non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
+    torch_device_mesh=None,
+    *,
+    seed: Optional[int] = None,
+    gradient_state=None,
 ) -> DataLoaderShard:
     """Rebuild `dataloader` over the same dataset so that it yields this process's share of each epoch.
 
-    Accelerate's arguments: `use_seedable_sampler` shuffles as a function of (seed, epoch) also where the user gave
-    a generator (without it, a RandomSampler with a generator follows that generator, synchronised from the main
-    process each epoch); `data_seed` is the seed; `rng_types`, `slice_fn_for_dispatch` and `torch_device_mesh` are
-    accepted (each rank loads its own share; no RNG other than the loader's is synchronised)."""
-    if dispatch_batches:
-        raise NotImplementedError("prepare_data_loader(dispatch_batches=True) is not available yet in accel; each "
-                                  "rank loads its own share (dispatch_batches=False)")
+    Accelerate's arguments, order and defaults (`num_processes`/`process_index` default to the running job's):
+    `dispatch_batches` (default: True for iterable datasets when `put_on_device`) has only the main process read the
+    data and send each rank its slice (`DataLoaderDispatcher`); otherwise every rank reads its own share.
+    `use_seedable_sampler` shuffles as a function of (seed, epoch) also where the user gave a generator (without it,
+    a RandomSampler with a generator follows that generator, synchronised from the main process each epoch);
+    `data_seed` is the seed (accel's keyword `seed` too). `rng_types` and `torch_device_mesh` are accepted: no RNG
+    other than the loader's is synchronised, and the data-parallel rank is the one given."""
     if use_stateful_dataloader:
         raise NotImplementedError("prepare_data_loader(use_stateful_dataloader=True) is not available yet in accel")
+    if dispatch_batches is None:
+        dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
+        raise ValueError("prepare_data_loader: dispatch_batches=True needs put_on_device=True (the batches are "
+                         "broadcast on the device)")
+    if num_processes is None or process_index is None:
+        from accel.state import PartialState
+
+        state = PartialState()
+        num_processes = state.num_processes if num_processes is None else num_processes
+        process_index = state.process_index if process_index is None else process_index
+    if device is None and put_on_device:
+        from accel.state import PartialState
+
+        device = PartialState().device
     if data_seed is not None:
         seed = data_seed
     if not 0 <= process_index < num_processes:
@@ -617,23 +758,45 @@ def prepare_data_loader(
         gradient_state=gradient_state,
         non_blocking=non_blocking,
     )
+    dataset = dataloader.dataset
+    if dispatch_batches:
+        return _dispatcher(dataloader, num_processes, process_index, split_batches, slice_fn_for_dispatch,
+                           use_seedable_sampler, settings, kwargs)
     shard_args = dict(
         num_processes=num_processes,
         process_index=process_index,
         split_batches=split_batches,
         even_batches=even_batches,
     )
-    dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset):
         shard = IterableDatasetShard(
             dataset, batch_size=1 if unbatched else dataloader.batch_size, drop_last=dataloader.drop_last, **shard_args
         )
         batch_size = None if unbatched else shard.part
         return DataLoaderShard(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
-    shard = BatchSamplerShard(_global_batch_sampler(dataloader, seed, use_seedable_sampler), **shard_args)
+    shard = BatchSamplerShard(_global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler), **shard_args)
     if unbatched:
         return DataLoaderShard(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
     return DataLoaderShard(dataset, batch_sampler=shard, **settings, **kwargs)
+
+
+def _dispatcher(dataloader: DataLoader, num_processes: int, process_index: int, split_batches: bool, slice_fn,
+                use_seedable_sampler: bool, settings: dict, kwargs: dict) -> DataLoaderDispatcher:
+    """A DataLoaderDispatcher whose main process reads the original loader's batches (its sampler made seedable)."""
+    dataset, batch_size = dataloader.dataset, dataloader.batch_size
+    if isinstance(dataset, IterableDataset):
+        kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
+    elif dataloader.batch_sampler is None:
+        kwargs.update(sampler=_seedable(dataloader.sampler, settings["seed"], use_seedable_sampler), batch_size=None)
+    else:
+        kwargs["batch_sampler"] = _global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler)
+        batch_size = getattr(kwargs["batch_sampler"], "batch_size", batch_size)
+    if split_batches and batch_size is not None and batch_size % num_processes:
+        raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be divisible by "
+                         f"num_processes ({num_processes}).")
+    return DataLoaderDispatcher(dataset, num_processes, process_index, split_batches, slice_fn,
+                                global_drop_last=dataloader.drop_last, global_batch_size=batch_size,
+                                **settings, **kwargs)
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:

@@ -6,6 +6,7 @@ All of them work on (nested) lists, tuples, dicts and tensors, and are no-ops on
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -20,18 +21,62 @@ def is_tensor_like(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
-def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is_tensor_like, **kwargs) -> Any:
-    """Apply `func` to every leaf of `data` that passes `test_type`, keeping the container types."""
+def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is_tensor_like,
+                      error_on_other_type: bool = False, **kwargs) -> Any:
+    """Apply `func` to every leaf of `data` that passes `test_type`, keeping the container types. Other leaves are
+    kept as they are, or refused with `error_on_other_type` (Accelerate's argument)."""
+    rest = dict(test_type=test_type, error_on_other_type=error_on_other_type, **kwargs)
     if isinstance(data, (tuple, list)):
-        mapped = [recursively_apply(func, o, *args, test_type=test_type, **kwargs) for o in data]
+        mapped = [recursively_apply(func, o, *args, **rest) for o in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
             return type(data)(*mapped)
         return type(data)(mapped)
     if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type, **kwargs) for k, v in data.items()})
+        return type(data)({k: recursively_apply(func, v, *args, **rest) for k, v in data.items()})
     if test_type(data):
         return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(f"{func.__name__}: unsupported type {type(data).__name__} in the data; allowed: nested "
+                        "lists, tuples and dicts of tensors")
     return data
+
+
+@dataclass(frozen=True)
+class TensorInformation:
+    """A tensor's shape and dtype: what a process needs to receive it (Accelerate's name)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def get_data_structure(data: Any) -> Any:
+    """`data` with each tensor replaced by its TensorInformation (sent ahead so receivers can allocate)."""
+    return recursively_apply(lambda t: TensorInformation(t.shape, t.dtype), data)
+
+
+def initialize_tensors(data_structure: Any) -> Any:
+    """Empty tensors in the structure `get_data_structure` described."""
+    return recursively_apply(lambda info: torch.empty(*info.shape, dtype=info.dtype), data_structure,
+                             test_type=lambda o: isinstance(o, TensorInformation))
+
+
+def find_batch_size(data: Any) -> int:
+    """The first dimension of the first tensor in a nested batch."""
+    if isinstance(data, (tuple, list, Mapping)) and len(data) == 0:
+        raise ValueError(f"Cannot find the batch size from empty {type(data).__name__}.")
+    if isinstance(data, (tuple, list)):
+        return find_batch_size(data[0])
+    if isinstance(data, Mapping):
+        return find_batch_size(next(iter(data.values())))
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"Can only find the batch size of tensors but got {type(data).__name__}.")
+    return data.shape[0]
+
+
+def slice_tensors(data: Any, tensor_slice: slice, process_index: int | None = None,
+                  num_processes: int | None = None) -> Any:
+    """Every tensor of a nested batch sliced along dim 0 (the process arguments are Accelerate's, unused)."""
+    return recursively_apply(lambda t: t[tensor_slice], data)
 
 
 def send_to_device(data: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:

@@ -13,8 +13,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def isolated_env(tmp_path: Path) -> dict:
+def make_isolated_env(tmp_path: Path) -> dict:
     """os.environ for a subprocess, with HOME in a temp dir (the real user config is never read or written)
     and no accel variables inherited from the caller."""
     home = tmp_path / "home"
@@ -26,6 +25,11 @@ def isolated_env(tmp_path: Path) -> dict:
     env["HOME"] = str(home)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def isolated_env(tmp_path: Path) -> dict:
+    return make_isolated_env(tmp_path)
 
 
 @pytest.fixture

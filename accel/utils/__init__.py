@@ -47,7 +47,8 @@ _LAZY = {
                      "clear_device_cache"), "accel.utils.memory"),
     **dict.fromkeys(("patch_environment", "clear_environment", "get_int_from_env", "write_basic_config"),
                     "accel.utils.environment"),
-    "copy_tensor_to_devices": "accel.ops",
+    **dict.fromkeys(("copy_tensor_to_devices", "TensorInformation", "find_batch_size", "get_data_structure",
+                     "initialize_tensors", "slice_tensors"), "accel.ops"),
     "tqdm": "accel.utils.progress",
 }
 

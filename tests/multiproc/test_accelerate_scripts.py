@@ -20,9 +20,7 @@ import measure  # noqa: E402
 
 from accel.cli.launch import port_in_use  # noqa: E402
 
-GAPS = {  # function -> why it fails on accel (Accelerate passes it on CPU)
-    "central_dl_preparation_check": "dispatch_batches=True (rank 0 loads and scatters) is not available yet",
-}
+GAPS: dict = {}  # function -> why it fails on accel although Accelerate passes it on CPU (none left)
 ONE_PROCESS = {  # fails on one process on Accelerate too (and on accel, for the same reason)
     "create_accelerator": "test_distributed_data_loop on one process asserts two GPUs",
     "test_monitoring": "needs 2 processes; with 1 the function raises in-process, as on Accelerate",

@@ -72,8 +72,6 @@ def test_seedable_sampler_arguments():
     prepared = prepare_data_loader(DataLoader(data, batch_size=1, shuffle=True, generator=torch.Generator()),
                                    use_seedable_sampler=True, put_on_device=False)
     assert isinstance(prepared.batch_sampler.batch_sampler.sampler, SeedableRandomSampler)
-    with pytest.raises(NotImplementedError, match=r"dispatch_batches=True\) is not available yet"):
-        prepare_data_loader(DataLoader(data), dispatch_batches=True)
 
 
 def test_triggers_reduce_and_state_members():

@@ -280,7 +280,7 @@ def test_settings_of_the_original_loader_are_kept():
 # ------------------------------------------------------------------------------------------------------
 def test_batches_are_moved_to_the_device():
     loader = DataLoader(Numbers(4), batch_size=2)
-    moved = next(iter(prepare_data_loader(loader, device=torch.device("meta"))))
+    moved = next(iter(prepare_data_loader(loader, device=torch.device("meta"), put_on_device=True)))
     assert moved.device.type == "meta"
     kept = next(iter(prepare_data_loader(loader, device=torch.device("meta"), put_on_device=False)))
     assert kept.device.type == "cpu"
@@ -470,8 +470,7 @@ def test_dataloader_configuration():
     cfg = DataLoaderConfiguration()
     assert (cfg.split_batches, cfg.dispatch_batches, cfg.even_batches, cfg.non_blocking) == (False, None, True, False)
     assert DataLoaderConfiguration(dispatch_batches=False).dispatch_batches is False
-    with pytest.raises(NotImplementedError, match="dispatch_batches"):
-        DataLoaderConfiguration(dispatch_batches=True)
+    assert DataLoaderConfiguration(dispatch_batches=True).dispatch_batches is True
     with pytest.raises(NotImplementedError, match="use_stateful_dataloader"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
 
@@ -479,3 +478,22 @@ def test_dataloader_configuration():
 def test_process_index_must_be_in_range():
     with pytest.raises(ValueError, match="process_index"):
         prepare_data_loader(DataLoader(Numbers(4), batch_size=2), num_processes=2, process_index=2)
+
+
+def test_dispatcher_on_one_process_yields_the_original_batches():
+    """One process: the dispatcher reads, "broadcasts" to itself and keeps everything; Accelerate's defaults pick it
+    for iterable datasets only when batches are put on the device."""
+    from accel.data import DataLoaderDispatcher
+
+    stream = NumberStream(10)
+    dl = prepare_data_loader(DataLoader(stream, batch_size=4), num_processes=1, process_index=0, put_on_device=True)
+    assert isinstance(dl, DataLoaderDispatcher)
+    assert [b.tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert (len(dl), dl.total_batch_size, dl.batch_size) == (3, 4, 4)
+    assert not isinstance(prepare_data_loader(DataLoader(stream, batch_size=4), put_on_device=False),
+                          DataLoaderDispatcher)
+    with pytest.raises(ValueError, match="dispatch_batches=True needs put_on_device=True"):
+        prepare_data_loader(DataLoader(stream, batch_size=4), dispatch_batches=True, put_on_device=False)
+    mapped = prepare_data_loader(DataLoader(list(range(6)), batch_size=4), put_on_device=True, dispatch_batches=True)
+    assert [b.tolist() for b in mapped] == [[0, 1, 2, 3], [4, 5]]
+    assert [b.tolist() for b in skip_first_batches(mapped, 1)] == [[4, 5]]
