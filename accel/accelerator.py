@@ -348,6 +348,7 @@ class Accelerator:
             use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
             dispatch_batches=self.dataloader_config.dispatch_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu

@@ -70,7 +70,7 @@ class DataLoaderConfiguration:
 
     def __post_init__(self):
         if self.use_stateful_dataloader:
-            raise NotImplementedError("accel does not support use_stateful_dataloader=True yet.")
+            _stateful_classes()  # fail here, where the user asked for it, when torchdata is missing
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -492,6 +492,7 @@ class DataLoaderShard(DataLoader):
         done = object()
         current = next(batches, done)
         while current is not done:
+            self._snapshot()
             following = next(batches, done)
             if following is done:
                 self.end_of_dataloader = True
@@ -501,6 +502,9 @@ class DataLoaderShard(DataLoader):
 
     def _last_remainder(self) -> int:
         return getattr(self._shard, "remainder", -1)
+
+    def _snapshot(self) -> None:
+        """Called as each batch is handed out; stateful loaders (accel.data_stateful) record their position."""
 
     def _order_sampler(self):
         """The sampler whose order the epoch follows (None for iterable datasets and custom batch samplers)."""
@@ -535,7 +539,7 @@ class DataLoaderShard(DataLoader):
             skip_batches=self.skip_batches,
         )
         settings.update(overrides)
-        return DataLoaderShard(dataset, **settings, **kwargs)
+        return type(self)(dataset, **settings, **kwargs)
 
 
 class DataLoaderDispatcher(DataLoaderShard):
@@ -554,7 +558,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         self.slice_fn = slice_tensors if slice_fn is None else slice_fn
         self._global_drop_last, self._global_batch_size = global_drop_last, global_batch_size
         self._base_kwargs = dict(kwargs)  # rebuilds the same loader (skip_first_batches)
-        self._dispatched_remainder = -1
+        self._dispatched_remainder, self._round_position = -1, None
         settings = {k: kwargs.pop(k) for k in ("device", "seed", "gradient_state", "non_blocking", "skip_batches")
                     if k in kwargs}
         super().__init__(dataset, **settings, **kwargs)
@@ -594,7 +598,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         import torch.distributed as dist
 
         main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-        batches = self._global_batches(DataLoader.__iter__(self) if main else None)
+        batches = self._global_batches(super(DataLoaderShard, self).__iter__() if main else None)  # the base loader's
         n, r, done = self.num_processes, self.process_index, object()
         self._dispatched_remainder, first = -1, None
         current = next(batches, done)
@@ -614,6 +618,10 @@ class DataLoaderDispatcher(DataLoaderShard):
             index += 1
             current = following
 
+    def _base_position(self):
+        """The main process's position in the epoch, for stateful loaders (accel.data_stateful); None here."""
+        return None
+
     def _global_batches(self, iterator) -> Iterator:
         """The main process's batches (joined per round), broadcast to every rank; `iterator` is None elsewhere."""
         per_round = 1 if self.split_batches else self.num_processes
@@ -621,6 +629,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         while True:
             batch, info = None, [None]
             if iterator is not None:
+                self._round_position = self._base_position()
                 got = list(itertools.islice(iterator, per_round))
                 if got and (len(got) == per_round or not self._global_drop_last):
                     batch = got[0] if len(got) == 1 else _join(got)
@@ -637,7 +646,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         if "batch_sampler" in kwargs:
             kwargs["batch_sampler"] = copy.copy(kwargs["batch_sampler"])
         kwargs.update(overrides)
-        return DataLoaderDispatcher(self.dataset, self.num_processes, self.process_index, self.split_batches,
+        return type(self)(self.dataset, self.num_processes, self.process_index, self.split_batches,
                                     self.slice_fn, self._global_drop_last, self._global_batch_size, **kwargs)
 
 
@@ -726,8 +735,8 @@ def prepare_data_loader(
     a RandomSampler with a generator follows that generator, synchronised from the main process each epoch);
     `data_seed` is the seed (accel's keyword `seed` too). `rng_types` and `torch_device_mesh` are accepted: no RNG
     other than the loader's is synchronised, and the data-parallel rank is the one given."""
-    if use_stateful_dataloader:
-        raise NotImplementedError("prepare_data_loader(use_stateful_dataloader=True) is not available yet in accel")
+    shard_class, dispatcher_class = _stateful_classes() if use_stateful_dataloader else (DataLoaderShard,
+                                                                                          DataLoaderDispatcher)
     if dispatch_batches is None:
         dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches and not put_on_device:
@@ -760,8 +769,8 @@ def prepare_data_loader(
     )
     dataset = dataloader.dataset
     if dispatch_batches:
-        return _dispatcher(dataloader, num_processes, process_index, split_batches, slice_fn_for_dispatch,
-                           use_seedable_sampler, settings, kwargs)
+        return _dispatcher(dispatcher_class, dataloader, num_processes, process_index, split_batches,
+                           slice_fn_for_dispatch, use_seedable_sampler, settings, kwargs)
     shard_args = dict(
         num_processes=num_processes,
         process_index=process_index,
@@ -773,16 +782,28 @@ def prepare_data_loader(
             dataset, batch_size=1 if unbatched else dataloader.batch_size, drop_last=dataloader.drop_last, **shard_args
         )
         batch_size = None if unbatched else shard.part
-        return DataLoaderShard(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
+        return shard_class(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
     shard = BatchSamplerShard(_global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler), **shard_args)
     if unbatched:
-        return DataLoaderShard(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
-    return DataLoaderShard(dataset, batch_sampler=shard, **settings, **kwargs)
+        return shard_class(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
+    return shard_class(dataset, batch_sampler=shard, **settings, **kwargs)
 
 
-def _dispatcher(dataloader: DataLoader, num_processes: int, process_index: int, split_batches: bool, slice_fn,
-                use_seedable_sampler: bool, settings: dict, kwargs: dict) -> DataLoaderDispatcher:
-    """A DataLoaderDispatcher whose main process reads the original loader's batches (its sampler made seedable)."""
+def _stateful_classes() -> tuple[type, type]:
+    """The loader classes built on torchdata's StatefulDataLoader (an optional extra)."""
+    try:
+        from accel.data_stateful import StatefulDataLoaderDispatcher, StatefulDataLoaderShard
+    except ImportError as error:
+        raise ImportError("use_stateful_dataloader=True needs torchdata (its StatefulDataLoader); install it with "
+                          "`pip install 'accel[torchdata]'` or `pip install torchdata`") from error
+    return StatefulDataLoaderShard, StatefulDataLoaderDispatcher
+
+
+def _dispatcher(dispatcher_class: type, dataloader: DataLoader, num_processes: int, process_index: int,
+                split_batches: bool, slice_fn, use_seedable_sampler: bool, settings: dict,
+                kwargs: dict) -> DataLoaderDispatcher:
+    """A `dispatcher_class` loader whose main process reads the original loader's batches (its sampler made
+    seedable)."""
     dataset, batch_size = dataloader.dataset, dataloader.batch_size
     if isinstance(dataset, IterableDataset):
         kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
@@ -794,9 +815,8 @@ def _dispatcher(dataloader: DataLoader, num_processes: int, process_index: int, 
     if split_batches and batch_size is not None and batch_size % num_processes:
         raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be divisible by "
                          f"num_processes ({num_processes}).")
-    return DataLoaderDispatcher(dataset, num_processes, process_index, split_batches, slice_fn,
-                                global_drop_last=dataloader.drop_last, global_batch_size=batch_size,
-                                **settings, **kwargs)
+    return dispatcher_class(dataset, num_processes, process_index, split_batches, slice_fn,
+                            global_drop_last=dataloader.drop_last, global_batch_size=batch_size, **settings, **kwargs)
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:

@@ -58,3 +58,15 @@ def test_uneven_last_round_is_padded_as_accelerate_does(run):
     assert results["tail_splitFalse"] == [list(range(8)), [8, 9, 10, 11, 12, 0]]
     # split_batches: one batch of 4 per round, 2 rows each; the last batch (1 row) padded to 3 rows -> 1 row each
     assert results["tail_splitTrue"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 0]]
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_stateful_loader_resumes_mid_epoch_without_skipping(run, dispatch):
+    """use_stateful_dataloader=True (torchdata): save_state after batch 4 (mid-epoch) or 6 (the first epoch's last),
+    load_state in a fresh Accelerator: the batches seen before and after, joined, equal an uninterrupted run."""
+    pytest.importorskip("torchdata")
+    _, results = run
+    got = results[f"stateful_dispatch{dispatch}"]
+    assert len(got["full"]) == 12 and got["full"][:6] != got["full"][6:]
+    for stop, joined in got["cuts"].items():
+        assert joined == got["full"], f"cut after batch {stop}"

@@ -471,8 +471,31 @@ def test_dataloader_configuration():
     assert (cfg.split_batches, cfg.dispatch_batches, cfg.even_batches, cfg.non_blocking) == (False, None, True, False)
     assert DataLoaderConfiguration(dispatch_batches=False).dispatch_batches is False
     assert DataLoaderConfiguration(dispatch_batches=True).dispatch_batches is True
-    with pytest.raises(NotImplementedError, match="use_stateful_dataloader"):
+
+
+def test_stateful_loader_needs_torchdata_and_says_so(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchdata", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "accel.data_stateful", raising=False)
+    with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*accel\[torchdata\]"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
+
+
+def test_stateful_loader_state_holds_the_position_in_the_epoch():
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dl = prepare_data_loader(DataLoader(Numbers(10), batch_size=2), use_stateful_dataloader=True)
+    assert isinstance(dl, StatefulDataLoader)
+    it = iter(dl)
+    next(it), next(it)
+    state = dl.state_dict()
+    assert state["position"]["_num_yielded"] == 2  # the batches handed out, not the one read ahead
+    again = prepare_data_loader(DataLoader(Numbers(10), batch_size=2), use_stateful_dataloader=True)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == [[4, 5], [6, 7], [8, 9]]
+    assert again.iteration == 1 and "position" not in again.state_dict()
 
 
 def test_process_index_must_be_in_range():

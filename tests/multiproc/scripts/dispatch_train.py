@@ -2,6 +2,7 @@
 batch read elsewhere would show), every rank gets its slice. Writes to OUT_DIR: the gathered batch sequences of
 several loaders (rank 0) and the weights trained on a dispatched iterable stream."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -40,6 +41,33 @@ def make_model():
     return torch.nn.Linear(4, 1)
 
 
+def stateful_resume(out: Path, dispatch: bool) -> dict:
+    """use_stateful_dataloader: two epochs in one go, and the same cut by save_state after batch `stop` (mid-epoch,
+    and after the first epoch's last batch) and resumed by load_state in a new Accelerator, with no skipping."""
+
+    def run(stop=None, resume=None):
+        acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                                    dispatch_batches=dispatch))
+        dl = acc.prepare(DataLoader(list(range(22)), batch_size=2, shuffle=True,
+                                    generator=torch.Generator().manual_seed(3)))
+        if resume:
+            acc.load_state(out / "stateful")
+        seen = []
+        for _ in range(2):
+            for batch in dl:
+                seen.append(acc.gather(batch).tolist())
+                if len(seen) == stop:
+                    acc.save_state(out / "stateful")
+                    return seen
+        return seen
+
+    full = run()
+    cuts = {}
+    for stop in (4, len(full) // 2):
+        cuts[stop] = run(stop) + run(resume=True)
+    return {"full": full, "cuts": cuts}
+
+
 def main(out: Path) -> None:
     accelerator = Accelerator()
     model = make_model()
@@ -70,6 +98,8 @@ def main(out: Path) -> None:
         acc = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=split))
         dl = acc.prepare_data_loader(DataLoader(Stream(13), batch_size=4))
         results[f"tail_split{split}"] = [acc.gather(b[0][:, 3]).tolist() for b in dl]
+    for dispatch in (False, True) if importlib.util.find_spec("torchdata") else ():  # an optional extra
+        results[f"stateful_dispatch{dispatch}"] = stateful_resume(out, dispatch)
     if accelerator.is_main_process:
         save_file(state, str(out / "weights.safetensors"))
         (out / "results.json").write_text(json.dumps(results))

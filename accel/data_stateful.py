@@ -1,0 +1,66 @@
+"""Prepared loaders on torchdata's `StatefulDataLoader` (Accelerate's `use_stateful_dataloader=True`).
+
+Their `state_dict()` also holds the position inside the epoch (and the dataset's or workers' state where torchdata
+can take it), so `load_state` resumes mid-epoch with no `skip_first_batches`. The position is taken when a batch is
+handed to the loop, not when the one-ahead batch is read, so it counts exactly the batches the loop has seen.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from accel.data import DataLoaderDispatcher, DataLoaderShard
+
+__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard"]
+
+
+class _Position:
+    """The mix-in: the loader's epoch state (DataLoaderShard's) plus the base loader's position in the epoch."""
+
+    _position = None
+
+    def __init__(self, *args, **kwargs):
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which this torch deprecates
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            super().__init__(*args, **kwargs)
+
+    def _snapshot(self) -> None:
+        self._position = self._current_position()
+
+    def _current_position(self):
+        return StatefulDataLoader.state_dict(self)
+
+    def _finish_epoch(self, epoch: int) -> None:
+        super()._finish_epoch(epoch)
+        self._position = None  # the next pass starts a new epoch from its beginning
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self._position is not None:
+            state["position"] = self._position
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._position = state_dict.get("position")
+        position = dict(self._position or {})
+        if position.get("_iterator_finished"):  # saved after the epoch's last batch: resume at its end, where torchdata
+            position["_iterator_finished"] = False  # would start the epoch over
+        StatefulDataLoader.load_state_dict(self, position)
+
+
+class StatefulDataLoaderShard(_Position, DataLoaderShard, StatefulDataLoader):
+    """A `DataLoaderShard` whose base loader is a `StatefulDataLoader`."""
+
+
+class StatefulDataLoaderDispatcher(_Position, DataLoaderDispatcher, StatefulDataLoader):
+    """A `DataLoaderDispatcher` whose main process reads through a `StatefulDataLoader`; the position saved is the
+    main process's (the only one that reads), taken before the round that follows the handed-out batch is read."""
+
+    def _base_position(self):
+        return StatefulDataLoader.state_dict(self)
+
+    def _current_position(self):
+        return self._round_position  # taken before the next round was read: the rounds handed out so far
