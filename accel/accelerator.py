@@ -272,6 +272,10 @@ class Accelerator:
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"prepare: device_placement has {len(placement)} entries for {len(args)} objects")
+        from accel.utils.deepspeed import replace_dummies  # DummyOptim/DummyScheduler -> what the DeepSpeed JSON names
+
+        args = replace_dummies(args, self.deepspeed_plugin, self.backend.data_parallel_size, self.split_batches,
+                               self.step_scheduler_with_optimizer)
         result = list(args)
         models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
         for i in models:

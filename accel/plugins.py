@@ -93,7 +93,8 @@ class DeepSpeedPlugin:
     `hf_ds_config`: a path to a DeepSpeed JSON file or its dict. The other arguments, when given, must agree
     with the file (or the file must say "auto" there). No stage at all (neither `zero_stage` nor the file's
     `zero_optimization.stage`, and no `hf_ds_config`) means ZeRO stage 2 as in Accelerate, unless the config
-    file/launch already asks for a ZeRO stage, which is then kept.
+    file/launch already asks for a ZeRO stage, which is then kept. The JSON's `optimizer` / `scheduler` sections
+    are built by `Accelerator.prepare` for `DummyOptim` / `DummyScheduler` (accel/utils/deepspeed.py).
     """
 
     hf_ds_config: Any = None
@@ -137,7 +138,8 @@ class DeepSpeedPlugin:
         else:
             raise ConfigError(f"{self._NAME}: argument 'hf_ds_config': bad value of type "
                               f"{type(self.hf_ds_config).__name__}; allowed: a DeepSpeed JSON file's path or its dict")
-        file_layer = deepspeed_json_layer(self.deepspeed_config, source) if self.hf_ds_config is not None else {}
+        file_layer = (deepspeed_json_layer(self.deepspeed_config, source, builds_optimizer=True)
+                      if self.hf_ds_config is not None else {})  # its optimizer/scheduler: see accel.utils.deepspeed
         args_layer = self._layer_of_arguments()  # validated now, not at Accelerator()
         for arg, (section, key) in _DS_ARGUMENTS.items():  # an argument and the file must agree
             mine = (args_layer.get(section, {}) if section else args_layer).get(key)

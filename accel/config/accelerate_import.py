@@ -211,12 +211,14 @@ def read_deepspeed_json(path: str | os.PathLike, referenced_by: str | None = Non
     return data
 
 
-def deepspeed_json_layer(data: Any, source: str) -> dict:
+def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False) -> dict:
     """Map a DeepSpeed config (the JSON's dict) onto a config layer, as `parse_layer` returns one.
 
     Mapped: zero_optimization.stage / .offload_optimizer.device / .offload_param.device, gradient_accumulation_steps,
     fp16.enabled / bf16.enabled, train_micro_batch_size_per_gpu, train_batch_size, gradient_clipping. "auto" means
     "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
+    With `builds_optimizer` (the JSON reaches `prepare()` through DeepSpeedPlugin) `optimizer` and `scheduler`
+    are kept for `DummyOptim`/`DummyScheduler` (accel/utils/deepspeed.py) and not named.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, "
@@ -259,7 +261,10 @@ def deepspeed_json_layer(data: Any, source: str) -> dict:
         elif key == "activation_checkpointing" and value:  # DeepSpeed checkpoints whole layers: accel's "full"
             par["activation_checkpointing"] = "full"
             ignored.extend(f"{key}.{sub}" for sub in mapping(value, key))  # partitioning, CPU copies: not used
-        else:  # optimizer/scheduler too: the warning explains them
+        elif key in ("optimizer", "scheduler") and builds_optimizer:
+            if value is not None:
+                mapping(value, key)  # built (and checked further) by prepare()
+        else:  # optimizer/scheduler read from a config file too: the warning explains them
             ignored.append(key)
     if precision.get("fp16") and precision.get("bf16"):
         raise ConfigError(f"{source}: keys 'fp16.enabled' and 'bf16.enabled' are both true; allowed: at most one "
@@ -270,8 +275,9 @@ def deepspeed_json_layer(data: Any, source: str) -> dict:
     if ignored:
         note = ""
         if "optimizer" in ignored or "scheduler" in ignored:
-            note = ("; 'optimizer'/'scheduler': DeepSpeed would build them, accel uses the optimizer and scheduler "
-                    "your script creates and passes to prepare()")
+            note = ("; 'optimizer'/'scheduler': accel builds them for DummyOptim/DummyScheduler only from "
+                    "DeepSpeedPlugin(hf_ds_config=...); here it uses the optimizer and scheduler your script creates "
+                    "and passes to prepare()")
         warnings.warn(f"{source}: DeepSpeed keys accel does not use, ignored: {', '.join(ignored)}{note}",
                       DeepSpeedConfigWarning, stacklevel=2)
     if par:

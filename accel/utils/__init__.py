@@ -50,6 +50,7 @@ _LAZY = {
     **dict.fromkeys(("copy_tensor_to_devices", "TensorInformation", "find_batch_size", "get_data_structure",
                      "initialize_tensors", "slice_tensors"), "accel.ops"),
     "tqdm": "accel.utils.progress",
+    **dict.fromkeys(("DummyOptim", "DummyScheduler"), "accel.utils.deepspeed"),
 }
 
 
