@@ -60,8 +60,14 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
 
 def _in_fresh_state(function, *args):
     """A forked worker starts from no process state: the parent's (its own single-process one, if it made an
-    Accelerator) is forgotten, so the worker's `PartialState()` joins the launched group."""
+    Accelerator) is forgotten, so the worker's `PartialState()` joins the launched group.
+
+    On CPU the gloo group connects its ranks at the first collective, not in `PartialState()` (torch's
+    TORCH_GLOO_LAZY_INIT, unless the user set it): a notebook function may return on one worker before touching the
+    state, and the others must not wait for it forever (Accelerate's fault-tolerance test does exactly this)."""
     from accel.state import PartialState
+
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
     PartialState._shared_state.clear()
     PartialState._instance = PartialState._carried = None

@@ -27,7 +27,7 @@ ONE_PROCESS = {  # fails on one process on Accelerate too (and on accel, for the
 }
 CASES = [("test_script", 1, ""), ("test_script", 2, ""), ("test_sync", 1, ""), ("test_sync", 2, ""),
          ("test_ops", 1, ""), ("test_ops", 2, ""), ("test_distributed_data_loop", 2, ""),
-         ("test_notebook", 2, "test_can_initialize,test_static_rdzv_backend,test_c10d_rdzv_backend")]
+         ("test_notebook", 2, "")]
 
 
 @pytest.mark.parametrize("script,procs,only", CASES, ids=[f"{s}-{p}p" for s, p, _ in CASES])
