@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -19,7 +21,14 @@ from accel.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
 from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
-from accel.kwargs import AORecipeKwargs, AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, find_handler
+from accel.kwargs import (
+    AORecipeKwargs,
+    AutocastKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+    find_handler,
+)
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import PrecisionPolicy
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
@@ -47,6 +56,7 @@ class Accelerator:
         dataloader_config=None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
         parallelism_config: ParallelismConfig | None = None,
         rng_types: list | None = None,
@@ -58,6 +68,7 @@ class Accelerator:
         kwargs_handlers: list | None = None,
         dynamo_backend: Any = None,
         dynamo_plugin: Any = None,
+        deepspeed_plugins: Any = None,
         even_batches: bool | None = None,
         **unsupported: Any,
     ) -> None:
@@ -67,11 +78,20 @@ class Accelerator:
         if unsupported:
             raise TypeError(f"Accelerator() got unexpected keyword arguments: {', '.join(sorted(unsupported))}")
         from accel.data import DataLoaderConfiguration
-        from accel.plugins import apply_plugins, dynamo_layer
+        from accel.plugins import (
+            active_deepspeed_plugin,
+            apply_plugins,
+            deepspeed_state_members,
+            dynamo_layer,
+            tp_plugin_layer,
+        )
+
+        deepspeed_plugin, deepspeed_plugins = active_deepspeed_plugin(deepspeed_plugin, deepspeed_plugins)
 
         arguments = self._argument_layer(mixed_precision, gradient_accumulation_steps, cpu, parallelism_config,
                                          gradient_accumulation_plugin)
         arguments.update(dynamo_layer(dynamo_backend, dynamo_plugin))
+        arguments = tp_plugin_layer(arguments, torch_tp_plugin)  # under parallelism_config=, as in Accelerate
         layers = worker_layers()  # read once: a plugin's default stage depends on them, then the arguments go on top
         base = build_config(*layers) if deepspeed_plugin is not None or fsdp_plugin is not None else None
         self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin, base), layers)
@@ -119,7 +139,8 @@ class Accelerator:
         # Accelerate's AcceleratorState members, on the one shared state (scripts read them from AcceleratorState())
         self.state.__dict__.update(mixed_precision=self.config.mixed_precision, deepspeed_plugin=deepspeed_plugin,
                                    parallelism_config=self.config.parallelism, is_fsdp2=False,
-                                   topology=self.topology)
+                                   topology=self.topology, torch_tp_plugin=torch_tp_plugin,
+                                   **deepspeed_state_members(deepspeed_plugin, deepspeed_plugins))
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -127,6 +148,8 @@ class Accelerator:
         self._custom_objects: list = []
         self._replaced_optimizers: dict[int, torch.optim.Optimizer] = {}
         self._data_seed: int | None = None
+        self._save_model_state_pre_hook: OrderedDict = OrderedDict()  # Accelerate's names
+        self._load_model_state_pre_hook: OrderedDict = OrderedDict()
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
@@ -159,7 +182,7 @@ class Accelerator:
             if not isinstance(handler, KwargsHandler):
                 raise TypeError(f"kwargs_handlers: {handler!r} is not a kwargs handler; allowed: "
                                 "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, "
-                                "AORecipeKwargs")
+                                "AORecipeKwargs, ProfileKwargs")
             find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
 
     @staticmethod
@@ -296,8 +319,14 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         placement = self.device_placement if device_placement is None else device_placement
+        mapped = self.verify_device_map(model)  # dispatched by a device_map: it stays as the map placed it
+        if mapped and self.use_distributed and os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false") != "true":
+            raise ValueError("prepare: You can't train a model that has been loaded with `device_map='auto'` in any "
+                             f"distributed mode ({self.num_processes} processes); allowed: one process (`python "
+                             "script.py` or --num_processes=1), or a model loaded without a device_map")
         self.precision.wrap_forward(model)
-        prepared = model if evaluation_mode and not self.use_distributed else self.backend.prepare_model(model, placement)
+        kept = (evaluation_mode or mapped) and not self.use_distributed  # mapped: its offloaded weights stay on meta
+        prepared = model if kept else self.backend.prepare_model(model, placement and not mapped)
         self._models.append(prepared)
         return prepared
 
@@ -421,6 +450,25 @@ class Accelerator:
     def autocast(self, autocast_handler: AutocastKwargs | None = None):
         """The precision policy's autocast context, for code outside the prepared model's forward."""
         return self.precision.autocast(**(autocast_handler.to_kwargs() if autocast_handler else {}))
+
+    @property
+    def profile_handler(self) -> ProfileKwargs | None:
+        """The `ProfileKwargs` given in kwargs_handlers, if any (Accelerate's attribute)."""
+        return find_handler(self.kwargs_handlers, ProfileKwargs)
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None):
+        """Profile the block with `torch.profiler` (yields the profiler: `prof.step()`, `prof.key_averages()`).
+        With `output_trace_dir`, each process then writes its Chrome trace there as `profile_<process_index>.json`
+        (Accelerate's name), and the processes wait for each other. `profile_handler` overrides the Accelerator's."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json"))
+        self.wait_for_everyone()
 
     # ------------------------------------------------------------------------------------------------------
     # collectives
@@ -582,6 +630,13 @@ class Accelerator:
             PrecisionPolicy.unwrap_forward(inner)
         return model if compiled is not None and keep_torch_compile and inner is model._orig_mod else inner
 
+    @staticmethod
+    def verify_device_map(model: torch.nn.Module) -> bool:
+        """Whether `model` (or a submodule) was dispatched by a `device_map` with more than one entry (Accelerate's
+        test: `hf_device_map` of length > 1); such a model is not moved by `prepare`, nor trained on several
+        processes."""
+        return any(len(getattr(m, "hf_device_map", None) or ()) > 1 for m in model.modules())
+
     def free_memory(self, *objects: Any) -> list:
         """Forget every prepared object (and empty the CUDA cache); returns `None` for each argument."""
         self._models.clear()
@@ -615,11 +670,30 @@ class Accelerator:
                              + ", ".join(invalid))
         self._custom_objects.extend(objects)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> torch.utils.hooks.RemovableHandle:
+        """Run `hook(models, weights, output_dir)` in `save_state` before anything is written (Accelerate's). `weights`
+        are the models' state dicts about to be saved: removing one skips saving that model's weights (e.g. the
+        hook saved it its own way into `output_dir`, the checkpoint folder being built); changing one changes
+        what is saved. Returns a handle whose `remove()` unregisters the hook."""
+        handle = torch.utils.hooks.RemovableHandle(self._save_model_state_pre_hook)
+        self._save_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> torch.utils.hooks.RemovableHandle:
+        """Run `hook(models, input_dir)` in `load_state` before anything is loaded (Accelerate's): models the hook
+        removes from `models` (it loaded them itself) are not loaded from the checkpoint. Returns a handle whose
+        `remove()` unregisters the hook."""
+        handle = torch.utils.hooks.RemovableHandle(self._load_model_state_pre_hook)
+        self._load_model_state_pre_hook[handle.id] = hook
+        return handle
+
     def _training_objects(self):
         from accel.checkpoint.training_state import TrainingObjects
 
         return TrainingObjects(self.backend, self._models, self._optimizers, self._schedulers, self._dataloaders,
-                               self._custom_objects, self.scaler, self.gradient_state.step)
+                               self._custom_objects, self.scaler, self.gradient_state.step,
+                               save_hooks=list(self._save_model_state_pre_hook.values()),
+                               load_hooks=list(self._load_model_state_pre_hook.values()))
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
         """Save everything needed to continue (models, optimizers, schedulers, scaler, loaders, RNG, registered

@@ -85,6 +85,50 @@ class AORecipeKwargs(KwargsHandler):
     module_filter_func: Callable | None = None
 
 
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """Options of `torch.profiler.profile` for `Accelerator.profile()` (Accelerate's): `activities` are names
+    ("cpu", "cuda", "xpu", "mtia", "hpu"; None: torch's default), `schedule_option` goes to
+    `torch.profiler.schedule`, and with `output_trace_dir` each process writes a Chrome trace
+    `profile_<process_index>.json` there."""
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def _get_profiler_activity(self, activity: str):
+        """A name -> torch's ProfilerActivity, for the devices this machine has (Accelerate's rule)."""
+        import torch
+
+        kinds = torch.profiler.ProfilerActivity
+        found = {"cpu": kinds.CPU, "cuda": kinds.CUDA}
+        for name in ("xpu", "mtia", "hpu"):
+            device = getattr(torch, name, None)
+            if hasattr(kinds, name.upper()) and device is not None and device.is_available():
+                found[name] = getattr(kinds, name.upper())
+        if activity not in found:
+            raise ValueError(f"ProfileKwargs: argument 'activities': bad value {activity!r}; allowed: "
+                             f"{', '.join(found)}")
+        return found[activity]
+
+    def build(self):
+        """A `torch.profiler.profile` with these options (not started)."""
+        import torch
+
+        activities = None if self.activities is None else [self._get_profiler_activity(a) for a in self.activities]
+        schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+                                      record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                                      with_stack=self.with_stack, with_flops=self.with_flops,
+                                      with_modules=self.with_modules)
+
+
 def find_handler(handlers, cls: type) -> KwargsHandler | None:
     """The handler of type `cls` among the user's kwargs_handlers, if any (at most one of each kind)."""
     found = [h for h in (handlers or []) if isinstance(h, cls)]

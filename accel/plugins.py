@@ -8,7 +8,8 @@ it with the precedence of its own arguments. Neither DeepSpeed nor FSDP's own cl
   `accel launch --deepspeed_config_file` reads one) plus `zero_stage`, `offload_optimizer_device`,
   `offload_param_device`, `gradient_accumulation_steps`, `gradient_clipping`;
 * `FullyShardedDataParallelPlugin`: `sharding_strategy` / `reshard_after_forward` (onto ZeRO stages:
-  FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0) and `cpu_offload`.
+  FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0) and `cpu_offload`;
+* `TorchTensorParallelPlugin`: `tp_size`.
 
 Arguments that only tune how Accelerate wraps or prefetches (`auto_wrap_policy`, `backward_prefetch`,
 `use_orig_params`, `zero3_init_flag`, ...) are accepted and kept as attributes. Arguments whose meaning
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +189,11 @@ class DeepSpeedPlugin:
             layer = _stage_unset_default(layer, 2, base)
         return layer
 
+    @property
+    def selected(self) -> bool:
+        """Accelerate's flag: whether this is the active plugin of `Accelerator(deepspeed_plugins=...)`."""
+        return self.__dict__.get("_selected", False)
+
 
 # -------------------------------------------------------------------------------------------------------------
 # FSDP
@@ -299,6 +306,97 @@ class FullyShardedDataParallelPlugin:
         if "zero_stage" not in layer.get("parallelism", {}):
             layer = _stage_unset_default(layer, 3, base)
         return layer
+
+
+# -------------------------------------------------------------------------------------------------------------
+# tensor parallelism
+# -------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TorchTensorParallelPlugin:
+    """Accelerate's `TorchTensorParallelPlugin` (deprecated there for `ParallelismConfig(tp_size=...)`): `tp_size`
+    is accel's tp_size. `torch_device_mesh` is ignored, as Accelerate 1.15 ignores it: the mesh is built from the
+    sizes."""
+
+    tp_size: int = 1
+    torch_device_mesh: Any = None
+
+    _NAME = "TorchTensorParallelPlugin"
+
+    def __post_init__(self) -> None:
+        self._layer = {"parallelism": {"tp_size": _argument(self._NAME, "tp_size", self.tp_size,
+                                                            PARALLEL_FIELDS["tp_size"])}}
+
+    def to_layer(self) -> dict:
+        return merge_layers([self._layer])
+
+
+def tp_plugin_layer(argument_layer: dict, torch_tp_plugin: Any = None) -> dict:
+    """`Accelerator(torch_tp_plugin=...)`: its tp_size under the other arguments, so `parallelism_config=` wins
+    (Accelerate reads the plugin only without a parallelism_config). Warns as Accelerate does (deprecated)."""
+    if torch_tp_plugin is None:
+        return argument_layer
+    if not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
+        raise ConfigError("Accelerator: argument 'torch_tp_plugin': expected accel.utils.TorchTensorParallelPlugin, "
+                          f"got {type(torch_tp_plugin).__name__}")
+    warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of Accelerate. "
+                  "Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning, stacklevel=3)
+    return merge_layers([torch_tp_plugin.to_layer(), argument_layer])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# several DeepSpeed plugins
+# -------------------------------------------------------------------------------------------------------------
+
+def active_deepspeed_plugin(deepspeed_plugin: Any = None, deepspeed_plugins: Any = None) -> tuple[Any, Any]:
+    """Accelerate's `deepspeed_plugin` / `deepspeed_plugins` (one is an alias of the other): a DeepSpeedPlugin, or
+    a dict name -> DeepSpeedPlugin whose first entry is the active one. Returns (active plugin, what was given).
+
+    accel applies one ZeRO config to every model: with several plugins the first is applied (a warning says so)
+    and `AcceleratorState().select_deepspeed_plugin(other)` is refused (see `deepspeed_state_members`)."""
+    if deepspeed_plugin is not None and deepspeed_plugins is not None:
+        raise ConfigError("Accelerator: deepspeed_plugin and deepspeed_plugins are both given; allowed: one of them")
+    name = "deepspeed_plugins" if deepspeed_plugins is not None else "deepspeed_plugin"
+    given = deepspeed_plugins if deepspeed_plugins is not None else deepspeed_plugin
+    if not isinstance(given, dict):
+        return given, given
+    bad = {key: type(p).__name__ for key, p in given.items() if not isinstance(p, DeepSpeedPlugin)}
+    if not given or bad:
+        raise ConfigError(f"Accelerator: argument '{name}': bad value {bad or given!r}; allowed: a DeepSpeedPlugin or "
+                          "a non-empty dict of name -> DeepSpeedPlugin")
+    first = next(iter(given))
+    if len(given) > 1:
+        warnings.warn(f"Accelerator({name}=...): accel applies the first plugin ({first!r}) to every model; "
+                      "selecting another (AcceleratorState().select_deepspeed_plugin) is not available yet",
+                      stacklevel=3)
+    return given[first], given
+
+
+def deepspeed_state_members(active: Any, given: Any) -> dict:
+    """Accelerate's AcceleratorState members for DeepSpeed plugins: `deepspeed_plugins`, `get_deepspeed_plugin(name)`
+    and `select_deepspeed_plugin(name)`, which only accepts the active plugin (one config for every model)."""
+    plugins = {} if active is None else given if isinstance(given, dict) else {"default": given}
+    first = next(iter(plugins), None)
+    if active is not None:
+        active.__dict__["_selected"] = True
+
+    def get_deepspeed_plugin(name: str):
+        if not plugins:
+            raise ValueError("get_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator(deepspeed_plugin(s)=)")
+        return plugins[name]
+
+    def select_deepspeed_plugin(name: str | None = None) -> None:
+        if not plugins:
+            raise ValueError("select_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator("
+                             "deepspeed_plugin(s)=)")
+        if name not in plugins:
+            raise ValueError(f"select_deepspeed_plugin: bad value {name!r}; allowed: {', '.join(map(repr, plugins))}")
+        if name != first:
+            raise NotImplementedError(f"select_deepspeed_plugin({name!r}): a second active DeepSpeed plugin is not "
+                                      f"available yet in accel; allowed: {first!r} (every model uses its config)")
+
+    return {"deepspeed_plugins": given, "get_deepspeed_plugin": get_deepspeed_plugin,
+            "select_deepspeed_plugin": select_deepspeed_plugin}
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -32,12 +32,18 @@ def apply_ddp(model: torch.nn.Module, group, device: torch.device,
 
 def named_comm_hook(name, wrapper, state_options: dict, group):
     """(hook, state) for Accelerate's hook names: torch's fp16/bf16 compression or (batched) PowerSGD, optionally
-    wrapped to send in fp16/bf16; None for `no`."""
+    wrapped to send in fp16/bf16; None for `no`.
+
+    Two torch limits are lifted, with torch's own hook code: DDP refuses to register a bf16 hook unless CUDA+NCCL
+    >= 2.10 (or XPU) is there, although gloo all-reduces bfloat16 correctly, so on gloo the hook is registered
+    under another `__name__`; and `batched_powerSGD_hook` fails at its first compressed step in torch releases
+    whose `_orthogonalize` takes only 3-D batches, so it then runs with an `_orthogonalize` that also takes its
+    2-D matrix (`_batched_power_sgd`)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     name, wrapper = str(getattr(name, "value", name)).lower(), str(getattr(wrapper, "value", wrapper) or "no").lower()
     hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
-             "power_sgd": powerSGD_hook.powerSGD_hook, "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook}
+             "power_sgd": powerSGD_hook.powerSGD_hook, "batched_power_sgd": _batched_power_sgd()}
     wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
     if name == "no":
         return None, None
@@ -50,7 +56,44 @@ def named_comm_hook(name, wrapper, state_options: dict, group):
         state = powerSGD_hook.PowerSGDState(process_group=group, **state_options)
     if wrapper != "no":
         hook = wrappers[wrapper](hook)
+    if "bf16" in (name, wrapper) and torch.distributed.get_backend(group) == "gloo":
+        hook = _renamed(hook)
     return hook, state
+
+
+def _renamed(hook):
+    """`hook` under a `__name__` that DDP's NCCL-version check for bf16 hooks does not match (its logged
+    `__qualname__` stays torch's)."""
+
+    def gloo_bf16_hook(state, bucket):
+        return hook(state, bucket)
+
+    gloo_bf16_hook.__qualname__ = hook.__qualname__
+    return gloo_bf16_hook
+
+
+def _batched_power_sgd():
+    """torch's `batched_powerSGD_hook`; where its `_orthogonalize` refuses the hook's 2-D matrix (batched by
+    pytorch#75157, it raises on 2-D), the same code with an `_orthogonalize` that takes 2-D as a batch of one."""
+    import types
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as module
+
+    hook = module.batched_powerSGD_hook
+    try:
+        module._orthogonalize(torch.ones(2, 1))
+    except Exception:  # noqa: BLE001 - AssertionError today; any refusal means the same
+        batched = module._orthogonalize
+    else:
+        return hook
+
+    def _orthogonalize(matrices, epsilon=0):
+        return batched(matrices[None] if matrices.dim() == 2 else matrices, epsilon)
+
+    scope = {**vars(module), "_orthogonalize": _orthogonalize}
+    fixed = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
+    fixed.__qualname__, fixed.__doc__ = hook.__qualname__, hook.__doc__
+    return fixed
 
 
 @contextlib.contextmanager

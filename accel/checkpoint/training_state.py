@@ -45,6 +45,10 @@ class TrainingObjects:
     custom: list = field(default_factory=list)
     scaler: Any = None
     step: int = 0
+    # Accelerate's register_save_state_pre_hook / register_load_state_pre_hook: hook(models, weights, folder) and
+    # hook(models, folder); what they remove from `weights` / `models` is not saved / loaded
+    save_hooks: list = field(default_factory=list)
+    load_hooks: list = field(default_factory=list)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -83,11 +87,12 @@ def _owner(objects: TrainingObjects, optimizer) -> int:
     raise CheckpointError("save_state: an optimizer updates parameters of no prepared model; prepare the model too")
 
 
-def _collect(objects: TrainingObjects) -> dict:
-    """The whole state tree (tensors and plain values) of everything in the checkpoint but the RNG."""
+def _collect(objects: TrainingObjects, model_states: list) -> dict:
+    """The whole state tree (tensors and plain values) of everything in the checkpoint but the RNG; the models'
+    part is `model_states` (after the pre-hooks)."""
     backend = objects.backend
     return {
-        "models": [backend.checkpoint_model_state(m) for m in objects.models],
+        "models": model_states,
         "optimizers": [backend.checkpoint_optimizer_state(objects.models[_owner(objects, o)], o.optimizer)
                        for o in objects.optimizers],
         "schedulers": [s.state_dict() for s in objects.schedulers],
@@ -162,13 +167,14 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         (tmp / "rng").mkdir()
     tmp = Path(_broadcast_from_main(str(tmp)))
 
+    weights, owners = _saved_weights(objects, tmp)
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = tree.split(_collect(objects), "", tensors)
+    skeleton = tree.split(_collect(objects, weights), "", tensors)
     aliases = _dedupe_aliases(tensors)
     for key in aliases:
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
-    layouts = [objects.backend.checkpoint_layouts(m) for m in objects.models]
+    layouts = [objects.backend.checkpoint_layouts(m) if m is not None else {} for m in owners]
     if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (skeleton, aliases, layouts))
@@ -195,6 +201,19 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     return target
 
 
+def _saved_weights(objects: TrainingObjects, folder: Path) -> tuple[list, list]:
+    """The model state dicts to write, after the save pre-hooks ran on them (Accelerate's
+    `hook(models, weights, output_dir)`; `folder` is the checkpoint being built, published with it, so files a
+    hook writes there are part of the checkpoint), and the model each belongs to (by identity, else position)."""
+    models = objects.models
+    weights = [objects.backend.checkpoint_model_state(m) for m in models]
+    index = {id(w): i for i, w in enumerate(weights)}
+    for hook in objects.save_hooks:
+        hook(list(models), weights, str(folder))
+    owners = [index.get(id(w), i) for i, w in enumerate(weights)]
+    return weights, [models[i] if i < len(models) else None for i in owners]
+
+
 def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) -> dict:
     """Restore `objects` from a checkpoint in place; RNG states last. Returns the manifest."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -204,21 +223,25 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     folder = Path(input_dir).absolute()
     manifest = layout.read_manifest(folder)
     rank, world = _rank_world()
+    models = list(objects.models)  # Accelerate's load pre-hooks take out the models they load themselves
+    for hook in objects.load_hooks:
+        hook(models, str(folder))
     skeleton = manifest["skeleton"]
     counts = {k: len(skeleton[k]) for k in ("models", "optimizers", "schedulers", "dataloaders", "custom")}
-    have = {"models": len(objects.models), "optimizers": len(objects.optimizers),
+    have = {"models": len(models), "optimizers": len(objects.optimizers),
             "schedulers": len(objects.schedulers), "custom": len(objects.custom),
             "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders)}
     for kind, count in counts.items():
         if have[kind] != count:
+            hooks = " (after the pre-hooks)" if kind == "models" and (objects.save_hooks or objects.load_hooks) else ""
             raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
-                                  "registered; prepare the same objects, in the same order, before load_state")
+                                  f"registered{hooks}; prepare the same objects, in the same order, before load_state")
 
-    _check_layouts(folder, manifest.get("layouts") or [{} for _ in objects.models], objects)
+    _check_layouts(folder, manifest.get("layouts") or [{} for _ in models], objects.backend, models)
     # Targets: the live model/optimizer tensors, loaded in place (no second copy of the state in memory;
     # sharded layouts reshard), fresh tensors for the rest. read_manifest has already checked every file.
     live: dict[str, torch.Tensor] = {}
-    tree.split(_collect(objects), "", live)
+    tree.split(_collect(objects, [objects.backend.checkpoint_model_state(m) for m in models]), "", live)
     aliases = manifest.get("aliases", {})
     loads = _held_keys(objects.backend)
     targets = {}
@@ -241,7 +264,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     state = tree.join(skeleton, targets)
 
     backend = objects.backend
-    for model, sd in zip(objects.models, state["models"]):
+    for model, sd in zip(models, state["models"]):
         backend.load_checkpoint_model_state(model, sd)
     for opt, sd in zip(objects.optimizers, state["optimizers"]):
         backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
@@ -274,12 +297,12 @@ def _held_keys(backend):
     return loads
 
 
-def _check_layouts(folder: Path, saved: list[dict], objects: TrainingObjects) -> None:
+def _check_layouts(folder: Path, saved: list[dict], backend, models: list) -> None:
     """A parameter held in a backend's own layout (TP's reordered fused q/k/v) is only resumed into the same
     layout: loading it into another would scramble it silently."""
-    for model, before in zip(objects.models, saved):
-        now = objects.backend.checkpoint_layouts(model)
-        mine = {name for name, _ in objects.backend.unwrap_model(model).named_parameters()}  # without DDP's prefix
+    for model, before in zip(models, saved):
+        now = backend.checkpoint_layouts(model)
+        mine = {name for name, _ in backend.unwrap_model(model).named_parameters()}  # without DDP's prefix
         for name in sorted((set(now) | set(before)) & mine):
             if now.get(name) != before.get(name):
                 raise CheckpointError(

@@ -31,8 +31,9 @@ from accel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_
 _LAZY = {
     **dict.fromkeys(("DataLoaderConfiguration", "skip_first_batches"), "accel.data"),
     "ProjectConfiguration": "accel.checkpoint",
-    **dict.fromkeys(("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "DynamoBackend"),
-                    "accel.plugins"),
+    **dict.fromkeys(("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "DynamoBackend",
+                     "TorchTensorParallelPlugin"), "accel.plugins"),
+    "ProfileKwargs": "accel.kwargs",
     "GradientAccumulationPlugin": "accel.accumulation",
     **dict.fromkeys((  # big-model inference helpers
         "check_device_map", "clean_device_map", "compute_module_sizes", "find_tied_parameters", "get_balanced_memory",

@@ -12,11 +12,13 @@ from accel.kwargs import (  # noqa: F401
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
 )
 from accel.plugins import (  # noqa: F401
     DeepSpeedPlugin,
     DynamoBackend,
     FullyShardedDataParallelPlugin,
     TorchDynamoPlugin,
+    TorchTensorParallelPlugin,
 )
 from accel.state import DistributedType  # noqa: F401
