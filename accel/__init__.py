@@ -39,6 +39,7 @@ _LAZY = {
     "cpu_offload": "accel.big_modeling", "disk_offload": "accel.big_modeling",
     "dispatch_model": "accel.big_modeling", "load_checkpoint_and_dispatch": "accel.big_modeling",
     "infer_auto_device_map": "accel.utils.modeling",
+    "is_rich_available": "accel.utils.imports",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

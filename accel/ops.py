@@ -5,6 +5,7 @@ All of them work on (nested) lists, tuples, dicts and tensors, and are no-ops on
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,6 +16,10 @@ import torch
 
 class DistributedOperationException(Exception):
     """A collective called with inputs that do not match across processes (Accelerate's name)."""
+
+
+class CannotPadNestedTensorWarning(UserWarning):
+    """pad_across_processes met a nested tensor: it is left as it is (Accelerate's warning)."""
 
 
 def is_tensor_like(obj: Any) -> bool:
@@ -254,6 +259,10 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         verify_operation("pad_across_processes", recursively_apply(lambda t: t.new_empty((0,) * t.ndim), tensor))
 
     def _one(t: torch.Tensor) -> torch.Tensor:
+        if getattr(t, "is_nested", False):
+            warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
+                          CannotPadNestedTensorWarning)
+            return t
         if _world() == 1 or t.ndim == 0 or dim >= t.ndim:
             return t
         size = torch.tensor(t.shape, device=t.device)[None]

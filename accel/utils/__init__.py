@@ -52,6 +52,33 @@ _LAZY = {
                      "initialize_tensors", "slice_tensors"), "accel.ops"),
     "tqdm": "accel.utils.progress",
     **dict.fromkeys(("DummyOptim", "DummyScheduler"), "accel.utils.deepspeed"),
+    # Accelerate's small helpers, each in the module of Accelerate's name
+    **dict.fromkeys((
+        "MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "SCALER_NAME", "RNG_STATE_NAME",
+        "SAFE_MODEL_NAME", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_NAME",
+        "WEIGHTS_INDEX_NAME", "WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME", "TORCH_LAUNCH_PARAMS",
+        "TORCH_DISTRIBUTED_OPERATION_TYPES", "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION",
+        "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"), "accel.utils.constants"),
+    **dict.fromkeys(("ComputeEnvironment", "CustomDtype", "LoggerType", "PrecisionType", "RNGType",
+                     "SageMakerDistributedType"), "accel.utils.dataclasses"),
+    **dict.fromkeys(("CannotPadNestedTensorWarning", "convert_outputs_to_fp32", "convert_to_fp32", "find_device",
+                     "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_tensor_information",
+                     "is_torch_tensor", "listify", "pad_input_tensors"), "accel.utils.operations"),
+    **dict.fromkeys(("check_os_kernel", "clean_state_dict_for_safetensors", "compile_regions", "convert_bytes",
+                     "get_module_children_bottom_up", "get_pretty_name", "has_compiled_regions", "is_port_in_use",
+                     "load", "merge_dicts", "model_has_dtensor", "recursive_getattr", "save", "wait_for_everyone"),
+                    "accel.utils.other"),
+    **dict.fromkeys(("align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
+                     "check_tied_parameters_on_same_device", "convert_file_size_to_int", "dtype_byte_size",
+                     "ensure_weights_retied", "get_grad_scaler", "get_mixed_precision_context_manager",
+                     "has_offloaded_params", "id_tensor_storage", "is_peft_model", "load_offloaded_weights",
+                     "load_state_dict", "retie_parameters"), "accel.utils.modeling"),
+    "extract_submodules_state_dict": "accel.utils.offload",
+    **dict.fromkeys(("are_libraries_initialized", "check_cuda_p2p_ib_support", "convert_dict_to_env_variables",
+                     "get_cpu_distributed_information", "get_current_device_type", "get_gpu_info",
+                     "parse_choice_from_env", "purge_accelerate_environment"), "accel.utils.environment"),
+    **dict.fromkeys(("deepspeed_required", "torchao_required"), "accel.utils.imports"),
+    "PrepareForLaunch": "accel.utils.launch",
 }
 
 

@@ -4,6 +4,7 @@ package (nothing is imported); a device probe asks torch."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import operator
@@ -123,7 +124,6 @@ is_dvclive_available = _package_probe("dvclive")
 is_pandas_available = _package_probe("pandas")
 is_matplotlib_available = _package_probe("matplotlib")
 is_boto3_available = _package_probe("boto3")
-is_rich_available = _package_probe("rich")
 is_sagemaker_available = _package_probe("sagemaker")
 is_tqdm_available = _package_probe("tqdm")
 is_pytest_available = _package_probe("pytest")
@@ -156,6 +156,36 @@ def is_numpy_available(min_version: str = "1.25.0") -> bool:
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
     return str_to_bool(os.environ.get(key, str(default)), to_bool=True)
+
+
+def is_rich_available() -> bool:
+    """Whether rich is installed and asked for ($ACCELERATE_ENABLE_RICH, as in Accelerate: off by default)."""
+    return _installed("rich") and parse_flag_from_env("ACCELERATE_ENABLE_RICH", False)
+
+
+def torchao_required(func):
+    """Decorator: calling `func` without torchao installed is an ImportError saying how to install it."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if not is_torchao_available():
+            raise ImportError("`torchao` is not available, please install it before calling this function via "
+                              "`pip install torchao`.")
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def deepspeed_required(func):
+    """Decorator for functions that work on DeepSpeed's engine: accel has none (a DeepSpeed config runs on accel's
+    ZeRO backend), so calling `func` is a one-line NotImplementedError."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        raise NotImplementedError(f"{func.__name__}: DeepSpeed's engine is not available yet in accel (a DeepSpeed "
+                                  "config runs on accel's ZeRO backend); this function needs DeepSpeed itself")
+
+    return wrapper
 
 
 __all__ = [name for name in dir() if name.startswith(("is_", "compare_versions", "str_to_bool", "check_cuda"))]

@@ -8,6 +8,7 @@ larger than memory never has to be materialised whole.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -40,6 +41,21 @@ __all__ = [
     "check_device_map",
     "load_checkpoint_with_device_map",
     "load_checkpoint_in_model",
+    "convert_file_size_to_int",
+    "dtype_byte_size",
+    "id_tensor_storage",
+    "calculate_maximum_sizes",
+    "has_offloaded_params",
+    "align_module_device",
+    "check_tied_parameters_in_config",
+    "check_tied_parameters_on_same_device",
+    "retie_parameters",
+    "get_grad_scaler",
+    "get_mixed_precision_context_manager",
+    "is_peft_model",
+    "load_offloaded_weights",
+    "load_state_dict",
+    "ensure_weights_retied",
 ]
 
 Device = int | str | torch.device
@@ -117,7 +133,8 @@ def set_module_tensor_to_device(
 
 
 def find_tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that hold the very same Parameter (tied weights), e.g. [["embed.weight", "head.weight"]]."""
+    """Groups of parameter names that hold the very same Parameter (tied weights), e.g.
+    [["embed.weight", "head.weight"]]."""
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
@@ -128,7 +145,9 @@ def find_tied_parameters(model: nn.Module) -> list[list[str]]:
 
 
 def compute_module_sizes(
-    model: nn.Module, dtype: torch.dtype | str | None = None, special_dtypes: Mapping[str, torch.dtype | str] | None = None
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
 ) -> dict[str, int]:
     """Bytes under every name prefix: ``""`` (the model), each module and each tensor; tied tensors once.
 
@@ -164,7 +183,9 @@ def _splittable(obj, no_split: set[str]) -> bool:
 
 
 def get_max_layer_size(
-    modules: list[tuple[str, nn.Module | torch.Tensor]], module_sizes: Mapping[str, int], no_split_module_classes: Iterable[str]
+    modules: list[tuple[str, nn.Module | torch.Tensor]],
+    module_sizes: Mapping[str, int],
+    no_split_module_classes: Iterable[str],
 ) -> tuple[int, list[str]]:
     """Size and names of the largest layer among ``modules``: a module that is never split (no children, or
     a class in ``no_split_module_classes``) or a lone tensor. It is what gets moved in at once."""
@@ -405,8 +426,8 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict
     ``ValueError`` naming what is wrong."""
     if not isinstance(device_map, Mapping):
         raise ValueError(
-            f"device_map must be a dict of module name to device or one of {', '.join(map(repr, DEVICE_MAP_STRATEGIES))};"
-            f" got {device_map!r}."
+            "device_map must be a dict of module name to device or one of "
+            f"{', '.join(map(repr, DEVICE_MAP_STRATEGIES))}; got {device_map!r}."
         )
     names = {n for n, _ in model.named_modules(remove_duplicate=False)} | set(_all_tensor_names(model))
     resolved: dict[str, str | torch.device] = {}
@@ -467,7 +488,9 @@ def load_checkpoint_with_device_map(
     plan = CheckpointPlan(checkpoint, loader)
     empty = [k for k in plan.missing if loader.current(k).device.type == "meta"]
     if empty:
-        raise ValueError(f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: {format_keys(empty)}.")
+        raise ValueError(
+            f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: {format_keys(empty)}."
+        )
     message = plan.key_problems()
     if message and strict:
         raise RuntimeError(message)
@@ -518,3 +541,330 @@ def load_checkpoint_in_model(
         model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
         offload_state_dict=offload_state_dict, offload_buffers=offload_buffers,
     )
+
+
+# ------------------------------------------------------------------------------------------ Accelerate's small helpers
+
+
+def convert_file_size_to_int(size: int | str) -> int:
+    """Bytes in ``size``: an int as it is, or a string with a unit as Accelerate reads it: ``"5GB"``/``"5MB"``/
+    ``"5KB"`` powers of 1000, ``"5GiB"``/``"5MiB"``/``"5KiB"`` powers of 1024, and a lower-case ``b`` (``"5Gb"``)
+    for bits (an eighth). Anything else is a ValueError."""
+    error = (f"`size` {size} is not in a valid format. Use an integer for bytes, or a string with an unit "
+             "(like '5.0GB').")
+    binary = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10}
+    decimal = {"GB": 10**9, "MB": 10**6, "KB": 10**3}
+    result = -1
+    try:
+        if isinstance(size, int):
+            result = size
+        elif size.upper()[-3:] in binary:
+            result = int(float(size[:-3]) * binary[size.upper()[-3:]])
+        elif size.upper()[-2:] in decimal:
+            result = int(float(size[:-2]) * decimal[size.upper()[-2:]])
+            if size.endswith("b"):  # bits
+                result //= 8
+    except ValueError:
+        raise ValueError(error) from None
+    if result < 0:
+        raise ValueError(error)
+    return result
+
+
+_FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_CUSTOM_DTYPE_BYTES = {"int2": 1 / 4, "int4": 1 / 2, "fp8": 1}
+
+
+def dtype_byte_size(dtype: torch.dtype) -> int | float:
+    """Bytes one element of ``dtype`` takes: ``1/8`` for bool, fractions for ``CustomDtype.INT2``/``INT4``, else the
+    bit width at the end of the dtype's name divided by 8."""
+    import enum
+    import re
+
+    if dtype == torch.bool:
+        return 1 / 8
+    if isinstance(dtype, enum.Enum) and type(dtype).__name__ == "CustomDtype":
+        return _CUSTOM_DTYPE_BYTES[dtype.value]
+    if dtype in [getattr(torch, name) for name in _FLOAT8_NAMES if hasattr(torch, name)]:
+        return 1
+    bits = re.search(r"[^\d](\d+)$", str(dtype))
+    if bits is None:
+        raise ValueError(f"`dtype` is not a valid dtype: {dtype}.")
+    return int(bits.group(1)) // 8
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
+    """(device, storage address, storage bytes): equal for tensors that share memory (tied weights, views) while
+    both live. Every meta tensor has address 0."""
+    try:
+        storage = tensor.untyped_storage()
+        return tensor.device, storage.data_ptr(), storage.nbytes()
+    except Exception:
+        try:
+            storage = tensor.storage()
+            return tensor.device, storage.data_ptr(), storage.size() * tensor.element_size()
+        except NotImplementedError:
+            return tensor.device, 0, tensor.nelement() * tensor.element_size()
+
+
+def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]]]:
+    """(bytes of the model, (bytes, names) of its largest layer): what must fit in memory at once. A transformers
+    model's ``_no_split_modules`` are layers that are never split."""
+    sizes = compute_module_sizes(model)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    return sizes[""], get_max_layer_size(_entries(model, ""), sizes, no_split)
+
+
+def has_offloaded_params(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``AlignDevicesHook`` with offloading on (its weights live elsewhere between calls)."""
+    from accel.hooks import AlignDevicesHook
+
+    hook = getattr(module, "_hf_hook", None)
+    return isinstance(hook, AlignDevicesHook) and bool(hook.offload)
+
+
+
+@contextlib.contextmanager
+def align_module_device(module: nn.Module, execution_device: Device | None = None):
+    """Inside the block ``module``'s own parameters are on ``execution_device``: an offloaded module's weights are
+    brought in by its hook (to the hook's execution device if none is given) and sent back after; a plain module's
+    parameters are moved there and back. Without either, nothing changes."""
+    if has_offloaded_params(module):
+        hook = module._hf_hook
+        original = hook.execution_device
+        if execution_device is not None:
+            hook.execution_device = execution_device
+        try:
+            hook.pre_forward(module)
+            yield
+        finally:
+            hook.post_forward(module, None)
+            hook.execution_device = original
+    elif execution_device is not None:
+        devices = {name: p.device for name, p in module.named_parameters(recurse=False)}
+        try:
+            for name in devices:
+                set_module_tensor_to_device(module, name, execution_device)
+            yield
+        finally:
+            for name, device in devices.items():
+                set_module_tensor_to_device(module, name, device)
+    else:
+        yield
+
+
+def check_tied_parameters_in_config(model: nn.Module) -> bool:
+    """Whether a transformers model says some weights are tied: ``tie_word_embeddings`` with output embeddings,
+    ``tie_encoder_decoder`` on an encoder-decoder, or a module with ``_tie_weights``. False for other models."""
+    import inspect
+
+    if "PreTrainedModel" not in [c.__name__ for c in inspect.getmro(type(model))]:
+        return False
+    config = getattr(model, "config", None)
+    text_config = None
+    if config is not None:
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    word_embeddings = bool(text_config is not None and getattr(text_config, "tie_word_embeddings", False)
+                           and model.get_output_embeddings())
+    encoder_decoder = bool(config is not None and getattr(config, "is_encoder_decoder", False)
+                           and getattr(config, "tie_encoder_decoder", False))
+    return word_embeddings or encoder_decoder or any(hasattr(m, "_tie_weights") for m in model.modules())
+
+
+def _device_of(name: str, device_map: Mapping[str, Device]) -> Device:
+    """The device ``device_map`` gives ``name`` (itself or its nearest listed parent module)."""
+    while name not in device_map:
+        parent = name.rpartition(".")[0]
+        if parent == name:
+            raise ValueError(f"The `device_map` does not contain the module {name}.")
+        name = parent
+    return device_map[name]
+
+
+def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: Mapping[str, Device]) -> None:
+    """Warn for each group of tied parameters that ``device_map`` puts on more than one device."""
+    from accel.logging import get_logger
+
+    for group in tied_params:
+        devices = {name: _device_of(name, device_map) for name in group}
+        if len(set(devices.values())) > 1:
+            get_logger(__name__).warning(f"Tied parameters are on different devices: {devices}. Please modify your "
+                                         "custom device map or set `device_map='auto'`. ")
+
+
+def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
+    """Tie again the groups of ``tied_params`` (``find_tied_parameters``' answer) whose link was broken: every name of
+    a group gets the group's first parameter that is not on the meta device (groups all on meta stay as they are)."""
+    for group in tied_params:
+        params = (_get_attr_path(model, name) for name in group)
+        keep = next((p for p in params if p.device != torch.device("meta")), None)
+        if keep is None:
+            continue
+        for name in group:
+            path, _, attr = name.rpartition(".")
+            setattr(_get_attr_path(model, path) if path else model, attr, keep)
+
+
+def _get_attr_path(model: nn.Module, name: str):
+    obj = model
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_grad_scaler(distributed_type=None, **kwargs):
+    """A new GradScaler for fp16: torch's ShardedGradScaler for ``DistributedType.FSDP``, else ``torch.amp``'s for
+    this machine's accelerator (XPU, MPS, else CUDA: as in Accelerate, a CUDA scaler is disabled where there is no
+    GPU). ``kwargs`` go to the scaler."""
+    from accel.utils.imports import is_mps_available, is_torch_version, is_xpu_available
+
+    if distributed_type == "FSDP":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(**kwargs)
+    if is_xpu_available():
+        return torch.amp.GradScaler("xpu", **kwargs)
+    if is_mps_available():
+        if not is_torch_version(">=", "2.8.0"):
+            raise ValueError("Grad Scaler with MPS device requires a Pytorch >= 2.8.0")
+        return torch.amp.GradScaler("mps", **kwargs)
+    return torch.amp.GradScaler("cuda", **kwargs)
+
+
+def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs=None):
+    """The autocast context for the run's ``mixed_precision`` (the Accelerator's, else $ACCELERATE_MIXED_PRECISION)
+    on its device: float16 for fp16, bfloat16 for bf16 and fp8, the device's default otherwise; a no-op context
+    unless ``native_amp``. ``autocast_kwargs`` (an ``AutocastKwargs``) adds torch.autocast's arguments."""
+    from accel.state import AcceleratorState
+
+    if not native_amp:
+        return contextlib.nullcontext()
+    state = AcceleratorState()
+    kwargs = {} if autocast_kwargs is None else autocast_kwargs.to_kwargs()
+    mixed_precision = state.__dict__.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    mixed_precision = str(getattr(mixed_precision, "value", mixed_precision)).lower()
+    device_type = state.device.type
+    if mixed_precision == "fp16":
+        return torch.autocast(device_type=device_type, dtype=torch.float16, **kwargs)
+    if mixed_precision in ("bf16", "fp8"):  # every distributed type accel runs is one Accelerate autocasts in bf16
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16, **kwargs)
+    return torch.autocast(device_type=device_type, **kwargs)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` (inside DDP or torch.compile) is a ``peft.PeftModel``; False without peft installed."""
+    from accel.utils.imports import is_peft_available
+
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    from accel.utils.other import extract_model_from_parallel
+
+    return isinstance(extract_model_from_parallel(model), PeftModel)
+
+
+def _read_dat_weight(path: str, info: Mapping) -> torch.Tensor:
+    """A tensor Accelerate offloaded (a raw ``.dat`` numpy memmap; bfloat16/float8 stored as int16/int8)."""
+    import numpy as np
+
+    shape = tuple(info["shape"]) or (1,)
+    stored = info["dtype"]
+    numpy_dtype = "int16" if stored == "bfloat16" else "int8" if stored.startswith("float8_") else stored
+    array = np.memmap(path, dtype=numpy_dtype, shape=shape, mode="r")
+    tensor = torch.tensor(array[0] if len(info["shape"]) == 0 else array)
+    if stored == "bfloat16" or stored.startswith("float8_"):
+        tensor = tensor.view(getattr(torch, stored))
+    return tensor
+
+
+def load_offloaded_weights(model: nn.Module, index: Mapping[str, Mapping] | None, offload_folder) -> None:
+    """Put every tensor ``index`` lists (an offload folder's ``index.json``) into ``model`` on the CPU. Both accel's
+    entries (safetensors files) and Accelerate's (``<name>.dat`` files) are read. bitsandbytes statistics
+    (``SCB`` entries) are skipped: accel has no 8-bit layers."""
+    from accel.utils.offload import load_offloaded_weight
+
+    for name, info in (index or {}).items():
+        if "SCB" in name:
+            continue
+        if "safetensors_file" in info:
+            weight = load_offloaded_weight(info, offload_folder)
+        else:
+            weight = _read_dat_weight(os.path.join(offload_folder, f"{name}.dat"), info)
+        set_module_tensor_to_device(model, name, "cpu", value=weight)
+
+
+def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one checkpoint file: safetensors (each tensor read straight onto the device ``device_map``
+    gives its module, the rest on the CPU) or a torch file (``torch.load(weights_only=True)`` on the CPU). A
+    safetensors file saved by TensorFlow/Flax is refused; one without metadata is read as PyTorch's, with a
+    warning."""
+    from accel.logging import get_logger
+
+    checkpoint_file = str(checkpoint_file)
+    if not checkpoint_file.endswith(".safetensors"):
+        return torch.load(checkpoint_file, map_location=torch.device("cpu"), weights_only=True)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(checkpoint_file, framework="pt") as f:
+        metadata = f.metadata()
+        names = list(f.keys())
+    if metadata is None:
+        get_logger(__name__).warning(
+            f"The safetensors archive passed at {checkpoint_file} does not contain metadata. Make sure to save your "
+            "model with the `save_pretrained` method. Defaulting to 'pt' metadata.")
+        metadata = {"format": "pt"}
+    if metadata.get("format") not in ("pt", "tf", "flax"):
+        raise OSError(f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make "
+                      "sure you save your model with the `save_pretrained` method.")
+    if metadata["format"] != "pt":
+        raise ValueError(f"The checkpoint passed was saved with {metadata['format']}, we need a the pt format.")
+    if device_map is None:
+        return load_file(checkpoint_file)
+    if len(set(device_map.values())) == 1:
+        return load_file(checkpoint_file, device=next(iter(device_map.values())))
+    devices = list(set(device_map.values()) - {"disk"})
+    if "cpu" not in devices:
+        devices.append("cpu")  # whatever the map does not place (or sends to disk) is read onto the CPU
+    wanted: dict = {device: [] for device in devices}
+    for module_name, device in device_map.items():
+        if device in wanted:
+            wanted[device].extend(k for k in names if k == module_name or k.startswith(module_name + "."))
+    placed = {k for keys in wanted.values() for k in keys}
+    wanted["cpu"].extend(k for k in names if k not in placed)
+    tensors = {}
+    for device in devices:
+        with safe_open(checkpoint_file, framework="pt", device=device) as f:
+            for key in wanted[device]:
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def ensure_weights_retied(param_init_fn, model: nn.Module, device: torch.device):
+    """``param_init_fn`` (FSDP's per-module initialiser) wrapped so the weights a transformers model lists in
+    ``_tied_weights_keys`` are tied again after it re-creates them: every use gets the first one re-created.
+    Without such keys ``param_init_fn`` is returned as it is."""
+    tied_names = getattr(model, "_tied_weights_keys", None)
+    if not tied_names:
+        return param_init_fn
+    tied: dict[int, nn.Parameter | None] = {}
+    for name in tied_names:
+        path, _, attr = name.rpartition(".")
+        tied[id(getattr(model.get_submodule(path), attr))] = None
+
+    def init_and_retie(module: nn.Module) -> nn.Module:
+        to_tie: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in tied:
+                to_tie.setdefault(id(param), []).append(name)
+        module = param_init_fn(module)
+        for key, names in to_tie.items():
+            for name in names:
+                if tied[key] is None:
+                    tied[key] = getattr(module, name)  # the first re-created one is what the others use
+                else:
+                    setattr(module, name, tied[key])
+        return module
+
+    return init_and_retie

@@ -27,6 +27,7 @@ __all__ = [
     "offload_state_dict",
     "OffloadedWeightsLoader",
     "PrefixedDataset",
+    "extract_submodules_state_dict",
 ]
 
 OFFLOAD_INDEX_NAME = "index.json"
@@ -164,3 +165,10 @@ class PrefixedDataset(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def extract_submodules_state_dict(state_dict: Mapping[str, torch.Tensor], submodule_names: list[str]) -> dict:
+    """The entries of ``state_dict`` under any of ``submodule_names`` (``name`` itself or ``name.*``; ``h.1`` does
+    not take ``h.10``'s)."""
+    return {key: value for name in submodule_names for key, value in state_dict.items()
+            if key == name or key.startswith(name + ".")}

@@ -1,0 +1,47 @@
+"""Accelerate's constants (`accelerate.utils.constants`): checkpoint file names, launcher parameter names and the
+torch versions some features need. Plain values, nothing imported, so reading one costs nothing."""
+
+from __future__ import annotations
+
+# -- file names of a saved training state and of saved weights ------------------------------------------------------
+SCALER_NAME = "scaler.pt"
+MODEL_NAME = "pytorch_model"
+SAFE_MODEL_NAME = "model"
+RNG_STATE_NAME = "random_states"
+OPTIMIZER_NAME = "optimizer"
+SCHEDULER_NAME = "scheduler"
+SAMPLER_NAME = "sampler"
+PROFILE_PATTERN_NAME = "profile_{suffix}.json"
+WEIGHTS_NAME = MODEL_NAME + ".bin"
+WEIGHTS_PATTERN_NAME = MODEL_NAME + "{suffix}.bin"
+WEIGHTS_INDEX_NAME = WEIGHTS_NAME + ".index.json"
+SAFE_WEIGHTS_NAME = SAFE_MODEL_NAME + ".safetensors"
+SAFE_WEIGHTS_PATTERN_NAME = SAFE_MODEL_NAME + "{suffix}.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = SAFE_WEIGHTS_NAME + ".index.json"
+FSDP_MODEL_NAME = "pytorch_model_fsdp"
+
+# -- torch versions from which a feature exists ----------------------------------------------------------------------
+XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
+MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
+ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION = "2.2.0"
+FSDP2_PYTORCH_VERSION = "2.6.0"
+DTENSOR_PYTORCH_VERSION = "2.5.0"
+BETA_TP_AVAILABLE_PYTORCH_VERSION = "2.3.0"
+BETA_CP_AVAILABLE_PYTORCH_VERSION = "2.6.0"
+
+TORCH_DYNAMO_MODES = ["default", "reduce-overhead", "max-autotune"]
+
+# -- launcher --------------------------------------------------------------------------------------------------------
+# torch.distributed.run's own arguments (what a launcher passes to torchrun rather than to the script)
+TORCH_LAUNCH_PARAMS = [
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "standalone",
+    "max_restarts", "monitor_interval", "start_method", "role", "module", "m", "no_python", "run_path", "log_dir",
+    "r", "redirects", "t", "tee", "node_rank", "master_addr", "master_port",
+]
+
+# the distributed types (DistributedType values) whose collectives go through torch.distributed
+CUDA_DISTRIBUTED_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP"]
+TORCH_DISTRIBUTED_OPERATION_TYPES = [
+    *CUDA_DISTRIBUTED_TYPES, "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_CPU",
+    "MULTI_HPU", "MULTI_NEURON",
+]
