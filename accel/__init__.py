@@ -24,6 +24,7 @@ _LAZY = {
     "InitProcessGroupKwargs": "accel.kwargs",
     "AutocastKwargs": "accel.kwargs",
     "AORecipeKwargs": "accel.kwargs",
+    "ProfileKwargs": "accel.kwargs",
     "DDPCommunicationHookType": "accel.kwargs",
     "notebook_launcher": "accel.launchers",
     "find_executable_batch_size": "accel.utils.memory",
