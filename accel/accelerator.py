@@ -118,7 +118,7 @@ class Accelerator:
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         self.state = PartialState(cpu=self.config.use_cpu, **(init.to_kwargs() if init else {}))
         check_device_matches(self.config, self.state.device)
-        self.topology = Topology(self.state.num_processes, self.config.parallelism.tp_size, self.config.parallelism.pp_size)
+        self.topology = Topology.for_config(self.state.num_processes, self.config.parallelism)
         scaler = find_handler(self.kwargs_handlers, GradScalerKwargs)
         autocast = find_handler(self.kwargs_handlers, AutocastKwargs)
         self.precision = PrecisionPolicy(self.config.mixed_precision, self.state.device,

@@ -1,7 +1,14 @@
-"""Parallel degrees -> one validated `DeviceMesh` with named dimensions (pp, dp, tp).
+"""Parallel degrees -> one validated `DeviceMesh` with named dimensions.
 
 Rank layout is row-major over (pp, dp, tp), as `init_device_mesh` lays it out: tp ranks are neighbours
-(they talk most), pp is outermost.
+(they talk most), pp is outermost. The data-parallel degree dp may be split as Accelerate names it, into
+dp_replicate (outer) x dp_shard (inner): HSDP shards within a dp_shard group and all-reduces across replicas.
+
+Dimension names: with accel's own fields the data-parallel dimension is one `dp`, as it always was. When the
+config uses Accelerate's fields (dp_replicate_size / dp_shard_size), the mesh has Accelerate's dimensions
+(dp_replicate, dp_shard: those above 1) and, flattened from them as Accelerate's `build_device_mesh` does,
+`dp` (the whole data-parallel group: data loading, DDP, metrics), `dp_shard_cp` and `dp_cp`. Size-1 dimensions
+are left out. accel's code asks `submesh`/`group` by name, which answers `dp` the same way in both cases.
 """
 
 from __future__ import annotations
@@ -10,13 +17,19 @@ from dataclasses import dataclass, field
 
 from accel.config import ConfigError, divides_world, model_parallel_size
 
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
 
 @dataclass
 class Topology:
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
+    dp_replicate_size: int | None = None  # None (both): every data-parallel rank replicates
+    dp_shard_size: int | None = None
+    accelerate_names: bool = False  # name the data-parallel dims as Accelerate does (always when both are > 1)
     _mesh: object = field(default=None, repr=False, compare=False)
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         model_parallel = model_parallel_size(self.tp_size, self.pp_size)
@@ -25,37 +38,111 @@ class Topology:
                 f"parallelism: tp_size={self.tp_size} x pp_size={self.pp_size} = {model_parallel} does not divide "
                 f"the world size {self.world_size}; allowed: degrees whose product divides the number of processes"
             )
+        dp = self.dp_size
+        if self.dp_replicate_size is None and self.dp_shard_size is None:
+            self.dp_replicate_size, self.dp_shard_size = dp, 1
+        elif self.dp_replicate_size is None:
+            self.dp_replicate_size = max(dp // self.dp_shard_size, 1)
+        elif self.dp_shard_size is None:
+            self.dp_shard_size = max(dp // self.dp_replicate_size, 1)
+        if self.dp_replicate_size * self.dp_shard_size != dp:
+            raise ConfigError(
+                f"parallelism: dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
+                f"tp_size={self.tp_size} x pp_size={self.pp_size} does not make the world size {self.world_size}; "
+                f"allowed: dp_replicate_size x dp_shard_size = {dp}")
+        self.accelerate_names = self.accelerate_names or (self.dp_replicate_size > 1 and self.dp_shard_size > 1)
+
+    @classmethod
+    def for_config(cls, world_size: int, parallelism, accelerate_names: bool | None = None) -> Topology:
+        """The topology a ParallelismConfig asks for on `world_size` processes (sizes left out are derived:
+        `accel.config.schema.data_parallel_sizes`); the resolved sizes are recorded on the config, whose
+        Accelerate members (data_parallel_size, dp_shard_enabled, ...) then describe this run."""
+        from accel.config.schema import data_parallel_sizes
+
+        tp, pp = parallelism.tp_size, parallelism.pp_size
+        replicate = shard = None
+        if divides_world(world_size, tp, pp):  # else the constructor names tp x pp
+            replicate, shard = data_parallel_sizes(parallelism, world_size)
+        if accelerate_names is None:
+            accelerate_names = parallelism.dp_replicate_size is not None or parallelism.dp_shard_size is not None
+        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names)
+        parallelism._resolved = (topology.dp_replicate_size, topology.dp_shard_size)
+        return topology
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel degree: what is left of the world after the model-parallel degrees."""
+        """Data-parallel degree (dp_replicate x dp_shard): what is left of the world after the model-parallel
+        degrees. Data loading, the scheduler and gradient averaging count these ranks."""
         return self.world_size // model_parallel_size(self.tp_size, self.pp_size)
 
     @property
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Every named dimension's size (dp is dp_replicate x dp_shard)."""
+        return {**self.degrees, "dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size}
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's position on each named dimension (pure arithmetic: no process group needed)."""
+        """This rank's position on each named dimension (pure arithmetic: no process group needed). Its `dp`
+        coordinate is dp_replicate x dp_shard + dp_shard: its rank in the flattened data-parallel group."""
         tp = rank % self.tp_size
         dp = (rank // self.tp_size) % self.dp_size
         pp = rank // (self.tp_size * self.dp_size)
-        return {"pp": pp, "dp": dp, "tp": tp}
+        return {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // self.dp_shard_size,
+                "dp_shard": dp % self.dp_shard_size}
 
     def dp_rank(self, rank: int) -> int:
         return self.coordinates(rank)["dp"]
 
+    def _mesh_dims(self) -> list[tuple[str, int]]:
+        if self.accelerate_names:
+            data = [(name, self.sizes[name]) for name in DATA_PARALLEL_DIMS]
+        else:
+            data = [("dp", self.dp_size)]
+        dims = [(name, size) for name, size in [("pp", self.pp_size), *data, ("tp", self.tp_size)] if size > 1]
+        return dims or [("dp", 1)]
+
     def mesh(self, device_type: str):
-        """The one `DeviceMesh` over all ranks, built on first use. Dimensions of size 1 are kept out."""
+        """The one `DeviceMesh` over all ranks, built on first use (by every rank). Dimensions of size 1 are kept
+        out; with Accelerate's names, the flattened dp, dp_shard_cp and dp_cp are registered on it too."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            dims = [(name, size) for name, size in self.degrees.items() if size > 1] or [("dp", 1)]
-            self._mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+            dims = self._mesh_dims()
+            names = tuple(n for n, _ in dims)
+            mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
+            data = tuple(n for n in DATA_PARALLEL_DIMS if n in names)
+            if self.accelerate_names and data:
+                self._flat["dp"] = mesh[data]._flatten("dp")
+                if "dp_shard" in names:
+                    self._flat["dp_shard_cp"] = mesh["dp_shard"]._flatten("dp_shard_cp")
+                self._flat["dp_cp"] = mesh[data]._flatten("dp_cp")
+            self._mesh = mesh
         return self._mesh
+
+    def submesh(self, name: str, device_type: str):
+        """One named dimension's mesh (flattened ones kept here: slicing those from the root is deprecated). With
+        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension."""
+        mesh = self.mesh(device_type)
+        if name in self._flat:
+            return self._flat[name]
+        if not self.accelerate_names and name in DATA_PARALLEL_DIMS:
+            name = "dp"
+        return mesh[name]
+
+    def fsdp_mesh(self, device_type: str):
+        """The mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP (shards within a row, all-reduces
+        across rows), else the 1-D data-parallel dimension."""
+        mesh = self.mesh(device_type)
+        if self.accelerate_names:
+            data = tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1)
+            return mesh[data] if data else self.submesh("dp", device_type)
+        return mesh["dp"]
 
     def group(self, name: str, device_type: str):
         """The process group of one named dimension, or None when that dimension has size 1."""
-        if self.degrees[name] == 1:
+        if self.sizes[name] == 1:
             return None
-        return self.mesh(device_type)[name].get_group()
+        return self.submesh(name, device_type).get_group()

@@ -7,8 +7,9 @@
     4. tensor parallel                (tp_size > 1: DTensor over the `tp` sub-mesh)
     5. activation checkpointing       (each repeated block recomputed in backward)
     6. regional compilation           (torch.compile of each repeated block)
-    7. data parallelism over `dp`:    FSDP2 (ZeRO 2/3, or any data parallelism with TP) then materialize a
-                                      meta-device model's shards; or DDP (zero_stage 0/1)
+    7. data parallelism over `dp`:    FSDP2 (ZeRO 2/3, or any data parallelism with TP; HSDP over the 2-D
+                                      dp_replicate x dp_shard mesh) then materialize a meta-device model's
+                                      shards; or DDP (zero_stage 0/1)
     8. whole-model compilation        (torch.compile of the wrapped model, as Accelerate does)
 
 Why this order: float8 must see plain `nn.Linear` before TP replaces their weights with DTensors; TP splits
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,7 +47,7 @@ class Recipe:
     tp_plan: dict[str, str] | None = None
     float8_layers: set[str] | None = None  # chosen on the whole model (pipelines); None: on this model
     data_parallel: str | None = None  # "fsdp", "ddp" or None (one data-parallel rank)
-    dp_mesh: Any = None  # FSDP2's mesh (None: the default group)
+    dp_mesh: Any = None  # FSDP2's mesh: 1-D, or 2-D (dp_replicate, dp_shard) for HSDP (None: the default group)
     wrap_ddp: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # the backend's DDP (options, group)
     compile: dict | None = None  # torch.compile's keyword arguments plus "regional"; None: eager
 
@@ -87,7 +89,9 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
 def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,
                pin_memory: bool = False) -> None:
     """FSDP2 (`fully_shard`) over `mesh`: each repeated block (inner before outer), then the root. Parameters
-    are resharded after forward with zero_stage 3; gradients are reduced in fp32 under mixed precision."""
+    are resharded after forward with zero_stage 3; gradients are reduced in fp32 under mixed precision. A 2-D
+    mesh is HSDP: parameters are sharded over its inner (dp_shard) dimension and replicated over the outer one,
+    whose replicas all-reduce the reduce-scattered gradients (fully_shard does both from the mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     options = {"mesh": mesh, "reshard_after_forward": parallelism.zero_stage == 3}

@@ -17,12 +17,14 @@ from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
 from accel.kwargs import DistributedDataParallelKwargs, find_handler
 
 
-def data_parallel_kind(parallelism, dp_size: int) -> str | None:
-    """How the `dp` dimension is run: FSDP2 when gradients (ZeRO 2/3) or split DTensor parameters (TP) are
-    sharded, since DDP does not take DTensors; DDP when parameters stay whole (zero_stage 0/1); None alone."""
-    if dp_size <= 1:
+def data_parallel_kind(parallelism, topology) -> str | None:
+    """How the data-parallel ranks are run: FSDP2 when gradients (ZeRO 2/3) or split DTensor parameters (TP) are
+    sharded, since DDP does not take DTensors, over the topology's dp_shard (x dp_replicate: HSDP) ranks; DDP
+    when parameters stay whole (zero_stage 0/1, dp_shard_size 1); None alone."""
+    if topology.dp_size <= 1:
         return None
-    return "fsdp" if parallelism.zero_stage >= 2 or parallelism.tp_size > 1 else "ddp"
+    sharded = topology.dp_shard_size > 1 or parallelism.zero_stage >= 2 or parallelism.tp_size > 1
+    return "fsdp" if sharded else "ddp"
 
 
 @register_backend("ddp")
@@ -32,7 +34,7 @@ class SpmdBackend(Backend):
         super().__init__(*args, **kwargs)
         par = self.parallelism
         self.name = backend_name_for(par)
-        self.data_parallel = data_parallel_kind(par, self.topology.dp_size)
+        self.data_parallel = data_parallel_kind(par, self.topology)
         self.offload = bool(par.offload_params or par.offload_optimizer) and self.data_parallel == "fsdp"
         self.fixed_plan: dict[str, str] | None = None  # plan_whole_model's, for a pipeline's stages
         self.fixed_float8_layers: set[str] | None = None  # likewise
@@ -71,15 +73,14 @@ class SpmdBackend(Backend):
         if isinstance(model, DDP) or "_accel_parallelized" in model.__dict__:
             return model  # prepared before
         device_type = self.state.device.type
-        mesh = self.topology.mesh(device_type) if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1 else None
         recipe = Recipe(self.parallelism, self.precision, self.state.device, device_placement=device_placement,
                         offload=self.offload, data_parallel=self.data_parallel, compile=self.compile_options,
-                        dp_mesh=mesh["dp"] if self.data_parallel == "fsdp" else None, wrap_ddp=self._wrap_ddp,
-                        float8_layers=self.fixed_float8_layers)
+                        dp_mesh=self.topology.fsdp_mesh(device_type) if self.data_parallel == "fsdp" else None,
+                        wrap_ddp=self._wrap_ddp, float8_layers=self.fixed_float8_layers)
         if self.parallelism.tp_size > 1:
             from accel.backends.tensor import held_part
 
-            recipe.tp_mesh = mesh["tp"]
+            recipe.tp_mesh = self.topology.submesh("tp", device_type)
             recipe.tp_plan = self._plan(model) if self.fixed_plan is None else held_part(self.fixed_plan, model)
             self.applied_plans.append(recipe.tp_plan)
         originals = self.replacements.snapshot(model)

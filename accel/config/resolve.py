@@ -150,8 +150,11 @@ def merge_layers(layers: list[dict]) -> dict:
 def build_config(layers: list[dict], source: str = "config") -> AccelConfig:
     """Merge validated layers over the built-in defaults and check the cross-field rules."""
     merged = merge_layers(layers)
-    cfg = AccelConfig(**{k: v for k, v in merged.items() if k != "parallelism"},
-                      parallelism=ParallelismConfig(**merged.get("parallelism", {})))
+    try:
+        parallelism = ParallelismConfig(**merged.get("parallelism", {}))
+    except ConfigError as exc:  # a rule over several parallelism keys ("parallelism: ..."): name the source too
+        raise ConfigError(f"{source}: {exc}") from None
+    cfg = AccelConfig(**{k: v for k, v in merged.items() if k != "parallelism"}, parallelism=parallelism)
     check_consistency(cfg, source)
     return cfg
 
@@ -170,7 +173,12 @@ def read_config_file(path: str | os.PathLike) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return parse_layer(raw, str(path), base_dir=path.parent)
+    layer = parse_layer(raw, str(path), base_dir=path.parent)
+    if path.resolve() == PACKAGED_DEFAULT.resolve():
+        # Its `zero_stage: 0` shows the default; as a layer it would be a request, contradicting a user's
+        # dp_shard_size (which, with zero_stage left out, means 3). Left out, zero_stage is derived.
+        layer.get("parallelism", {}).pop("zero_stage", None)
+    return layer
 
 
 def config_save_path(config_file: str | os.PathLike | None = None) -> Path:

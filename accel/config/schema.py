@@ -12,9 +12,9 @@ import importlib.util
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
@@ -44,9 +44,21 @@ DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-c
 
 @dataclass
 class ParallelismConfig:
-    """Parallel degrees and sharding options (the `parallelism:` section of the config file)."""
+    """Parallel degrees and sharding options (the `parallelism:` section of the config file).
 
-    zero_stage: int = _spec(0, int, lo=0, hi=3, help="ZeRO stage: 0 (plain DDP), 1, 2 or 3")
+    It also takes Accelerate's `ParallelismConfig` fields (dp_replicate_size, dp_shard_size, tp_size, cp_size,
+    cp_backend, sp_size, sp_backend and the tp/cp/sp handlers) and exposes its read-only members (dp_dim_names,
+    fsdp_dim_names, total_size, data_parallel_size, dp_shard_enabled, ..., build_device_mesh), so Accelerate code
+    runs unchanged. How they map onto accel's fields: dp_shard_size > 1 is FSDP2 sharding (zero_stage 3 when
+    zero_stage is left out; 2 keeps parameters gathered between forward and backward); dp_replicate_size > 1
+    alone is DDP (zero_stage 0, or 1 for ZeRO-1's optimizer); both > 1 is HSDP (a 2-D data-parallel mesh:
+    shards within a dp_shard group, all-reduce across the dp_replicate groups). Context and sequence parallelism
+    (cp_size, sp_size > 1) are refused. See `data_parallel_sizes` for the sizes left out.
+    """
+
+    zero_stage: int = _spec(
+        None, int, lo=0, hi=3,
+        help="ZeRO stage: 0 (plain DDP), 1, 2 or 3 (left out: 3 when dp_shard_size > 1, else 0)")
     offload_optimizer: bool = _spec(False, bool, help="keep optimizer state on the CPU (ZeRO)")
     offload_params: bool = _spec(False, bool, help="keep parameters on the CPU between uses (ZeRO)")
     tp_size: int = _spec(1, int, lo=1, help="tensor-parallel degree")
@@ -86,9 +98,47 @@ class ParallelismConfig:
         None, float, lo=0, optional=True,
         help="the total norm DeepSpeed clips gradients to at every optimizer step, automatically (DeepSpeed's "
              "gradient_clipping), carried for the Accelerator to apply; null or 0: no automatic clipping")
+    # Accelerate's fields (accelerate.parallelism_config.ParallelismConfig); null: left out
+    dp_replicate_size: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="data-parallel replicas (Accelerate's name): alone, DDP; with dp_shard_size > 1, HSDP (default 1)")
+    dp_shard_size: int | None = _spec(
+        None, int, lo=1, optional=True,
+        help="ranks each replica's parameters are sharded over (FSDP2; Accelerate's name); null: 1, or with "
+             "zero_stage 2/3 or TP the data-parallel ranks dp_replicate_size leaves")
+    cp_size: int = _spec(1, int, lo=1, help="context-parallel degree (Accelerate's name): only 1, not available yet")
+    cp_backend: str | None = _spec(None, str, choices=("torch",), optional=True,
+                                   help="Accelerate's context-parallel backend; unused while cp_size is 1")
+    sp_size: int = _spec(1, int, lo=1, help="sequence-parallel degree (Accelerate's name): only 1, not available yet")
+    sp_backend: str | None = _spec(None, str, choices=("deepspeed",), optional=True,
+                                   help="Accelerate's sequence-parallel backend; unused while sp_size is 1")
+    # Accelerate's handlers: Python-only options of TP/CP/SP, taken and kept on the object (not config keys, so
+    # not fields: the Accelerator's layer of this object, dataclasses.asdict, leaves them out). accel's TP has no
+    # options; CP/SP are refused, so their handlers are ignored (Accelerate ignores them with size 1 too).
+    tp_handler: InitVar[Any] = None
+    cp_handler: InitVar[Any] = None
+    sp_handler: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    device_mesh: ClassVar[Any] = None  # Accelerate's: set by get_device_mesh (the Accelerator's is its own)
+
+    def __post_init__(self, tp_handler: Any, cp_handler: Any, sp_handler: Any) -> None:
+        for name in ("tp_size", "cp_size", "sp_size"):  # Accelerate's None: the size 1
+            if getattr(self, name) is None:
+                setattr(self, name, 1)
+        derive_stage = self.zero_stage is None
+        if derive_stage:
+            self.zero_stage = 0
         _validate_fields(self, "ParallelismConfig")
+        if derive_stage and self.dp_shard_size is not None and self.dp_shard_size > 1:
+            self.zero_stage = 3  # sharded data parallelism is FSDP2's full sharding unless a stage says otherwise
+        self.tp_handler, self.cp_handler, self.sp_handler = tp_handler, cp_handler, sp_handler
+        self._resolved: tuple[int, int] | None = None  # (dp_replicate, dp_shard) of the run, set by the Topology
+        for name, what in (("cp_size", "context"), ("sp_size", "sequence")):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"parallelism: {name}={getattr(self, name)}: {what} parallelism is not available "
+                                  f"yet in accel; allowed: {name} 1")
+        if self.dp_shard_size is not None:  # what needs no world size is checked now; the rest at start-up
+            check_data_parallel_layout(self, self.dp_replicate_size or 1, self.dp_shard_size)
 
     def requested_features(self) -> list[str]:
         """Human names of the parallel features this config asks for beyond plain data parallelism."""
@@ -102,6 +152,103 @@ class ParallelismConfig:
         if self.pp_size > 1:
             wanted.append(f"pipeline parallelism (pp_size={self.pp_size})")
         return wanted
+
+    # -- Accelerate's read-only members -----------------------------------------------------------------------
+    # Sizes as Accelerate reads them: what was given (left out: 1) until an Accelerator resolves the layout for
+    # its processes (e.g. plain DDP on 4 processes: dp_replicate 4), as Accelerate's _validate_accelerator does.
+    def _size(self, name: str) -> int:
+        if name in ("dp_replicate", "dp_shard"):
+            if self._resolved is not None:
+                return self._resolved[name == "dp_shard"]
+            return getattr(self, f"{name}_size") or 1
+        return getattr(self, f"{name}_size")
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self._size("dp_replicate") > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self._size("dp_shard") > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp_size > 1
+
+    @property
+    def dp_dim_names(self) -> list[str]:
+        """The enabled data-parallel mesh dimensions (dp_replicate, dp_shard)."""
+        return [name for name in ("dp_replicate", "dp_shard") if self._size(name) > 1]
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        """The enabled dimensions whose ranks get the same batch (tp; cp and sp are never enabled)."""
+        return ["tp"] if self.tp_enabled else []
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        return ["dp_shard"] if self.dp_shard_enabled else []
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        return self.dp_dim_names
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """The mesh dimensions FSDP2 shards over: Accelerate's ["dp_replicate", "dp_shard_cp"] (HSDP) or
+        ["dp_shard_cp"] (a flattened alias of dp_shard in the mesh, as Accelerate builds it)."""
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard_cp"]
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return self.dp_dim_names + self.non_dp_dim_names
+
+    @property
+    def total_size(self) -> int:
+        """Processes the layout spans: dp_replicate x dp_shard x tp (x pp, accel's; x cp x sp, always 1)."""
+        return self.data_parallel_size * self.non_data_parallel_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one data shard: tp x pp (x cp x sp, always 1)."""
+        return self.tp_size * self.pp_size * self.cp_size * self.sp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._size("dp_replicate") * self._size("dp_shard")
+
+    def build_device_mesh(self, device_type: str):
+        """A DeviceMesh of this layout over the running processes, with Accelerate's dimension names (flattened
+        dp, dp_shard_cp and dp_cp included); None on one process. The Accelerator's own mesh is
+        `accelerator.torch_device_mesh`: this builds another (new process groups), as Accelerate's does."""
+        import torch.distributed as dist
+
+        from accel.topology import Topology  # the topology imports this module
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1:
+            return None
+        return Topology.for_config(world, self, accelerate_names=True).mesh(device_type)
+
+    def get_device_mesh(self, device_type: str | None = None):
+        """Accelerate's cached `build_device_mesh`."""
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ValueError("ParallelismConfig.get_device_mesh: no mesh yet; allowed: a device_type such as "
+                                 "'cuda' or 'cpu' to build it")
+            self.device_mesh = self.build_device_mesh(device_type)
+        elif device_type is not None and self.device_mesh.device_type != device_type:
+            raise ValueError(f"ParallelismConfig.get_device_mesh: the mesh was built for {self.device_mesh.device_type}"
+                             f", got device_type {device_type!r}; allowed: {self.device_mesh.device_type!r}")
+        return self.device_mesh
 
 
 @dataclass
@@ -298,6 +445,8 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     if cfg.num_processes > 1 and not divides_world(cfg.num_processes, cfg.parallelism.tp_size, cfg.parallelism.pp_size):
         raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by tp_size x pp_size = "
                           f"{model_parallel}; allowed: a multiple of tp_size x pp_size")
+    if cfg.num_processes > 1:
+        data_parallel_sizes(cfg.parallelism, cfg.num_processes, f"{source}: parallelism")
     gpu_ids = compact_gpu_ids(cfg.gpu_ids)
     if gpu_ids.lower() != "all" and not all(part.isdigit() for part in gpu_ids.split(",")):
         raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
@@ -320,6 +469,60 @@ def model_parallel_size(tp_size: int, pp_size: int) -> int:
 def divides_world(world_size: int, tp_size: int, pp_size: int) -> bool:
     """Whether tp x pp divides the world size: every data-parallel replica needs a whole model-parallel group."""
     return world_size % model_parallel_size(tp_size, pp_size) == 0
+
+
+def shards_data_parallel(parallelism: ParallelismConfig) -> bool:
+    """accel's rule for a data-parallel dimension left undescribed: FSDP2 (sharded) with ZeRO 2/3, or with TP
+    (DDP does not take TP's DTensors); else DDP (replicated)."""
+    return parallelism.zero_stage >= 2 or parallelism.tp_size > 1
+
+
+def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int, source: str = "parallelism") -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for `world_size` processes: their product is the data-parallel degree, the
+    world size over tp x pp (checked before: `divides_world`).
+
+    Left out: with neither given, accel's fields decide (`shards_data_parallel`: all data-parallel ranks shard,
+    else all replicate: Accelerate's DDP is dp_replicate = the process count). Otherwise dp_replicate_size is 1
+    (Accelerate's default) and dp_shard_size is 1, or, with zero_stage 2/3 or TP, the ranks dp_replicate_size
+    leaves. dp_replicate x dp_shard x tp x pp must be the world size."""
+    par = parallelism
+    dp = world_size // model_parallel_size(par.tp_size, par.pp_size)
+    replicate, shard = par.dp_replicate_size, par.dp_shard_size
+    if replicate is None and shard is None:
+        return (1, dp) if shards_data_parallel(par) else (dp, 1)
+    replicate = replicate or 1
+    derived = shard is None
+    if derived:
+        shard = max(dp // replicate, 1) if shards_data_parallel(par) else 1
+    if replicate * shard * par.tp_size * par.pp_size != world_size:
+        shown = f"{shard} (left out: {'derived' if shards_data_parallel(par) else '1'})" if derived else str(shard)
+        raise ConfigError(
+            f"{source}: dp_replicate_size={replicate} x dp_shard_size={shown} x tp_size={par.tp_size} x pp_size="
+            f"{par.pp_size} = {replicate * shard * par.tp_size * par.pp_size}, but {world_size} processes run; "
+            f"allowed: sizes whose product is {world_size}")
+    check_data_parallel_layout(par, replicate, shard, source)
+    return replicate, shard
+
+
+def check_data_parallel_layout(parallelism: ParallelismConfig, replicate: int, shard: int,
+                               source: str = "parallelism") -> None:
+    """The data-parallel layout must agree with accel's own fields (one-line ConfigError otherwise): sharding
+    needs ZeRO 2/3 (or TP's FSDP2, zero_stage 0), pure replication is DDP (zero_stage 0/1, no TP)."""
+    stage, tp = parallelism.zero_stage, parallelism.tp_size
+    if shard > 1 and (stage == 1 or (stage == 0 and tp == 1)):
+        what = f"with dp_replicate_size={replicate}: HSDP" if replicate > 1 else "FSDP2"
+        raise ConfigError(
+            f"{source}: dp_shard_size={shard} ({what}) shards the model, which contradicts zero_stage={stage} "
+            f"({'ZeRO-1: DDP' if stage == 1 else 'plain DDP'}); allowed: zero_stage 2 or 3, or leave zero_stage out "
+            "(then 3)")
+    if shard == 1 and replicate > 1 and stage >= 2:
+        raise ConfigError(
+            f"{source}: zero_stage={stage} shards over dp_shard_size, which is 1 (dp_replicate_size={replicate} only "
+            "replicates); allowed: dp_shard_size > 1 (HSDP), or zero_stage 0/1 for DDP")
+    if shard == 1 and replicate > 1 and tp > 1:
+        raise ConfigError(
+            f"{source}: tp_size={tp} with dp_replicate_size={replicate} and dp_shard_size 1 (DDP) is not supported: "
+            "TP's data parallelism is FSDP2; allowed: dp_shard_size > 1 (HSDP x TP), or dp_replicate_size 1")
 
 
 def compact_gpu_ids(gpu_ids: str) -> str:

@@ -1,0 +1,186 @@
+"""ParallelismConfig takes Accelerate's fields (dp_replicate_size, dp_shard_size, tp_size, cp_size, ...): its
+read-only members equal real Accelerate's for the same fields (exact: they are sizes and names), the sizes map
+onto accel's own (dp_shard_size > 1: FSDP2, zero_stage 3 unless given; both > 1: HSDP), contradictions and
+context/sequence parallelism are one-line errors, config files take the same keys with the same rules, and the
+Topology lays out and names the mesh as Accelerate does (checked on a fake 8-process group)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from accel import Accelerator
+from accel.backends import backend_name_for
+from accel.backends.spmd import data_parallel_kind
+from accel.config import ConfigError, ParallelismConfig, resolve_config
+from accel.config.schema import data_parallel_sizes
+from accel.topology import Topology
+
+ACCELERATE_CASES = [{}, {"dp_shard_size": 4}, {"dp_replicate_size": 4}, {"dp_replicate_size": 2, "dp_shard_size": 2},
+                    {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}]
+MEMBERS = ["dp_dim_names", "non_dp_dim_names", "dp_shard_cp_dim_names", "dp_cp_dim_names", "fsdp_dim_names",
+           "active_mesh_dims", "total_size", "non_data_parallel_size", "data_parallel_size", "dp_replicate_enabled",
+           "dp_shard_enabled", "tp_enabled", "cp_enabled", "sp_enabled"]
+
+
+def _run(code: str, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_members_equal_real_accelerates():
+    """Accelerate's own class (a subprocess without the shim) and accel's, on the same fields."""
+    pytest.importorskip("accelerate.parallelism_config")
+    theirs = json.loads(_run(f"""
+        import json
+        from accelerate.parallelism_config import ParallelismConfig
+        print(json.dumps([{{m: getattr(ParallelismConfig(**case), m) for m in {MEMBERS!r}}} for case in {ACCELERATE_CASES!r}]))
+    """))
+    ours = [{m: getattr(ParallelismConfig(**case), m) for m in MEMBERS} for case in ACCELERATE_CASES]
+    assert ours == theirs
+
+
+def test_accelerate_module_path_through_the_shim():
+    from accel.shim import PATH
+
+    assert _run("""
+        import accel
+        from accelerate.parallelism_config import ParallelismConfig
+        assert ParallelismConfig is accel.ParallelismConfig
+        print(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_handler=object()).zero_stage)
+    """, env={"PYTHONPATH": PATH, "PATH": ""}) == "3"
+
+
+def test_sizes_map_onto_accels_fields():
+    hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    assert (hsdp.zero_stage, backend_name_for(hsdp)) == (3, "zero")  # sharding: FSDP2's full sharding
+    assert ParallelismConfig(dp_shard_size=2, zero_stage=2).zero_stage == 2  # parameters kept between fwd and bwd
+    assert ParallelismConfig(dp_replicate_size=2).zero_stage == 0  # DDP
+    assert ParallelismConfig(dp_replicate_size=2, dp_shard_size=1, zero_stage=1).zero_stage == 1  # DDP + ZeRO-1
+    assert ParallelismConfig(dp_shard_size=2, tp_size=2, zero_stage=0).zero_stage == 0  # TP's dp is FSDP2 anyway
+    legacy = ParallelismConfig()
+    assert (legacy.zero_stage, legacy.dp_replicate_size, legacy.dp_shard_size) == (0, None, None)
+    # Accelerate's None sizes and handlers: accepted; handlers are kept, not config keys
+    plain = ParallelismConfig(tp_size=None, cp_size=None, sp_size=None, cp_handler="cp", tp_handler="tp")
+    assert (plain.tp_size, plain.cp_size, plain.sp_size, plain.cp_handler, plain.tp_handler) == (1, 1, 1, "cp", "tp")
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"cp_size": 2}, "cp_size=2: context parallelism is not available yet in accel; allowed: cp_size 1"),
+    ({"sp_size": 4}, "sp_size=4: sequence parallelism is not available yet in accel; allowed: sp_size 1"),
+    ({"dp_shard_size": 2, "zero_stage": 0}, "dp_shard_size=2 (FSDP2) shards the model, which contradicts zero_stage=0"),
+    ({"dp_replicate_size": 2, "dp_shard_size": 2, "zero_stage": 1},
+     "dp_shard_size=2 (with dp_replicate_size=2: HSDP) shards the model, which contradicts zero_stage=1"),
+    ({"dp_replicate_size": 2, "dp_shard_size": 1, "zero_stage": 3},
+     "zero_stage=3 shards over dp_shard_size, which is 1"),
+    ({"dp_replicate_size": 2, "dp_shard_size": 1, "tp_size": 2}, "tp_size=2 with dp_replicate_size=2 and dp_shard_size 1"),
+    ({"dp_shard_size": 0}, "key 'dp_shard_size': bad value 0; allowed: an integer >= 1 (or null)"),
+    ({"cp_backend": "ring"}, "key 'cp_backend': bad value 'ring'; allowed: one of torch"),
+])
+def test_refusals_are_one_line(fields, needle):
+    with pytest.raises(ConfigError) as info:
+        ParallelismConfig(**fields)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_world_size_rules():
+    """The sizes multiply with tp and pp to the world size; left out, they are derived."""
+    assert data_parallel_sizes(ParallelismConfig(), 8) == (8, 1)  # DDP: Accelerate's dp_replicate = world
+    assert data_parallel_sizes(ParallelismConfig(zero_stage=3), 8) == (1, 8)
+    assert data_parallel_sizes(ParallelismConfig(dp_replicate_size=2, zero_stage=3), 8) == (2, 4)
+    assert data_parallel_sizes(ParallelismConfig(dp_replicate_size=2, tp_size=2), 8) == (2, 2)
+    assert data_parallel_sizes(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, pp_size=2), 8) == (2, 2)
+    with pytest.raises(ConfigError, match=r"dp_replicate_size=2 x dp_shard_size=2 x tp_size=1 x pp_size=1 = 4, "
+                                          r"but 8 processes run; allowed: sizes whose product is 8"):
+        data_parallel_sizes(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 8)
+    with pytest.raises(ConfigError, match=r"dp_shard_size=1 \(left out: 1\) .* = 2, but 4 processes run"):
+        data_parallel_sizes(ParallelismConfig(dp_replicate_size=2), 4)  # DDP: the shard size stays 1
+    with pytest.raises(ConfigError, match="zero_stage=3 shards over dp_shard_size, which is 1"):
+        data_parallel_sizes(ParallelismConfig(dp_replicate_size=4, zero_stage=3), 4)
+    with pytest.raises(ConfigError, match="tp_size=2 x pp_size=1 = 2 does not divide the world size 3"):
+        Topology.for_config(3, ParallelismConfig(dp_shard_size=2, tp_size=2))
+
+
+def test_config_file_takes_the_same_keys_and_rules(tmp_path):
+    def load(text: str):
+        path = tmp_path / "cfg.yaml"
+        path.write_text("use_cpu: true\nnum_processes: 4\nparallelism:\n" + textwrap.indent(text, "  "))
+        return resolve_config(path), str(path)
+
+    cfg, _ = load("dp_replicate_size: 2\ndp_shard_size: 2\n")  # zero_stage left out (the packaged 0 is no request)
+    par = cfg.parallelism
+    assert (par.zero_stage, par.dp_replicate_size, par.dp_shard_size) == (3, 2, 2)
+    assert load("dp_replicate_size: 2\ndp_shard_size: 2\nzero_stage: 2\n")[0].parallelism.zero_stage == 2
+    for text, needle in [("cp_size: 2\n", "parallelism: cp_size=2: context parallelism is not available yet"),
+                         ("dp_replicate_size: 2\ndp_shard_size: 2\nzero_stage: 1\n", "contradicts zero_stage=1"),
+                         ("dp_replicate_size: 4\ndp_shard_size: 2\n", "= 8, but 4 processes run"),
+                         ("dp_shard_size: two\n", "key 'parallelism.dp_shard_size': bad value 'two'")]:
+        with pytest.raises(ConfigError) as info:
+            load(text)
+        assert str(info.value).startswith(str(tmp_path / "cfg.yaml")) and needle in str(info.value), str(info.value)
+
+
+def test_topology_coordinates_and_data_parallel_kind():
+    """Row-major (pp, dp_replicate, dp_shard, tp); dp = replica x shards + shard, the flattened group's rank."""
+    hsdp_tp = Topology.for_config(8, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2))
+    assert hsdp_tp.sizes == {"pp": 1, "dp": 4, "tp": 2, "dp_replicate": 2, "dp_shard": 2}
+    assert [hsdp_tp.coordinates(r) for r in (0, 3, 5, 6)] == [
+        {"pp": 0, "dp": 0, "tp": 0, "dp_replicate": 0, "dp_shard": 0},
+        {"pp": 0, "dp": 1, "tp": 1, "dp_replicate": 0, "dp_shard": 1},
+        {"pp": 0, "dp": 2, "tp": 1, "dp_replicate": 1, "dp_shard": 0},
+        {"pp": 0, "dp": 3, "tp": 0, "dp_replicate": 1, "dp_shard": 1}]
+    assert hsdp_tp.accelerate_names and data_parallel_kind(ParallelismConfig(zero_stage=3), hsdp_tp) == "fsdp"
+    ddp = Topology.for_config(4, ParallelismConfig())
+    assert (ddp.dp_replicate_size, ddp.dp_shard_size, ddp.accelerate_names) == (4, 1, False)
+    assert data_parallel_kind(ParallelismConfig(), ddp) == "ddp"
+    par = ParallelismConfig(zero_stage=3)
+    Topology.for_config(4, par)  # records the run's layout: Accelerate's members describe it
+    assert (par.data_parallel_size, par.dp_shard_enabled, par.dp_replicate_enabled, par.dp_dim_names) == (
+        4, True, False, ["dp_shard"])
+
+
+def test_mesh_names_on_a_fake_eight_process_group():
+    """init_device_mesh on torch's fake backend (one process standing for 8): the dims, the flattened ones and
+    the mesh FSDP2 gets."""
+    result = json.loads(_run("""
+        import json
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from accel.config import ParallelismConfig
+        from accel.topology import Topology
+
+        dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+        out = {}
+        for name, fields in [("hsdp_tp", dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2)),
+                             ("pp_hsdp", dict(dp_replicate_size=2, dp_shard_size=2, pp_size=2)),
+                             ("shard_only", dict(dp_shard_size=8)), ("legacy_zero3_tp", dict(zero_stage=3, tp_size=2))]:
+            topo = Topology.for_config(8, ParallelismConfig(**fields))
+            mesh = topo.mesh("cpu")
+            out[name] = {"dims": list(mesh.mesh_dim_names), "flat": sorted(topo._flat),
+                         "fsdp": list(topo.fsdp_mesh("cpu").mesh_dim_names),
+                         "dp": [topo.submesh("dp", "cpu").size(), topo.submesh("dp", "cpu").get_local_rank()],
+                         "dp_group": topo.group("dp", "cpu").size(), "coords": topo.coordinates(5)}
+        print(json.dumps(out))
+    """))
+    assert result["hsdp_tp"] == {"dims": ["dp_replicate", "dp_shard", "tp"], "flat": ["dp", "dp_cp", "dp_shard_cp"],
+                                 "fsdp": ["dp_replicate", "dp_shard"], "dp": [4, 2], "dp_group": 4,
+                                 "coords": {"pp": 0, "dp": 2, "tp": 1, "dp_replicate": 1, "dp_shard": 0}}
+    assert result["pp_hsdp"]["dims"] == ["pp", "dp_replicate", "dp_shard"]
+    assert result["pp_hsdp"]["dp"] == [4, 1] and result["pp_hsdp"]["fsdp"] == ["dp_replicate", "dp_shard"]
+    assert result["shard_only"]["dims"] == ["dp_shard"] and result["shard_only"]["fsdp"] == ["dp_shard"]
+    assert result["shard_only"]["dp"] == [8, 5]
+    assert result["legacy_zero3_tp"]["dims"] == ["dp", "tp"] and result["legacy_zero3_tp"]["flat"] == []
+    assert result["legacy_zero3_tp"]["fsdp"] == ["dp"]
+
+
+def test_one_process_accelerator():
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=1))
+    assert accelerator.torch_device_mesh is None and accelerator.parallelism_config.data_parallel_size == 1
+    with pytest.raises(ConfigError, match="dp_replicate_size=2 x dp_shard_size=2 .* = 4, but 1 processes run"):
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
