@@ -38,6 +38,7 @@ _LAZY = {
     "load_checkpoint_in_model": "accel.utils.modeling",  # the device_map-aware one
     "init_empty_weights": "accel.big_modeling", "init_on_device": "accel.big_modeling",
     "cpu_offload": "accel.big_modeling", "disk_offload": "accel.big_modeling",
+    "cpu_offload_with_hook": "accel.big_modeling",
     "dispatch_model": "accel.big_modeling", "load_checkpoint_and_dispatch": "accel.big_modeling",
     "infer_auto_device_map": "accel.utils.modeling",
     "is_rich_available": "accel.utils.imports",

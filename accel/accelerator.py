@@ -582,8 +582,43 @@ class Accelerator:
 
     @property
     def torch_device_mesh(self):
-        """The DeviceMesh of the parallel dimensions (pp, dp, tp), or None on one process."""
+        """The DeviceMesh of the parallel dimensions (pp, dp, tp; dp_replicate and dp_shard when Accelerate's
+        ParallelismConfig fields ask for them), or None on one process."""
         return self.state.device_mesh
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Accelerate's test for its FSDP2 plugin path, which accel never takes (its ZeRO 2/3 use FSDP2 through the
+        config, and `distributed_type` stays MULTI_CPU/MULTI_GPU), so scripts keep their plain-DDP branch."""
+        return self.state.is_fsdp2
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def fp8_backend(self):
+        """FP8BackendType.AO when training in fp8 (torchao), else NO."""
+        from accel.utils.dataclasses import FP8BackendType
+
+        return FP8BackendType.AO if self.config.mixed_precision == "fp8" else FP8BackendType.NO
+
+    @property
+    def should_save_model(self) -> bool:
+        return True  # every rank takes part in saving (the checkpoint writer decides who writes), as in Accelerate
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This rank's position on the dp_shard dimension (0 when nothing is sharded)."""
+        return self.topology.coordinates(self.process_index)["dp_shard"]
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("context parallelism is not available yet in accel")
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
 
     @property
     def data_parallel_rank(self) -> int:

@@ -33,6 +33,7 @@ from accel.utils.modeling import (
 from accel.utils.offload import OffloadedWeightsLoader, PrefixedDataset, load_offload_index, offload_state_dict
 
 __all__ = [
+    "cpu_offload_with_hook",
     "init_empty_weights",
     "init_on_device",
     "cpu_offload",
@@ -131,6 +132,17 @@ def cpu_offload(
     if state_dict is None:
         state_dict = {n: t.detach().to("cpu") for n, t in _named_tensors(model, offload_buffers).items()}
     return _offload_every_module(model, execution_device, state_dict, offload_buffers, preload_module_classes)
+
+
+def cpu_offload_with_hook(model: nn.Module, execution_device: int | str | torch.device | None = None,
+                          prev_module_hook=None):
+    """Keep `model` on the CPU until it runs; it then stays on `execution_device` until the returned hook's
+    `offload()` (or the next model's forward, given this hook as its `prev_module_hook`). Returns (model, hook)."""
+    from accel.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module
+
+    hook = CpuOffload(execution_device=execution_device, prev_module_hook=prev_module_hook)
+    add_hook_to_module(model, hook, append=True)
+    return model, UserCpuOffloadHook(model, hook)
 
 
 def disk_offload(

@@ -22,6 +22,8 @@ __all__ = [
     "ModelHook",
     "SequentialHook",
     "AlignDevicesHook",
+    "CpuOffload",
+    "UserCpuOffloadHook",
     "add_hook_to_module",
     "remove_hook_from_module",
     "remove_hook_from_submodules",
@@ -122,6 +124,43 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
 def remove_hook_from_submodules(module: nn.Module) -> None:
     """Remove the hooks of ``module`` and all its submodules."""
     remove_hook_from_module(module, recurse=True)
+
+
+class CpuOffload(ModelHook):
+    """Keeps a whole model on the CPU until its forward, then leaves it on `execution_device` (default: the process's
+    device) until `UserCpuOffloadHook.offload()`; moves a previous model of a pipeline back first (Accelerate's)."""
+
+    def __init__(self, execution_device=None, prev_module_hook: UserCpuOffloadHook | None = None):
+        from accel.state import PartialState
+
+        self.prev_module_hook = prev_module_hook
+        self.execution_device = execution_device if execution_device is not None else PartialState().default_device
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module.to("cpu")
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        from accel.ops import send_to_device
+
+        previous = self.prev_module_hook
+        if previous is not None and next(previous.model.parameters()).device != torch.device("cpu"):
+            previous.offload()
+        if next(module.parameters()).device != _as_device(self.execution_device):
+            module.to(self.execution_device)
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+
+class UserCpuOffloadHook:
+    """What `cpu_offload_with_hook` returns: `offload()` moves the model back to the CPU, `remove()` drops the hook."""
+
+    def __init__(self, model: nn.Module, hook: CpuOffload):
+        self.model, self.hook = model, hook
+
+    def offload(self) -> None:
+        self.hook.init_hook(self.model)
+
+    def remove(self) -> None:
+        remove_hook_from_module(self.model)
 
 
 def _find_device(data) -> torch.device | None:

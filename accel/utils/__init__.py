@@ -59,7 +59,7 @@ _LAZY = {
         "WEIGHTS_INDEX_NAME", "WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME", "TORCH_LAUNCH_PARAMS",
         "TORCH_DISTRIBUTED_OPERATION_TYPES", "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION",
         "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION"), "accel.utils.constants"),
-    **dict.fromkeys(("ComputeEnvironment", "CustomDtype", "LoggerType", "PrecisionType", "RNGType",
+    **dict.fromkeys(("ComputeEnvironment", "CustomDtype", "FP8BackendType", "LoggerType", "PrecisionType", "RNGType",
                      "SageMakerDistributedType"), "accel.utils.dataclasses"),
     **dict.fromkeys(("CannotPadNestedTensorWarning", "convert_outputs_to_fp32", "convert_to_fp32", "find_device",
                      "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_tensor_information",

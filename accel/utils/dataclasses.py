@@ -81,6 +81,15 @@ class LoggerType(BaseEnum):
     SWANLAB = "swanlab"
 
 
+class FP8BackendType(str, BaseEnum):
+    """Which library trains in fp8 (Accelerate's values); accel's fp8 is torchao's ("AO")."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
 class PrecisionType(str, BaseEnum):
     """The values of `mixed_precision` (a `str`, so a member equals its value)."""
 

@@ -347,3 +347,18 @@ def test_same_observations_as_the_real_accelerate(tmp_path):
             probe.hf_device_map = device_map
         mine["verify"].append(accelerator.verify_device_map(probe))
     assert mine == theirs
+
+
+def test_accelerate_views_without_their_features():
+    """Accelerate's read-only members for features accel runs another way (fsdp2 plugin, context parallelism) have
+    Accelerate's values for a run without them."""
+    from accel import Accelerator
+    from accel.utils.dataclasses import FP8BackendType
+
+    accelerator = Accelerator(cpu=True)
+    assert (accelerator.is_fsdp2, accelerator.is_composable_parallelism_enabled) == (False, False)
+    assert accelerator.fp8_backend == FP8BackendType.NO == "NO"
+    assert accelerator.should_save_model and accelerator.data_parallel_shard_rank == 0
+    assert accelerator.use_stateful_dataloader is False
+    with pytest.raises(NotImplementedError, match="context parallelism is not available yet"):
+        accelerator.context_parallel_rank

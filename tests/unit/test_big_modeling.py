@@ -427,3 +427,24 @@ def test_streaming_load_peak_memory_below_model_size(tmp_path):
     peak = report["peak_kb"] * 1024  # measured here: ~38 MB (one resident and one streamed 16.8 MB layer)
     assert report["load_peak_kb"] <= report["peak_kb"]
     assert peak < model_bytes / 2, f"peak grew RSS by {peak / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
+
+
+def test_cpu_offload_with_hook_keeps_the_model_on_the_execution_device_until_offload():
+    """Accelerate's cpu_offload_with_hook: the model waits on the CPU, moves to the execution device at its forward
+    and stays there; the hook's offload() brings it back; a later model's forward offloads the previous one first."""
+    from accel import cpu_offload_with_hook
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    expected = first(x)
+    first, hook1 = cpu_offload_with_hook(first, "cpu")
+    assert torch.equal(first(x), expected) and first.weight.device.type == "cpu"
+    calls = []
+    hook1.offload = lambda: calls.append("offload")  # the CPU has no second device to come back from
+    hook1.model.to("meta")  # as if the first model still sat on the execution device
+    second, hook2 = cpu_offload_with_hook(second, "meta", prev_module_hook=hook1)
+    out = second(torch.randn(2, 3))
+    assert calls == ["offload"] and out.device.type == "meta" and second.weight.device.type == "meta"
+    hook2.remove()
+    assert not hasattr(second, "_hf_hook")
