@@ -7,16 +7,18 @@ The questionnaire reads one answer per line from stdin, so it can be scripted:
 An empty answer takes the default shown in [brackets]; when stdin ends, every remaining question takes its
 default. An invalid answer prints why and the same question is asked again. The answers are validated with
 the same code as config files (`accel.config.parse_layer` / `build_config`), including the rules that
-involve several keys, and with the combination check `accel launch` runs (`accel.backends.check_available`),
-so a saved config is one `accel launch` accepts. A refused combination prints the one-line error and asks
-the offending question again; when stdin has ended by then, nothing is saved and `accel config` exits 2
-with that error. The file is saved to `--config_file`, else `$ACCEL_CONFIG_FILE`, else
-`~/.cache/accel/default_config.yaml`.
+involve several keys, and with the checks `accel launch` and `accel env` run (`accel.config.checks.
+check_launchable`: the layout on num_processes, the combinations accel has, fp8's torchao), so a saved config
+is one `accel launch` accepts. A refused combination prints the one-line error and asks the offending question
+again. When stdin ends right after an invalid or refused answer, nothing is saved and `accel config` exits 2
+with that error. fp8 is offered only when torchao is installed. The file is saved to `--config_file`, else
+`$ACCEL_CONFIG_FILE`, else `~/.cache/accel/default_config.yaml`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -28,7 +30,6 @@ from typing import Any
 from accel.cli._common import UsageError, add_flag
 from accel.cli.launch import DEFAULT_MULTI_MACHINE_PORT
 
-from accel.backends import check_available
 from accel.config import (
     MIXED_PRECISIONS,
     PACKAGED_DEFAULT,
@@ -43,6 +44,7 @@ from accel.config import (
     parse_layer,
     read_config_file,
 )
+from accel.config.checks import check_launchable
 
 ANSWERS_SOURCE = "accel config answers"
 REQUIRED = object()  # a question without a default
@@ -120,6 +122,14 @@ def _multi_machine(answers: dict) -> bool:
     return answers.get("num_machines", 1) > 1
 
 
+def offered_mixed_precisions() -> tuple[str, ...]:
+    """fp8 is offered only where it is accepted: with torchao installed (answering it anyway is refused in one
+    line naming the package, and asked again)."""
+    if importlib.util.find_spec("torchao") is None:
+        return tuple(mode for mode in MIXED_PRECISIONS if mode != "fp8")
+    return MIXED_PRECISIONS
+
+
 QUESTIONS: list[Question] = [
     Question("num_machines", "How many machines will you use (1 for this machine only)?", "int",
              _from_defaults("num_machines")),
@@ -137,7 +147,7 @@ QUESTIONS: list[Question] = [
     Question("gpu_ids", "Which GPUs should be used (\"all\" or ids like 0,1)?", "str", _from_defaults("gpu_ids"),
              lambda answers: not answers.get("use_cpu", False)),
     Question("mixed_precision", "Mixed precision?", "choice", _from_defaults("mixed_precision"),
-             choices=MIXED_PRECISIONS),
+             choices=offered_mixed_precisions()),
     Question("gradient_accumulation_steps", "How many gradient accumulation steps?", "int",
              _from_defaults("gradient_accumulation_steps")),
     Question("parallelism.zero_stage", "ZeRO stage (0: plain DDP, 1, 2 or 3)?", "int",
@@ -175,10 +185,8 @@ def build_from_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConf
 
 
 def check_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConfig:
-    """`build_from_answers` plus the combination check `accel launch` runs before starting any process."""
-    cfg = build_from_answers(answers, source)
-    check_available(cfg.parallelism, cfg.num_processes)
-    return cfg
+    """`build_from_answers` plus the checks `accel launch` runs before starting any process."""
+    return check_launchable(build_from_answers(answers, source), source)
 
 
 def _refused(answers: dict) -> bool:
@@ -307,7 +315,7 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
     else:
         shown = f" [{_show(default)}]"
     prompt = f"{question.prompt}{hint}{shown}: "
-    refusal: ConfigError | None = None  # the last refused combination: at end of input it is the error
+    refusal: Exception | None = None  # the last refused answer: at end of input it is the error (nothing is saved)
     while True:
         text = asker.read(prompt)
         if text is None and refusal is not None:
@@ -324,6 +332,7 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
                 value = _convert(question, text)
             except ValueError as exc:
                 asker.say(f"  {exc}")
+                refusal = UsageError(f"your answer to '{question.key}': {exc}")
                 continue
         trial = dict(answers)
         trial[question.key] = value
@@ -341,7 +350,7 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
                 continue
             return value
         try:
-            check_available(cfg.parallelism, cfg.num_processes)
+            check_launchable(cfg, "your answer")
         except ConfigError as exc:
             # refused because of this answer (its default would pass): ask it again
             if offending_key(tentative, defaults) == question.key:
@@ -387,24 +396,41 @@ def questionnaire(asker: Asker) -> AccelConfig:
 
 def run_questionnaire(args: argparse.Namespace) -> int:
     path = target_path(args.config_file)
+    check_save_target(path)
     asker = Asker()
     asker.say(f"accel config: answer each question; press Enter for the default in [brackets]. "
               f"Saving to {path}")
     cfg = questionnaire(asker)
-    saved = cfg.save(path)
+    saved = save(cfg, path)
     asker.say(f"Configuration saved to {saved.resolve()}")
     return 0
 
 
 def run_default(args: argparse.Namespace) -> int:
     path = target_path(args.default_config_file or args.config_file)
+    check_save_target(path)
     if path.exists() and not args.force:
         sys.stderr.write(f"accel config default: {path} already exists; it was not changed "
                          "(run `accel config`, pass --force, or choose another --config_file)\n")
         return 0
     raw = {} if args.mixed_precision is None else {"mixed_precision": args.mixed_precision}
     layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(raw, "accel config default flags")]
-    cfg = build_config(layers, "accel config default flags")
-    saved = cfg.save(path)
+    cfg = check_launchable(build_config(layers, "accel config default flags"), "accel config default flags")
+    saved = save(cfg, path)
     print(f"Configuration saved to {saved.resolve()}")
     return 0
+
+
+def check_save_target(path: Path) -> None:
+    """Refuse, before any question, a target that cannot be a file."""
+    if path.is_dir():
+        raise UsageError(f"config file {path} is a directory; allowed: the path of a YAML file to write "
+                         "(--config_file)")
+
+
+def save(cfg: AccelConfig, path: Path) -> Path:
+    """`cfg.save`, with a file system refusal (permissions, a file where a folder should be) as one line."""
+    try:
+        return cfg.save(path)
+    except OSError as exc:
+        raise UsageError(f"cannot write the config file {path}: {exc.strerror or exc}") from None

@@ -7,9 +7,12 @@ import os
 import platform
 import sys
 
-from accel.cli._common import add_flag
-from accel.backends import check_available
-from accel.config import USER_CONFIG_ENV, ConfigError, resolve_config, user_config_path
+from accel.cli import checks
+from accel.cli import launch as launch_cmd
+from accel.cli._common import UsageError, add_flag
+from accel.config import USER_CONFIG_ENV, ConfigError, user_config_path
+
+FLAGS_SOURCE = "accel env flags"
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -17,13 +20,25 @@ def register(subparsers) -> argparse.ArgumentParser:
         "env",
         help="print versions, devices and the resolved config (for bug reports)",
         description="Print accel, torch, Python and OS versions, the devices and distributed backends, "
-        "the config file in use and the resolved config.",
+        "the config file in use and the resolved config. `accel launch`'s config flags (--num_processes, "
+        "--tp_size, ...) are taken too: the config is then the one that launch would run with, checked alike.",
         allow_abbrev=False,
     )
     add_flag(parser, "config_file", metavar="PATH", default=None,
              help=f"config file to resolve (default: ${USER_CONFIG_ENV}, else ~/.cache/accel/default_config.yaml)")
+    add_launch_config_flags(parser)
     parser.set_defaults(func=run_command)
     return parser
+
+
+def add_launch_config_flags(parser: argparse.ArgumentParser) -> None:
+    """`accel launch`'s flags that feed the config (its own definitions, so help and types match)."""
+    wanted = {*launch_cmd.CONFIG_FLAGS, "cpu", "multi_gpu"}
+    group = parser.add_argument_group("accel launch flags (resolve the config a launch would run with)")
+    donor = launch_cmd.register(argparse.ArgumentParser(add_help=False).add_subparsers())
+    for action in donor._actions:
+        if action.dest in wanted and action.option_strings:
+            group._add_action(action)
 
 
 def environment_lines() -> list[str]:
@@ -61,10 +76,11 @@ def run_command(args: argparse.Namespace) -> int:
     path = user_config_path(args.config_file)
     print(f"- accel config file: {path if path is not None else 'none: embedded default'}")
     sys.stdout.flush()
-    try:
-        cfg = resolve_config(args.config_file)
-        check_available(cfg.parallelism, cfg.num_processes)  # the same combination rules as `accel launch`
-    except ConfigError:
+    try:  # the same resolution and rules as `accel launch`
+        checks.check_flag_conflicts(args)
+        overrides = launch_cmd.flag_overrides(args)
+        cfg = checks.resolve_checked(args.config_file, overrides, "accel env", FLAGS_SOURCE)
+    except (ConfigError, UsageError):
         print("- resolved config: (not available, see the error below)")
         raise
     print("- resolved config:")

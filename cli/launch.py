@@ -4,6 +4,9 @@
     accel launch [flags] -m package.module [module args...]
 
 Everything after the script (or module) name goes to it untouched, even arguments that look like our flags.
+Before anything starts, the script (or module) must exist and the config must pass `check_launchable`, the
+checks `accel env` and `accel config` run too (see cli/checks.py); `--dry_run` stops there and prints the
+resolved config (each value with where it came from) and the exact command.
 
 How it runs:
 
@@ -46,15 +49,13 @@ import hashlib
 import os
 import socket
 import sys
-import warnings
 
-from accel.backends import check_available
+from accel.cli import checks
 from accel.cli._common import UsageError, add_flag
 from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
     ConfigError,
-    DeepSpeedConfigWarning,
     cuda_visible_devices,
     encode_for_workers,
 )
@@ -87,6 +88,7 @@ _FLAG_KEYS = {
     "dynamo_use_regional_compilation": "dynamo_use_regional_compilation",
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
 }
+CONFIG_FLAGS = tuple(_FLAG_KEYS)  # the flags that feed the config (`accel env` takes them too)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -137,6 +139,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "accelerate_shim", action="store_true", default=False,
              help="run a script written for Hugging Face Accelerate unchanged: `import accelerate` (and its "
                   "submodules) gives accel")
+    add_flag(parser, "dry_run", action="store_true", default=False,
+             help="print the resolved config (with where each value came from) and the exact command, start nothing")
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a Python module name, as `python -m` does")
     parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
@@ -252,10 +256,18 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
             raise UsageError("-m/--module needs a module name, e.g. `accel launch -m my_pkg.train`")
         raise UsageError("no script given; usage: accel launch [flags] script.py [script args...]")
     if args.module:
+        checks.check_module(args.script, _shim_path(args))
         return ["-m", args.script, *args.script_args]
-    if not os.path.isfile(args.script):
-        raise UsageError(f"script not found: {args.script}")
+    checks.check_script(args.script)
     return [args.script, *args.script_args]
+
+
+def _shim_path(args: argparse.Namespace) -> list[str]:
+    if not args.accelerate_shim:
+        return []
+    from accel.shim import PATH
+
+    return [PATH]
 
 
 def _check_hardware(cfg: AccelConfig) -> AccelConfig:
@@ -277,24 +289,12 @@ def _check_hardware(cfg: AccelConfig) -> AccelConfig:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.cpu and args.multi_gpu:
-        raise UsageError("--cpu and --multi_gpu contradict each other; give one of them")
+    checks.check_flag_conflicts(args)
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     script_argv = _script_argv(args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", DeepSpeedConfigWarning)
-        cfg = resolve_launch_config(args.config_file, flag_overrides(args))
-    for warning in caught:  # a DeepSpeed JSON's ignored keys: one line, like our errors
-        if issubclass(warning.category, DeepSpeedConfigWarning):
-            sys.stderr.write(f"accel launch: warning: {warning.message}\n")
-        else:
-            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-    check_available(cfg.parallelism, cfg.num_processes)  # refuse before starting any process
-    if cfg.dynamo_backend != "no":  # a torch.compile backend this torch lacks (imports torch only then)
-        from accel.backends.compilation import compile_options
-
-        compile_options(cfg)
+    # every config rule (shared with accel env and accel config), before starting any process
+    cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE)
     if args.accelerate_shim:
         from accel.shim import PATH
 
@@ -306,6 +306,8 @@ def run_command(args: argparse.Namespace) -> int:
     if cfg.num_processes == 1 and cfg.num_machines == 1:
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
+        if args.dry_run:
+            return _dry_run(args, cfg, [sys.executable, *script_argv])
         return _exec_single(cfg, script_argv)
 
     cfg = _check_hardware(cfg)
@@ -314,7 +316,18 @@ def run_command(args: argparse.Namespace) -> int:
         hint = " or leave it unset" if cfg.num_machines == 1 else ""
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
                          f"machine (or cannot be bound); pick another port{hint}")
-    return _run_torchrun(cfg, build_torchrun_args(cfg, script_argv, args.max_restarts, port))
+    torchrun_argv = build_torchrun_args(cfg, script_argv, args.max_restarts, port)
+    if args.dry_run:
+        return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
+    return _run_torchrun(cfg, torchrun_argv)
+
+
+def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> int:
+    env = worker_env(cfg)
+    if args.accelerate_shim:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    sources = checks.dry_run_sources(args.config_file, flag_overrides(args), FLAGS_SOURCE)
+    return checks.print_dry_run(cfg, sources, env, command)
 
 
 def _exec_single(cfg: AccelConfig, script_argv: list[str]) -> int:

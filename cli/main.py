@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import accel
 from accel.cli import config as config_cmd
 from accel.cli import env as env_cmd
 from accel.cli import launch as launch_cmd
@@ -22,6 +23,8 @@ def build_parser() -> OneLineParser:
         description="Configure and launch PyTorch training scripts on one CPU, many processes, GPUs or machines.",
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"accel {accel.__version__}",
+                        help="print accel's version and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,env}", parser_class=OneLineParser)
     config_cmd.register(subparsers)
     launch_cmd.register(subparsers)

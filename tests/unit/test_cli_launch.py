@@ -244,7 +244,7 @@ def test_combination_rules_are_checked_before_any_process_starts(run_accel, scri
     cfg_file.write_text(config)
     assert_one_line_error(run_accel("launch", "--config_file", str(cfg_file), "--cpu", "--num_processes", "2",
                                     script), needle)
-    env = run_accel("env", "--config_file", str(cfg_file))
+    env = run_accel("env", "--config_file", str(cfg_file), "--cpu", "--num_processes", "2")  # launch's flags
     assert env.returncode == 2 and needle in env.stderr.strip().splitlines()[-1]
 
 

@@ -1,0 +1,213 @@
+"""What `accel launch` (and `accel env`) check before anything starts, and what `accel launch --dry_run` prints.
+
+Each check raises UsageError/ConfigError, which `accel` prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import sys
+import warnings
+from pathlib import Path
+
+from accel.cli._common import UsageError
+from accel.config import (
+    DEEPSPEED_FILE_KEY,
+    PACKAGED_DEFAULT,
+    AccelConfig,
+    ConfigError,
+    DeepSpeedConfigWarning,
+    parse_layer,
+    read_config_file,
+    read_deepspeed_config,
+    resolve_launch_config,
+    user_config_path,
+)
+from accel.config.accelerate_import import deepspeed_path
+from accel.config.checks import check_launchable
+
+# -------------------------------------------------------------------------------------------------------
+# the config
+# -------------------------------------------------------------------------------------------------------
+
+
+def check_flag_conflicts(args) -> None:
+    """Flags that contradict each other (`accel launch` and `accel env` take the same ones)."""
+    if args.cpu and args.multi_gpu:
+        raise UsageError("--cpu and --multi_gpu contradict each other; give one of them")
+
+
+def config_source(config_file: str | None, overrides: dict, flags_source: str) -> str:
+    """How errors name the resolved config: the user's file (or the packaged default), plus the flags if any."""
+    source = str(user_config_path(config_file) or PACKAGED_DEFAULT)
+    return f"{source} + {flags_source}" if overrides else source
+
+
+def resolve_checked(config_file: str | None, overrides: dict, prog: str, flags_source: str) -> AccelConfig:
+    """The config a launch would run with, through `check_launchable` (the rules `accel launch`, `accel env` and
+    `accel config` share). A DeepSpeed JSON's ignored keys are one warning line each, like our errors."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeepSpeedConfigWarning)
+        cfg = resolve_launch_config(config_file, overrides, flags_source)
+    for warning in caught:
+        if issubclass(warning.category, DeepSpeedConfigWarning):
+            sys.stderr.write(f"{prog}: warning: {warning.message}\n")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    return check_launchable(cfg, config_source(config_file, overrides, flags_source))
+
+
+# -------------------------------------------------------------------------------------------------------
+# the script or module
+# -------------------------------------------------------------------------------------------------------
+
+def check_script(script: str) -> None:
+    """`script` must be something `python script` runs: a readable file, or a folder/zip with __main__.py."""
+    path = Path(script)
+    if not path.exists():
+        raise UsageError(f"script not found: {script} (relative to {os.getcwd()}); allowed: the path of a Python "
+                         "file, or -m for a module")
+    if path.is_dir():
+        if not (path / "__main__.py").is_file():
+            raise UsageError(f"script {script} is a directory without __main__.py; allowed: a Python file, or -m "
+                             "for a module")
+        return
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"script {script} cannot be read (permission denied)")
+
+
+def worker_search_path(extra: list[str] | None = None) -> list[str]:
+    """Where `python -m` in a worker looks: its current directory first, then PYTHONPATH, then the rest."""
+    entries = [os.getcwd(), *(extra or []), *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
+    return [entry or os.getcwd() for entry in entries]
+
+
+def check_module(name: str, extra_path: list[str] | None = None) -> None:
+    """`name` must be a module `python -m name` finds from here, found without importing it (its parent packages'
+    `__init__` are not run either)."""
+    search = worker_search_path(extra_path)
+    found = _find_module(name, search)
+    if found is None:
+        if name.endswith(".py") and os.path.isfile(name):
+            raise UsageError(f"module not found: {name} is a file, and -m takes a module name; allowed: the file "
+                             f"without -m (accel launch {name}), or -m {name[:-3].replace(os.sep, '.')}")
+        raise UsageError(f"module not found: {name} (-m looks in the current directory {os.getcwd()}, PYTHONPATH "
+                         "and the installed packages); allowed: an importable module such as my_pkg.train")
+    if found.submodule_search_locations is not None and _find_module(f"{name}.__main__", search) is None:
+        raise UsageError(f"module {name} is a package without __main__.py, so it cannot be run with -m; allowed: "
+                         f"one of its modules ({name}.<module>)")
+
+
+def _find_module(name: str, search: list[str]):
+    """The module spec of `name` or None, looking through `search` and the installed finders; nothing is imported."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], search) or _meta_path_spec(parts[0], None)
+    for depth in range(1, len(parts)):
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        spec = _meta_path_spec(".".join(parts[:depth + 1]), list(spec.submodule_search_locations))
+    return spec
+
+
+def _meta_path_spec(fullname: str, path: list[str] | None):
+    """What `sys.meta_path`'s finders (builtins, the path, editable installs' own finders) find for `fullname`."""
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec(fullname, path)
+        except Exception:  # a third-party finder's own trouble is not the user's mistake
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+# -------------------------------------------------------------------------------------------------------
+# accel launch --dry_run
+# -------------------------------------------------------------------------------------------------------
+
+def value_sources(config_file: str | None, overrides: dict, flags_source: str) -> dict[str, tuple[str, object]]:
+    """For each dotted key some layer sets: (the layer that won, the value it gave). The files are read again
+    (they were just read without error); the precedence is `accel.config.resolve`'s."""
+    layers = [("packaged default", read_config_file(PACKAGED_DEFAULT))]
+    user = user_config_path(config_file)
+    if user is not None:
+        layers.append((str(user), read_config_file(user)))
+    overrides = dict(overrides)
+    ds_path = deepspeed_path(overrides.pop(DEEPSPEED_FILE_KEY, None), DEEPSPEED_FILE_KEY, flags_source, None)
+    if ds_path is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeepSpeedConfigWarning)  # already shown once
+            layers.append((str(ds_path), read_deepspeed_config(ds_path)))
+    if overrides:
+        layers.append((flags_source, parse_layer(overrides, flags_source)))
+    sources: dict = {}
+    for name, layer in layers:
+        for key, value in _flat(layer).items():
+            sources[key] = (name, value)
+    return sources
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for key, value in data.items():
+        if key == "parallelism" and isinstance(value, dict) and not prefix:
+            out.update(_flat(value, "parallelism."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _yaml_value(value: object) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6)
+    return text.removesuffix("\n...\n").rstrip("\n")
+
+
+def annotated_yaml(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> list[str]:
+    """The config as YAML, one key per line, each followed by `# <where it came from>`: a file, the flags,
+    `default` (accel's built-in value) or `derived` (computed from other keys)."""
+    import yaml
+
+    builtin = _flat(AccelConfig().to_dict())
+    lines = []
+
+    def note(key: str, value: object) -> str:
+        if key in sources:
+            name, given = sources[key]
+            return name if given == value else "derived"
+        return "default" if builtin.get(key) == value else "derived"
+
+    for key, value in yaml.safe_load(cfg.to_yaml()).items():  # the config-file form (what a file could say)
+        if key == "parallelism":
+            lines.append("parallelism:")
+            lines += [f"  {sub}: {_yaml_value(v)}  # {note('parallelism.' + sub, v)}" for sub, v in value.items()]
+        else:
+            lines.append(f"{key}: {_yaml_value(value)}  # {note(key, value)}")
+    return lines
+
+
+def print_dry_run(cfg: AccelConfig, sources: dict, env: dict[str, str], command: list[str]) -> int:
+    """What `accel launch --dry_run` prints (on stdout): the resolved config and the exact command; starts nothing."""
+    out = ["# accel launch --dry_run: nothing was started", "# resolved config (after '#': where each value came from)"]
+    out += annotated_yaml(cfg, sources)
+    out.append("# the command accel launch runs, with the variables it adds to the environment:")
+    out.append(" ".join([*(f"{name}={shlex.quote(value)}" for name, value in env.items()), shlex.join(command)]))
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def dry_run_sources(config_file: str | None, overrides: dict, flags_source: str) -> dict:
+    """`value_sources`, or none when a file cannot be read a second time (the dry run still prints the config)."""
+    try:
+        return value_sources(config_file, overrides, flags_source)
+    except (ConfigError, OSError):
+        return {}
