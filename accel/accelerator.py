@@ -81,6 +81,7 @@ class Accelerator:
         from accel.plugins import (
             active_deepspeed_plugin,
             apply_plugins,
+            carried_deepspeed_plugin,
             deepspeed_state_members,
             dynamo_layer,
             tp_plugin_layer,
@@ -95,6 +96,8 @@ class Accelerator:
         layers = worker_layers()  # read once: a plugin's default stage depends on them, then the arguments go on top
         base = build_config(*layers) if deepspeed_plugin is not None or fsdp_plugin is not None else None
         self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin, base), layers)
+        if deepspeed_plugin is None and fsdp_plugin is None:  # a config file's / launch's DeepSpeed JSON: Accelerate
+            deepspeed_plugin = deepspeed_plugins = carried_deepspeed_plugin(self.config)  # builds it; not re-applied
         self.deepspeed_plugin, self.fsdp_plugin = deepspeed_plugin, fsdp_plugin
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:

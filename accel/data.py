@@ -397,6 +397,8 @@ class DataLoaderShard(DataLoader):
             return self.batch_sampler
         if isinstance(self.sampler, _PerSampleShard):
             return self.sampler.shard
+        if isinstance(self.sampler, BatchSamplerShard):  # a batch sampler the user gave as `sampler=`
+            return self.sampler
         return None
 
     @property
@@ -528,6 +530,9 @@ class DataLoaderShard(DataLoader):
         elif isinstance(self.sampler, _PerSampleShard):
             dataset = self.dataset
             kwargs.update(sampler=_PerSampleShard(copy.copy(self.sampler.shard)), batch_size=None)
+        elif isinstance(self.sampler, BatchSamplerShard):
+            dataset = self.dataset
+            kwargs.update(sampler=copy.copy(self.sampler), batch_size=None)
         else:
             dataset = self.dataset
             kwargs.update(batch_sampler=copy.copy(self.batch_sampler))
@@ -692,10 +697,16 @@ def _global_batch_sampler(dataloader: DataLoader, seed: int, use_seedable_sample
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
         return BatchSampler(_seedable(dataloader.sampler, seed, use_seedable_sampler), 1, False)
+    return _global_batches_of(batch_sampler, seed, use_seedable_sampler)
+
+
+def _global_batches_of(batch_sampler, seed: int, use_seedable_sampler: bool = False):
+    """A torch BatchSampler with its sampler made seedable; a custom batch sampler as it is (sharded batch by
+    batch)."""
     if type(batch_sampler) is BatchSampler:
         return BatchSampler(_seedable(batch_sampler.sampler, seed, use_seedable_sampler), batch_sampler.batch_size,
                             batch_sampler.drop_last)
-    return batch_sampler  # custom batch sampler: kept as is, sharded batch by batch
+    return batch_sampler
 
 
 def followed_generator(loader: DataLoader):
@@ -783,6 +794,10 @@ def prepare_data_loader(
         )
         batch_size = None if unbatched else shard.part
         return shard_class(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
+    if unbatched and isinstance(dataloader.sampler, BatchSampler):  # batches given as `sampler=`: shard them as
+        shard = BatchSamplerShard(_global_batches_of(dataloader.sampler, settings["seed"], use_seedable_sampler),
+                                  **shard_args)  # Accelerate does (even_batches pads the last one too)
+        return shard_class(dataset, sampler=shard, batch_size=None, **settings, **kwargs)
     shard = BatchSamplerShard(_global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler), **shard_args)
     if unbatched:
         return shard_class(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)

@@ -33,6 +33,7 @@ from accel.config import (
     TOP_FIELDS,
     AccelConfig,
     ConfigError,
+    DeepSpeedConfigWarning,
     allowed_values,
     check_value,
     deepspeed_json_layer,
@@ -373,30 +374,12 @@ def active_deepspeed_plugin(deepspeed_plugin: Any = None, deepspeed_plugins: Any
 
 
 def deepspeed_state_members(active: Any, given: Any) -> dict:
-    """Accelerate's AcceleratorState members for DeepSpeed plugins: `deepspeed_plugins`, `get_deepspeed_plugin(name)`
-    and `select_deepspeed_plugin(name)`, which only accepts the active plugin (one config for every model)."""
+    """Accelerate's AcceleratorState members for DeepSpeed plugins: `deepspeed_plugins`, and the name -> plugin table
+    that `PartialState.get_deepspeed_plugin`/`select_deepspeed_plugin` read (plain data, so the state pickles)."""
     plugins = {} if active is None else given if isinstance(given, dict) else {"default": given}
-    first = next(iter(plugins), None)
     if active is not None:
         active.__dict__["_selected"] = True
-
-    def get_deepspeed_plugin(name: str):
-        if not plugins:
-            raise ValueError("get_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator(deepspeed_plugin(s)=)")
-        return plugins[name]
-
-    def select_deepspeed_plugin(name: str | None = None) -> None:
-        if not plugins:
-            raise ValueError("select_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator("
-                             "deepspeed_plugin(s)=)")
-        if name not in plugins:
-            raise ValueError(f"select_deepspeed_plugin: bad value {name!r}; allowed: {', '.join(map(repr, plugins))}")
-        if name != first:
-            raise NotImplementedError(f"select_deepspeed_plugin({name!r}): a second active DeepSpeed plugin is not "
-                                      f"available yet in accel; allowed: {first!r} (every model uses its config)")
-
-    return {"deepspeed_plugins": given, "get_deepspeed_plugin": get_deepspeed_plugin,
-            "select_deepspeed_plugin": select_deepspeed_plugin}
+    return {"deepspeed_plugins": given, "_deepspeed_plugin_table": plugins}
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -431,6 +414,23 @@ def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugi
     if "parallelism" in layer and "parallelism" in argument_layer:
         merged["parallelism"].update(layer["parallelism"])
     return merged
+
+
+def carried_deepspeed_plugin(config: AccelConfig) -> DeepSpeedPlugin | None:
+    """Accelerate's automatic DeepSpeedPlugin: `accelerate launch --deepspeed_config_file ds.json` (or a config file's
+    `deepspeed_config_file`) makes the Accelerator build one when the script passes none. Here it is
+    `DeepSpeedPlugin(hf_ds_config=<the JSON's dict>)` from the JSON the resolved `config` carries, or None.
+
+    It is only exposed (`accelerator.deepspeed_plugin`, `state.deepspeed_plugin`, DummyOptim/DummyScheduler); its
+    layer is not applied: the JSON's keys are already in `config` under the launch flags that beat them. Its ignored
+    keys were reported when the file was read, so the warning is not repeated."""
+    if config.deepspeed_json is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        plugin = DeepSpeedPlugin(hf_ds_config=config.deepspeed_json)
+    plugin.__dict__["_source"] = config.deepspeed_json_path  # named in DummyOptim/DummyScheduler errors
+    return plugin
 
 
 def _needs_base(plugin: Any) -> bool:

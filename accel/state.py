@@ -112,9 +112,46 @@ class PartialState:
     # -- identity -----------------------------------------------------------------------------------------
     @property
     def distributed_type(self) -> DistributedType:
+        override = self.__dict__.get("_distributed_type")
+        if override is not None:
+            return override
         if self.num_processes <= 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType) -> None:
+        """Accelerate's state attribute is writable (its tests set it to see other code paths); accel reports the
+        value set, and its backend is unchanged: it comes from the config."""
+        self.__dict__["_distributed_type"] = DistributedType(value)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_release_callbacks"}  # process-local callbacks
+
+    def __setstate__(self, state: dict) -> None:
+        """The process state belongs to the process: unpickling where one exists keeps it (the pickled copy is the
+        same job's state), and elsewhere restores it without the release callbacks."""
+        if not self.__dict__.get("_initialized"):
+            self.__dict__.update(state, _release_callbacks=[])
+
+    def get_deepspeed_plugin(self, name: str):
+        """The DeepSpeed plugin given under `name` to `Accelerator(deepspeed_plugins={...})` (Accelerate's)."""
+        plugins = self.__dict__.get("_deepspeed_plugin_table") or {}
+        if not plugins:
+            raise ValueError("get_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator(deepspeed_plugin(s)=)")
+        return plugins[name]
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """Only the active (first) plugin can be selected: accel prepares every model with one config."""
+        plugins = self.__dict__.get("_deepspeed_plugin_table") or {}
+        if not plugins:
+            raise ValueError("select_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator(deepspeed_plugin(s)=)")
+        if name not in plugins:
+            raise ValueError(f"select_deepspeed_plugin: bad value {name!r}; allowed: {', '.join(map(repr, plugins))}")
+        first = next(iter(plugins))
+        if name != first:
+            raise NotImplementedError(f"select_deepspeed_plugin({name!r}): a second active DeepSpeed plugin is not "
+                                      f"available yet in accel; allowed: {first!r} (every model uses its config)")
 
     @property
     def use_distributed(self) -> bool:

@@ -207,6 +207,9 @@ class ParameterReplacements:
         self._new: dict[int, tuple] = {}  # id(original) -> (weakref to it: ids can be reused, replacement)
         self._optimizers: list = []
 
+    def __getstate__(self) -> dict:
+        return {"_new": {}, "_optimizers": []}  # identities (what weakrefs and ids record) do not survive pickling
+
     @staticmethod
     def snapshot(model: torch.nn.Module) -> dict:
         return dict(model.named_parameters(remove_duplicate=False))

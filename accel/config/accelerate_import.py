@@ -97,28 +97,46 @@ def from_fsdp_section(section: dict, source: str) -> dict:
     return par
 
 
+# Accelerate's `parallelism_config:` keys (what `accelerate config` writes, and `accelerate launch`'s
+# --parallelism_config_* flags): short name -> accel's ParallelismConfig field (the same names), or None for the
+# context/sequence-parallel handlers' options, accepted and unused (cp_size/sp_size above 1 are refused).
+_PARALLELISM_CONFIG_KEYS = {
+    "dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_shard_size", "tp_size": "tp_size",
+    "cp_size": "cp_size", "cp_backend": "cp_backend", "sp_size": "sp_size", "sp_backend": "sp_backend",
+    "cp_comm_strategy": None, "sp_seq_length": None, "sp_seq_length_is_variable": None,
+    "sp_attn_implementation": None,
+}
+_PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
 def from_parallelism_config_section(section: dict, source: str) -> dict:
-    """Accelerate's `parallelism_config:` section (parallelism_config_tp_size, ..._dp_shard_size, ...)."""
+    """Accelerate's `parallelism_config:` section (parallelism_config_dp_replicate_size, ..._dp_shard_size,
+    ..._tp_size, ..._cp_size, ...) -> the ParallelismConfig fields of the same names, which map onto accel's as
+    Accelerate's do (dp_shard_size > 1: FSDP2, zero_stage 3 unless given; with dp_replicate_size > 1: HSDP).
+
+    Every size 1 (what `accelerate config` writes by default) describes no layout (Accelerate then replicates over
+    every process): the data-parallel sizes are left out, so accel's fields decide. cp_size/sp_size above 1 are
+    refused ("not available yet"); the context/sequence-parallel options are accepted and unused."""
     where = "parallelism_config."
     par: dict = {}
-    sizes = {}
     for key, value in section.items():
         short = key.removeprefix("parallelism_config_")
-        if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
-            sizes[short] = check_value(value, {"kind": int, "choices": (), "lo": 1, "hi": None, "optional": False},
-                                        where + key, source)
-        elif short in ("cp_backend", "cp_comm_strategy", "sp_backend", "sp_size", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"):
+        if short not in _PARALLELISM_CONFIG_KEYS or short == key:
+            raise unknown_key(key, [f"parallelism_config_{name}" for name in _PARALLELISM_CONFIG_KEYS], source, where)
+        field = _PARALLELISM_CONFIG_KEYS[short]
+        if field is None or value is None:  # None: Accelerate's "not given"
             continue
-        else:
-            raise unknown_key(key, ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
-                                     "parallelism_config_tp_size", "parallelism_config_cp_size"], source, where)
-    if sizes.get("cp_size", 1) > 1:
-        raise ConfigError(f"{source}: key '{where}parallelism_config_cp_size': {sizes['cp_size']}: context "
-                          "parallelism is not supported by accel; allowed: 1")
-    if "tp_size" in sizes:
-        par["tp_size"] = sizes["tp_size"]
-    if sizes.get("dp_shard_size", 1) > 1:
-        par["zero_stage"] = 3
+        meta = PARALLEL_FIELDS[field]
+        if field in _PARALLELISM_SIZES:
+            meta = {**meta, "optional": False}
+        par[field] = check_value(value, meta, where + key, source)
+        if field in ("cp_size", "sp_size") and par[field] > 1:
+            what = "context" if field == "cp_size" else "sequence"
+            raise ConfigError(f"{source}: key '{where}{key}': {par[field]}: {what} parallelism is not available yet "
+                              "in accel; allowed: 1")
+    if all(par.get(name, 1) == 1 for name in _PARALLELISM_SIZES):
+        par.pop("dp_replicate_size", None)
+        par.pop("dp_shard_size", None)
     return par
 
 
@@ -217,8 +235,9 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
     Mapped: zero_optimization.stage / .offload_optimizer.device / .offload_param.device, gradient_accumulation_steps,
     fp16.enabled / bf16.enabled, train_micro_batch_size_per_gpu, train_batch_size, gradient_clipping. "auto" means
     "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
-    With `builds_optimizer` (the JSON reaches `prepare()` through DeepSpeedPlugin) `optimizer` and `scheduler`
-    are kept for `DummyOptim`/`DummyScheduler` (accel/utils/deepspeed.py) and not named.
+    With `builds_optimizer` (the JSON reaches `prepare()`: DeepSpeedPlugin, or carried from a config file or
+    `accel launch --deepspeed_config_file`) `optimizer` and `scheduler` are kept for `DummyOptim`/`DummyScheduler`
+    (accel/utils/deepspeed.py) and not named.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, "
@@ -264,7 +283,7 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
         elif key in ("optimizer", "scheduler") and builds_optimizer:
             if value is not None:
                 mapping(value, key)  # built (and checked further) by prepare()
-        else:  # optimizer/scheduler read from a config file too: the warning explains them
+        else:  # optimizer/scheduler that reach no prepare(): the warning explains them
             ignored.append(key)
     if precision.get("fp16") and precision.get("bf16"):
         raise ConfigError(f"{source}: keys 'fp16.enabled' and 'bf16.enabled' are both true; allowed: at most one "
@@ -275,9 +294,10 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
     if ignored:
         note = ""
         if "optimizer" in ignored or "scheduler" in ignored:
-            note = ("; 'optimizer'/'scheduler': accel builds them for DummyOptim/DummyScheduler only from "
-                    "DeepSpeedPlugin(hf_ds_config=...); here it uses the optimizer and scheduler your script creates "
-                    "and passes to prepare()")
+            note = ("; 'optimizer'/'scheduler': accel builds them for DummyOptim/DummyScheduler only from a JSON "
+                    "that reaches prepare() (DeepSpeedPlugin(hf_ds_config=...), a config file's deepspeed_config_file "
+                    "or accel launch --deepspeed_config_file); here it uses the optimizer and scheduler your script "
+                    "creates and passes to prepare()")
         warnings.warn(f"{source}: DeepSpeed keys accel does not use, ignored: {', '.join(ignored)}{note}",
                       DeepSpeedConfigWarning, stacklevel=2)
     if par:
@@ -320,10 +340,19 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
     return par
 
 
-def read_deepspeed_config(path: str | os.PathLike, referenced_by: str | None = None) -> dict:
-    """Read a DeepSpeed JSON file into a config layer (see `deepspeed_json_layer`); errors name the file."""
+def read_deepspeed_config(path: str | os.PathLike, referenced_by: str | None = None, carry: bool = False) -> dict:
+    """Read a DeepSpeed JSON file into a config layer (see `deepspeed_json_layer`); errors name the file.
+
+    With `carry` (a config file's or `accel launch --deepspeed_config_file`'s JSON) the layer also holds the JSON
+    itself and its path (`deepspeed_json`, `deepspeed_json_path`: AccelConfig carries them to the workers, whose
+    Accelerator builds Accelerate's automatic DeepSpeedPlugin from them), so its `optimizer`/`scheduler` reach
+    `prepare()` and are not named as ignored."""
     shown = os.path.normpath(Path(path).expanduser())  # "conf/../ds.json" reads "ds.json" in messages
-    return deepspeed_json_layer(read_deepspeed_json(path, referenced_by), shown)
+    data = read_deepspeed_json(path, referenced_by)
+    layer = deepspeed_json_layer(data, shown, builds_optimizer=carry)
+    if carry:
+        layer.update(deepspeed_json=data, deepspeed_json_path=shown)
+    return layer
 
 
 def deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) -> Path | None:

@@ -5,7 +5,9 @@ Lowest first: built-in defaults < the packaged `default_config.yaml` < the user'
 flags < `Accelerator(...)` arguments. `accel launch` resolves the first four layers once and hands the
 result to every worker through one variable, `ACCEL_LAUNCH_CONFIG` (JSON); workers read it once. A DeepSpeed
 JSON named by a config file (`deepspeed_config_file`) or by `accel launch --deepspeed_config_file` counts as
-a layer just above that config file. Every layer is validated on its own, so an error names its source.
+a layer just above that config file; the JSON itself is carried too (a later layer's replaces an earlier one's),
+so the workers' Accelerator exposes it as Accelerate's DeepSpeedPlugin. Every layer is validated on its own, so an
+error names its source.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from accel.config.accelerate_import import (
     read_deepspeed_config,
 )
 from accel.config.schema import (
+    CARRIED_KEYS,
     DISTRIBUTED_TYPES,
     PARALLEL_FIELDS,
     TOP_FIELDS,
@@ -131,7 +134,7 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                           "file; allowed: one of them")
     if ds_files:  # the JSON is a layer just above the file that names it: its values (not "auto") win
         path, key = ds_files[0]
-        out = merge_layers([out, read_deepspeed_config(path, f"{source}: key '{key}'")])
+        out = merge_layers([out, read_deepspeed_config(path, f"{source}: key '{key}'", carry=True)])
     return out
 
 
@@ -162,10 +165,18 @@ def build_config(layers: list[dict], source: str = "config") -> AccelConfig:
 
 def read_config_file(path: str | os.PathLike) -> dict:
     """Read and validate one YAML (or JSON) config file into a layer."""
-    from accel.config.yaml_file import load_yaml_file  # yaml is imported only where files are read
+    import yaml
 
     path = Path(path).expanduser()
-    layer = parse_layer(load_yaml_file(path), str(path), base_dir=path.parent)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    layer = parse_layer(raw, str(path), base_dir=path.parent)
     if path.resolve() == PACKAGED_DEFAULT.resolve():
         # Its `zero_stage: 0` shows the default; as a layer it would be a request, contradicting a user's
         # dp_shard_size (which, with zero_stage left out, means 3). Left out, zero_stage is derived.
@@ -214,7 +225,7 @@ def resolve_config(config_file: str | os.PathLike | None = None, overrides: dict
     ds_file = overrides.pop(DEEPSPEED_FILE_KEY, None)
     ds_path = deepspeed_path(ds_file, DEEPSPEED_FILE_KEY, overrides_source, None)
     if ds_path is not None:
-        layers.append(read_deepspeed_config(ds_path, f"{overrides_source}: key '{DEEPSPEED_FILE_KEY}'"))
+        layers.append(read_deepspeed_config(ds_path, f"{overrides_source}: key '{DEEPSPEED_FILE_KEY}'", carry=True))
         source = f"{source} + {ds_path}"
     if overrides:
         layers.append(parse_layer(overrides, overrides_source))
@@ -256,7 +267,9 @@ def worker_layers() -> tuple[list[dict], str]:
     launched = launched_config()
     if launched is None:
         return file_layers(), str(user_config_path() or PACKAGED_DEFAULT)
-    return [parse_layer(launched.to_dict(), f"${LAUNCH_ENV}")], f"${LAUNCH_ENV}"
+    data = launched.to_dict()
+    carried = {key: data.pop(key) for key in CARRIED_KEYS if key in data}  # the DeepSpeed JSON, as read at launch
+    return [{**parse_layer(data, f"${LAUNCH_ENV}"), **carried}], f"${LAUNCH_ENV}"
 
 
 def worker_config(overrides: dict | None = None, base: tuple[list[dict], str] | None = None) -> AccelConfig:

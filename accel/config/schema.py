@@ -277,27 +277,47 @@ class AccelConfig:
     dynamo_use_regional_compilation: bool = _spec(False, bool,
                                                   help="compile each repeated block instead of the whole model")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and
+    # the path it was read from) so every worker's Accelerator exposes it as Accelerate's automatic DeepSpeedPlugin
+    # (`DummyOptim`/`DummyScheduler` build its optimizer/scheduler). Its DeepSpeed keys are already mapped onto the
+    # fields above; these are not config-file keys (no "kind": not in TOP_FIELDS), and are left out of to_dict()
+    # when unset.
+    deepspeed_json: dict | None = None
+    deepspeed_json_path: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.parallelism, dict):
             self.parallelism = ParallelismConfig(**self.parallelism)
         _validate_fields(self, "AccelConfig")
+        check_carried_deepspeed_json(self.deepspeed_json, self.deepspeed_json_path, "AccelConfig")
 
     # -- conversions -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for key in CARRIED_KEYS:
+            if data[key] is None:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> AccelConfig:
-        """Validate `data` as one layer (Accelerate's keys included) over the built-in defaults."""
+        """Validate `data` as one layer (Accelerate's keys included) over the built-in defaults; a `to_dict()`
+        result's carried DeepSpeed JSON (`deepspeed_json`, `deepspeed_json_path`) is taken as it is."""
         from accel.config.resolve import build_config, parse_layer  # resolve imports this module
 
-        return build_config([parse_layer(data, source)], source)
+        data = dict(data)
+        carried = {key: data.pop(key) for key in CARRIED_KEYS if key in data}
+        check_carried_deepspeed_json(carried.get("deepspeed_json"), carried.get("deepspeed_json_path"), source)
+        return build_config([{**parse_layer(data, source), **carried}], source)
 
     def to_yaml(self) -> str:
+        """The config-file form: the carried DeepSpeed JSON is left out (a file names it: `deepspeed_config_file`)."""
         import yaml  # imported here: workers get their config as JSON and never pay for yaml
 
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        data = self.to_dict()
+        for key in CARRIED_KEYS:
+            data.pop(key, None)
+        return yaml.safe_dump(data, sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write as YAML atomically (temp file + rename) and return the path."""
@@ -418,6 +438,17 @@ def _field_specs(cls: type) -> dict[str, dict]:
 
 TOP_FIELDS = _field_specs(AccelConfig)
 PARALLEL_FIELDS = _field_specs(ParallelismConfig)
+CARRIED_KEYS = ("deepspeed_json", "deepspeed_json_path")  # AccelConfig fields carried to workers, not file keys
+
+
+def check_carried_deepspeed_json(data: Any, path: Any, source: str) -> None:
+    """The carried DeepSpeed JSON is a JSON object (or None) and its path a string (or None); ConfigError otherwise."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{source}: key 'deepspeed_json': bad value of type {type(data).__name__}; allowed: a "
+                          "DeepSpeed JSON object (or null)")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"{source}: key 'deepspeed_json_path': bad value {path!r}; allowed: a path (or null)")
+
 
 def unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> ConfigError:
     close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)

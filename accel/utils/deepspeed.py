@@ -34,9 +34,9 @@ _SCHEDULER_PARAMS = {
     "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
                        "last_batch_iteration"),
 }
-_NO_DEEPSPEED = ("pass Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)) with a JSON that has "
-                 "'optimizer'/'scheduler' sections, or use a torch {what} (a JSON named by a config file or "
-                 "`accel launch --deepspeed_config_file` does not carry these sections to prepare())")
+_NO_DEEPSPEED = ("a DeepSpeed JSON with 'optimizer'/'scheduler' sections, given as Accelerator(deepspeed_plugin="
+                 "DeepSpeedPlugin(hf_ds_config=...)), a config file's deepspeed_config_file or `accel launch "
+                 "--deepspeed_config_file`; or use a torch {what}")
 
 
 class DummyOptim:
@@ -346,6 +346,9 @@ def _auto_scheduler_value(name: str, dummy: DummyScheduler | None, source: str, 
 # -------------------------------------------------------------------------------------------------------------
 
 def _source_of(plugin: Any) -> str:
+    carried = getattr(plugin, "_source", None)  # the JSON a config file or `accel launch` named
+    if carried:
+        return carried
     path = getattr(plugin, "hf_ds_config", None)
     if isinstance(path, (str, os.PathLike)):
         return os.path.normpath(os.fspath(path))

@@ -1,9 +1,10 @@
-"""DummyOptim / DummyScheduler under ZeRO stage 2 on 2 CPU processes, against plain PyTorch on one process.
+"""DummyOptim / DummyScheduler under ZeRO stage 2 and 3 on 2 CPU processes, against plain PyTorch on one process.
 
 The DeepSpeed JSON names AdamW ("auto" params filled from the DummyOptim) and WarmupDecayLR ("auto" filled from the
 DummyScheduler as Accelerate fills them). The reference is torch.optim.AdamW with the same arguments, the lr set by
 hand each step from DeepSpeed's WarmupDecayLR formula, on the global batch. Final weights and every step's lr agree
-within atol 1e-5 (fp32). One launch.
+within atol 1e-5 (fp32). Two launches (about 7 s each): the JSON given as DeepSpeedPlugin(hf_ds_config=...), and
+named by `accel launch --deepspeed_config_file` (Accelerate's automatic plugin; `--zero_stage 3` beats its stage 2).
 """
 
 import json
@@ -62,22 +63,36 @@ def reference():
     return model.state_dict(), lrs, last
 
 
-def test_dummy_optim_and_scheduler_under_zero2_match_plain_pytorch(isolated_env, tmp_path):
-    ds_json = tmp_path / "ds.json"
-    ds_json.write_text(json.dumps(DS_CONFIG))
-    accel_launch(isolated_env, "--cpu", "--num_processes", N, SCRIPT, "--out", tmp_path, "--ds_config", ds_json)
-    records = json.loads((tmp_path / "record.json").read_text())
+def check_against_plain_pytorch(out, zero_stage: int) -> None:
+    records = json.loads((out / "record.json").read_text())
     ref_weights, ref_lrs, ref_last = reference()
 
     assert len(records) == N
     for rec in records:
-        assert (rec["optimizer"], rec["scheduler"], rec["zero_stage"]) == ("AdamW", "WarmupDecayLR", 2)
-        assert rec["unwrapped"] in ("Net", "FSDPNet")  # ZeRO 2 shards with FSDP2, which renames the class
+        assert (rec["optimizer"], rec["scheduler"], rec["zero_stage"]) == ("AdamW", "WarmupDecayLR", zero_stage)
+        assert rec["json_sections"] == sorted(DS_CONFIG)  # state.deepspeed_plugin.deepspeed_config is the JSON
+        assert rec["unwrapped"] in ("Net", "FSDPNet")  # ZeRO 2/3 shard with FSDP2, which renames the class
         assert rec["defaults"] == {"lr": 1e-2, "weight_decay": 0.01, "betas": [0.9, 0.98], "eps": 1e-7}
         assert torch.allclose(torch.tensor(rec["lrs"]), torch.tensor(ref_lrs), atol=ATOL, rtol=0), rec["lrs"]
         assert rec["last_lr"] == pytest.approx(ref_last, abs=ATOL)
     assert max(ref_lrs) == pytest.approx(1e-2) and ref_lrs[:2] == [0.0, 0.0]  # warmed up, then decayed
-    weights = load_file(str(tmp_path / "weights.safetensors"))
+    weights = load_file(str(out / "weights.safetensors"))
     assert weights.keys() == ref_weights.keys()
     for key, value in ref_weights.items():
         assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), f"{key}: {(weights[key] - value).abs().max()}"
+
+
+def test_dummy_optim_and_scheduler_under_zero2_match_plain_pytorch(isolated_env, tmp_path):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps(DS_CONFIG))
+    accel_launch(isolated_env, "--cpu", "--num_processes", N, SCRIPT, "--out", tmp_path, "--ds_config", ds_json)
+    check_against_plain_pytorch(tmp_path, zero_stage=2)
+
+
+def test_launch_deepspeed_config_file_carries_the_sections_and_the_flags_win(isolated_env, tmp_path):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps(DS_CONFIG))
+    proc = accel_launch(isolated_env, "--cpu", "--num_processes", N, "--deepspeed_config_file", ds_json,
+                        "--zero_stage", 3, SCRIPT, "--out", tmp_path)
+    assert "DeepSpeed keys accel does not use" not in proc.stderr  # optimizer/scheduler are used now
+    check_against_plain_pytorch(tmp_path, zero_stage=3)

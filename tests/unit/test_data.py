@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
 from accel.accumulation import GradientState
 from accel.data import (
@@ -520,3 +520,27 @@ def test_dispatcher_on_one_process_yields_the_original_batches():
     mapped = prepare_data_loader(DataLoader(list(range(6)), batch_size=4), put_on_device=True, dispatch_batches=True)
     assert [b.tolist() for b in mapped] == [[0, 1, 2, 3], [4, 5]]
     assert [b.tolist() for b in skip_first_batches(mapped, 1)] == [[4, 5]]
+
+
+def test_batch_sampler_given_as_sampler_is_sharded_and_padded_like_a_batch_sampler():
+    """DataLoader(sampler=BatchSampler(...), batch_size=None): Accelerate shards the batches themselves, so the last
+    round is padded to full batches ([4,4,4] on both ranks for 22 samples), not left short ([4,4,2])."""
+    from torch.utils.data import SequentialSampler
+    from torch.utils.data.dataloader import default_collate
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 22
+
+        def __getitem__(self, indices):
+            return [torch.tensor(i) for i in indices]
+
+    def loader():
+        return DataLoader(Rows(), sampler=BatchSampler(SequentialSampler(range(22)), 4, False), batch_size=None,
+                          collate_fn=default_collate)
+
+    got = [[b.tolist() for b in prepare_data_loader(loader(), num_processes=2, process_index=r)] for r in (0, 1)]
+    assert got[0] == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19]]
+    assert got[1] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 0, 1]]
+    shard = prepare_data_loader(loader(), num_processes=2, process_index=1)
+    assert len(shard) == 3 and [b.tolist() for b in skip_first_batches(shard, 2)] == [[20, 21, 0, 1]]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from accel import Accelerator
 from accel.cli import launch
 from accel.cli.main import build_parser, main
 from accel.config import (
@@ -43,9 +44,9 @@ TYPICAL = {
         "stage3_gather_16bit_weights_on_model_save": True,
     },
 }
-TYPICAL_IGNORED = {
-    "steps_per_print", "wall_clock_breakdown", "fp16.loss_scale", "fp16.initial_scale_power", "optimizer",
-    "scheduler", "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.overlap_comm",
+TYPICAL_IGNORED = {  # optimizer/scheduler are not: the JSON reaches prepare() (DummyOptim/DummyScheduler)
+    "steps_per_print", "wall_clock_breakdown", "fp16.loss_scale", "fp16.initial_scale_power",
+    "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.overlap_comm",
     "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
@@ -95,11 +96,13 @@ def test_typical_json_resolves_to_the_tree_with_one_warning_listing_the_ignored_
     assert len(messages) == 1
     assert "\n" not in messages[0] and messages[0].startswith(f"{path}: ")
     assert ignored_keys(messages[0]) == TYPICAL_IGNORED
-    assert "your script creates" in messages[0]  # optimizer/scheduler: why they are ignored
+    assert "your script creates" not in messages[0]  # optimizer/scheduler are carried to prepare(): not ignored
+    assert cfg.deepspeed_json == TYPICAL and cfg.deepspeed_json_path == str(path)  # the JSON itself, for the workers
     # the layer holds only what the file says
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         layer = read_deepspeed_config(path)
+    assert "your script creates" in ds_warnings(record)[0]  # not carried: optimizer/scheduler named, with why
     assert layer == {"gradient_accumulation_steps": 4, "mixed_precision": "fp16",
                      "parallelism": {"zero_stage": 3, "offload_optimizer": True, "offload_params": False,
                                      "micro_batch_size": 8, "gradient_clipping": 1.0}}
@@ -491,3 +494,121 @@ def test_activation_checkpointing_from_every_source(tmp_path):
     args = parse("--activation_checkpointing", "selective", "train.py")
     cfg = launch.resolve_launch_config(None, launch.flag_overrides(args))
     assert cfg.parallelism.activation_checkpointing == "selective"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the JSON carried to the Accelerator: Accelerate's automatic DeepSpeedPlugin, DummyOptim / DummyScheduler
+# ----------------------------------------------------------------------------------------------------------
+
+DUMMY_JSON = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.99]}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+}
+
+
+def assert_exposes_and_builds(accelerator, expected: dict) -> None:
+    """`deepspeed_plugin.deepspeed_config` is the JSON, and DummyOptim/DummyScheduler build its sections."""
+    import torch
+
+    from accel.utils import DummyOptim, DummyScheduler
+
+    plugin = accelerator.deepspeed_plugin
+    assert isinstance(plugin, DeepSpeedPlugin) and accelerator.state.deepspeed_plugin is plugin
+    assert plugin.deepspeed_config == expected and "optimizer" in plugin.deepspeed_config  # what HF Trainer reads
+    model = torch.nn.Linear(3, 1)
+    dummy = DummyOptim(model.parameters(), lr=0.05, weight_decay=0.01)
+    _, optimizer, scheduler = accelerator.prepare(model, dummy, DummyScheduler(dummy, total_num_steps=8,
+                                                                               warmup_num_steps=3))
+    built = optimizer.optimizer
+    assert type(built) is torch.optim.AdamW
+    assert (built.defaults["lr"], built.defaults["weight_decay"], built.defaults["betas"]) == (0.05, 0.01, (0.9, 0.99))
+    schedule = scheduler.scheduler
+    assert type(schedule).__name__ == "WarmupDecayLR"
+    assert (schedule.total_num_steps, schedule.warmup_num_steps, schedule.max_lrs) == (8, 3, [0.05])
+
+
+def test_config_files_json_becomes_the_accelerators_deepspeed_plugin(tmp_path, monkeypatch):
+    """Accelerate's yaml `deepspeed_config: {deepspeed_config_file: ...}`, read by the Accelerator itself."""
+    ds_json = write(tmp_path / "ds.json", DUMMY_JSON)
+    yaml_text = "use_cpu: true\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(write(tmp_path / "c.yaml", yaml_text)))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        accelerator = Accelerator()
+    messages = ds_warnings(record)
+    assert len(messages) == 1 and ignored_keys(messages[0]) == {"zero_optimization.overlap_comm"}  # read once
+    assert accelerator.config.parallelism.zero_stage == 2 and accelerator.config.deepspeed_json_path == str(ds_json)
+    assert_exposes_and_builds(accelerator, DUMMY_JSON)
+    # Accelerate's usage errors name the file the JSON came from
+    import torch
+
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match=f"in the code at the same time: {re.escape(str(ds_json))} has an 'optimizer'"):
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_launched_json_reaches_the_workers_and_launch_flags_still_win(tmp_path, monkeypatch):
+    """`accel launch --deepspeed_config_file ds.json --zero_stage 3`, with the worker's environment as the launcher
+    sets it: the JSON travels in ACCEL_LAUNCH_CONFIG (the file is not read again) and the flag beats its stage 2."""
+    monkeypatch.chdir(tmp_path)
+    ds_json = write(tmp_path / "ds.json", DUMMY_JSON)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        cfg = launch.resolve_launch_config(None, launch.flag_overrides(parse(
+            "--cpu", "--deepspeed_config_file", "ds.json", "--zero_stage", "3", "train.py")))
+    monkeypatch.setenv(LAUNCH_ENV, launch.worker_env(cfg)[LAUNCH_ENV])
+    ds_json.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepSpeedConfigWarning)  # reported by the launcher, not again per worker
+        accelerator = Accelerator()
+    assert accelerator.config.parallelism.zero_stage == 3  # the flag, over the JSON's stage 2
+    assert accelerator.config.deepspeed_json_path == "ds.json"
+    assert_exposes_and_builds(accelerator, DUMMY_JSON)
+    assert accelerator.config.parallelism.zero_stage == 3  # the plugin's own layer (stage 2) was not applied
+
+
+def test_a_later_layers_json_replaces_an_earlier_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "optimizer": {"type": "SGD"}}
+    write(tmp_path / "first.json", first)
+    write(tmp_path / "second.json", DUMMY_JSON)
+    cfg_file = write(tmp_path / "c.yaml", "deepspeed_config_file: first.json\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        from_file = resolve_config(cfg_file)
+        both = resolve_config(cfg_file, {"deepspeed_config_file": "second.json"})
+        flags_only = resolve_config(cfg_file, {"mixed_precision": "bf16"})
+    assert (from_file.deepspeed_json, from_file.deepspeed_json_path) == (first, str(tmp_path / "first.json"))
+    assert (both.deepspeed_json, both.deepspeed_json_path) == (DUMMY_JSON, "second.json")  # replaced, not merged
+    assert (both.parallelism.zero_stage, both.parallelism.gradient_clipping) == (2, 0.5)  # typed keys: key by key
+    assert flags_only.deepspeed_json == first  # a layer without a JSON keeps the earlier one
+    assert resolve_config().deepspeed_json is None  # no JSON anywhere
+
+
+def test_plugin_arguments_win_over_the_carried_json(tmp_path, monkeypatch):
+    write(tmp_path / "ds.json", DUMMY_JSON)
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(write(tmp_path / "c.yaml", "use_cpu: true\n"
+                                                                          "deepspeed_config_file: ds.json\n")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+        own = DeepSpeedPlugin(zero_stage=1)
+        assert Accelerator(deepspeed_plugin=own).deepspeed_plugin is own
+        assert Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()).deepspeed_plugin is None
+    monkeypatch.delenv("ACCEL_CONFIG_FILE")
+    assert Accelerator(cpu=True).deepspeed_plugin is None  # no JSON: no plugin, as before
+
+
+def test_carried_json_is_no_config_file_key_and_round_trips(tmp_path):
+    cfg = AccelConfig(deepspeed_json=DUMMY_JSON, deepspeed_json_path="ds.json")
+    assert AccelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # what the workers decode
+    assert "deepspeed_json" not in AccelConfig().to_dict()  # unset: the dict (and saved files) as before
+    assert "deepspeed_json" not in cfg.to_yaml()  # a config file names the JSON (deepspeed_config_file) instead
+    with pytest.raises(ConfigError, match="unknown key 'deepspeed_json'"):
+        resolve_config(write(tmp_path / "c.yaml", "deepspeed_json: {}\n"))
+    with pytest.raises(ConfigError) as info:
+        AccelConfig.from_dict({"deepspeed_json": [1]}, "$ACCEL_LAUNCH_CONFIG")
+    assert str(info.value) == ("$ACCEL_LAUNCH_CONFIG: key 'deepspeed_json': bad value of type list; allowed: a "
+                               "DeepSpeed JSON object (or null)")

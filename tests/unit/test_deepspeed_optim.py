@@ -400,8 +400,9 @@ def test_json_sections_are_kept_only_where_they_reach_prepare():
         deepspeed_json_layer(DS_CONFIG, "ds.json", builds_optimizer=True)
     with pytest.raises(ConfigError, match="ds.json: key 'optimizer': expected a JSON object"):
         deepspeed_json_layer({"optimizer": "AdamW"}, "ds.json", builds_optimizer=True)
-    with pytest.warns(DeepSpeedConfigWarning, match="ignored: optimizer, scheduler; .*only from DeepSpeedPlugin"):
-        deepspeed_json_layer(DS_CONFIG, "ds.json")  # a config file's JSON: not carried to prepare() (yet)
+    with pytest.warns(DeepSpeedConfigWarning, match="ignored: optimizer, scheduler; .*only from a JSON that "
+                                                    "reaches prepare"):
+        deepspeed_json_layer(DS_CONFIG, "ds.json")  # a JSON that is not carried to prepare()
 
 
 def test_schedulers_are_usable_directly():

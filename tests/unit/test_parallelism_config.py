@@ -126,6 +126,102 @@ def test_config_file_takes_the_same_keys_and_rules(tmp_path):
         assert str(info.value).startswith(str(tmp_path / "cfg.yaml")) and needle in str(info.value), str(info.value)
 
 
+# What `accelerate config` writes for FSDP2 with "use the parallelism config" (accelerate/commands/config/cluster.py)
+ACCELERATE_FSDP2_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: {reshard}
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 4
+parallelism_config:
+{section}rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+"""
+
+
+def accelerate_yaml(tmp_path, sizes: dict, reshard: str = "true", **extra) -> str:
+    section = "".join(f"  parallelism_config_{key}: {value}\n" for key, value in {**sizes, **extra}.items())
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_FSDP2_YAML.format(reshard=reshard, section=section))
+    return str(path)
+
+
+def test_accelerates_parallelism_config_section_maps_every_size(tmp_path):
+    hsdp = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1,
+                                                     "cp_size": 1}))
+    par = hsdp.parallelism
+    assert (par.zero_stage, par.dp_replicate_size, par.dp_shard_size, par.tp_size, par.cp_size) == (3, 2, 2, 1, 1)
+    topo = Topology.for_config(4, par)
+    assert (topo.dp_replicate_size, topo.dp_shard_size, topo.accelerate_names) == (2, 2, True)  # HSDP
+    assert data_parallel_kind(par, topo) == "fsdp" and par.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    # the same as accel's own keys
+    same = tmp_path / "accel.yaml"
+    same.write_text("use_cpu: true\nnum_processes: 4\nparallelism:\n  dp_replicate_size: 2\n  dp_shard_size: 2\n")
+    assert resolve_config(same).parallelism == par
+    # reshard_after_forward false: HSDP keeping the parameters between forward and backward (zero_stage 2)
+    zero2 = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2}, reshard="false"))
+    assert (zero2.parallelism.zero_stage, zero2.parallelism.dp_replicate_size) == (2, 2)
+    # FSDP x TP, and a launch flag over the file
+    fsdp_tp = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2}))
+    assert data_parallel_sizes(fsdp_tp.parallelism, 4) == (1, 2) and fsdp_tp.parallelism.tp_size == 2
+    flagged = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2}),
+                             {"parallelism": {"zero_stage": 2}})
+    assert (flagged.parallelism.zero_stage, flagged.parallelism.dp_shard_size) == (2, 2)
+    # every size 1 (`accelerate config`'s defaults) describes no layout: accel's fields decide (FSDP over all 4)
+    ones = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1,
+                                                     "cp_size": 1}))
+    assert (ones.parallelism.dp_replicate_size, ones.parallelism.dp_shard_size) == (None, None)
+    assert data_parallel_sizes(ones.parallelism, 4) == (1, 4)
+    # the context/sequence-parallel options are accepted (unused while their sizes are 1)
+    options = resolve_config(accelerate_yaml(tmp_path, {"dp_shard_size": 4}, cp_backend="torch",
+                                             cp_comm_strategy="allgather", sp_backend="deepspeed", sp_size=1,
+                                             sp_seq_length="null", sp_seq_length_is_variable="true",
+                                             sp_attn_implementation="sdpa"))
+    assert (options.parallelism.dp_shard_size, options.parallelism.cp_backend, options.parallelism.sp_backend) == (
+        4, "torch", "deepspeed")
+
+
+@pytest.mark.parametrize("sizes,needle", [
+    ({"dp_shard_size": 2, "cp_size": 2}, "key 'parallelism_config.parallelism_config_cp_size': 2: context "
+                                         "parallelism is not available yet in accel; allowed: 1"),
+    ({"dp_shard_size": 2, "sp_size": 2}, "key 'parallelism_config.parallelism_config_sp_size': 2: sequence "
+                                         "parallelism is not available yet in accel; allowed: 1"),
+    ({"dp_shard_size": 0}, "key 'parallelism_config.parallelism_config_dp_shard_size': bad value 0; allowed: an "
+                           "integer >= 1"),
+    ({"dp_replicate_size": "two"}, "key 'parallelism_config.parallelism_config_dp_replicate_size': bad value 'two'"),
+    ({"cp_backend": "ring"}, "key 'parallelism_config.parallelism_config_cp_backend': bad value 'ring'; allowed: "
+                             "one of torch"),
+    ({"dp_shard_sizes": 2}, "unknown key 'parallelism_config.parallelism_config_dp_shard_sizes'; did you mean "
+                            "'parallelism_config_dp_shard_size'?"),
+    ({"dp_replicate_size": 4, "dp_shard_size": 2}, "dp_replicate_size=4 x dp_shard_size=2 x tp_size=1 x pp_size=1 "
+                                                   "= 8, but 4 processes run"),
+    ({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, "= 8, but 4 processes run"),
+])
+def test_accelerates_parallelism_config_section_refusals_name_the_file_and_key(tmp_path, sizes, needle):
+    path = accelerate_yaml(tmp_path, sizes)
+    with pytest.raises(ConfigError) as info:
+        resolve_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and needle in message and "\n" not in message, message
+
+
 def test_topology_coordinates_and_data_parallel_kind():
     """Row-major (pp, dp_replicate, dp_shard, tp); dp = replica x shards + shard, the flattened group's rank."""
     hsdp_tp = Topology.for_config(8, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2))

@@ -1,5 +1,7 @@
 """Worker for tests/multiproc/test_deepspeed_dummy.py: Accelerate's DeepSpeed-config loop, with DummyOptim and
-DummyScheduler standing for the JSON's `optimizer` / `scheduler` sections (built by accel at prepare()).
+DummyScheduler standing for the JSON's `optimizer` / `scheduler` sections (built by accel at prepare()). The JSON
+comes from `--ds_config` (DeepSpeedPlugin(hf_ds_config=...)) or, without it, from `accel launch
+--deepspeed_config_file` (Accelerate's automatic plugin: `Accelerator()`).
 
 Writes OUT/weights.safetensors (full, gathered) and OUT/record.json (each rank's lrs, the built classes, the stage).
 """
@@ -46,11 +48,12 @@ def make_problem():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ds_config", required=True, help="the DeepSpeed JSON")
+    parser.add_argument("--ds_config", default=None, help="the DeepSpeed JSON (default: the one accel launch names)")
     args = parser.parse_args()
     out = Path(args.out)
 
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.ds_config))
+    plugin = DeepSpeedPlugin(hf_ds_config=args.ds_config) if args.ds_config else None
+    accelerator = Accelerator(deepspeed_plugin=plugin)
     x, y, model = make_problem()
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     total_num_steps = EPOCHS * len(loader)  # written for the whole dataset, as in Accelerate's examples
@@ -76,6 +79,7 @@ def main() -> None:
         "scheduler": type(scheduler.scheduler).__name__,
         "zero_stage": accelerator.config.parallelism.zero_stage,
         "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+        "json_sections": sorted(accelerator.state.deepspeed_plugin.deepspeed_config),  # what HF Trainer reads
     }
     weights = accelerator.get_state_dict(model)
     records = accelerator.gather_for_metrics([record], use_gather_object=True)
