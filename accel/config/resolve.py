@@ -165,18 +165,10 @@ def build_config(layers: list[dict], source: str = "config") -> AccelConfig:
 
 def read_config_file(path: str | os.PathLike) -> dict:
     """Read and validate one YAML (or JSON) config file into a layer."""
-    import yaml
+    from accel.config.yaml_file import load_yaml_file  # yaml is imported only where files are read
 
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    layer = parse_layer(raw, str(path), base_dir=path.parent)
+    layer = parse_layer(load_yaml_file(path), str(path), base_dir=path.parent)
     if path.resolve() == PACKAGED_DEFAULT.resolve():
         # Its `zero_stage: 0` shows the default; as a layer it would be a request, contradicting a user's
         # dp_shard_size (which, with zero_stage left out, means 3). Left out, zero_stage is derived.
