@@ -9,6 +9,10 @@ import importlib
 
 __version__ = "0.1.0"
 
+from accel.rank_warnings import warn_once_per_job  # noqa: E402
+
+warn_once_per_job()  # ranks other than 0 leave the warnings every rank repeats to rank 0
+
 _LAZY = {
     "Accelerator": "accel.accelerator",
     "PartialState": "accel.state",

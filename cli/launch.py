@@ -50,7 +50,7 @@ import os
 import socket
 import sys
 
-from accel.cli import checks
+from accel.cli import checks, multinode, output
 from accel.cli._common import UsageError, add_flag
 from accel.config import (
     LAUNCH_ENV,
@@ -141,6 +141,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                   "submodules) gives accel")
     add_flag(parser, "dry_run", action="store_true", default=False,
              help="print the resolved config (with where each value came from) and the exact command, start nothing")
+    multinode.add_flags(parser)
+    output.add_flags(parser)
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a Python module name, as `python -m` does")
     parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
@@ -171,6 +173,7 @@ def flag_overrides(args: argparse.Namespace) -> dict:
     if getattr(args, "multi_gpu", None):
         raw["use_cpu"] = False
         raw["distributed_type"] = "MULTI_GPU"
+    raw.update(multinode.slurm_overrides(os.environ, raw))  # under `srun`: SLURM's node rank/count/main (flags win)
     return raw
 
 
@@ -292,7 +295,11 @@ def run_command(args: argparse.Namespace) -> int:
     checks.check_flag_conflicts(args)
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
     script_argv = _script_argv(args)
+    if args.hostfile:
+        return multinode.run_on_hosts(args, script_argv, lambda more: checks.resolve_checked(
+            args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE))
     # every config rule (shared with accel env and accel config), before starting any process
     cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE)
     if args.accelerate_shim:
@@ -303,7 +310,7 @@ def run_command(args: argparse.Namespace) -> int:
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs
 
-    if cfg.num_processes == 1 and cfg.num_machines == 1:
+    if cfg.num_processes == 1 and cfg.num_machines == 1 and not output.needs_agent(args):
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
         if args.dry_run:
@@ -316,9 +323,10 @@ def run_command(args: argparse.Namespace) -> int:
         hint = " or leave it unset" if cfg.num_machines == 1 else ""
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
                          f"machine (or cannot be bound); pick another port{hint}")
-    torchrun_argv = build_torchrun_args(cfg, script_argv, args.max_restarts, port)
+    torchrun_argv = output.torchrun_flags(args) + build_torchrun_args(cfg, script_argv, args.max_restarts, port)
     if args.dry_run:
         return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
+    output.set_worker_threads(nproc_per_node(cfg), on_cpu=cfg.distributed_type == "MULTI_CPU")
     return _run_torchrun(cfg, torchrun_argv)
 
 
@@ -346,12 +354,11 @@ def _exit_code(code: int | None) -> int:
 
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
     os.environ.update(worker_env(cfg))
-    from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun.main(torchrun_argv)
+        output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
         first_rank, first = exc.get_first_failure()
