@@ -60,11 +60,25 @@ class GradScalerKwargs(KwargsHandler):
 
 @dataclass
 class InitProcessGroupKwargs(KwargsHandler):
-    """Options of `torch.distributed.init_process_group`."""
+    """Options of `torch.distributed.init_process_group`. `timeout` (a timedelta, or seconds) is how long a collective
+    may wait for every process; it wins over the config's `collective_timeout` (None: that one)."""
 
     backend: str | None = None
     init_method: str | None = None
     timeout: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        self.timeout = as_timeout(self.timeout, "InitProcessGroupKwargs: argument 'timeout'")
+
+
+def as_timeout(value: Any, where: str) -> timedelta | None:
+    """`value` (a timedelta or a number of seconds, > 0) as a timedelta; None stays None; ValueError otherwise."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
+        raise ValueError(f"{where}: bad value {value!r}; allowed: a datetime.timedelta or a number of seconds > 0")
+    return value if isinstance(value, timedelta) else timedelta(seconds=value)
 
 
 @dataclass

@@ -17,6 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from accel.diagnostics import install_worker_hooks
+from accel.kwargs import as_timeout
+
 
 class DistributedType(str, enum.Enum):
     """What kind of run this is (Accelerate's enum; compare with `==` or against its string values)."""
@@ -94,18 +97,21 @@ class PartialState:
         self._owns_group = owned and dist.is_initialized()
         if self.num_processes > 1:
             if not dist.is_initialized():
-                kwargs: dict[str, Any] = {"backend": self.backend}
+                timeout = _collective_timeout(timeout)
+                install_worker_hooks(self.process_index, timeout.total_seconds())  # a hang names the stuck rank
+                kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timeout}
                 if init_method:
                     kwargs["init_method"] = init_method
-                if timeout is not None:
-                    kwargs["timeout"] = timeout
                 if self.device.type == "cuda":
                     kwargs["device_id"] = self.device  # eager NCCL init bound to our GPU
+                _use_for_later_groups(timeout)
                 dist.init_process_group(**kwargs)
                 self._owns_group = True
             elif dist.get_world_size() != self.num_processes:
                 raise RuntimeError(f"a process group of size {dist.get_world_size()} already exists but WORLD_SIZE="
                                    f"{self.num_processes}")
+            else:
+                install_worker_hooks(self.process_index)
         atexit.register(self.destroy)
         self._initialized = True
 
@@ -314,6 +320,25 @@ class PartialState:
 
 
 AcceleratorState = PartialState
+
+
+def _collective_timeout(timeout: Any) -> timedelta:
+    """How long a collective may wait: `timeout` from code (PartialState(timeout=), InitProcessGroupKwargs) wins over
+    the config's `collective_timeout` (the launched config, else the config files)."""
+    if timeout is not None:
+        return as_timeout(timeout, "PartialState: argument 'timeout'")
+    from accel.config import worker_config
+
+    return timedelta(seconds=worker_config().collective_timeout)
+
+
+def _use_for_later_groups(timeout: timedelta) -> None:
+    """Groups made after the default one (DeviceMesh's TP/ZeRO dimensions, new_group) get torch's default timeout (30
+    minutes on gloo, 10 on NCCL), not the default group's; torch reads that default from these two names."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def __getattr__(name: str):

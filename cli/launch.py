@@ -52,6 +52,7 @@ import sys
 
 from accel.cli import checks, multinode, output
 from accel.cli._common import UsageError, add_flag
+from accel.cli.hang_report import HangWatch
 from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
@@ -87,6 +88,7 @@ _FLAG_KEYS = {
     "dynamo_use_dynamic": "dynamo_use_dynamic",
     "dynamo_use_regional_compilation": "dynamo_use_regional_compilation",
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
+    "collective_timeout": "collective_timeout",
 }
 CONFIG_FLAGS = tuple(_FLAG_KEYS)  # the flags that feed the config (`accel env` takes them too)
 
@@ -117,6 +119,9 @@ def register(subparsers) -> argparse.ArgumentParser:
              help="rendezvous port (one machine: a free port when not given; several: 29500)")
     add_flag(dist, "rdzv_backend", metavar="{static,c10d}", default=None)
     add_flag(dist, "max_restarts", type=int, metavar="N", default=0, help="restarts of the worker group on failure")
+    add_flag(dist, "collective_timeout", type=_seconds, metavar="SECONDS", default=None,
+             help="how long a collective may wait for every process; then the job stops and names the processes "
+                  "that never came (default 600)")
     train = parser.add_argument_group("training")
     add_flag(train, "gradient_accumulation_steps", type=int, metavar="N", default=None)
     add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
@@ -346,6 +351,16 @@ def _exec_single(cfg: AccelConfig, script_argv: list[str]) -> int:
     return 1  # not reached
 
 
+def _seconds(text: str) -> float | int:
+    """A flag's number of seconds (a whole one stays an int, so an error shows it as typed); the range is the
+    config's rule, checked with the other keys."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}; allowed: a number of seconds >= 1") from None
+    return int(value) if value.is_integer() else value
+
+
 def _exit_code(code: int | None) -> int:
     if code is None or code == 0:
         return 1
@@ -354,13 +369,21 @@ def _exit_code(code: int | None) -> int:
 
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
     os.environ.update(worker_env(cfg))
+    watch = HangWatch(cfg.collective_timeout)  # a collective that times out is reported by its stuck rank
+    os.environ.update(watch.worker_env())
+    hang = None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
+        with watch.around_agent():
+            output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
+        hang = watch.report(exc.failures)
+        if hang is not None:  # printed last: which rank never came, what the others waited in, every stack
+            sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
+            return _exit_code(exc.failures[hang.first_rank].exitcode)
         first_rank, first = exc.get_first_failure()
         for rank, failure in sorted(exc.failures.items()):
             how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
@@ -382,4 +405,6 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
         message = " ".join(str(exc).split()) or "(no message)"
         sys.stderr.write(f"accel launch: error: torchrun failed: {type(exc).__name__}: {message}\n")
         return 1
+    finally:
+        watch.cleanup(keep=hang is not None)
     return 0

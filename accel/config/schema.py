@@ -40,6 +40,11 @@ DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nv
                    "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm",
                    "hpu_backend")
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Seconds a collective may wait for the slowest process before the job stops and names the stuck one. 600 is torch's own
+# NCCL default (every GPU job lives with it already) and a third of its gloo default: room for a process that is late on
+# purpose (saving a checkpoint, compiling, evaluating on the main process) while a hung CPU job is named after 10
+# minutes, not 30. Longer deliberate waits (a dataset prepared under main_process_first) need a larger value.
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
 
 
 @dataclass
@@ -276,6 +281,9 @@ class AccelConfig:
     dynamo_use_dynamic: bool | None = _spec(None, bool, optional=True, help="null: torch.compile decides")
     dynamo_use_regional_compilation: bool = _spec(False, bool,
                                                   help="compile each repeated block instead of the whole model")
+    collective_timeout: float = _spec(
+        DEFAULT_COLLECTIVE_TIMEOUT, float, lo=1,
+        help="seconds a collective may wait for every process; then the job stops and names the ones that never came")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and
     # the path it was read from) so every worker's Accelerator exposes it as Accelerate's automatic DeepSpeedPlugin

@@ -1,0 +1,352 @@
+"""`accel launch`'s hang report: when a collective times out, name the ranks that never reached it.
+
+Without it, the rank that waited is the one that fails (after the process group's timeout) and the stuck rank is
+merely stopped, so torchrun names the healthy rank as the first failure. `HangWatch` runs around torchrun's agent:
+
+1. Before the agent starts the workers, `worker_env()` gives them the run folder (`ACCEL_DIAGNOSTICS_DIR`, where
+   `accel.diagnostics` writes each rank's failed-collective record and its stack on demand) and NCCL's settings:
+   dump the flight recorder of a rank whose collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`) into that folder.
+2. When the agent is about to stop the workers after a failure (the one hook: torchrun's
+   `SubprocessContext._close`), and the failure was a collective's, the workers still running are asked for
+   their Python stacks (SIGUSR1, answered by faulthandler), then stopped as usual.
+3. After torchrun's `ChildFailedError`, `report()` sorts the ranks: waiting (a record, a flight recorder entry
+   still pending, or a stack blocked in torch.distributed) and stuck (still running elsewhere), and returns the
+   lines printed last, the stuck rank named as the first failure.
+
+Each machine's launcher reports its own ranks only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import linecache
+import os
+import shutil
+import signal
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accel import diagnostics as diag
+from accel.diagnostics import Frame
+
+ROLE_ORDER = ("stuck", "failed", "waiting")  # the report's order, its first failure first
+STACK_WAIT_S = 2.0  # how long a worker gets to write its stack after SIGUSR1 (faulthandler takes milliseconds)
+FLIGHT_RECORDER_FILE_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch's new and old name
+_PATHS = sysconfig.get_paths()
+# where library code lives (the stdlib, installed packages, accel itself): stacks show the script's frames in full
+_LIBRARY_DIRS = tuple({str(Path(p)) + os.sep for p in (_PATHS["stdlib"], _PATHS["purelib"], _PATHS["platlib"],
+                                                        Path(diag.__file__).parent, Path(__file__).parent)})
+
+
+@dataclass
+class RankOutcome:
+    """One failed rank as the report tells it."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    role: str  # "stuck", "waiting" or "failed"
+    op: str = ""
+    detail: str = ""
+    frames: list[Frame] = field(default_factory=list)
+
+
+@dataclass
+class HangReport:
+    lines: list[str]
+    first_rank: int
+
+
+class HangWatch:
+    """The run folder of one `accel launch`, the hook around torchrun's agent, and the report."""
+
+    def __init__(self, collective_timeout: float) -> None:
+        self.timeout_s = collective_timeout
+        self.run_dir = Path(tempfile.mkdtemp(prefix="accel-run-"))
+        self.folder: Path | None = None  # the attempt whose running workers were asked for their stacks
+        self.stopped: dict[int, int | None] = {}  # rank -> where its new stack starts in its file (None: no file)
+
+    # -- before and while the workers run ---------------------------------------------------------------------
+    def worker_env(self) -> dict[str, str]:
+        """The variables for the workers; torch's are left as the user set them."""
+        env = {diag.DIR_ENV: str(self.run_dir)}
+        if not any(name in os.environ for name in FLIGHT_RECORDER_FILE_ENVS):
+            prefix = diag.flight_recorder_path(self.run_dir, "")
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            env.update(dict.fromkeys(FLIGHT_RECORDER_FILE_ENVS, str(prefix)))
+        if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ:
+            env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        return env
+
+    @contextlib.contextmanager
+    def around_agent(self):
+        """Ask for the stacks whenever torchrun's agent stops its workers, for as long as the block runs."""
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+        original = SubprocessContext._close
+
+        def close(pcontext, death_sig, timeout: int = 30):
+            try:
+                self.before_stop(pcontext)
+            except Exception as exc:  # the stop itself must happen whatever goes wrong here
+                sys.stderr.write(f"accel launch: warning: could not collect the workers' stacks: {exc}\n")
+            return original(pcontext, death_sig, timeout)
+
+        SubprocessContext._close = close
+        try:
+            yield self
+        finally:
+            SubprocessContext._close = original
+
+    def before_stop(self, pcontext) -> None:
+        """After a failed collective, ask the workers still running for their stacks (the agent stops them next)."""
+        ranks = {local: int(env["RANK"]) for local, env in pcontext.envs.items()}
+        folder = diag.attempt_folder(self.run_dir, pcontext.envs[0].get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if not any(self._timed_out(folder, rank) for rank in ranks.values()):
+            return
+        running = {ranks[local]: handler.proc for local, handler in pcontext.subprocess_handlers.items()
+                   if handler.proc.poll() is None}
+        if running:  # the agent closes again once they are stopped: keep what the first close found
+            self.folder = folder
+            self.stopped = ask_for_stacks(folder, running)
+
+    def _timed_out(self, folder: Path, rank: int) -> bool:
+        """A collective of `rank` timed out (a peer that died makes the others' collectives fail too, but sooner and
+        with another error: that is the dead peer's failure, reported as usual)."""
+        record = read_record(folder, rank)
+        if record is not None:
+            return record.get("kind") == "timeout"
+        return diag.pending_collective(read_flight_recorder(self.run_dir, rank)) is not None
+
+    # -- after the agent returned -----------------------------------------------------------------------------
+    def report(self, failures: dict) -> HangReport | None:
+        """The report for torchrun's failures (global rank -> ProcessFailure), or None when no collective failed."""
+        folder = self.folder or self._last_attempt()
+        if folder is None:
+            return None
+        outcomes = [self._outcome(folder, rank, failure) for rank, failure in sorted(failures.items())]
+        if not any(self._timed_out(folder, o.rank) for o in outcomes):
+            return None
+        return HangReport(report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps()),
+                          first_rank=first_failure(outcomes).rank)
+
+    def cleanup(self, keep: bool) -> None:
+        """Remove the run folder unless a report points to it."""
+        if not keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _last_attempt(self) -> Path | None:
+        attempts = sorted(self.run_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+        return attempts[-1] if attempts else None
+
+    def _dumps(self) -> Path | None:
+        folder = self.run_dir / diag.FLIGHT_RECORDER_DIR
+        return folder if folder.is_dir() and any(folder.iterdir()) else None
+
+    def _timeout(self, folder: Path, outcomes: list[RankOutcome]) -> float:
+        """The timeout the workers ran with (InitProcessGroupKwargs may have changed it), else the configured one."""
+        for outcome in outcomes:
+            record = read_record(folder, outcome.rank)
+            if record and record.get("timeout_s"):
+                return float(record["timeout_s"])
+        return self.timeout_s
+
+    def _outcome(self, folder: Path, rank: int, failure) -> RankOutcome:
+        """What a failed rank was doing: its record (it raised), its flight recorder (NCCL's watchdog aborted it after
+        a dump), or the stack it dumped when asked (it was still running: stuck, or waiting with time left)."""
+        outcome = RankOutcome(rank, failure.local_rank, failure.pid, failure.exitcode, "failed")
+        record = read_record(folder, rank)
+        pending = diag.pending_collective(read_flight_recorder(self.run_dir, rank))
+        if record:
+            outcome.role, outcome.op = "waiting", record["op"] + (" in backward" if record.get("in_backward") else "")
+            outcome.detail = "timed out" if record["kind"] == "timeout" else f"failed ({record['message'][:160]})"
+            outcome.frames = [Frame(*frame) for frame in record["frames"]]
+        elif pending is not None:
+            outcome.role, outcome.op, outcome.detail = "waiting", diag.collective_name([], pending), "timed out"
+            outcome.frames = [Frame(f["filename"], f["line"], f["name"]) for f in reversed(pending.get("frames", []))]
+        elif rank in self.stopped:
+            self._from_stack(outcome, folder, self.stopped[rank])
+        return outcome
+
+    @staticmethod
+    def _from_stack(outcome: RankOutcome, folder: Path, offset: int | None) -> None:
+        outcome.frames = diag.main_thread_stack(read_from(diag.stack_path(folder, outcome.rank), offset))
+        if diag.in_collective(outcome.frames):  # in the collective too, with time left on its own timeout
+            in_c10d = diag.collective_name(outcome.frames)
+            outcome.role, outcome.detail = "waiting", "was still waiting"
+            outcome.op = in_c10d if in_c10d != "a collective" else "backward"
+        elif offset is None:
+            outcome.role, outcome.detail = "stuck", ("no stack: it had not reached accel's PartialState, or the script "
+                                                     "handles SIGUSR1 itself")
+        else:
+            outcome.role = "stuck"
+            outcome.detail = "" if outcome.frames else "no stack: it did not answer SIGUSR1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading the run folder
+# ---------------------------------------------------------------------------------------------------------
+
+def ask_for_stacks(folder: Path, running: dict[int, object]) -> dict[int, int | None]:
+    """Send SIGUSR1 to the running workers that registered for it and wait (briefly) for their dumps.
+
+    Returns rank -> the size of its stack file before the dump (where the dump starts), None for a worker that never
+    registered (it is not signalled: SIGUSR1 would kill it)."""
+    offsets: dict[int, int | None] = {}
+    for rank, proc in running.items():
+        path = diag.stack_path(folder, rank)
+        offsets[rank] = path.stat().st_size if path.exists() else None
+        if offsets[rank] is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, diag.STACK_SIGNAL)
+    deadline = time.monotonic() + STACK_WAIT_S
+
+    def waiting_for_dump() -> bool:
+        return any(offset is not None and running[rank].poll() is None
+                   and diag.stack_path(folder, rank).stat().st_size <= offset for rank, offset in offsets.items())
+
+    while time.monotonic() < deadline and waiting_for_dump():
+        time.sleep(0.05)
+    time.sleep(0.05)  # the last lines of a dump being written
+    return offsets
+
+
+def read_record(folder: Path, rank: int) -> dict | None:
+    try:
+        return json.loads(diag.record_path(folder, rank).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_flight_recorder(run_dir: Path, rank: int) -> list[dict]:
+    try:
+        return list(diag.load_flight_recorder(diag.flight_recorder_path(run_dir, rank).read_bytes()).get("entries", []))
+    except Exception:  # absent, partial or from another torch: the other evidence decides
+        return []
+
+
+def read_from(path: Path, offset: int | None) -> str:
+    if offset is None:
+        return ""
+    try:
+        with open(path, errors="replace") as fh:
+            fh.seek(offset)
+            return fh.read()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------------------
+
+def first_failure(outcomes: list[RankOutcome]) -> RankOutcome:
+    """The stuck rank when there is one (the waiting ones only failed because of it), else one that failed on its
+    own, else the first waiting."""
+    for role in ROLE_ORDER:
+        for outcome in outcomes:
+            if outcome.role == role:
+                return outcome
+    return outcomes[0]
+
+
+def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, dumps: Path | None) -> list[str]:
+    stuck, failed, waiting = ([o for o in outcomes if o.role == role] for role in ROLE_ORDER)
+    first = first_failure(outcomes)
+    lines = [headline(stuck, failed, waiting, timeout_s)]
+    for outcome in sorted(outcomes, key=lambda o: ROLE_ORDER.index(o.role)):
+        lines.append(rank_line(outcome, outcome is first))
+        lines += stack_lines(outcome.frames)
+    where = f"every thread's stack: {folder}" + (f"; NCCL flight recorder dumps: {dumps} (read them with "
+                                                  f"`torchfrtrace {dumps}`)" if dumps else "")
+    lines.append(f"accel launch: {where}")
+    busy = names(stuck) if stuck else "a rank"
+    lines.append(f"accel launch: if {busy} was busy on purpose (e.g. preparing data under main_process_first), raise "
+                 "collective_timeout (config key, --collective_timeout SECONDS, or InitProcessGroupKwargs(timeout=))")
+    return lines
+
+
+def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float) -> str:
+    ops = sorted({o.op for o in waiting})
+    limit = f"collective_timeout={timeout_s:g}s"
+    if stuck:
+        return (f"accel launch: hang: {names(stuck)} never reached the collective that {names(waiting)} waited in "
+                f"({', '.join(ops)}) for {limit}; the job was stopped")
+    if failed:
+        return (f"accel launch: {names(failed)} failed while {names(waiting)} waited in {', '.join(ops)} for {limit}; "
+                "the job was stopped")
+    if len(ops) > 1:
+        each = "; ".join(f"rank {o.rank}: {o.op}" for o in waiting)
+        return (f"accel launch: hang: the ranks waited in different collectives ({each}) for {limit}: their code "
+                "took different paths (a collective called on some ranks only); the job was stopped")
+    return (f"accel launch: hang: {names(waiting)} waited in {ops[0] if ops else 'a collective'} for {limit} and every "
+            "rank of this machine was in it: the missing rank runs on another machine (see its output) or the network "
+            "failed; the job was stopped")
+
+
+def rank_line(outcome: RankOutcome, first: bool) -> str:
+    label = f"rank {outcome.rank} (local rank {outcome.local_rank}, pid {outcome.pid})"
+    ended = how_it_ended(outcome.exitcode) + (", first failure" if first else "")
+    if outcome.role == "stuck":
+        said = f"is stuck outside the collective ({ended})"
+    elif outcome.role == "waiting":
+        said = f"waited in {outcome.op} and {outcome.detail} ({ended})"
+    else:
+        said = f"failed ({ended})"
+    if outcome.role == "stuck" and outcome.detail:
+        return f"accel launch: {label} {said}; {outcome.detail}"
+    return f"accel launch: {label} {said}" + ("; its stack, most recent call last:" if outcome.frames else "")
+
+
+def how_it_ended(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"ended by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return f"ended by signal {-exitcode}"
+
+
+def names(outcomes: list[RankOutcome]) -> str:
+    ranks = [str(o.rank) for o in outcomes]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(ranks) if ranks else "no rank"
+
+
+def stack_lines(frames: list[Frame]) -> list[str]:
+    """Frames as a traceback, the script's frames in full and each run of library frames as its innermost one (where
+    it waits); library frames before the script's first one (runpy, the launcher) are left out."""
+    frames = list(frames)
+    while len(frames) > 1 and is_library(frames[0].filename) and not all(is_library(f.filename) for f in frames):
+        frames.pop(0)
+    lines = []
+    for library, run in itertools.groupby(frames, key=lambda f: is_library(f.filename)):
+        run = list(run)
+        hidden = len(run) - 1 if library else 0
+        for frame in run[-1:] if library else run:
+            more = f"  (+{hidden} library frame{'s' if hidden > 1 else ''})" if hidden else ""
+            lines.append(f'    File "{display_path(frame.filename)}", line {frame.lineno}, in {frame.name}{more}')
+            source = linecache.getline(frame.filename, frame.lineno).strip()
+            if source:
+                lines.append(f"      {source}")
+    return lines
+
+
+def is_library(filename: str) -> bool:
+    return filename.startswith("<") or str(Path(filename)).startswith(_LIBRARY_DIRS)
+
+
+def display_path(filename: str) -> str:
+    """Short but unambiguous: relative to the current folder, or from the package down for installed code."""
+    marker = "site-packages" + os.sep
+    if marker in filename:
+        return filename.split(marker, 1)[1]
+    with contextlib.suppress(ValueError):
+        return str(Path(filename).relative_to(Path.cwd()))
+    return filename
