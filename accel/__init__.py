@@ -6,8 +6,20 @@ The public names match Hugging Face Accelerate's. Attributes load lazily so `imp
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
+
+
+def _export_restart_count() -> None:
+    """Set ACCEL_RESTART_COUNT: which attempt this is under `accel launch --max_restarts N` (0 = the first), from
+    torchrun's TORCHELASTIC_RESTART_COUNT. Done on import, so a script can read it before making an Accelerator;
+    outside torchrun a value the user set is kept (to rehearse a restart), else 0."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("ACCEL_RESTART_COUNT") or "0"
+    os.environ["ACCEL_RESTART_COUNT"] = count
+
+
+_export_restart_count()
 
 from accel.rank_warnings import warn_once_per_job  # noqa: E402
 

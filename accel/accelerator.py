@@ -761,7 +761,9 @@ class Accelerator:
         return str(path)
 
     def load_state(self, input_dir: str | None = None, **_: Any) -> None:
-        """Restore what save_state wrote (RNG states last). With no path, the latest automatic checkpoint."""
+        """Restore what save_state wrote (RNG states last). With no path, the latest complete automatic checkpoint
+        (half-written ones are never complete); when there is none yet, a FileNotFoundError (`NoCheckpointError`),
+        so a script restarted by `accel launch --max_restarts N` catches it to start fresh on its first attempt."""
         from pathlib import Path
 
         from accel.checkpoint import layout

@@ -8,6 +8,7 @@ import contextlib
 import os
 from typing import Callable
 
+import accel
 from accel.config import LAUNCH_ENV, AccelConfig, encode_for_workers
 
 
@@ -68,6 +69,7 @@ def _in_fresh_state(function, *args):
     from accel.state import PartialState
 
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    accel._export_restart_count()  # this fork imported accel before the agent set TORCHELASTIC_RESTART_COUNT
 
     PartialState._shared_state.clear()
     PartialState._instance = PartialState._carried = None

@@ -80,6 +80,9 @@ class PartialState:
                  timeout: timedelta | None = None, **_: Any) -> None:
         if self._initialized:
             return
+        import accel
+
+        accel._export_restart_count()  # again: a worker forked by notebook_launcher imported accel before its restart
         self.num_processes = _env_int("WORLD_SIZE", 1)
         self.process_index = _env_int("RANK", 0)
         self.local_process_index = _env_int("LOCAL_RANK", 0)
@@ -102,6 +105,8 @@ class PartialState:
                 kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timeout}
                 if init_method:
                     kwargs["init_method"] = init_method
+                else:
+                    kwargs.update(_store_of_this_attempt(self.process_index, self.num_processes, timeout))
                 if self.device.type == "cuda":
                     kwargs["device_id"] = self.device  # eager NCCL init bound to our GPU
                 _use_for_later_groups(timeout)
@@ -162,6 +167,12 @@ class PartialState:
     @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
+
+    @property
+    def restart_count(self) -> int:
+        """How many times `accel launch --max_restarts N` restarted the worker group before this attempt (0 on the
+        first): ACCEL_RESTART_COUNT, from torchrun's TORCHELASTIC_RESTART_COUNT."""
+        return _env_int("ACCEL_RESTART_COUNT", 0)
 
     @property
     def is_main_process(self) -> bool:
@@ -320,6 +331,19 @@ class PartialState:
 
 
 AcceleratorState = PartialState
+
+
+def _store_of_this_attempt(rank: int, world_size: int, timeout: timedelta) -> dict[str, Any]:
+    """init_process_group's store once `--max_restarts` restarted the group: the elastic agent's, with the keys scoped
+    by the restart number (as torch 2.4 did). torch 2.13 keeps one agent store for the whole run and leaves the
+    keys unscoped, so a restarted group read the dead workers' addresses (gloo: 'connectFullMesh failed ...
+    Connection refused', or a hang; NCCL: a stale unique id; pytorch/pytorch#135712). Nothing on a first attempt."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0":
+        return {}
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size, is_master=False,
+                                timeout=timeout)
+    return {"store": dist.PrefixStore(f"accel/attempt_{restart}", agent_store), "rank": rank, "world_size": world_size}
 
 
 def _collective_timeout(timeout: Any) -> timedelta:

@@ -27,6 +27,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that is missing, incomplete or damaged; the message names the file."""
 
 
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint to resume from yet: `load_state()` on a first attempt. A FileNotFoundError, so
+    `except FileNotFoundError: start fresh` works here and with Accelerate (whose `load_state()` raises one when
+    the checkpoints folder does not exist)."""
+
+
 @dataclass
 class ProjectConfiguration:
     """Accelerate's `ProjectConfiguration`: where checkpoints go and how many are kept.
@@ -171,7 +177,8 @@ def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(folder: Path) -> Path:
     found = numbered_checkpoints(folder)
     if not found:
-        raise CheckpointError(f"{folder}: no complete checkpoint_<i> folder to load (each needs {MANIFEST})")
+        raise NoCheckpointError(f"{folder}: no complete checkpoint_<i> folder to load yet (each needs {MANIFEST}); "
+                                "to start fresh when there is none, catch FileNotFoundError")
     return found[-1][1]
 
 
