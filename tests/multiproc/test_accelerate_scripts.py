@@ -20,7 +20,10 @@ import measure  # noqa: E402
 
 from accel.cli.launch import port_in_use  # noqa: E402
 
-GAPS: dict = {}  # function -> why it fails on accel although Accelerate passes it on CPU (none left)
+GAPS = {  # function -> why it fails on accel (reached on accel only: Accelerate hangs before it on CPU)
+    "test_stateful_dataloader_save_state": "each process saves to its own temporary folder; an accel checkpoint is "
+                                           "one folder that every process shares (docs/accelerate_compat.md)",
+}
 ONE_PROCESS = {  # fails on one process on Accelerate too (and on accel, for the same reason)
     "create_accelerator": "test_distributed_data_loop on one process asserts two GPUs",
     "test_monitoring": "needs 2 processes; with 1 the function raises in-process, as on Accelerate",
