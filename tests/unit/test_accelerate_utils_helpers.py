@@ -687,6 +687,8 @@ def test_required_decorators():
 @pytest.mark.parametrize("kind", ["MULTI_CPU", "MULTI_GPU", "NO"])
 def test_prepare_for_launch_sets_accelerates_environment(monkeypatch, kind):
     seen = {}
+    for name in ("RANK", "LOCAL_RANK", "FORK_LAUNCHED"):
+        monkeypatch.setenv(name, "")  # recorded now, so the values PrepareForLaunch sets are undone after the test
     for module in (au, hf):
         for name in ("RANK", "LOCAL_RANK", "FORK_LAUNCHED"):
             monkeypatch.delenv(name, raising=False)
