@@ -13,9 +13,10 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 MANIFEST = "accel_checkpoint.json"
 FORMAT = "accel-checkpoint"
@@ -146,7 +147,12 @@ def publish(tmp: Path, target: Path) -> None:
     if target.exists():
         old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if old is not None:  # put the previous checkpoint back under its name
+            os.replace(old, target)
+        raise
     fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -202,18 +208,49 @@ def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {folder} is not a complete accel checkpoint (partial or foreign)")
+    regular_file(folder, MANIFEST, path)
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: damaged ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an accel checkpoint manifest")
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path}: written by a newer accel (format version {manifest['version']})")
-    for rel, size in manifest.get("files", {}).items():
-        file = folder / rel
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing from checkpoint {folder}")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"{file}: damaged (size {file.stat().st_size} bytes, expected {size})")
+    version = manifest.get("version", 0)
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{path}: written by a newer accel (format version {version!r})")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: damaged ('files' is {type(files).__name__}, expected a mapping)")
+    for rel, size in files.items():
+        file, actual = regular_file(folder, rel, path)
+        if type(size) is not int or actual != size:
+            raise CheckpointError(f"{file}: damaged (size {actual} bytes, expected {size!r})")
     return manifest
+
+
+def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:
+    """`folder/rel` and its size, for a manifest entry naming a regular file inside `folder` reached through real
+    folders: no absolute path, no '..', no symbolic link, no device or pipe, so loading never reads outside the
+    checkpoint (nor blocks on a FIFO). Nothing outside the folder is opened or stat'ed."""
+    parts = PurePosixPath(rel).parts if isinstance(rel, str) and rel and "\\" not in rel and "\0" not in rel else ()
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{manifest}: file entry {rel!r} is not inside the checkpoint; allowed: relative "
+                              "paths without '..'")
+    path = folder
+    for i, part in enumerate(parts):
+        path = path / part
+        try:
+            mode = os.lstat(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing from checkpoint {folder}") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+        if stat.S_ISLNK(mode.st_mode):
+            raise CheckpointError(f"{path}: a symbolic link; a checkpoint holds only regular files and folders "
+                                  "(load_state reads nothing outside it)")
+        wanted, kind = (stat.S_ISREG, "a regular file") if i == len(parts) - 1 else (stat.S_ISDIR, "a folder")
+        if not wanted(mode.st_mode):
+            raise CheckpointError(f"{path}: not {kind}; a checkpoint holds only regular files and folders")
+    return path, mode.st_size

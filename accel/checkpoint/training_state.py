@@ -16,6 +16,8 @@ No pickle anywhere: tensors are safetensors, everything else JSON.
 from __future__ import annotations
 
 import contextlib
+import copy
+import errno
 import json
 import math
 import os
@@ -150,24 +152,133 @@ def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
-def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects) -> Path:
-    """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint import save as dcp_save
+# -- agreeing on failures ----------------------------------------------------------------------------------
+
+def _first_failure(message: str | None, name_rank: bool = False) -> str | None:
+    """Every rank's outcome of a step (None: it worked) -> the first failure, the same on every rank; with
+    `name_rank`, '(rank r)' is added where the ranks did not all fail alike."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return message
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, message)
+    failures = [(rank, text) for rank, text in enumerate(everyone) if text]
+    if not failures:
+        return None
+    rank, text = failures[0]
+    alike = len(failures) == len(everyone) and len({t for _, t in failures}) == 1
+    return text if alike or not name_rank else f"{text} (rank {rank})"
+
+
+def _agreed(step, describe, clean_up=lambda: None, name_rank: bool = False):
+    """Run `step` on this rank, then agree with the others whether it worked everywhere: a failure anywhere
+    raises the same one-line CheckpointError on every rank (after `clean_up`), so no rank is left waiting in
+    the next collective. User code's own errors (a hook's, a custom object's) keep their traceback as cause."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    try:
+        result, error = step(), None
+    except (Exception, CheckpointException) as exc:
+        result, error = None, exc
+    failure = _first_failure(None if error is None else " ".join(describe(error).splitlines()), name_rank)
+    if failure:
+        clean_up()
+        one_line = isinstance(error, (OSError, CheckpointException, CheckpointError, tree.NotSerializable))
+        raise CheckpointError(failure) from (None if one_line else error)
+    return result
+
+
+def _root_cause(exc: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank and original error inside DCP's `CheckpointException` (which nests every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        failed_rank, inner = next(iter(failures.items()))
+        return _root_cause(inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner), failed_rank)
+    return rank, exc
+
+
+_SAVE_HINTS = {errno.ENOSPC: "free space on that disk or save elsewhere",
+               errno.EDQUOT: "free space within your quota or save elsewhere",
+               errno.EROFS: "save to a writable file system",
+               errno.EACCES: "make the folder writable for this user or save elsewhere",
+               errno.EPERM: "make the folder writable for this user or save elsewhere"}
+
+
+def _save_failure(target: Path, tmp: Path, rank: int, world: int, exc: BaseException) -> str:
+    """'<folder>: could not be saved[ on rank r]: <cause>[ (<file>)]; <what to do>; nothing was published ...'"""
+    failed_rank, cause = _root_cause(exc, rank)
+    if isinstance(cause, OSError) and cause.strerror:
+        text = cause.strerror + _where(cause.filename, tmp, target)
+    else:
+        text = first_cause(cause)
+    hint = _SAVE_HINTS.get(getattr(cause, "errno", None))
+    who = f" on rank {failed_rank}" if world > 1 else ""
+    return (f"{target}: could not be saved{who}: {text}" + (f"; {hint}" if hint else "")
+            + "; nothing was published (a checkpoint already there is unchanged)")
+
+
+def _where(filename, tmp: Path, target: Path) -> str:
+    """The file an OSError names, as the checkpoint's own path (the temporary folder's name means nothing)."""
+    if not filename:
+        return ""
+    path = Path(str(filename))
+    if path == tmp:
+        return f" (creating a folder in {target.parent})"
+    if tmp in path.parents:
+        return f" (writing {path.relative_to(tmp).as_posix()})"
+    return f" ({path})"
+
+
+def _load_failure(folder: Path, exc: BaseException) -> str:
+    cause = _root_cause(exc, 0)[1]
+    return str(cause) if isinstance(cause, CheckpointError) else f"{folder}: could not be loaded: {first_cause(cause)}"
+
+
+# -- save -------------------------------------------------------------------------------------------------
+
+def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects) -> Path:
+    """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this).
+
+    The ranks agree after each step whether it worked everywhere. A failure on any rank (full disk, read-only
+    or forbidden folder, a value that cannot be saved) removes the temporary folder and raises the same
+    one-line CheckpointError on every rank, without a hang; a checkpoint already at `output_dir` is unchanged."""
     rank, world = _rank_world()
     target = Path(output_dir).absolute()
-    tmp = None
-    if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        layout.remove_stale_temporaries(target.parent)
-        tmp = layout.temporary_sibling(target)
-        (tmp / "state").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    tmp = Path(_broadcast_from_main(str(tmp)))
+    tmp = Path(_broadcast_from_main(str(layout.temporary_sibling(target))))
 
-    weights, owners = _saved_weights(objects, tmp)
+    def run(step):
+        return _agreed(step, lambda exc: _save_failure(target, tmp, rank, world, exc),
+                       lambda: _remove_temporary(tmp, rank, world))
+
+    run(lambda: _make_temporary(target, tmp) if rank == 0 else None)
+    weights, owners = run(lambda: _saved_weights(objects, tmp))
+    tensors, meta = run(lambda: _split_state(objects, weights, owners))
+    if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
+        meta = run(lambda: _merged_over_stages(meta, world))
+    run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
+    run(lambda: _publish(tmp, target, meta, world, objects.step) if rank == 0 else None)
+    return target
+
+
+def _make_temporary(target: Path, tmp: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    layout.remove_stale_temporaries(target.parent)
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "rng").mkdir()
+
+
+def _remove_temporary(tmp: Path, rank: int, world: int) -> None:
+    """After a failed save: rank 0 removes the temporary folder, then every other rank what is left of it where
+    it sees another disk (a node-local path); the ranks wait for each other so none returns before."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if world > 1:
+        _barrier()
+        if rank != 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _split_state(objects: TrainingObjects, weights: list, owners: list) -> tuple[dict, dict]:
+    """This rank's tensors to write (tied ones once, contiguous) and the manifest's skeleton, aliases, layouts."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = tree.split(_collect(objects, weights), "", tensors)
     aliases = _dedupe_aliases(tensors)
@@ -175,30 +286,33 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         del tensors[key]
     tensors = {k: (t.contiguous() if type(t) is torch.Tensor else t) for k, t in tensors.items()}
     layouts = [objects.backend.checkpoint_layouts(m) if m is not None else {} for m in owners]
-    if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (skeleton, aliases, layouts))
-        skeleton = tree.merge([s for s, _, _ in everyone])
-        aliases = {k: v for _, a, _ in everyone for k, v in a.items()}
-        layouts = [{k: v for _, _, ls in everyone for k, v in ls[i].items()} for i in range(len(layouts))]
-    files = _file_buckets(tree.tensor_specs(skeleton))
+    return tensors, {"skeleton": skeleton, "aliases": aliases, "layouts": layouts}
+
+
+def _merged_over_stages(meta: dict, world: int) -> dict:
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, meta)
+    layouts = [{k: v for m in everyone for k, v in m["layouts"][i].items()} for i in range(len(meta["layouts"]))]
+    return {"skeleton": tree.merge([m["skeleton"] for m in everyone]),
+            "aliases": {k: v for m in everyone for k, v in m["aliases"].items()}, "layouts": layouts}
+
+
+def _write_tensors_and_rng(tensors: dict, meta: dict, tmp: Path, rank: int, world: int) -> None:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    files = _file_buckets(tree.tensor_specs(meta["skeleton"]))
     writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True)
-    try:
-        with _quiet_single_process():
-            dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
-    except (Exception, CheckpointException) as exc:  # one line naming the folder and the cause, not DCP's nest
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{target}: could not be saved: {first_cause(exc)}") from None
+    with _quiet_single_process():
+        dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
     _save_rng(tmp / "rng", rank)
-    _barrier()
-    if rank == 0:
-        layout.fsync_tree(tmp)
-        layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": aliases, "layouts": layouts,
-                                    "skeleton": skeleton})
-        layout.publish(tmp, target)
-    _barrier()
-    return target
+
+
+def _publish(tmp: Path, target: Path, meta: dict, world: int, step: int) -> None:
+    layout.fsync_tree(tmp)
+    layout.write_manifest(tmp, {"world_size": world, "step": step, "aliases": meta["aliases"],
+                                "layouts": meta["layouts"], "skeleton": meta["skeleton"]})
+    layout.publish(tmp, target)
 
 
 def _saved_weights(objects: TrainingObjects, folder: Path) -> tuple[list, list]:
@@ -214,20 +328,64 @@ def _saved_weights(objects: TrainingObjects, folder: Path) -> tuple[list, list]:
     return weights, [models[i] if i < len(models) else None for i in owners]
 
 
-def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) -> dict:
-    """Restore `objects` from a checkpoint in place; RNG states last. Returns the manifest."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.api import CheckpointException
+# -- load -------------------------------------------------------------------------------------------------
 
+STAGING_BYTES = 2**30  # a rank's model + optimizer tensors up to this size are read into fresh tensors first
+
+
+@dataclass
+class _LoadPlan:
+    """Everything read and checked before any live object changes."""
+
+    manifest: dict
+    specs: dict
+    aliases: dict
+    rng: dict | None
+    models: list
+    targets: dict = field(default_factory=dict)
+    in_place: bool = False
+
+
+def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) -> dict:
+    """Restore `objects` from a checkpoint; RNG states last. Returns the manifest.
+
+    Nothing live changes until everything is checked: the files (regular files inside the folder only), the
+    manifest (dtypes, shapes against the files' safetensors headers, every JSON value), this rank's RNG
+    states, the match with the prepared objects. The tensors are then read into fresh tensors (in place, to
+    spare a second copy, when this rank's share is over STAGING_BYTES) and handed to the objects. A failure
+    raises a one-line CheckpointError naming the file, the same on every rank, objects as they were."""
     folder = Path(input_dir).absolute()
-    manifest = layout.read_manifest(folder)
     rank, world = _rank_world()
-    models = list(objects.models)  # Accelerate's load pre-hooks take out the models they load themselves
+
+    def run(step):
+        return _agreed(step, lambda exc: _load_failure(folder, exc), name_rank=True)
+
+    plan = run(lambda: _checked_files(folder, objects, rank))
+    run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates): agreed
+    run(lambda: _read_tensors(folder, plan, world))
+    run(lambda: _restore(folder, plan, objects))
+    _apply_rng(plan.rng)
+    return plan.manifest
+
+
+def _checked_files(folder: Path, objects: TrainingObjects, rank: int) -> _LoadPlan:
+    """The manifest and every file it names checked, this rank's RNG states read; then the load pre-hooks
+    (Accelerate's `hook(models, input_dir)`: they take out the models they load themselves)."""
+    manifest = layout.read_manifest(folder)
+    specs, aliases = _checked_manifest(folder / layout.MANIFEST, manifest)
+    _check_state_files(folder, manifest, specs, aliases)
+    rng = _read_rng(folder, rank, manifest)
+    models = list(objects.models)
     for hook in objects.load_hooks:
         hook(models, str(folder))
-    skeleton = manifest["skeleton"]
-    counts = {k: len(skeleton[k]) for k in ("models", "optimizers", "schedulers", "dataloaders", "custom")}
+    return _LoadPlan(manifest, specs, aliases, rng, models)
+
+
+def _check_against_objects(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
+    """The checkpoint holds what was prepared (counts, layouts, each model's names and shapes); the tensors
+    to read into are made here (fresh, or the live ones)."""
+    skeleton, models = plan.manifest["skeleton"], plan.models
+    counts = {k: len(skeleton[k]) for k in _PARTS}
     have = {"models": len(models), "optimizers": len(objects.optimizers),
             "schedulers": len(objects.schedulers), "custom": len(objects.custom),
             "dataloaders": sum(hasattr(d, "state_dict") for d in objects.dataloaders)}
@@ -236,48 +394,226 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
             hooks = " (after the pre-hooks)" if kind == "models" and (objects.save_hooks or objects.load_hooks) else ""
             raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
                                   f"registered{hooks}; prepare the same objects, in the same order, before load_state")
-
-    _check_layouts(folder, manifest.get("layouts") or [{} for _ in models], objects.backend, models)
-    # Targets: the live model/optimizer tensors, loaded in place (no second copy of the state in memory;
-    # sharded layouts reshard), fresh tensors for the rest. read_manifest has already checked every file.
+    _check_layouts(folder, plan.manifest.get("layouts") or [{} for _ in models], objects.backend, models)
     live: dict[str, torch.Tensor] = {}
     tree.split(_collect(objects, [objects.backend.checkpoint_model_state(m) for m in models]), "", live)
-    aliases = manifest.get("aliases", {})
     loads = _held_keys(objects.backend)
-    targets = {}
-    for key, (shape, dtype) in tree.tensor_specs(skeleton).items():
-        if key in aliases:
+    _check_model_tensors(folder / layout.MANIFEST, plan, live, loads)
+    plan.targets, plan.in_place = _targets(plan, live, loads)
+
+
+def _check_model_tensors(manifest_path: Path, plan: _LoadPlan, live: dict, loads) -> None:
+    """Each model's tensor names and shapes are the checkpoint's, so handing them over cannot fail half-way."""
+    for i in range(len(plan.models)):
+        prefix = f"/models/{i}/"
+        mine = {k: t for k, t in live.items() if k.startswith(prefix) and isinstance(t, torch.Tensor)}
+        saved = {k for k in list(plan.specs) + list(plan.aliases) if k.startswith(prefix) and loads(k)}
+        missing, extra = sorted(set(mine) - saved), sorted(saved - set(mine))
+        if missing or extra:
+            names = [f"lacks {k[len(prefix):]}" for k in missing[:3]] + [f"has {k[len(prefix):]}, unknown to the model"
+                                                                       for k in extra[:3]]
+            raise CheckpointError(f"{manifest_path}: model {i} does not match the prepared model: "
+                                  f"{', '.join(names)}; load it into the model it was saved from")
+        for key, tensor in mine.items():
+            if key in plan.specs and list(plan.specs[key][0]) != list(tensor.shape):
+                raise CheckpointError(f"{manifest_path}: model {i}: {key[len(prefix):]} has shape {plan.specs[key][0]},"
+                                      f" the prepared model {list(tensor.shape)}; load it into the model it was saved "
+                                      "from")
+
+
+def _targets(plan: _LoadPlan, live: dict, loads) -> tuple[dict, bool]:
+    """The tensors DCP reads into: fresh ones, where the live one has another shape or dtype, or the tensor is
+    not live; for the live model/optimizer tensors, fresh copies of the same layout (a DTensor stays sharded
+    alike) when they fit STAGING_BYTES and memory, else the live tensors themselves (no second copy)."""
+    matching, targets = {}, {}
+    for key, (shape, dtype) in plan.specs.items():
+        if key in plan.aliases:
             continue
         target = live.get(key)
         if target is None and not loads(key):
             continue  # another pipeline stage's tensor
-        if target is None or list(target.shape) != shape or str(target.dtype).removeprefix("torch.") != dtype:
-            target = tree.empty_like_spec(shape, dtype)
-        targets[key] = target.detach()
+        if isinstance(target, torch.Tensor) and list(target.shape) == shape and _dtype_name(target) == dtype:
+            matching[key] = target.detach()
+        else:
+            targets[key] = tree.empty_like_spec(shape, dtype)
+    in_place = sum(t.numel() * t.element_size() for t in matching.values()) > STAGING_BYTES
+    if not in_place:
+        try:
+            matching = {key: torch.empty_like(t) for key, t in matching.items()}
+        except torch.OutOfMemoryError:
+            in_place = True
+    return {**targets, **matching}, in_place
+
+
+def _read_tensors(folder: Path, plan: _LoadPlan, world: int) -> None:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _quiet_single_process():
-            dcp_load(targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
+            dcp_load(plan.targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
     except (Exception, CheckpointException) as exc:  # name the folder; DCP's message says which key or file
-        raise CheckpointError(f"{folder / 'state'}: could not be loaded: {first_cause(exc)}") from None
-    for key, original in aliases.items():
-        targets[key] = targets[original]
-    state = tree.join(skeleton, targets)
+        partly = "; the models' and optimizers' tensors may be partly overwritten: load again" if plan.in_place else ""
+        raise CheckpointError(f"{folder / 'state'}: could not be loaded: {first_cause(exc)}{partly}") from None
+    for key, original in plan.aliases.items():
+        plan.targets[key] = plan.targets[original]
 
-    backend = objects.backend
-    for model, sd in zip(models, state["models"]):
-        backend.load_checkpoint_model_state(model, sd)
-    for opt, sd in zip(objects.optimizers, state["optimizers"]):
-        backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
-    for sched, sd in zip(objects.schedulers, state["schedulers"]):
-        sched.load_state_dict(sd)
-    for loader, sd in zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"]):
-        loader.load_state_dict(sd)
-    for obj, sd in zip(objects.custom, state["custom"]):
-        obj.load_state_dict(sd)
+
+def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
+    """Hand the read state to the objects: the small ones first, their previous state kept to undo them should a
+    later one refuse its state, then models and optimizers (whose names and shapes were checked)."""
+    state = tree.join(plan.manifest["skeleton"], plan.targets)
+    small = [(f"registered object {i} ({type(o).__name__})", o, sd) for i, (o, sd) in
+             enumerate(zip(objects.custom, state["custom"]))]
+    small += [(f"data loader {i}", d, sd) for i, (d, sd) in
+              enumerate(zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"]))]
     if objects.scaler is not None and state["scaler"] is not None:
-        objects.scaler.load_state_dict(state["scaler"])
-    _load_rng(folder / "rng", rank, manifest["world_size"])
-    return manifest
+        small.append(("the gradient scaler", objects.scaler, state["scaler"]))
+    small += [(f"scheduler {i} ({type(s).__name__})", s, sd) for i, (s, sd) in
+              enumerate(zip(objects.schedulers, state["schedulers"]))]
+    backend, undo, what, partly = objects.backend, [], "", ""
+    try:
+        for what, obj, sd in small:
+            before = _cpu_copy(obj.state_dict())
+            obj.load_state_dict(sd)
+            undo.append((obj, before))
+        partly = "; the models/optimizers before it hold the checkpoint's values: load again"
+        for i, (model, sd) in enumerate(zip(plan.models, state["models"])):
+            what = f"model {i}"
+            backend.load_checkpoint_model_state(model, sd)
+        for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"])):
+            what = f"optimizer {i}"
+            backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
+    except Exception as exc:
+        for obj, before in reversed(undo):
+            with contextlib.suppress(Exception):
+                obj.load_state_dict(before)
+        raise CheckpointError(f"{folder / layout.MANIFEST}: {what} refused its saved state ({first_cause(exc)})"
+                              f"{partly}") from None
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A copy of a state dict to undo a load with, its tensors on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_cpu_copy(v) for v in value)
+    return copy.deepcopy(value)
+
+
+# -- checking a checkpoint before loading it ----------------------------------------------------------------
+
+_PARTS = ("models", "optimizers", "schedulers", "dataloaders", "custom")
+# torch dtype name -> safetensors dtype code: the dtypes a checkpoint may hold
+_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+           "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+           "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64"}
+_ITEM_BYTES = {code: getattr(torch, name).itemsize for name, code in _DTYPES.items()}
+_MAX_HEADER = 100_000_000  # safetensors' own limit on a header
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _checked_manifest(path: Path, manifest: dict) -> tuple[dict, dict]:
+    """The tensor specs (dtypes from the allowed set, shapes lists of sizes) and aliases of a manifest whose every
+    other field has the type save_state writes; every non-tensor value decodes."""
+    skeleton = manifest.get("skeleton")
+    if not isinstance(skeleton, dict) or not all(isinstance(skeleton.get(k), list) for k in _PARTS):
+        raise CheckpointError(f"{path}: damaged (its skeleton needs lists {', '.join(_PARTS)})")
+    fields = (("world_size", int, "an integer >= 1", None), ("step", int, "an integer", 0),
+              ("aliases", dict, "a mapping", {}), ("layouts", (list, type(None)), "a list", None))
+    for name, kind, allowed, default in fields:  # the defaults: what checkpoints of older accels lack
+        value = manifest.setdefault(name, default)
+        if not isinstance(value, kind) or isinstance(value, bool) or (name == "world_size" and value < 1):
+            raise CheckpointError(f"{path}: damaged ({name} is {value!r}; allowed: {allowed})")
+    try:
+        specs = tree.tensor_specs(skeleton)
+        tree.join(skeleton, {})  # every JSON value decodes (tuples, numpy arrays, non-finite floats)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: damaged ({first_cause(exc)})") from None
+    for key, (shape, dtype) in specs.items():
+        if not isinstance(key, str) or not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key}: dtype {dtype!r}; allowed: {', '.join(_DTYPES)}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise CheckpointError(f"{path}: tensor {key}: shape {shape!r}; allowed: a list of sizes >= 0")
+    aliases = manifest["aliases"]
+    for key, original in aliases.items():
+        if key not in specs or original not in specs or original in aliases:
+            raise CheckpointError(f"{path}: damaged (alias {key!r} -> {original!r} names no saved tensor)")
+    return specs, aliases
+
+
+def _check_state_files(folder: Path, manifest: dict, specs: dict, aliases: dict) -> None:
+    """state/ holds only the files the manifest lists (DCP reads every file there), and their safetensors
+    headers hold every tensor of the manifest with its dtype and whole shape, inside the files' sizes."""
+    state, path = folder / "state", folder / layout.MANIFEST
+    listed = {rel: size for rel, size in manifest["files"].items() if rel.startswith("state/")}
+    if not listed and not specs:
+        return
+    if not state.is_dir() or state.is_symlink():
+        raise CheckpointError(f"{state}: missing or not a folder; {folder} is not a complete accel checkpoint")
+    for entry in sorted(os.listdir(state)):
+        if f"state/{entry}" not in listed:
+            raise CheckpointError(f"{state / entry}: not listed in {path}; a checkpoint's state/ holds only the "
+                                  "files its manifest lists")
+    chunks: dict[str, list] = {}
+    for rel, size in listed.items():
+        _read_header(folder / rel, size, chunks)
+    for key, (shape, dtype) in specs.items():
+        if key not in aliases:
+            _check_chunks(path, state, key, shape, dtype, chunks.get(key, []))
+
+
+def _read_header(file: Path, size: int, chunks: dict) -> None:
+    """Add the tensors a safetensors file's header lists to `chunks` (key -> [(dtype code, offsets, shape)]),
+    after checking each lies inside the file with the bytes its dtype and shape need."""
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{file}: damaged (not a safetensors file: header length {length}, file size {size})")
+        try:
+            header = json.loads(fh.read(length))
+            sharding = json.loads((header.get("__metadata__") or {}).get("DCP_SHARDING_INFO") or "{}")
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise CheckpointError(f"{file}: damaged (header: {first_cause(exc)})") from None
+    data_bytes = size - 8 - length
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            offsets = (sharding.get(key) or {}).get("saved_offsets", [0] * len(shape))
+            numbers = [*shape, *offsets, begin, end]
+            valid = (code in _ITEM_BYTES and all(type(n) is int and n >= 0 for n in numbers)
+                     and len(offsets) == len(shape) and begin <= end <= data_bytes
+                     and end - begin == math.prod(shape) * _ITEM_BYTES[code])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            valid = False
+        if not valid:
+            raise CheckpointError(f"{file}: damaged (tensor {key}: {str(info)[:200]})")
+        chunks.setdefault(key, []).append((code, offsets, shape))
+
+
+def _check_chunks(path: Path, state: Path, key: str, shape: list, dtype: str, found: list) -> None:
+    """The pieces of one tensor in the files (one, or one per shard) have the manifest's dtype and together
+    span its whole shape."""
+    if not found:
+        raise CheckpointError(f"{path}: tensor {key} is in no file of {state}")
+    codes = sorted({code for code, _, _ in found})
+    if codes != [_DTYPES[dtype]]:
+        raise CheckpointError(f"{path}: tensor {key}: dtype {dtype}, but {state} holds it as {', '.join(codes)}")
+    if any(len(piece) != len(shape) for _, _, piece in found):
+        held = found[0][2]
+    else:
+        held = [max(offsets[d] + piece[d] for _, offsets, piece in found) for d in range(len(shape))]
+    if held != shape or sum(math.prod(piece) for _, _, piece in found) < math.prod(shape):
+        raise CheckpointError(f"{path}: tensor {key}: shape {shape}, but {state} holds {held}")
 
 
 def _held_keys(backend):
@@ -331,31 +667,51 @@ def _save_rng(folder: Path, rank: int) -> None:
     (folder / f"rank_{rank}.json").write_text(json.dumps(plain))
 
 
-def _load_rng(folder: Path, rank: int, saved_world: int) -> None:
-    """Restore this rank's RNG states (last, so nothing else draws after them)."""
+def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
+    """This rank's RNG states, read and tried on fresh generators (so a damaged one fails here, before anything
+    is loaded); None where the checkpoint has none for this rank."""
     from safetensors.torch import load_file
 
+    saved_world = manifest["world_size"]
     if rank >= saved_world:
         warnings.warn(f"load_state: checkpoint has RNG states for {saved_world} processes; rank {rank} keeps its own")
-        return
-    tensors_file, json_file = folder / f"rank_{rank}.safetensors", folder / f"rank_{rank}.json"
+        return None
+    tensors_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.safetensors", folder / layout.MANIFEST)
+    json_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.json", folder / layout.MANIFEST)
     try:
         tensors = load_file(str(tensors_file))
+        cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+        for state in [tensors["torch"], *cuda]:
+            if state.dtype != torch.uint8 or state.dim() != 1:
+                raise ValueError(f"an RNG state of dtype {state.dtype} and shape {list(state.shape)}")
+        torch.Generator().set_state(tensors["torch"])
     except Exception as exc:
-        raise CheckpointError(f"{tensors_file}: damaged ({exc})") from None
+        raise CheckpointError(f"{tensors_file}: damaged ({first_cause(exc)})") from None
     try:
         plain = json.loads(json_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{json_file}: damaged ({exc})") from None
-    random.setstate(tree.join(plain["python"], {}))
-    if "numpy" in plain:
-        try:
+        python = tree.join(plain["python"], {})
+        random.Random().setstate(python)
+        numpy = tree.join(plain["numpy"], {}) if "numpy" in plain else None
+        if numpy is not None:
             import numpy as np
 
-            np.random.set_state(tree.join(plain["numpy"], {}))
-        except ImportError:
-            pass
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+            np.random.RandomState().set_state(numpy)
+    except ImportError:
+        numpy = None
+    except Exception as exc:
+        raise CheckpointError(f"{json_file}: damaged ({first_cause(exc)})") from None
+    return {"torch": tensors["torch"], "cuda": cuda, "python": python, "numpy": numpy}
+
+
+def _apply_rng(rng: dict | None) -> None:
+    """Restore this rank's RNG states (last, so nothing else draws after them)."""
+    if rng is None:
+        return
+    random.setstate(rng["python"])
+    if rng["numpy"] is not None:
+        import numpy as np
+
+        np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])

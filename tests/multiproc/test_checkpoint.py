@@ -99,3 +99,23 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, t
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+
+
+@pytest.mark.multiproc
+def test_a_failure_on_one_rank_is_one_line_everywhere(isolated_env, tmp_path):
+    """Rank 1's disk fills inside DCP's writer, then while it writes its RNG states (rank 0 never waits for
+    it), then only rank 1's RNG file is damaged: both ranks raise the same one line each time, no temporary
+    folder is left, the first checkpoint still loads, and the failed load changed nothing."""
+    accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPTS / "failing_save.py", tmp_path, timeout=90)
+    reports = [dict(line.split(" ", 1) for line in (tmp_path / f"report_{r}.txt").read_text().splitlines())
+               for r in (0, 1)]
+    assert reports[0] == reports[1], reports  # the same lines on both ranks
+    full = f"{tmp_path / 'ckpt'}: could not be saved on rank 1: No space left on device"
+    unchanged = "nothing was published (a checkpoint already there is unchanged)"
+    assert reports[0] == {
+        "ERR1": f"{full}; free space on that disk or save elsewhere; {unchanged}",
+        "ERR2": f"{full} (writing rng/rank_1.safetensors); free space on that disk or save elsewhere; {unchanged}",
+        "LOADED": "True",
+        "ERR3": f"{tmp_path / 'ckpt' / 'rng' / 'rank_1.json'}: damaged (TypeError: list indices must be integers or "
+                "slices, not str) (rank 1)",
+        "END": "unchanged=True leftovers=[] differs_from_saved=True"}
