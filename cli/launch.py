@@ -18,6 +18,8 @@ How it runs:
   and a `--num_processes` above 1 overrides a file's `distributed_type: NO` (which Accelerate writes for
   one process). For several processes the launcher fills in the derived `distributed_type` (MULTI_GPU
   or MULTI_CPU) before handing the config over.
+* `accelerate launch`'s flags are taken too (--use_fsdp, --fsdp_*, --use_deepspeed, --offload_*_device, ...): see
+  cli/accelerate_flags.py. Those that describe training join the flags' layer as a config file's sections would.
 * torch is imported only when needed: to count GPUs (not with --cpu) and to run torchrun's agent.
 * One process in total: the script replaces the launcher (`os.execvpe` of the current Python); no torchrun,
   no rendezvous, and the script's exit code is the launcher's.
@@ -50,7 +52,7 @@ import os
 import socket
 import sys
 
-from accel.cli import checks, multinode, output
+from accel.cli import accelerate_flags, checks, multinode, output
 from accel.cli._common import UsageError, add_flag
 from accel.cli.hang_report import HangWatch
 from accel.config import (
@@ -90,7 +92,8 @@ _FLAG_KEYS = {
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
     "collective_timeout": "collective_timeout",
 }
-CONFIG_FLAGS = tuple(_FLAG_KEYS)  # the flags that feed the config (`accel env` takes them too)
+# the flags that feed the config (`accel env` takes them too), Accelerate's among them
+CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -148,6 +151,7 @@ def register(subparsers) -> argparse.ArgumentParser:
              help="print the resolved config (with where each value came from) and the exact command, start nothing")
     multinode.add_flags(parser)
     output.add_flags(parser)
+    accelerate_flags.add_flags(parser)  # `accelerate launch`'s flags, hidden from --help
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat the script as a Python module name, as `python -m` does")
     parser.add_argument("script", nargs="?", help="the script (or, with -m, the module) to run")
@@ -172,6 +176,7 @@ def flag_overrides(args: argparse.Namespace) -> dict:
             raw.setdefault(section, {})[sub] = value
         else:
             raw[key] = value
+    raw = accelerate_flags.add_config_overrides(raw, args)  # --use_fsdp, --fsdp_*, --offload_*_device, ...
     if getattr(args, "cpu", None):
         raw["use_cpu"] = True
         raw["distributed_type"] = None  # a file's MULTI_GPU yields to --cpu: derived again (NO or MULTI_CPU)
@@ -206,8 +211,9 @@ def rdzv_id(cfg: AccelConfig, port: int) -> str:
 
 
 def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: int = 0,
-                        port: int | None = None) -> list[str]:
-    """torchrun's argv for `cfg`. `script_argv` is `[script, *args]` or `["-m", module, *args]`."""
+                        port: int | None = None, rdzv_conf: str = "") -> list[str]:
+    """torchrun's argv for `cfg`. `script_argv` is `[script, *args]` or `["-m", module, *args]`; `rdzv_conf` is
+    more rendezvous options (`key=value,...`)."""
     if port is None:
         port = rendezvous_port(cfg)
     argv = [
@@ -224,7 +230,10 @@ def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: 
         # machine_rank 0 hosts the rendezvous store; the others only connect to it (even when, as in a
         # one-host test, the endpoint address is local to them too)
         argv += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cfg.main_process_ip}:{port}",
-                 "--rdzv_id", rdzv_id(cfg, port), "--rdzv_conf", f"is_host={int(cfg.machine_rank == 0)}"]
+                 "--rdzv_id", rdzv_id(cfg, port)]
+        rdzv_conf = ",".join(filter(None, (f"is_host={int(cfg.machine_rank == 0)}", rdzv_conf)))
+    if rdzv_conf:
+        argv += ["--rdzv_conf", rdzv_conf]
     if script_argv and script_argv[0] == "-m":
         argv += ["--module", *script_argv[1:]]
     else:
@@ -266,7 +275,10 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
     if args.module:
         checks.check_module(args.script, _shim_path(args))
         return ["-m", args.script, *args.script_args]
-    checks.check_script(args.script)
+    if args.no_python:
+        accelerate_flags.check_program(args.script)
+    else:
+        checks.check_script(args.script)
     return [args.script, *args.script_args]
 
 
@@ -298,6 +310,7 @@ def _check_hardware(cfg: AccelConfig) -> AccelConfig:
 
 def run_command(args: argparse.Namespace) -> int:
     checks.check_flag_conflicts(args)
+    accelerate_flags.prepare(args)  # refused flags, the DeepSpeed multi-node flags onto --hostfile/--include/...
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
@@ -315,11 +328,15 @@ def run_command(args: argparse.Namespace) -> int:
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs
 
-    if cfg.num_processes == 1 and cfg.num_machines == 1 and not output.needs_agent(args):
+    one = cfg.num_processes == 1 and cfg.num_machines == 1
+    if one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg):
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
         if args.dry_run:
-            return _dry_run(args, cfg, [sys.executable, *script_argv])
+            return _dry_run(args, cfg, accelerate_flags.command(args, sys.executable, script_argv))
+        os.environ.update(accelerate_flags.worker_env(args))  # the process is replaced: its environment is theirs
+        if args.no_python:  # the program itself, not python
+            return _exec_single(cfg, script_argv, python=False)
         return _exec_single(cfg, script_argv)
 
     cfg = _check_hardware(cfg)
@@ -328,26 +345,29 @@ def run_command(args: argparse.Namespace) -> int:
         hint = " or leave it unset" if cfg.num_machines == 1 else ""
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
                          f"machine (or cannot be bound); pick another port{hint}")
-    torchrun_argv = output.torchrun_flags(args) + build_torchrun_args(cfg, script_argv, args.max_restarts, port)
+    torchrun_argv = (output.torchrun_flags(args) + accelerate_flags.torchrun_flags(args, cfg)
+                     + build_torchrun_args(cfg, script_argv, args.max_restarts, port, accelerate_flags.rdzv_conf(args)))
     if args.dry_run:
         return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
+    os.environ.update(accelerate_flags.worker_env(args))  # before the thread default: a given count wins
     output.set_worker_threads(nproc_per_node(cfg), on_cpu=cfg.distributed_type == "MULTI_CPU")
     return _run_torchrun(cfg, torchrun_argv)
 
 
 def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> int:
-    env = worker_env(cfg)
+    env = {**worker_env(cfg), **accelerate_flags.worker_env(args)}
     if args.accelerate_shim:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     sources = checks.dry_run_sources(args.config_file, flag_overrides(args), FLAGS_SOURCE)
     return checks.print_dry_run(cfg, sources, env, command)
 
 
-def _exec_single(cfg: AccelConfig, script_argv: list[str]) -> int:
+def _exec_single(cfg: AccelConfig, script_argv: list[str], python: bool = True) -> int:
     env = {**os.environ, **worker_env(cfg)}
+    command = [sys.executable, *script_argv] if python else script_argv
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(sys.executable, [sys.executable, *script_argv], env)
+    os.execvpe(command[0], command, env)
     return 1  # not reached
 
 

@@ -94,7 +94,38 @@ def from_fsdp_section(section: dict, source: str) -> dict:
         checkpointing = check_value(section["fsdp_activation_checkpointing"], PARALLEL_FIELDS["offload_params"],
                                      where + "fsdp_activation_checkpointing", source)  # a bool, like offload
         par["activation_checkpointing"] = "full" if checkpointing else "no"
+    par.update(_fsdp_wrapping(section, source))
     return par
+
+
+_FSDP_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+
+
+def _fsdp_wrapping(section: dict, source: str) -> dict:
+    """FSDP's wrap units -> accel's ZeRO blocks: the class names (`fsdp_transformer_layer_cls_to_wrap`, unless the
+    policy wraps by size or not at all) are `zero_wrap_classes`; `fsdp_min_num_params` under SIZE_BASED_WRAP is
+    `zero_min_params`. Without names accel shards each repeated block, as TRANSFORMER_BASED_WRAP does with the
+    model's `_no_split_modules`."""
+    where = "fsdp_config."
+    policy = section.get("fsdp_auto_wrap_policy")
+    if policy is not None and str(policy).upper() not in _FSDP_WRAP_POLICIES:
+        raise ConfigError(f"{source}: key '{where}fsdp_auto_wrap_policy': bad value {policy!r}; allowed: "
+                          f"{', '.join(_FSDP_WRAP_POLICIES)}")
+    policy = str(policy or "TRANSFORMER_BASED_WRAP").upper()
+    out: dict = {}
+    classes = section.get("fsdp_transformer_layer_cls_to_wrap")
+    if isinstance(classes, (list, tuple)):
+        classes = ",".join(map(str, classes))
+    if classes and policy == "TRANSFORMER_BASED_WRAP":
+        out["zero_wrap_classes"] = check_value(classes, PARALLEL_FIELDS["zero_wrap_classes"],
+                                               where + "fsdp_transformer_layer_cls_to_wrap", source)
+    min_params = section.get("fsdp_min_num_params")
+    if min_params is not None and policy == "SIZE_BASED_WRAP":
+        if min_params == 0 and not isinstance(min_params, bool):  # FSDP's "every module": every one with parameters
+            min_params = 1
+        out["zero_min_params"] = check_value(min_params, PARALLEL_FIELDS["zero_min_params"],
+                                             where + "fsdp_min_num_params", source)
+    return out
 
 
 # Accelerate's `parallelism_config:` keys (what `accelerate config` writes, and `accelerate launch`'s
