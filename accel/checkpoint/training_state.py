@@ -72,6 +72,19 @@ def _broadcast_from_main(value: Any) -> Any:
     return value
 
 
+def _one_folder_everywhere(folder: Path, verb: str) -> None:
+    """A checkpoint is one folder that every process writes its part of and reads back: processes naming different
+    folders (e.g. each its own tempfile.mkdtemp()) would split it, so they are refused, the same way everywhere."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, str(folder))
+    if len(set(names)) > 1:
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+        raise layout.CheckpointError(f"{verb}: the processes named different folders ({shown}); allowed: the same "
+                                     "folder on every process (one folder they all see, e.g. on a shared disk)")
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns that it 'assumes a single process' when there is no process group: that is the intent."""
@@ -243,6 +256,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
     one-line CheckpointError on every rank, without a hang; a checkpoint already at `output_dir` is unchanged."""
     rank, world = _rank_world()
     target = Path(output_dir).absolute()
+    _one_folder_everywhere(target, "save_state")
     tmp = Path(_broadcast_from_main(str(layout.temporary_sibling(target))))
 
     def run(step):
@@ -356,6 +370,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     raises a one-line CheckpointError naming the file, the same on every rank, objects as they were."""
     folder = Path(input_dir).absolute()
     rank, world = _rank_world()
+    _one_folder_everywhere(folder, "load_state")
 
     def run(step):
         return _agreed(step, lambda exc: _load_failure(folder, exc), name_rank=True)

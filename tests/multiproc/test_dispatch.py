@@ -70,3 +70,10 @@ def test_stateful_loader_resumes_mid_epoch_without_skipping(run, dispatch):
     assert len(got["full"]) == 12 and got["full"][:6] != got["full"][6:]
     for stop, joined in got["cuts"].items():
         assert joined == got["full"], f"cut after batch {stop}"
+
+
+def test_save_state_refuses_a_folder_per_process(run):
+    """Accelerate's test_distributed_data_loop saves to a tempfile folder per process; an accel checkpoint is one
+    folder that every process writes its part of, so that is one line naming each rank's folder, on every rank."""
+    _, results = run
+    assert results["own_folders"].startswith("save_state: the processes named different folders (rank 0: ")

@@ -100,6 +100,16 @@ def main(out: Path) -> None:
         results[f"tail_split{split}"] = [acc.gather(b[0][:, 3]).tolist() for b in dl]
     for dispatch in (False, True) if importlib.util.find_spec("torchdata") else ():  # an optional extra
         results[f"stateful_dispatch{dispatch}"] = stateful_resume(out, dispatch)
+    import tempfile
+
+    from accel.checkpoint.layout import CheckpointError
+
+    with tempfile.TemporaryDirectory() as own:  # each process its own folder: refused the same way on every rank
+        try:
+            accelerator.save_state(own)
+            results["own_folders"] = "saved"
+        except CheckpointError as error:
+            results["own_folders"] = str(error)
     if accelerator.is_main_process:
         save_file(state, str(out / "weights.safetensors"))
         (out / "results.json").write_text(json.dumps(results))
