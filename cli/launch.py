@@ -46,6 +46,7 @@ with the failed worker's exit code (128 + N for a worker killed by signal N).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -329,7 +330,7 @@ def run_command(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs
 
     one = cfg.num_processes == 1 and cfg.num_machines == 1
-    if one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg):
+    if one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg) and not args.max_restarts:
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
         if args.dry_run:
@@ -387,6 +388,28 @@ def _exit_code(code: int | None) -> int:
     return 128 - code if code < 0 else code
 
 
+@contextlib.contextmanager
+def _announcing_restarts():
+    """One line when torchrun's agent restarts the worker group (torch says so only in its INFO log)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    original = SimpleElasticAgent._restart_workers
+
+    def restart(agent, worker_group):
+        spec = worker_group.spec
+        done = spec.max_restarts - agent._remaining_restarts
+        sys.stderr.write(f"accel launch: a worker failed; restarting the worker group (restart {done} of "
+                         f"{spec.max_restarts}, ACCEL_RESTART_COUNT={done} in the new workers)\n")
+        sys.stderr.flush()
+        return original(agent, worker_group)
+
+    SimpleElasticAgent._restart_workers = restart
+    try:
+        yield
+    finally:
+        SimpleElasticAgent._restart_workers = original
+
+
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
     os.environ.update(worker_env(cfg))
     watch = HangWatch(cfg.collective_timeout)  # a collective that times out is reported by its stuck rank
@@ -396,7 +419,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with watch.around_agent():
+        with watch.around_agent(), _announcing_restarts():
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()

@@ -108,3 +108,16 @@ def test_load_state_without_a_complete_checkpoint_is_a_file_not_found_error(tmp_
         assert torch.all(model.weight == 1.0) and project.iteration == 1
     finally:
         PartialState._reset_for_tests()
+
+
+def test_one_process_restarts_too_and_each_restart_is_announced(isolated_env, tmp_path):
+    """--max_restarts with one process runs under torchrun's agent (it used to run the script directly and ignore
+    the flag), and a restart is one line on stderr (torch says so only in its INFO log)."""
+    from _launch import accel_launch
+
+    script = tmp_path / "die_once.py"
+    script.write_text("import os, sys\nimport accel\nprint('attempt', os.environ['ACCEL_RESTART_COUNT'], flush=True)\n"
+                      "sys.exit(3 if os.environ['ACCEL_RESTART_COUNT'] == '0' else 0)\n")
+    proc = accel_launch(isolated_env, "--cpu", "--max_restarts", 1, script, timeout=120)
+    assert proc.stdout.split() == ["attempt", "0", "attempt", "1"]
+    assert "accel launch: a worker failed; restarting the worker group (restart 1 of 1" in proc.stderr
