@@ -51,6 +51,8 @@ _LAZY = {
     **dict.fromkeys(("copy_tensor_to_devices", "TensorInformation", "find_batch_size", "get_data_structure",
                      "initialize_tensors", "slice_tensors"), "accel.ops"),
     "tqdm": "accel.utils.progress",
+    **dict.fromkeys(("convert_model_to_fp8_ao", "filter_first_and_last_linear_layers", "has_ao_layers"),
+                    "accel.utils.ao"),
     **dict.fromkeys(("DummyOptim", "DummyScheduler"), "accel.utils.deepspeed"),
     # Accelerate's small helpers, each in the module of Accelerate's name
     **dict.fromkeys((

@@ -722,3 +722,24 @@ def test_every_new_name_is_listed_and_import_stays_light():
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_torchao_helpers_match():
+    """accelerate.utils.ao's layer rules and conversion, on a model with Linear layers of both kinds."""
+    pytest.importorskip("torchao")
+    import accelerate.utils.ao as hf_ao
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                   torch.nn.Linear(32, 24), torch.nn.Linear(24, 16))
+
+    model = make()
+    for name, module in model.named_modules():
+        assert au.filter_first_and_last_linear_layers(module, name) == \
+            hf_ao.filter_first_and_last_linear_layers(module, name)
+    ours, theirs = make(), make()
+    au.convert_model_to_fp8_ao(ours)
+    hf_ao.convert_model_to_fp8_ao(theirs)
+    assert [type(m).__name__ for m in ours] == [type(m).__name__ for m in theirs]
+    assert au.has_ao_layers(ours) and hf_ao.has_ao_layers(ours) and not au.has_ao_layers(make())
