@@ -1,4 +1,4 @@
-"""`accel`: the command line entry point (`accel config`, `accel launch`, `accel env`).
+"""`accel`: the command line entry point (`accel config`, `accel launch`, `accel env`, `accel plot`).
 
 Every user mistake (bad flag, bad config value, missing script, port in use, ...) is reported as ONE line,
 `accel <cmd>: error: <message>`, on stderr with exit code 2 and no traceback.
@@ -13,6 +13,7 @@ import accel
 from accel.cli import config as config_cmd
 from accel.cli import env as env_cmd
 from accel.cli import launch as launch_cmd
+from accel.cli import plot as plot_cmd
 from accel.cli._common import OneLineParser, UsageError
 from accel.config import ConfigError
 
@@ -25,10 +26,11 @@ def build_parser() -> OneLineParser:
     )
     parser.add_argument("--version", action="version", version=f"accel {accel.__version__}",
                         help="print accel's version and exit")
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,env}", parser_class=OneLineParser)
+    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,env,plot}", parser_class=OneLineParser)
     config_cmd.register(subparsers)
     launch_cmd.register(subparsers)
     env_cmd.register(subparsers)
+    plot_cmd.register(subparsers)
     return parser
 
 

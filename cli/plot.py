@@ -1,0 +1,343 @@
+"""`accel plot`: draw every logged scalar of one or more runs against the step (one panel per metric).
+
+Reads the run folders the trackers write (`metrics.jsonl`, `metrics.csv`, TensorBoard event files) and writes
+a PNG/SVG/PDF with matplotlib (the `plot` extra) or one self-contained HTML page drawn without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accel.cli._common import UsageError
+
+FORMATS = ("png", "svg", "pdf", "html")
+JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
+CSV_HEADER = ["step", "time", "name", "value"]
+# matplotlib's tab10, shared by both renderers so a run has the same color in PNG and HTML
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+          "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+RAW_ALPHA = 0.25
+
+
+@dataclass
+class Series:
+    x: list = field(default_factory=list)
+    y: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    path: Path
+    source: str  # which file kind it was read from (JSONL, CSV or EVENTS)
+    label: str = ""
+    metrics: dict = field(default_factory=dict)  # name -> Series
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plot",
+        help="draw the logged metrics of one or more runs (PNG, SVG, PDF or one HTML page)",
+        description="Draw every logged scalar against the step: one panel per metric, one line per run, "
+        "smoothed (TensorBoard's exponential moving average) over the raw values drawn faint. A RUN_DIR holds "
+        "metrics.jsonl, metrics.csv or TensorBoard event files, or is a folder of such run folders.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder, or a folder of run folders")
+    parser.add_argument("-o", "--output", default="curves.png", metavar="PATH",
+                        help="file to write (default: curves.png)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="png, svg, pdf (need matplotlib: pip install 'accel[plot]') or html "
+                        "(one self-contained page); default: from the output's suffix")
+    parser.add_argument("--smoothing", type=float, default=0.6, metavar="W",
+                        help="EMA weight in [0, 1) as in TensorBoard (default: 0.6; 0 turns smoothing off)")
+    parser.add_argument("--metrics", default=None, metavar="A,B",
+                        help="comma-separated metric names to draw (default: every numeric metric)")
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+# ---------------------------------------------------------------- reading run folders
+
+def _source_of(folder: Path) -> str | None:
+    """The file kind a run folder is read from; one kind per folder, since trackers log the same values."""
+    if (folder / JSONL).is_file():
+        return JSONL
+    if (folder / CSV).is_file():
+        return CSV
+    if any(p.is_file() for p in folder.glob(EVENTS)):
+        return EVENTS
+    return None
+
+
+def find_runs(run_dirs: list[str]) -> list[Run]:
+    """Each RUN_DIR is a run folder, or else a parent whose subfolders with a metrics file are runs."""
+    runs, seen = [], set()
+    for arg in run_dirs:
+        folder = Path(arg)
+        if not folder.is_dir():
+            raise UsageError(f"RUN_DIR {arg}: no such folder")
+        source = _source_of(folder)
+        found = [(folder, source)] if source else [
+            (sub, _source_of(sub)) for sub in sorted(folder.iterdir()) if sub.is_dir() and _source_of(sub)]
+        if not found:
+            raise UsageError(f"RUN_DIR {arg}: no {JSONL}, {CSV} or {EVENTS} in it nor in its subfolders")
+        for path, kind in found:
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                runs.append(Run(path=path, source=kind))
+    _label(runs)
+    return runs
+
+
+def _label(runs: list[Run]) -> None:
+    """A run is named by its folder's name, or by its path where two runs share a name."""
+    names = [run.path.resolve().name for run in runs]
+    for run, name in zip(runs, names):
+        run.label = name if names.count(name) == 1 else str(run.path)
+
+
+def _number(value) -> float | None:
+    """A loggable scalar as a float; None for strings, booleans and anything else not drawable."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _flatten(values: dict, prefix: str = ""):
+    for name, value in values.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{name}/")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def _add(metrics: dict, name: str, x: float, value) -> None:
+    number = _number(value)
+    if number is not None:
+        series = metrics.setdefault(name, Series())
+        series.x.append(x)
+        series.y.append(number)
+
+
+def read_jsonl(path: Path) -> dict:
+    """metrics.jsonl: one `{"step", "time", "values"}` object per log() call; x = step, else the call's index."""
+    metrics: dict = {}
+    with open(path, encoding="utf-8") as handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            where = f"{path}:{index + 1}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{where}: not a JSON line ({exc.msg}); expected "
+                                 '{"step": int|null, "time": float, "values": {...}}') from None
+            step = record.get("step") if isinstance(record, dict) else None
+            if (not isinstance(record, dict) or not isinstance(record.get("values"), dict)
+                    or not (step is None or (isinstance(step, int) and not isinstance(step, bool)))):
+                raise UsageError(f"{where}: expected an object with \"step\" (int or null) and \"values\" (object)")
+            for name, value in _flatten(record["values"]):
+                _add(metrics, name, float(index if step is None else step), value)
+    return metrics
+
+
+def read_csv(path: Path) -> dict:
+    """metrics.csv, long format `step,time,name,value`; rows of one log() call share step and time."""
+    metrics: dict = {}
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header != CSV_HEADER:
+            raise UsageError(f"{path}:1: header {','.join(header or [])!r}; expected {','.join(CSV_HEADER)!r}")
+        call, last_key = -1, None
+        for row in reader:
+            if not row:
+                continue
+            where = f"{path}:{reader.line_num}"
+            if len(row) != 4:
+                raise UsageError(f"{where}: {len(row)} fields; expected 4 ({','.join(CSV_HEADER)})")
+            step, time, name, value = row
+            if (step, time) != last_key:
+                call, last_key = call + 1, (step, time)
+            if step.strip():
+                try:
+                    x = float(int(step))
+                except ValueError:
+                    raise UsageError(f"{where}: step {step!r} is not an integer (or empty)") from None
+            else:
+                x = float(call)
+            try:
+                number = float(value)
+            except ValueError:
+                continue  # a string value: not drawable
+            _add(metrics, name, x, number)
+    return metrics
+
+
+def read_tensorboard(folder: Path) -> dict:
+    """Scalars of the TensorBoard event files in `folder`, read with tensorboard's EventAccumulator."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError:
+        raise UsageError(f"{folder}: reading TensorBoard event files needs tensorboard: "
+                         "pip install 'accel[tensorboard]'") from None
+    accumulator = EventAccumulator(str(folder), size_guidance={SCALARS: 0})
+    try:
+        accumulator.Reload()
+    except Exception as exc:  # a damaged event file
+        raise UsageError(f"{folder}: cannot read its TensorBoard event files ({exc})") from None
+    metrics = {}
+    for tag in accumulator.Tags().get(SCALARS, []):
+        events = accumulator.Scalars(tag)
+        metrics[tag] = Series([float(e.step) for e in events], [float(e.value) for e in events])
+    return metrics
+
+
+def load_runs(run_dirs: list[str]) -> list[Run]:
+    runs = find_runs(run_dirs)
+    for run in runs:
+        if run.source == JSONL:
+            run.metrics = read_jsonl(run.path / JSONL)
+        elif run.source == CSV:
+            run.metrics = read_csv(run.path / CSV)
+        else:
+            run.metrics = read_tensorboard(run.path)
+    return runs
+
+
+def choose_metrics(runs: list[Run], wanted: str | None) -> list[str]:
+    """The panels: every numeric metric (sorted), or those `--metrics` names, in its order."""
+    available = sorted({name for run in runs for name in run.metrics})
+    if not available:
+        raise UsageError(f"no numeric metrics in {', '.join(str(run.path) for run in runs)}")
+    if wanted is None:
+        return available
+    names = [name.strip() for name in wanted.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--metrics {wanted!r}: no metric names; logged: {', '.join(available)}")
+    for name in names:
+        if name not in available:
+            raise UsageError(f"--metrics: unknown metric {name!r}; logged numeric metrics: {', '.join(available)}")
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------- smoothing
+
+def smooth(values: list, weight: float) -> list:
+    """TensorBoard's smoothing: a debiased exponential moving average; constant series and non-finite
+    points are left as they are (the same as TensorBoard's scalar dashboard draws)."""
+    if weight <= 0 or not values:
+        return list(values)
+    if all(v == values[0] for v in values):
+        return list(values)
+    out, last, count = [], 0.0, 0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(value)
+            continue
+        last = last * weight + (1 - weight) * value
+        count += 1
+        out.append(last / (1 - weight ** count))
+    return out
+
+
+# ---------------------------------------------------------------- matplotlib figure
+
+def _grid(count: int) -> tuple[int, int]:
+    cols = min(3, count)
+    return math.ceil(count / cols), cols
+
+
+def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
+    """A matplotlib Figure (Agg canvas, never a GUI) with one panel per metric; each run is a faint raw line
+    (gid `raw:<label>`) under its smoothed line (gid `smoothed:<label>`), or only the raw line at smoothing 0."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError("png, svg and pdf output need matplotlib: pip install 'accel[plot]' "
+                         "(or write --format html, which does not)") from None
+    rows, cols = _grid(len(metrics))
+    fig = Figure(figsize=(4.6 * cols, 3.2 * rows + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    handles = {}
+    for ax, metric in zip(axes, metrics):
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        for index, run in enumerate(runs):
+            series = run.metrics.get(metric)
+            if series is None:
+                continue
+            color = COLORS[index % len(COLORS)]
+            if smoothing > 0:
+                ax.plot(series.x, series.y, color=color, alpha=RAW_ALPHA, linewidth=1,
+                        label=f"_raw {run.label}", gid=f"raw:{run.label}")
+                (line,) = ax.plot(series.x, smooth(series.y, smoothing), color=color, linewidth=1.6,
+                                  label=run.label, gid=f"smoothed:{run.label}")
+            else:
+                (line,) = ax.plot(series.x, series.y, color=color, linewidth=1.4,
+                                  label=run.label, gid=f"raw:{run.label}")
+            handles.setdefault(run.label, line)
+    for ax in axes[len(metrics):]:
+        ax.remove()
+    fig.legend(list(handles.values()), list(handles), loc="outside upper center",
+               ncols=min(len(handles), 4), frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------- the command
+
+def output_format(output: Path, chosen: str | None) -> str:
+    if chosen:
+        return chosen
+    suffix = output.suffix.lower().lstrip(".")
+    if suffix == "htm":
+        return "html"
+    if suffix not in FORMATS:
+        raise UsageError(f"-o {output}: cannot tell the format from the suffix {output.suffix or '(none)'!r}; "
+                         f"use .png, .svg, .pdf or .html, or pass --format {{{','.join(FORMATS)}}}")
+    return suffix
+
+
+def check_output(output: Path) -> None:
+    parent = output.parent if str(output.parent) else Path(".")
+    if output.is_dir():
+        raise UsageError(f"-o {output}: is a folder; expected a file path")
+    if not parent.is_dir():
+        raise UsageError(f"-o {output}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise UsageError(f"-o {output}: not writable")
+
+
+def write_plot(runs: list[Run], metrics: list[str], smoothing: float, output: Path, fmt: str) -> None:
+    try:
+        if fmt == "html":
+            from accel.cli.plot_html import render_html
+
+            output.write_text(render_html(runs, metrics, smoothing), encoding="utf-8")
+        else:
+            build_figure(runs, metrics, smoothing).savefig(output, format=fmt, dpi=100)
+    except OSError as exc:
+        raise UsageError(f"-o {output}: cannot write it ({exc.strerror or exc})") from None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if not 0 <= args.smoothing < 1:
+        raise UsageError(f"--smoothing {args.smoothing}: must be >= 0 and < 1 (0 turns smoothing off)")
+    output = Path(args.output)
+    fmt = output_format(output, args.format)
+    check_output(output)
+    runs = load_runs(args.run_dirs)
+    metrics = choose_metrics(runs, args.metrics)
+    write_plot(runs, metrics, args.smoothing, output, fmt)
+    print(f"accel plot: wrote {output} ({len(metrics)} metric(s), {len(runs)} run(s): "
+          f"{', '.join(run.label for run in runs)})")
+    return 0
