@@ -102,8 +102,14 @@ def _label(runs: list[Run]) -> None:
         run.label = name if names.count(name) == 1 else str(run.path)
 
 
+NON_FINITE = {"nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
+
+
 def _number(value) -> float | None:
-    """A loggable scalar as a float; None for strings, booleans and anything else not drawable."""
+    """A loggable scalar as a float; None for strings, booleans and anything else not drawable. The jsonl
+    tracker writes NaN and infinities as strings (JSON has no literal for them): those are numbers."""
+    if isinstance(value, str) and value.strip().lower() in NON_FINITE:
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
@@ -180,8 +186,8 @@ def read_csv(path: Path) -> dict:
     return metrics
 
 
-def read_tensorboard(folder: Path) -> dict:
-    """Scalars of the TensorBoard event files in `folder`, read with tensorboard's EventAccumulator."""
+def _scalars(folder: Path) -> dict:
+    """tag -> Series of the event files directly in `folder`, read with tensorboard's EventAccumulator."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError:
@@ -196,6 +202,18 @@ def read_tensorboard(folder: Path) -> dict:
     for tag in accumulator.Tags().get(SCALARS, []):
         events = accumulator.Scalars(tag)
         metrics[tag] = Series([float(e.step) for e in events], [float(e.value) for e in events])
+    return metrics
+
+
+def read_tensorboard(folder: Path) -> dict:
+    """The run folder's scalars, plus those SummaryWriter.add_scalars("a", {"b": ...}) puts in a subfolder
+    `a_b` (tag "a"), named "a/b" as the jsonl tracker flattens the same dict."""
+    metrics = _scalars(folder)
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and any(p.glob(EVENTS))):
+        for tag, series in _scalars(sub).items():
+            prefix = f"{tag}_"
+            name = f"{tag}/{sub.name[len(prefix):]}" if sub.name.startswith(prefix) else f"{sub.name}/{tag}"
+            metrics.setdefault(name, series)
     return metrics
 
 
@@ -288,7 +306,8 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
             handles.setdefault(run.label, line)
     for ax in axes[len(metrics):]:
         ax.remove()
-    fig.legend(list(handles.values()), list(handles), loc="outside upper center",
+    order = [run.label for run in runs if run.label in handles]
+    fig.legend([handles[label] for label in order], order, loc="outside upper center",
                ncols=min(len(handles), 4), frameon=False)
     return fig
 

@@ -21,7 +21,7 @@ def _jsonl_run(folder: Path) -> None:
     folder.mkdir(parents=True)
     records = [{"step": i * 10, "time": 100.0 + i, "values": {"loss": v, "lr": 0.1 / (i + 1), "phase": "train"}}
                for i, v in enumerate(LOSS_A)]
-    records.append({"step": None, "time": 200.0, "values": {"eval": {"acc": 0.9}}})
+    records.append({"step": None, "time": 200.0, "values": {"eval": {"acc": 0.9}, "grad_norm": "nan"}})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (folder / "config.json").write_text('{"lr": 0.1}')
 
@@ -40,6 +40,8 @@ def _tensorboard_run(folder: Path) -> None:
     writer = SummaryWriter(log_dir=str(folder))
     for step, value in [(0, 6.0), (2, 5.0), (4, 4.5)]:
         writer.add_scalar("loss", value, step)
+    writer.add_scalars("eval", {"acc": 0.5}, 4)  # a subfolder eval_acc with tag "eval"
+    writer.add_hparams({"lr": 0.1}, metric_dict={})  # a subfolder without scalars
     writer.close()
 
 
@@ -70,20 +72,23 @@ def test_reads_jsonl_csv_and_tensorboard(logs):
     by_label = {run.label: run for run in runs}
     assert list(by_label) == ["alpha", "beta", "gamma"]
     alpha, beta, gamma = by_label["alpha"].metrics, by_label["beta"].metrics, by_label["gamma"].metrics
-    assert sorted(alpha) == ["eval/acc", "loss", "lr"]  # the string "phase" is skipped, the dict flattened
+    assert sorted(alpha) == ["eval/acc", "grad_norm", "loss", "lr"]  # "phase" skipped, the dict flattened
     assert (alpha["loss"].x, alpha["loss"].y) == ([0.0, 10.0, 20.0, 30.0], LOSS_A)
     assert (alpha["eval/acc"].x, alpha["eval/acc"].y) == ([4.0], [0.9])  # step null: the call's index
+    assert alpha["grad_norm"].y[0] != alpha["grad_norm"].y[0]  # "nan", as the jsonl tracker writes NaN
     assert sorted(beta) == ["loss", "lr"]
     assert (beta["loss"].x, beta["loss"].y) == ([0.0, 5.0, 2.0], [5.0, 4.0, 3.5])
     assert (gamma["loss"].x, gamma["loss"].y) == ([0.0, 2.0, 4.0], [6.0, 5.0, 4.5])
+    assert (gamma["eval/acc"].x, gamma["eval/acc"].y) == ([4.0], [0.5])  # add_scalars' subfolder eval_acc
+    assert sorted(gamma) == ["eval/acc", "loss"]
 
 
 def test_figure_has_a_panel_per_metric_and_a_raw_and_smoothed_line_per_run(logs):
     runs = plot.load_runs([str(logs / "runs"), str(logs / "tb" / "gamma")])
     metrics = plot.choose_metrics(runs, None)
     fig = plot.build_figure(runs, metrics, 0.6)
-    assert [ax.get_title() for ax in fig.axes] == ["eval/acc", "loss", "lr"]
-    loss = _lines(fig.axes[1])
+    assert [ax.get_title() for ax in fig.axes] == ["eval/acc", "grad_norm", "loss", "lr"]
+    loss = _lines(fig.axes[2])
     assert sorted(loss) == sorted(f"{kind}:{run}" for kind in ("raw", "smoothed") for run in ("alpha", "beta", "gamma"))
     assert list(loss["raw:alpha"].get_xdata()) == [0, 10, 20, 30]
     assert list(loss["raw:alpha"].get_ydata()) == LOSS_A
@@ -95,7 +100,7 @@ def test_figure_has_a_panel_per_metric_and_a_raw_and_smoothed_line_per_run(logs)
     assert list(loss["smoothed:gamma"].get_xdata()) == [0, 2, 4]
     assert loss["raw:beta"].get_alpha() == plot.RAW_ALPHA and loss["smoothed:beta"].get_alpha() is None
     assert loss["raw:beta"].get_color() == loss["smoothed:beta"].get_color() != loss["smoothed:alpha"].get_color()
-    assert sorted(_lines(fig.axes[0])) == ["raw:alpha", "smoothed:alpha"]  # eval/acc: only alpha logged it
+    assert sorted(_lines(fig.axes[3])) == ["raw:alpha", "raw:beta", "smoothed:alpha", "smoothed:beta"]  # lr
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["alpha", "beta", "gamma"]
 
 
@@ -118,7 +123,7 @@ def test_cli_writes_a_png(run_accel, logs, tmp_path):
     out = tmp_path / "curves.png"
     result = run_accel("plot", logs / "runs", logs / "tb" / "gamma", "-o", out)
     assert result.returncode == 0, result.stderr
-    assert "3 metric(s), 3 run(s)" in result.stdout
+    assert "4 metric(s), 3 run(s)" in result.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -129,17 +134,17 @@ def test_html_is_one_self_contained_page(logs, tmp_path, capsys, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["curves.html"]
     page = out.read_text()
     assert "http://" not in page and "https://" not in page and "<script" not in page and "src=" not in page
-    assert page.count("<svg") == 3
-    for name in ("eval/acc", "loss", "lr", "alpha", "beta", "gamma"):
+    assert page.count("<svg") == 4
+    for name in ("eval/acc", "grad_norm", "loss", "lr", "alpha", "beta", "gamma"):
         assert f">{name}<" in page or f'"{name}"' in page, name
-    assert page.count('class="raw"') == page.count('class="smoothed"') == 6  # loss 3 runs, lr 2, eval/acc 1
+    assert page.count('class="raw"') == page.count('class="smoothed"') == 8  # runs per panel: 2+1+3+2
 
 
 @pytest.mark.parametrize("case, expected", [
     ("missing", "RUN_DIR {tmp}/nope: no such folder"),
     ("empty", "RUN_DIR {tmp}/empty: no metrics.jsonl, metrics.csv"),
     ("damaged", "{tmp}/bad/metrics.jsonl:2: not a JSON line"),
-    ("unknown_metric", "--metrics: unknown metric 'acc'; logged numeric metrics: eval/acc, loss, lr"),
+    ("unknown_metric", "--metrics: unknown metric 'acc'; logged numeric metrics: eval/acc, grad_norm, loss, lr"),
     ("unwritable", "-o {tmp}/no/dir/c.png: folder {tmp}/no/dir does not exist"),
     ("suffix", "-o {tmp}/c.txt: cannot tell the format"),
     ("smoothing", "--smoothing 1.0: must be >= 0 and < 1"),
