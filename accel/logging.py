@@ -1,8 +1,10 @@
 """Accelerate's `get_logger`: a standard `logging` logger whose records are emitted on the main process only
-(`main_process_only=True`, the default) or on every process, optionally one process after another (`in_order`)."""
+(`main_process_only=True`, the default), on every process (`main_process_only=False`), or on every process one
+after another (`in_order=True`, which overrides `main_process_only`). Each message starts with `[RANK i] `."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -10,41 +12,56 @@ import os
 class MultiProcessAdapter(logging.LoggerAdapter):
     """`logger.info(msg, main_process_only=False, in_order=True)`; the process state is read when logging."""
 
-    def log(self, level, msg, *args, main_process_only: bool = True, in_order: bool = False, **kwargs):
+    @staticmethod
+    def _should_log(main_process_only: bool) -> bool:
         from accel.state import PartialState
 
+        return not main_process_only or PartialState().is_main_process
+
+    def process(self, msg, kwargs):
+        """Prefix the rank, and report the caller's line (not this file's) as the record's origin."""
+        from accel.state import PartialState
+
+        msg, kwargs = super().process(msg, kwargs)
+        kwargs.setdefault("stacklevel", 2)
+        return f"[RANK {PartialState().process_index}] {msg}", kwargs
+
+    def log(self, level, msg, *args, **kwargs):
+        """Log on the processes asked for. `in_order=True` makes every rank log in turn, with a barrier after each
+        turn, so every process must make the call."""
+        from accel.state import PartialState
+
+        if not PartialState._shared_state.get("_initialized"):
+            raise RuntimeError("You must initialize the accelerate state by calling either `PartialState()` or "
+                               "`Accelerator()` before using the logging utility.")
+        main_process_only = kwargs.pop("main_process_only", True)
+        in_order = kwargs.pop("in_order", False)
         if not self.isEnabledFor(level):
             return
-        state = PartialState._instance
-        if state is None or not state.initialized:
-            if int(os.environ.get("RANK", "0")) == 0 or not main_process_only:
-                self.logger.log(level, msg, *args, **kwargs)
-            return
-        if main_process_only:
-            if state.is_main_process:
-                self.logger.log(level, msg, *args, **kwargs)
-            return
+        msg, kwargs = self.process(msg, kwargs)
         if not in_order:
-            self.logger.log(level, msg, *args, **kwargs)
+            if self._should_log(main_process_only):
+                self.logger.log(level, msg, *args, **kwargs)
             return
+        state = PartialState()
         for rank in range(state.num_processes):
             if rank == state.process_index:
                 self.logger.log(level, msg, *args, **kwargs)
             state.wait_for_everyone()
 
+    @functools.lru_cache(None)
     def warning_once(self, *args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        seen = self.__dict__.setdefault("_warned", set())
-        if key not in seen:
-            seen.add(key)
-            self.warning(*args, **kwargs)
+        """`warning()`, emitted once per distinct arguments (per logger object, as in Accelerate)."""
+        self.warning(*args, **kwargs)
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
-    """The logger `name` (level `log_level`, else $ACCELERATE_LOG_LEVEL or $ACCEL_LOG_LEVEL if set)."""
-    level = log_level or os.environ.get("ACCELERATE_LOG_LEVEL") or os.environ.get("ACCEL_LOG_LEVEL")
+    """The logger `name`. A level (`log_level`, else $ACCELERATE_LOG_LEVEL, else accel's older $ACCEL_LOG_LEVEL) is
+    set on it and on the root logger, as Accelerate does; with none, levels are left as they are."""
+    if log_level is None:
+        log_level = os.environ.get("ACCELERATE_LOG_LEVEL") or os.environ.get("ACCEL_LOG_LEVEL")
     logger = logging.getLogger(name)
-    if level is not None:
-        logger.setLevel(level.upper())
-        logger.root.setLevel(level.upper())
+    if log_level is not None:
+        logger.setLevel(log_level.upper())
+        logger.root.setLevel(log_level.upper())
     return MultiProcessAdapter(logger, {})

@@ -299,9 +299,12 @@ def save_state_dict_sharded(
     for alias, target in aliases.items():
         aliases_of.setdefault(target, []).append(alias)
 
+    from accel.utils.progress import progress
+
     written: list[Path] = []
     weight_map: dict[str, str] = {}
-    for shard, file_name in zip(shards, names):
+    pairs = zip(shards, names)
+    for shard, file_name in progress(pairs, total, "Saving checkpoint shards") if total > 1 else pairs:
         tensors: dict[str, torch.Tensor] = {}
         for name in shard:
             tensor = state_dict[name].detach()
@@ -638,8 +641,12 @@ class CheckpointPlan:
 
     def tensors(self, loader: TensorLoader):
         """Yields ``(file, key, stored dtype, read)`` for every saved tensor, one file at a time; ``read()``
-        returns the value (for safetensors the data is read only then, so a caller may skip it)."""
-        for path, keys in self.files:
+        returns the value (for safetensors the data is read only then, so a caller may skip it). Several files
+        advance a progress bar (drawn on a terminal only)."""
+        from accel.utils.progress import progress
+
+        files = self.files if len(self.files) < 2 else progress(self.files, desc="Loading checkpoint shards")
+        for path, keys in files:
             if path.suffix == ".safetensors":
                 with _safe_open(path) as f:
                     for key in keys:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from accel.checkpoint import layout, tree
 from accel.checkpoint.layout import CheckpointError
+from accel.utils.progress import stages
 
 
 @dataclass
@@ -263,13 +264,17 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         return _agreed(step, lambda exc: _save_failure(target, tmp, rank, world, exc),
                        lambda: _remove_temporary(tmp, rank, world))
 
-    run(lambda: _make_temporary(target, tmp) if rank == 0 else None)
-    weights, owners = run(lambda: _saved_weights(objects, tmp))
-    tensors, meta = run(lambda: _split_state(objects, weights, owners))
-    if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
-        meta = run(lambda: _merged_over_stages(meta, world))
-    run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
-    run(lambda: _publish(tmp, target, meta, world, objects.step) if rank == 0 else None)
+    with stages("save_state", 3) as begin:  # DCP writes in one call: the bar names the step, with elapsed time
+        begin("collecting state")
+        run(lambda: _make_temporary(target, tmp) if rank == 0 else None)
+        weights, owners = run(lambda: _saved_weights(objects, tmp))
+        tensors, meta = run(lambda: _split_state(objects, weights, owners))
+        if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
+            meta = run(lambda: _merged_over_stages(meta, world))
+        begin("writing tensors")
+        run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
+        begin("publishing")
+        run(lambda: _publish(tmp, target, meta, world, objects.step) if rank == 0 else None)
     return target
 
 
@@ -375,10 +380,14 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     def run(step):
         return _agreed(step, lambda exc: _load_failure(folder, exc), name_rank=True)
 
-    plan = run(lambda: _checked_files(folder, objects, rank))
-    run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates): agreed
-    run(lambda: _read_tensors(folder, plan, world))
-    run(lambda: _restore(folder, plan, objects))
+    with stages("load_state", 3) as begin:  # DCP reads in one call: the bar names the step, with elapsed time
+        begin("checking files")
+        plan = run(lambda: _checked_files(folder, objects, rank))
+        run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates): agreed
+        begin("reading tensors")
+        run(lambda: _read_tensors(folder, plan, world))
+        begin("restoring objects")
+        run(lambda: _restore(folder, plan, objects))
     _apply_rng(plan.rng)
     return plan.manifest
 

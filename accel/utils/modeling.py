@@ -9,6 +9,7 @@ larger than memory never has to be materialised whole.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -27,6 +28,8 @@ from accel.checkpoint.model_io import (
     unwrap_model,
 )
 from accel.utils.offload import _dtype_name, offload_weight, save_offload_index
+
+logger = logging.getLogger(__name__)  # a plain logger, as Accelerate's: these helpers run without a process state
 
 __all__ = [
     "named_module_tensors",
@@ -683,13 +686,11 @@ def _device_of(name: str, device_map: Mapping[str, Device]) -> Device:
 
 def check_tied_parameters_on_same_device(tied_params: list[list[str]], device_map: Mapping[str, Device]) -> None:
     """Warn for each group of tied parameters that ``device_map`` puts on more than one device."""
-    from accel.logging import get_logger
-
     for group in tied_params:
         devices = {name: _device_of(name, device_map) for name in group}
         if len(set(devices.values())) > 1:
-            get_logger(__name__).warning(f"Tied parameters are on different devices: {devices}. Please modify your "
-                                         "custom device map or set `device_map='auto'`. ")
+            logger.warning(f"Tied parameters are on different devices: {devices}. Please modify your custom device "
+                           "map or set `device_map='auto'`. ")
 
 
 def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
@@ -799,8 +800,6 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
     gives its module, the rest on the CPU) or a torch file (``torch.load(weights_only=True)`` on the CPU). A
     safetensors file saved by TensorFlow/Flax is refused; one without metadata is read as PyTorch's, with a
     warning."""
-    from accel.logging import get_logger
-
     checkpoint_file = str(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
         return torch.load(checkpoint_file, map_location=torch.device("cpu"), weights_only=True)
@@ -811,7 +810,7 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
         metadata = f.metadata()
         names = list(f.keys())
     if metadata is None:
-        get_logger(__name__).warning(
+        logger.warning(
             f"The safetensors archive passed at {checkpoint_file} does not contain metadata. Make sure to save your "
             "model with the `save_pretrained` method. Defaulting to 'pt' metadata.")
         metadata = {"format": "pt"}

@@ -151,6 +151,7 @@ def save(obj, f, save_on_each_node: bool = False, safe_serialization: bool = Fal
     There is no barrier: call `wait_for_everyone()` before reading the file on another process."""
     from accel.state import PartialState
 
+    state = PartialState()  # first, as in Accelerate: the warning about removed aliases logs through the state
     if safe_serialization:
         from safetensors.torch import save_file
 
@@ -161,7 +162,6 @@ def save(obj, f, save_on_each_node: bool = False, safe_serialization: bool = Fal
             obj = clean_state_dict_for_safetensors(obj)
     else:
         write = torch.save
-    state = PartialState()
     if state.is_local_main_process if save_on_each_node else state.is_main_process:
         write(obj, f)
 

@@ -114,9 +114,12 @@ def test_everyday_helpers(tmp_path, caplog):
     assert a is None and b is None
     path = write_basic_config(save_location=str(tmp_path / "basic.yaml"))
     assert path and write_basic_config(save_location=str(tmp_path / "basic.yaml")) is False
+    from accel.state import PartialState
+
+    PartialState(cpu=True)  # get_logger needs the state, as in Accelerate
     with caplog.at_level(logging.INFO):
         get_logger("accel.test", "INFO").info("from the main process")
-    assert "from the main process" in caplog.text
+    assert "[RANK 0] from the main process" in caplog.text
 
 
 @pytest.mark.parametrize("sync_each_batch", [False, True])

@@ -238,6 +238,9 @@ def test_is_port_in_use_matches():
 def test_check_os_kernel_warns_on_an_old_linux_kernel(monkeypatch, caplog):
     import platform
 
+    from accel.state import PartialState
+
+    PartialState(cpu=True)  # its warning goes through get_logger, which needs the state (as in Accelerate)
     au.check_os_kernel()  # this machine: no error
     old = platform.uname()._replace(system="Linux", release="4.19.0-25-amd64")
     monkeypatch.setattr(platform, "uname", lambda: old)
@@ -264,6 +267,9 @@ def test_clean_state_dict_for_safetensors_matches(caplog, monkeypatch):
 
     # Accelerate's logger needs Accelerate's own state initialised: a plain logger stands in for it
     monkeypatch.setattr(accelerate.utils.other, "logger", logging.getLogger("accelerate-stand-in"))
+    from accel.state import PartialState
+
+    PartialState(cpu=True)  # our warning goes through get_logger, which needs the state (as in Accelerate)
     ours_input, theirs_input = _tied_state_dict(), _tied_state_dict()
     with caplog.at_level(logging.WARNING):
         ours = au.clean_state_dict_for_safetensors(ours_input)
