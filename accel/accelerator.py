@@ -114,7 +114,7 @@ class Accelerator:
         self.rng_types = rng_types
         self.kwargs_handlers = list(kwargs_handlers or [])
         self._check_handlers()
-        self._warn_trackers(log_with)
+        self.log_with, self.trackers = self._tracker_names(log_with), []
 
         backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
@@ -188,11 +188,14 @@ class Accelerator:
                                 "AORecipeKwargs, ProfileKwargs")
             find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
 
-    @staticmethod
-    def _warn_trackers(log_with: Any) -> None:
-        if log_with not in (None, [], ()):
-            warnings.warn("Accelerator(log_with=...): experiment trackers are not supported by accel yet; "
-                          "accelerator.log() does nothing", stacklevel=3)
+    def _tracker_names(self, log_with: Any) -> list:
+        from accel.tracking import filter_trackers, logging_root
+
+        trackers = filter_trackers(log_with, logging_root(self.project_configuration))
+        if not trackers and log_with is not None:
+            warnings.warn(f"`log_with={log_with}` was passed but no supported trackers are currently installed.",
+                          stacklevel=3)
+        return trackers
 
     # ------------------------------------------------------------------------------------------------------
     # identity
@@ -692,7 +695,10 @@ class Accelerator:
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish: release the wrapped modules and destroy the process group (also done at exit)."""
+        """Finish: close the trackers, release the wrapped modules and destroy the process group (also done at
+        exit)."""
+        for tracker in self.trackers:
+            tracker.finish()
         self.wait_for_everyone()
         self.free_memory()
         self.state.destroy()
@@ -829,12 +835,28 @@ class Accelerator:
                 config.to_json_file(str(Path(save_directory) / "config.json"))
         self.wait_for_everyone()
 
-    # -- experiment trackers: accepted for compatibility, not implemented -------------------------------------
+    # -- experiment trackers (accel/tracking.py): started, fed and finished on the main process only ----------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        pass
+        """Start the `log_with` trackers for a run in `<logging_dir>/<project_name>/`; `config`: its hyperparameters;
+        `init_kwargs`: per tracker name, keyword arguments for its constructor (e.g. `{"wandb": {"tags": [...]}}`)."""
+        from accel.tracking import logging_root, start_trackers
+
+        if self.is_main_process:
+            start_trackers(self.trackers, self.log_with, project_name, logging_root(self.project_configuration),
+                           config, init_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False):
+        """The tracker called `name` (its library's own object with `unwrap=True`); a blank one off the main process."""
+        from accel.tracking import get_tracker
+
+        return get_tracker(self.trackers, name, unwrap)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        pass
+        """Send `values` (names to numbers or strings) at `step` to every tracker, from the main process only;
+        `log_kwargs`: per tracker name, extra keyword arguments for its `log`."""
+        if self.is_main_process:
+            for tracker in self.trackers:
+                tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def __repr__(self) -> str:
         return (f"Accelerator(backend={self.backend.name}, distributed_type={self.distributed_type}, "

@@ -2,7 +2,9 @@
 
 It follows the shape of Accelerate's own examples: set_seed, main_process_first around data preparation,
 gradient accumulation with `accumulate`, clipping, evaluation with `gather_for_metrics`, and
-`unwrap_model` at the end. Synthetic classification data, no download.
+`unwrap_model` at the end, experiment tracking with `log_with`/`init_trackers`/`log`. Synthetic classification data,
+no download. The main process logs loss and learning rate per optimizer step, and accuracy per epoch, to
+runs/accelerate_style/metrics.jsonl (`--project_dir` moves it; `--log_with tensorboard` writes TensorBoard events).
 
     accel launch --cpu --num_processes 2 examples/accelerate_style.py --gradient_accumulation_steps 2
     accel launch --cpu --num_processes 2 --mixed_precision bf16 examples/accelerate_style.py
@@ -29,10 +31,14 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--mixed_precision", default=None)
+    parser.add_argument("--log_with", default="jsonl")
+    parser.add_argument("--project_dir", default="runs")
     args = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=args.mixed_precision)
+                              mixed_precision=args.mixed_precision, log_with=args.log_with,
+                              project_dir=args.project_dir)
+    accelerator.init_trackers("accelerate_style", config=vars(args))
     set_seed(42)
     with accelerator.main_process_first():
         generator = torch.Generator().manual_seed(0)
@@ -49,6 +55,7 @@ def main() -> None:
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
+    step = 0
     for epoch in range(args.epochs):
         model.train()
         for inputs, labels in train_loader:
@@ -60,6 +67,9 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                accelerator.log({"loss": loss.item(), "lr": scheduler.get_last_lr()[0]}, step=step)
+                step += 1
 
         model.eval()
         correct, total = 0, 0
@@ -70,6 +80,7 @@ def main() -> None:
             correct += (predictions == references).sum().item()
             total += references.numel()
         accelerator.print(f"epoch {epoch}: accuracy {correct / total:.3f} on {total} eval samples")
+        accelerator.log({"accuracy": correct / total, "epoch": epoch}, step=step)
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)

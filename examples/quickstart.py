@@ -3,7 +3,8 @@
     accel launch examples/quickstart.py                       # the embedded default: one process
     accel launch --cpu --num_processes 2 examples/quickstart.py   # two processes on gloo
 
-It learns y = 3x - 1 + noise with a small MLP on synthetic data (no download).
+It learns y = 3x - 1 + noise with a small MLP on synthetic data (no download). The main process logs the loss and
+learning rate of every step to runs/quickstart/metrics.jsonl (one JSON object per line; `--project_dir` moves it).
 """
 
 import argparse
@@ -19,6 +20,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--project_dir", default="runs", help="logs go to PROJECT_DIR/quickstart/metrics.jsonl")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -29,9 +31,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
 
-    accelerator = Accelerator()  # accel
+    accelerator = Accelerator(log_with="jsonl", project_dir=args.project_dir)  # accel
+    accelerator.init_trackers("quickstart", config=vars(args))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)  # accel
 
+    step = 0
     for epoch in range(args.epochs):
         model.train()
         total, count = torch.zeros((), device=accelerator.device), 0
@@ -43,6 +47,8 @@ def main() -> None:
             scheduler.step()
             total += loss.detach()
             count += 1
+            accelerator.log({"loss": loss.detach(), "lr": scheduler.get_last_lr()[0]}, step=step)  # this process's loss
+            step += 1
         mean_loss = accelerator.reduce(total / count, reduction="mean")
         accelerator.print(f"epoch {epoch}: loss {mean_loss.item():.4f} on {accelerator.num_processes} process(es)")
     accelerator.end_training()

@@ -1,5 +1,6 @@
 """Every example runs under `accel launch`: on the embedded default (one process) and on 2 CPU processes."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -10,8 +11,16 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
+LOGGING = {"quickstart.py", "accelerate_style.py"}  # log to PROJECT_DIR/<name>/metrics.jsonl (default runs/)
+
+
 def launch(isolated_env, *args: str) -> subprocess.CompletedProcess:
     return accel_launch(isolated_env, *args)
+
+
+def logs_to(example: Path, tmp_path: Path) -> list[str]:
+    """Keep the logging examples' files out of the repository."""
+    return ["--project_dir", str(tmp_path)] if example.name in LOGGING else []
 
 
 def test_there_are_examples():
@@ -19,22 +28,27 @@ def test_there_are_examples():
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_example_on_the_embedded_default(isolated_env, example):
-    out = launch(isolated_env, str(example)).stdout
+def test_example_on_the_embedded_default(isolated_env, example, tmp_path):
+    out = launch(isolated_env, str(example), *logs_to(example, tmp_path)).stdout
     assert "1 process" in out
+    if example.name in LOGGING:
+        lines = [json.loads(line) for line in (tmp_path / example.stem / "metrics.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines if "loss" in line["values"]] == list(range(96))  # 3 epochs x 32
+        assert all(isinstance(line["values"].get("lr", 0.0), float) for line in lines)
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_example_on_two_cpu_processes(isolated_env, example):
-    out = launch(isolated_env, "--cpu", "--num_processes", "2", str(example)).stdout
+def test_example_on_two_cpu_processes(isolated_env, example, tmp_path):
+    out = launch(isolated_env, "--cpu", "--num_processes", "2", str(example), *logs_to(example, tmp_path)).stdout
     assert "2 process" in out
 
 
 @pytest.mark.multiproc
-def test_accelerate_script_with_bf16_and_accumulation(isolated_env):
+def test_accelerate_script_with_bf16_and_accumulation(isolated_env, tmp_path):
     out = launch(isolated_env, "--cpu", "--num_processes", "2", "--mixed_precision", "bf16",
-                 str(ROOT / "examples" / "accelerate_style.py"), "--gradient_accumulation_steps", "2").stdout
+                 str(ROOT / "examples" / "accelerate_style.py"), "--gradient_accumulation_steps", "2",
+                 "--project_dir", str(tmp_path)).stdout
     assert "on 203 eval samples" in out  # gather_for_metrics dropped the padding of the uneven last batch
     assert "mixed_precision=bf16" in out and "MULTI_CPU" in out
 
