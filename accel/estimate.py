@@ -1,0 +1,283 @@
+"""Model-state memory estimates: what a model's weights take per dtype, its largest layer, and the bytes per
+rank of parameters, gradients and AdamW state for each layout as accel's backends really keep them.
+
+Plain functions over a `ModelSpec` (parameter names, sizes, repeated blocks), so `accel estimate-memory` and a
+later `accel plan` share them. Models are built on the meta device: a 70B config takes seconds, no memory.
+
+What accel keeps (accel/precision.py, accel/backends/{ddp,zero,recipe}.py), AdamW, N data-parallel ranks:
+parameters stay float32 in every mixed-precision mode (bf16/fp16 are autocast: no separate master copy),
+gradients float32, two float32 moments plus a 0-d float32 `step` per parameter. DDP: all of it on every rank.
+ZeRO-1 (ZeroRedundancyOptimizer + DDP): whole parameters' optimizer state, partitioned greedily by size.
+ZeRO-2/3 (FSDP2 `fully_shard` per repeated block, then the root): parameters, gradients and state as dim-0
+shards (rank 0 holds the largest, ceil(dim0 / N) rows); stage 2 differs from 3 only while it computes.
+Offload (FSDP2 CPUOffloadPolicy): the same shards on the host, nothing on the device between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "float8_e4m3fn": 1}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+STATE_BYTES = 4  # float32 parameters, gradients and each Adam moment
+LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
+ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every mixed-precision mode (accel's "
+               "bf16/fp16 are autocast with float32 weights: no separate master copy, master_bytes 0); plus a 0-d "
+               "float32 step per parameter; ZeRO-2/3 shard each parameter on dim 0 (rank 0's shard, the largest, "
+               "is reported); ZeRO-1 partitions whole parameters greedily by size; TP shards the >=2-D parameters "
+               "of the repeated blocks, the rest replicated; PP splits the blocks into contiguous stages, the "
+               "parameters before the first block on the first stage, the others on the last; activations, "
+               "gathered parameters and communication buffers (e.g. DDP's gradient buckets) not included")
+
+
+class EstimateError(ValueError):
+    """A model that cannot be read or degrees that do not fit: one line for the user."""
+
+
+@dataclass
+class Param:
+    name: str
+    shape: tuple
+    itemsize: int  # as stored (safetensors) or as created (module)
+    block: str | None  # the repeated block (ZeRO/FSDP2 wrap unit) holding it, None for the root's own
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ModelSpec:
+    source: str
+    params: list[Param] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+# -- reading a model ------------------------------------------------------------------------------------------
+def spec_from_module(model: torch.nn.Module, source: str = "module") -> ModelSpec:
+    """The parameters of `model` (tied ones once), each with the repeated block (nn.ModuleList member) that
+    accel's ZeRO would wrap it in."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for child_name, child in module.named_children():
+                block = f"{name}.{child_name}" if name else child_name
+                for p in child.parameters():
+                    owner.setdefault(id(p), block)  # outer blocks win, as wrapping them covers the inner
+    params = [Param(n, tuple(p.shape), p.element_size(), owner.get(id(p))) for n, p in model.named_parameters()]
+    return ModelSpec(source, params)
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def spec_from_safetensors(path: Path) -> ModelSpec:
+    """Headers only: a `.safetensors` file, a sharded index, or a folder holding either."""
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        files = [index] if index.is_file() else sorted(path.glob("*.safetensors"))
+        if not files:
+            raise EstimateError(f"{path}: no model.safetensors.index.json or *.safetensors in the folder")
+    else:
+        files = [path]
+    if files[0].name.endswith(".index.json"):
+        index = files[0]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise EstimateError(f"{index}: not a safetensors index ({exc})") from None
+        files = [index.parent / f for f in sorted(set(weight_map.values()))]
+    params = []
+    for file in files:
+        for name, info in _safetensors_header(file).items():
+            if name == "__metadata__":
+                continue
+            match = _BLOCK.match(name)
+            params.append(Param(name, tuple(info["shape"]), SAFETENSORS_BYTES.get(info["dtype"], 4),
+                                match.group(1) if match else None))
+    return ModelSpec(str(path), params)
+
+
+def _safetensors_header(file: Path) -> dict:
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            return json.loads(f.read(length))
+    except FileNotFoundError:
+        raise EstimateError(f"{file}: no such file") from None
+    except (OSError, ValueError, struct.error) as exc:
+        raise EstimateError(f"{file}: not a safetensors file ({exc})") from None
+
+
+def build_from_config(config) -> torch.nn.Module:
+    """A transformers causal LM (or base model) from `config`, on the meta device."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)
+
+
+def load_spec(model: str) -> ModelSpec:
+    """MODEL as the CLI takes it: a safetensors file/index/folder, a transformers config (file, folder or model
+    type), or `module:callable` returning an nn.Module."""
+    path = Path(model)
+    if path.suffix == ".safetensors" or path.name.endswith(".index.json") or (
+            path.is_dir() and not (path / "config.json").is_file()):
+        if not path.exists():
+            raise EstimateError(f"{model}: no such file or folder")
+        return spec_from_safetensors(path)
+    if ":" in model and not path.exists():
+        return spec_from_module(_call(model), model)
+    return spec_from_module(build_from_config(_config(model)), model)
+
+
+def _call(target: str) -> torch.nn.Module:
+    import importlib
+
+    module_name, _, attr = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EstimateError(f"{target}: cannot load the callable ({exc}); expected module:callable") from None
+    with torch.device("meta"):
+        model = fn()
+    if not isinstance(model, torch.nn.Module):
+        raise EstimateError(f"{target}: returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _config(model: str):
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise EstimateError("reading a transformers config needs transformers; install it with "
+                            "pip install transformers") from None
+    path = Path(model)
+    if path.is_file() or path.is_dir():
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            data = json.loads(file.read_text())
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        except (OSError, ValueError, KeyError) as exc:
+            raise EstimateError(f"{file}: not a transformers config ({exc!s:.200})") from None
+    if "/" in model or model.endswith(".json"):
+        raise EstimateError(f"{model}: no such file or folder")
+    try:
+        return AutoConfig.for_model(model)
+    except ValueError:
+        raise EstimateError(f"{model}: unknown transformers model type; give a config.json, a folder, a "
+                            "safetensors checkpoint or module:callable") from None
+
+
+# -- the estimates ----------------------------------------------------------------------------------------------
+def weights(spec: ModelSpec, dtype: str) -> dict:
+    """Total bytes in `dtype`, the largest wrap unit (a repeated block, or the root's own parameters) and the
+    largest single parameter."""
+    size = DTYPE_BYTES[dtype]
+    units: dict[str, int] = {}
+    for p in spec.params:
+        units[p.block or "<root>"] = units.get(p.block or "<root>", 0) + p.numel
+    unit = max(units, key=units.get)
+    biggest = max(spec.params, key=lambda p: p.numel)
+    return {"dtype": dtype, "total_bytes": spec.numel * size,
+            "largest_layer": {"name": unit, "params": units[unit], "bytes": units[unit] * size},
+            "largest_param": {"name": biggest.name, "params": biggest.numel, "bytes": biggest.numel * size}}
+
+
+def _shard_numel(shape: tuple, n: int) -> int:
+    """Rank 0's dim-0 shard under FSDP2 (torch.chunk: ceil(dim0 / n) rows)."""
+    if not shape:
+        return 1
+    return min(shape[0], math.ceil(shape[0] / n)) * math.prod(shape[1:])
+
+
+def _zero1_max(numels: list[int], n: int) -> tuple[int, int]:
+    """The largest rank's share (elements, tensors) under ZeroRedundancyOptimizer's greedy partition (largest
+    first, to the least loaded rank)."""
+    loads, counts = [0] * n, [0] * n
+    for numel in sorted(numels, reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += numel
+        counts[rank] += 1
+    rank = loads.index(max(loads))
+    return loads[rank], counts[rank]
+
+
+def rank_params(spec: ModelSpec, tp: int, pp: int) -> list[tuple]:
+    """The shapes one rank holds under TP `tp` and PP `pp` (the largest stage), before data parallelism."""
+    blocks = list(dict.fromkeys(p.block for p in spec.params if p.block))
+    if pp > 1:
+        if len(blocks) < pp:
+            raise EstimateError(f"--pp_size {pp}: the model has only {len(blocks)} repeated blocks to split")
+        per = math.ceil(len(blocks) / pp)
+        stage_of = {b: i // per for i, b in enumerate(blocks)}
+        first = next(i for i, p in enumerate(spec.params) if p.block)
+        stages = [[] for _ in range(pp)]
+        for i, p in enumerate(spec.params):
+            stages[stage_of[p.block] if p.block else (0 if i < first else pp - 1)].append(p)
+        chosen = max(stages, key=lambda s: sum(p.numel for p in s))
+    else:
+        chosen = spec.params
+    shapes = []
+    for p in chosen:
+        shape = p.shape
+        if tp > 1 and p.block and len(shape) >= 2:
+            shape = (math.ceil(shape[0] / tp),) + tuple(shape[1:])
+        shapes.append(shape)
+    return shapes
+
+
+def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1) -> dict:
+    """Bytes per rank (the largest) of parameters, gradients, AdamW state and master weights for each layout,
+    on the device and on the host, with `num_processes` ranks of which tp * pp make one model replica."""
+    if num_processes < 1 or tp < 1 or pp < 1 or num_processes % (tp * pp):
+        raise EstimateError(f"--num_processes {num_processes} is not a multiple of --tp_size {tp} x --pp_size {pp}")
+    dp = num_processes // (tp * pp)
+    shapes = rank_params(spec, tp, pp)
+    full = sum(math.prod(s) for s in shapes)
+    sharded = sum(_shard_numel(s, dp) for s in shapes)
+    steps = len(shapes)  # one 0-d step per parameter: FSDP2 keeps one per shard on every rank
+    zero1, zero1_steps = _zero1_max([math.prod(s) for s in shapes], dp)
+    rows = {
+        "ddp": (full, full, 2 * full),
+        "zero1": (full, full, 2 * zero1),
+        "zero2": (sharded, sharded, 2 * sharded),
+        "zero3": (sharded, sharded, 2 * sharded),
+        "zero3_offload": (sharded, sharded, 2 * sharded),
+    }
+    layouts = {}
+    for name, (params, grads, moments) in rows.items():
+        entry = {"params_bytes": params * STATE_BYTES, "grads_bytes": grads * STATE_BYTES,
+                 "optimizer_bytes": (moments + (zero1_steps if name == "zero1" else steps)) * STATE_BYTES,
+                 "master_bytes": 0}
+        total = sum(entry.values())
+        offload = name.endswith("offload")
+        entry.update(device_bytes=0 if offload else total, host_bytes=total if offload else 0)
+        layouts[name] = entry
+    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "dp_size": dp, "layouts": layouts}
+
+
+def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int = 1, tp: int = 1,
+             pp: int = 1) -> dict:
+    """Everything `accel estimate-memory --json` prints."""
+    for dtype in dtypes:
+        if dtype not in DTYPE_BYTES:
+            raise EstimateError(f"--dtypes: bad value {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    if not spec.params:
+        raise EstimateError(f"{spec.source}: the model has no parameters")
+    return {"model": spec.source, "params": spec.numel, "weights": [weights(spec, d) for d in dtypes],
+            "training": training(spec, num_processes, tp, pp), "assumptions": ASSUMPTIONS}

@@ -1,0 +1,76 @@
+"""`accel estimate-memory MODEL`: weights per dtype, the largest layer, and the training model-state bytes per
+rank (parameters, gradients, AdamW state) for DDP, ZeRO 1/2/3 and offload, built on the meta device.
+
+`--json` prints one object: {"model", "params", "weights": [{"dtype", "total_bytes", "largest_layer": {"name",
+"params", "bytes"}, "largest_param": {...}}], "training": {"num_processes", "tp_size", "pp_size", "dp_size",
+"layouts": {"ddp"|"zero1"|"zero2"|"zero3"|"zero3_offload": {"params_bytes", "grads_bytes", "optimizer_bytes",
+"master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from accel.cli._common import UsageError, add_flag
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "estimate-memory", help="estimate a model's weights and training memory per rank (meta device, no memory)",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
+                                      "module:callable returning an nn.Module, or a safetensors file/index/folder")
+    add_flag(parser, "dtypes", default="float32,bfloat16", help="comma-separated weight dtypes (default %(default)s)")
+    add_flag(parser, "num_processes", type=int, default=1, help="ranks in all (default 1)")
+    add_flag(parser, "tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")
+    add_flag(parser, "pp_size", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args) -> int:
+    from accel.estimate import EstimateError, estimate, load_spec
+
+    start = time.perf_counter()
+    try:
+        result = estimate(load_spec(args.model), [d.strip() for d in args.dtypes.split(",") if d.strip()],
+                          args.num_processes, args.tp_size, args.pp_size)
+    except EstimateError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render(result, time.perf_counter() - start))
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(result: dict, seconds: float) -> str:
+    lines = [f"{result['model']}: {result['params']:,} parameters (built on the meta device in {seconds:.1f} s)", "",
+             f"{'dtype':<10} {'weights':>12} {'largest layer':>14}  {'largest parameter':>18}"]
+    for w in result["weights"]:
+        lines.append(f"{w['dtype']:<10} {_size(w['total_bytes']):>12} {_size(w['largest_layer']['bytes']):>14}  "
+                     f"{_size(w['largest_param']['bytes']):>18}")
+    w = result["weights"][0]
+    lines.append(f"largest layer: {w['largest_layer']['name']}; largest parameter: {w['largest_param']['name']}")
+    t = result["training"]
+    lines += ["", f"Training with AdamW, per rank: {t['num_processes']} processes = dp {t['dp_size']} x "
+                  f"tp {t['tp_size']} x pp {t['pp_size']}",
+              f"{'layout':<14} {'params':>11} {'grads':>11} {'optimizer':>11} {'master':>8} {'device':>11} "
+              f"{'host':>11}"]
+    for name, e in t["layouts"].items():
+        lines.append(f"{name:<14} {_size(e['params_bytes']):>11} {_size(e['grads_bytes']):>11} "
+                     f"{_size(e['optimizer_bytes']):>11} {_size(e['master_bytes']):>8} "
+                     f"{_size(e['device_bytes']):>11} {_size(e['host_bytes']):>11}")
+    lines += ["", "Assumed: " + result["assumptions"] + "."]
+    return "\n".join(lines)

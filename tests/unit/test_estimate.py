@@ -1,0 +1,142 @@
+"""`accel estimate-memory` and accel/estimate.py: exact byte counts, tied weights, ZeRO sharding, a 70B config
+on the meta device, the JSON keys and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from accel.cli.main import main
+from accel.estimate import estimate, load_spec, spec_from_module, spec_from_safetensors
+
+transformers = pytest.importorskip("transformers")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 3 * width)
+
+
+class Small(torch.nn.Module):
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 50, bias=False)
+
+
+def small() -> torch.nn.Module:
+    return Small()
+
+
+def test_exact_bytes_per_dtype_and_largest_layer():
+    model = Small()
+    spec = spec_from_module(model)
+    numel = sum(p.numel() for p in model.parameters())
+    result = estimate(spec, ["float32", "bfloat16"])
+    f32, bf16 = result["weights"]
+    assert result["params"] == numel
+    assert f32["total_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert bf16["total_bytes"] == numel * 2
+    assert f32["largest_layer"] == {"name": "<root>", "params": 50 * 8 * 2, "bytes": 50 * 8 * 2 * 4}
+    assert f32["largest_param"]["name"] in ("embed.weight", "head.weight")
+    ddp = result["training"]["layouts"]["ddp"]
+    n_tensors = len(list(model.parameters()))
+    assert ddp["params_bytes"] == ddp["grads_bytes"] == numel * 4
+    assert ddp["optimizer_bytes"] == numel * 8 + n_tensors * 4  # two moments + a 0-d step each
+    assert ddp["device_bytes"] == numel * 16 + n_tensors * 4 and ddp["master_bytes"] == 0
+
+
+def test_block_is_largest_layer_when_blocks_dominate():
+    spec = spec_from_module(Small(width=64, depth=2))
+    layer = estimate(spec, ["float32"])["weights"][0]["largest_layer"]
+    assert layer["name"] == "blocks.0" and layer["params"] == 2 * 64 + 64 * 192 + 192
+
+
+def test_tied_weights_counted_once():
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    spec = spec_from_module(transformers.AutoModelForCausalLM.from_config(config))
+    names = [p.name for p in spec.params]
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    assert spec.numel == sum(p.numel() for p in real.parameters())  # parameters() dedups ties
+
+
+def test_zero3_is_a_one_over_n_shard_of_ddp():
+    spec = spec_from_module(Small(width=16, depth=4))
+    n = 4
+    layouts = estimate(spec, num_processes=n)["training"]["layouts"]
+    ddp, z3, off = layouts["ddp"], layouts["zero3"], layouts["zero3_offload"]
+    steps = len(spec.params) * 4
+    for key in ("params_bytes", "grads_bytes"):
+        assert ddp[key] / n <= z3[key] <= ddp[key] / n + 4 * 16 * len(spec.params)  # dim-0 padding, one row each
+    assert z3["optimizer_bytes"] - steps == pytest.approx((ddp["optimizer_bytes"] - steps) / n, rel=0.15)
+    assert off["device_bytes"] == 0 and off["host_bytes"] == z3["device_bytes"]
+    z1 = layouts["zero1"]
+    assert z1["params_bytes"] == ddp["params_bytes"] and z1["optimizer_bytes"] < ddp["optimizer_bytes"]
+
+
+def test_llama_70b_on_meta_in_seconds(tmp_path):
+    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    config.to_json_file(tmp_path / "config.json")
+    start = time.perf_counter()
+    result = estimate(load_spec(str(tmp_path)), num_processes=8, tp=2, pp=2)
+    assert time.perf_counter() - start < 10
+    assert result["params"] == pytest.approx(70.6e9, rel=0.002)
+    root = result["weights"][1]["largest_layer"]  # untied embedding + head + final norm: FSDP2's root unit
+    assert root == {"name": "<root>", "params": 2 * 128256 * 8192 + 8192, "bytes": (2 * 128256 * 8192 + 8192) * 2}
+    assert result["training"]["dp_size"] == 2
+
+
+def test_safetensors_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"layers.0.w": torch.zeros(4, 4), "layers.1.w": torch.zeros(4, 4, dtype=torch.bfloat16),
+               "head": torch.zeros(2, 4)}, tmp_path / "model.safetensors")
+    spec = spec_from_safetensors(tmp_path)
+    assert spec.numel == 40 and {p.block for p in spec.params} == {"layers.0", "layers.1", None}
+
+
+def test_json_keys(capsys):
+    assert main(["estimate-memory", f"{__name__}:small", "--json", "--num_processes", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"model", "params", "weights", "training", "assumptions"}
+    assert set(out["weights"][0]) == {"dtype", "total_bytes", "largest_layer", "largest_param"}
+    assert set(out["training"]["layouts"]) == {"ddp", "zero1", "zero2", "zero3", "zero3_offload"}
+    assert set(out["training"]["layouts"]["zero2"]) == {"params_bytes", "grads_bytes", "optimizer_bytes",
+                                                        "master_bytes", "device_bytes", "host_bytes"}
+
+
+def test_text_output(capsys):
+    assert main(["estimate-memory", f"{__name__}:small", "--dtypes", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "float16" in out and "zero3_offload" in out and "Assumed:" in out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["no_such_model_type"], "unknown transformers model type"),
+    (["missing/config.json"], "no such file"),
+    (["missing.safetensors"], "no such file"),
+    (["os:no_such_callable"], "cannot load the callable"),
+    (["os:getcwd"], "not a torch.nn.Module"),
+    ([f"{__name__}:small", "--num_processes", "3", "--tp_size", "2"], "not a multiple"),
+    ([f"{__name__}:small", "--dtypes", "float7"], "--dtypes: bad value"),
+    ([f"{__name__}:small", "--num_processes", "8", "--pp_size", "8"], "--pp_size 8"),
+])
+def test_errors_are_one_line(args, fragment, capsys):
+    assert main(["estimate-memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and err.startswith("accel estimate-memory: error:")
+
+
+def test_missing_transformers_names_the_install(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers -> ImportError
+    assert main(["estimate-memory", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install transformers" in err and err.count("\n") == 1
