@@ -148,7 +148,12 @@ def load_spec(model: str) -> ModelSpec:
 def _call(target: str) -> torch.nn.Module:
     import importlib
 
+    import os
+    import sys
+
     module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:  # the `accel` script does not put the current folder on the path
+        sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

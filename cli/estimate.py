@@ -62,7 +62,9 @@ def render(result: dict, seconds: float) -> str:
         lines.append(f"{w['dtype']:<10} {_size(w['total_bytes']):>12} {_size(w['largest_layer']['bytes']):>14}  "
                      f"{_size(w['largest_param']['bytes']):>18}")
     w = result["weights"][0]
-    lines.append(f"largest layer: {w['largest_layer']['name']}; largest parameter: {w['largest_param']['name']}")
+    unit = w["largest_layer"]["name"]
+    unit = "<root> (the parameters outside the repeated blocks: FSDP2's root unit)" if unit == "<root>" else unit
+    lines.append(f"largest layer: {unit}; largest parameter: {w['largest_param']['name']}")
     t = result["training"]
     lines += ["", f"Training with AdamW, per rank: {t['num_processes']} processes = dp {t['dp_size']} x "
                   f"tp {t['tp_size']} x pp {t['pp_size']}",
