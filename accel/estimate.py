@@ -286,3 +286,127 @@ def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int
         raise EstimateError(f"{spec.source}: the model has no parameters")
     return {"model": spec.source, "params": spec.numel, "weights": [weights(spec, d) for d in dtypes],
             "training": training(spec, num_processes, tp, pp), "assumptions": ASSUMPTIONS}
+
+
+# -- activations: forward + backward on fake tensors -----------------------------------------------------------
+CHECKPOINTING = ("no", "full", "selective")
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATION_METHOD = ("forward and backward of the whole model on fake tensors (FakeTensorMode, no memory, no "
+                     "compute) under torch's MemTracker; activation bytes = the peak over the step of the "
+                     "tracked bytes that are not parameters, buffers or gradients (saved activations, "
+                     "temporaries, logits and loss); float32 parameters, autocast for bf16/fp16")
+
+
+def load_module(model: str) -> torch.nn.Module:
+    """MODEL as an nn.Module on the meta device: a transformers config or `module:callable` (a safetensors
+    checkpoint has no code to run)."""
+    path = Path(model)
+    if path.suffix == ".safetensors" or path.name.endswith(".index.json") or (
+            path.is_dir() and not (path / "config.json").is_file()):
+        raise EstimateError(f"{model}: activations need the model's code; give its config.json or module:callable")
+    if ":" in model and not path.exists():
+        return _call(model)
+    return build_from_config(_config(model))
+
+
+def _peak_tracker():
+    """torch's MemTracker that also records the peak of the non-model-state bytes (its own peak is of the total,
+    which late in backward is dominated by the gradients)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    states = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
+
+    class ActivationTracker(MemTracker):
+        activation_peak = 0
+
+        def _update_peak_stats(self, peak_state) -> None:  # replaces the per-module bookkeeping: not needed here
+            for snap in self._curr_mem_snap.values():
+                other = snap["Total"] - sum(snap.get(s, 0) for s in states)
+                self.activation_peak = max(self.activation_peak, other)
+
+    return ActivationTracker()
+
+
+def _inputs(model: torch.nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+        if embedding is None:
+            raise EstimateError("--batch_size: activations are measured on token ids; the model has no "
+                                "nn.Embedding and no config.vocab_size")
+        vocab = embedding.num_embeddings
+    return torch.randint(0, vocab, (batch_size, seq_len))
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers model's own loss (labels = the ids); any other module's output summed."""
+    if getattr(model, "config", None) is not None and "labels" in model.forward.__code__.co_varnames:
+        return model(input_ids=ids, labels=ids).loss
+    out = model(ids)
+    out = getattr(out, "logits", out)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.float().sum()
+
+
+def measure_step(model: torch.nn.Module, ids: torch.Tensor, mixed_precision: str = "no") -> int:
+    """Activation bytes of one forward + backward of `model` on `ids` (real or fake), as MemTracker sees it."""
+    tracker = _peak_tracker()
+    tracker.track_external(model)
+    dtype = MIXED_PRECISION[mixed_precision]
+    with tracker:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = _loss(model, ids)
+        loss.backward()
+    return tracker.activation_peak
+
+
+def activation_bytes(model, batch_size: int, seq_len: int, mixed_precision: str = "no",
+                     checkpointing: str = "no", fake: bool = True) -> int:
+    """Activation memory of one training step for a micro-batch of `batch_size` x `seq_len` tokens: `model` is
+    an nn.Module (any device; it is copied, not changed) or MODEL as the CLI takes it. `checkpointing` is accel's
+    `activation_checkpointing` (no/full/selective), applied with accel's own function to the fake copy.
+    `fake=False` runs the same step on a real copy of a real `model` (what benchmarks/ compares against)."""
+    import copy
+
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from accel.backends.activation_checkpointing import apply_activation_checkpointing
+
+    if mixed_precision not in MIXED_PRECISION:
+        raise EstimateError(f"--mixed_precision: bad value {mixed_precision!r}; allowed: {', '.join(MIXED_PRECISION)}")
+    if checkpointing not in CHECKPOINTING:
+        raise EstimateError(f"checkpointing: bad value {checkpointing!r}; allowed: {', '.join(CHECKPOINTING)}")
+    if batch_size < 1 or seq_len < 1:
+        raise EstimateError(f"--batch_size {batch_size} --seq_len {seq_len}: both must be >= 1")
+    module = load_module(model) if isinstance(model, str) else model
+    module = _meta_copy(module) if fake else copy.deepcopy(module)
+    apply_activation_checkpointing(module, SimpleNamespace(activation_checkpointing=checkpointing,
+                                                           zero_wrap_classes=None, zero_min_params=None))
+    if not fake:
+        module.train()
+        return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module.to_empty(device="cpu")
+        module.train()
+        return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy on the meta device, so the caller's module keeps its weights and forward."""
+    import copy
+
+    if all(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return copy.deepcopy(module)
+    return copy.deepcopy(module).to("meta")
+
+
+def activations(model, batch_size: int, seq_len: int, mixed_precision: str = "no") -> dict:
+    """The `activations` entry of `accel estimate-memory --json`."""
+    model = load_module(model) if isinstance(model, str) else model
+    return {"batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
+            "no_checkpointing_bytes": activation_bytes(model, batch_size, seq_len, mixed_precision, "no"),
+            "full_checkpointing_bytes": activation_bytes(model, batch_size, seq_len, mixed_precision, "full"),
+            "method": ACTIVATION_METHOD}

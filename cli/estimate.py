@@ -4,7 +4,9 @@ rank (parameters, gradients, AdamW state) for DDP, ZeRO 1/2/3 and offload, built
 `--json` prints one object: {"model", "params", "weights": [{"dtype", "total_bytes", "largest_layer": {"name",
 "params", "bytes"}, "largest_param": {...}}], "training": {"num_processes", "tp_size", "pp_size", "dp_size",
 "layouts": {"ddp"|"zero1"|"zero2"|"zero3"|"zero3_offload": {"params_bytes", "grads_bytes", "optimizer_bytes",
-"master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}.
+"master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}, and with --batch_size/--seq_len
+"activations": {"batch_size", "seq_len", "mixed_precision", "no_checkpointing_bytes", "full_checkpointing_bytes",
+"method"}: forward + backward on fake tensors under torch's MemTracker (accel/estimate.py).
 """
 
 from __future__ import annotations
@@ -26,18 +28,28 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "num_processes", type=int, default=1, help="ranks in all (default 1)")
     add_flag(parser, "tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")
     add_flag(parser, "pp_size", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    add_flag(parser, "batch_size", type=int, default=None,
+             help="per-process micro-batch: also measure the activation memory of one training step (fake tensors)")
+    add_flag(parser, "seq_len", type=int, default=None, help="tokens per sample, with --batch_size")
+    add_flag(parser, "mixed_precision", default="no", choices=["no", "bf16", "fp16"],
+             help="autocast dtype for the activation measurement (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args) -> int:
-    from accel.estimate import EstimateError, estimate, load_spec
+    from accel.estimate import EstimateError, activations, estimate, load_spec
 
+    if (args.batch_size is None) != (args.seq_len is None):
+        raise UsageError("--batch_size and --seq_len: give both (the micro-batch per process and its tokens per "
+                         "sample) to measure activations, or neither")
     start = time.perf_counter()
     try:
         result = estimate(load_spec(args.model), [d.strip() for d in args.dtypes.split(",") if d.strip()],
                           args.num_processes, args.tp_size, args.pp_size)
+        if args.batch_size is not None:
+            result["activations"] = activations(args.model, args.batch_size, args.seq_len, args.mixed_precision)
     except EstimateError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -74,5 +86,12 @@ def render(result: dict, seconds: float) -> str:
         lines.append(f"{name:<14} {_size(e['params_bytes']):>11} {_size(e['grads_bytes']):>11} "
                      f"{_size(e['optimizer_bytes']):>11} {_size(e['master_bytes']):>8} "
                      f"{_size(e['device_bytes']):>11} {_size(e['host_bytes']):>11}")
+    a = result.get("activations")
+    if a:
+        lines += ["", f"Activations of one training step, per process: micro-batch {a['batch_size']} x "
+                      f"{a['seq_len']} tokens, mixed precision {a['mixed_precision']}",
+                  f"  no checkpointing:   {_size(a['no_checkpointing_bytes']):>11}",
+                  f"  full checkpointing: {_size(a['full_checkpointing_bytes']):>11}",
+                  f"  measured by {a['method']}"]
     lines += ["", "Assumed: " + result["assumptions"] + "."]
     return "\n".join(lines)

@@ -140,3 +140,52 @@ def test_missing_transformers_names_the_install(monkeypatch, capsys):
     assert main(["estimate-memory", "gpt2"]) == 2
     err = capsys.readouterr().err
     assert "pip install transformers" in err and err.count("\n") == 1
+
+
+# -- activations (fake tensors under torch's MemTracker) ----------------------------------------------------------
+def _tiny_llama(layers: int = 3):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("checkpointing", ["no", "full"])
+def test_fake_activations_match_the_real_step(checkpointing):
+    from accel.estimate import activation_bytes
+
+    model = _tiny_llama()
+    fake = activation_bytes(model, 2, 48, checkpointing=checkpointing)
+    real = activation_bytes(model, 2, 48, checkpointing=checkpointing, fake=False)
+    assert fake == pytest.approx(real, rel=0.15)
+    assert all(not p.is_meta for p in model.parameters()) and model.model.layers[0].forward.__name__ == "forward"
+
+
+def test_checkpointing_keeps_fewer_bytes_and_grows_with_tokens():
+    from accel.estimate import activation_bytes
+
+    with torch.device("meta"):
+        model = _tiny_llama(layers=4)
+    none, full = (activation_bytes(model, 2, 64, "bf16", c) for c in ("no", "full"))
+    assert full < 0.6 * none
+    assert activation_bytes(model, 4, 64, "bf16") > 1.6 * none  # twice the tokens
+
+
+def test_activation_json_keys(tmp_path, capsys):
+    _tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
+    assert main(["estimate-memory", str(tmp_path), "--json", "--batch_size", "1", "--seq_len", "32"]) == 0
+    a = json.loads(capsys.readouterr().out)["activations"]
+    assert set(a) == {"batch_size", "seq_len", "mixed_precision", "no_checkpointing_bytes",
+                      "full_checkpointing_bytes", "method"}
+    assert (a["batch_size"], a["seq_len"]) == (1, 32)
+    assert 0 < a["full_checkpointing_bytes"] < a["no_checkpointing_bytes"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["gpt2", "--batch_size", "2"], "--batch_size and --seq_len"),
+    ([f"{__name__}:small", "--batch_size", "0", "--seq_len", "4"], "--batch_size 0"),
+])
+def test_activation_errors_are_one_line(args, fragment, capsys):
+    assert main(["estimate-memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
