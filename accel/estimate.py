@@ -34,8 +34,9 @@ ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every m
                "float32 step per parameter; ZeRO-2/3 shard each parameter on dim 0 (rank 0's shard, the largest, "
                "is reported); ZeRO-1 partitions whole parameters greedily by size; TP shards the >=2-D parameters "
                "of the repeated blocks, the rest replicated; PP splits the blocks into contiguous stages, the "
-               "parameters before the first block on the first stage, the others on the last; activations, "
-               "gathered parameters and communication buffers (e.g. DDP's gradient buckets) not included")
+               "parameters before the first block on the first stage, the others on the last; the model states "
+               "exclude activations (measured apart with --batch_size/--seq_len), gathered parameters and "
+               "communication buffers (e.g. DDP's gradient buckets)")
 
 
 class EstimateError(ValueError):
