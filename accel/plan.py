@@ -1,0 +1,388 @@
+"""`accel plan`: the seed's decision tree made executable. Enumerate layouts (data parallel x ZeRO stage x TP x
+PP x offload x activation checkpointing x pipeline micro-batches), drop those that do not fit a device,
+estimate each one's step time with a compute + latency/bandwidth model, rank them and say why.
+
+Plain functions over accel.estimate's `ModelSpec` (meta device: a 70B model plans in seconds).
+
+The model and its constants (documented so a plan can be checked by hand):
+- batch_size is GLOBAL: samples per optimizer step over all processes; each data-parallel rank gets
+  batch_size / dp (a layout whose dp does not divide it is dropped), split into `micro_batches` under PP.
+- Ranks are laid out as accel's topology does (accel/topology.py): tp innermost, then dp, pp outermost, so a
+  group crosses machines when its span (tp; tp*dp; tp*dp*pp) exceeds the processes per machine. TP is only
+  planned within a machine.
+- Memory per rank = model states (accel.estimate.training: what accel's backends keep) + activations
+  (`activation_bytes`) + what is gathered while computing: ZeRO-2 keeps the rank's whole (tp/pp slice of the)
+  float32 parameters gathered through forward and backward, ZeRO-3 (and offload) the largest unit twice
+  (current + prefetched) plus its unsharded gradient. Usable memory = device_memory * USABLE_FRACTION.
+- Offload: the shards live on the host (host_memory per machine must hold them all).
+- Compute = 6 * params * tokens (x 4/3 with full activation checkpointing) / (world * flops * efficiency),
+  times (m + p - 1) / m for the pipeline bubble; efficiency = EFFICIENCY * r/(r + TOKENS_HALF) *
+  w/(w + WIDTH_HALF), r the tokens of one micro-batch, w = hidden / tp (small matmuls run below peak: what
+  makes many tiny pipeline micro-batches or a wide TP degree cost something).
+- Collectives (ring): all-reduce 2(n-1)/n * bytes / bw + 2(n-1) * latency; all-gather and reduce-scatter half
+  of that. Gradient sync (float32): DDP all-reduce in DDP_BUCKET-byte buckets; ZeRO-1 all-reduce + all-gather
+  of the parameters; ZeRO-2 one reduce-scatter + one all-gather per unit; ZeRO-3 two all-gathers + one
+  reduce-scatter per unit. TP: 4 all-reduces of a micro-batch's activations per layer. PP: each micro-batch's
+  activations sent forward and their gradient back at each of the p-1 boundaries. Offload adds the host<->device
+  copies of parameters and gradients (PCIE_BW) and the CPU AdamW step (HOST_BW). No overlap of communication
+  with compute is assumed (conservative; the same for every layout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from accel.estimate import EstimateError, ModelSpec, training
+
+GB = 1e9
+USABLE_FRACTION = 0.9      # of device memory: the rest for the CUDA context, allocator slack, buffers
+EFFICIENCY = 0.5           # achieved / peak FLOP/s of a training step's large matmuls
+TOKENS_HALF = 256          # matmul efficiency falls as rows/(rows + TOKENS_HALF) with a micro-batch's tokens
+WIDTH_HALF = 128           # ... and as w/(w + WIDTH_HALF) with the hidden size per TP rank
+DEFAULT_TFLOPS = 312.0     # peak dense bf16 of an A100; pass --flops for yours
+DEFAULT_INTRA_GBS = 150.0  # per-device bandwidth within a machine (NVLink class), GB/s
+DEFAULT_INTER_GBS = 25.0   # per-device bandwidth between machines (200 Gb/s InfiniBand class), GB/s
+INTRA_LATENCY = 5e-6       # seconds per collective hop within a machine
+INTER_LATENCY = 20e-6      # between machines
+PCIE_BW = 25 * GB          # host <-> device, bytes/s (offload)
+HOST_BW = 20 * GB          # CPU AdamW step: bytes of state touched per second (offload)
+DEFAULT_HOST_GB = 1024.0   # host memory per machine for offload
+DDP_BUCKET = 25 * 2 ** 20  # DDP's gradient bucket
+HEAD_DIM = 128             # heads = hidden / HEAD_DIM when the model does not say
+ACT_BYTES = {"no": 2, "fp16": 1, "bf16": 1, "fp8": 1}  # x the fp16 activation formula
+TIE = 0.02                 # layouts within 2% of the fastest count as equal: the simplest is recommended
+STATE_NAME = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+class PlanError(EstimateError):
+    """A bad input for `accel plan`: one line for the user."""
+
+
+@dataclass
+class Hardware:
+    num_machines: int = 1
+    num_processes: int = 1  # per machine
+    device_memory: float = 80 * GB
+    intra_bw: float = DEFAULT_INTRA_GBS * GB
+    inter_bw: float = DEFAULT_INTER_GBS * GB
+    flops: float = DEFAULT_TFLOPS * 1e12
+    host_memory: float = DEFAULT_HOST_GB * GB
+
+    @property
+    def world(self) -> int:
+        return self.num_machines * self.num_processes
+
+
+def detect() -> Hardware:
+    """This machine: its CUDA GPUs (count, memory of the first), else its CPU cores (one process per 4 cores)
+    and RAM shared between them, at an assumed 1 TFLOP/s per process."""
+    import torch
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.cuda.is_available():
+        return Hardware(num_processes=torch.cuda.device_count(),
+                        device_memory=torch.cuda.get_device_properties(0).total_memory, host_memory=ram)
+    procs = max(1, (os.cpu_count() or 1) // 4)
+    return Hardware(num_processes=procs, device_memory=ram / procs, flops=1e12, intra_bw=10 * GB, host_memory=ram)
+
+
+# -- the model's shape ----------------------------------------------------------------------------------------
+@dataclass
+class Shape:
+    params: int
+    layers: int       # repeated blocks
+    hidden: int
+    heads: int
+    vocab: int
+    largest_unit: int  # parameters of the largest ZeRO wrap unit (a block or the root's own)
+
+
+def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = None) -> Shape:
+    """Layers, hidden size and vocabulary read off the parameter shapes: hidden is the most common smaller
+    dimension of the blocks' 2-D parameters, the vocabulary the largest dim-0 outside the blocks."""
+    blocks: dict[str, int] = {}
+    dims: dict[int, int] = {}
+    root, vocab = 0, 0
+    for p in spec.params:
+        if p.block:
+            blocks[p.block] = blocks.get(p.block, 0) + p.numel
+            if len(p.shape) == 2:
+                dims[min(p.shape)] = dims.get(min(p.shape), 0) + 1
+        else:
+            root += p.numel
+            if len(p.shape) == 2:
+                vocab = max(vocab, max(p.shape))
+    if hidden is None:
+        hidden = max(dims, key=dims.get) if dims else max((min(p.shape) for p in spec.params if len(p.shape) == 2),
+                                                           default=1)
+    heads = heads or max(1, hidden // HEAD_DIM)
+    return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]))
+
+
+def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
+                     checkpointing: str = "no", mixed_precision: str = "bf16") -> int:
+    """Activations kept for backward by `layers` blocks on one micro-batch. Uses accel.estimate's
+    `activation_bytes` when it exists (measured on fake tensors); until then Korthikanti et al.'s per-layer
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
+    (2*s*b*h) plus one block's full set while it recomputes. Plus the float32 logits and their gradient."""
+    from accel import estimate
+
+    layers = shape.layers if layers is None else layers
+    theirs = getattr(estimate, "activation_bytes", None)
+    if theirs is not None:  # the other engineer's estimator, when its signature is this one
+        try:
+            return int(theirs(shape=shape, micro_batch=micro_batch, seq_len=seq_len, tp=tp, layers=layers,
+                              checkpointing=checkpointing, mixed_precision=mixed_precision))
+        except TypeError:
+            pass
+    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
+    scale = ACT_BYTES.get(mixed_precision, 1)
+    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    kept = layers * 2 * s * b * h * scale + per_layer if checkpointing == "full" else layers * per_layer
+    return int(kept + 2 * 4 * s * b * shape.vocab / tp)
+
+
+# -- collectives ----------------------------------------------------------------------------------------------
+def _allreduce(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat * calls
+
+
+def _gather(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> float:
+    """All-gather or reduce-scatter of `nbytes` in all."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * lat * calls
+
+
+def _link(hw: Hardware, span: int) -> tuple[float, float]:
+    """Bandwidth and latency of a group whose ranks span `span` consecutive ranks."""
+    return (hw.intra_bw, INTRA_LATENCY) if span <= hw.num_processes else (hw.inter_bw, INTER_LATENCY)
+
+
+# -- layouts --------------------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pointless(zero: int, offload: bool, dp: int) -> bool:
+    """Offload is planned with ZeRO-3 only (estimate's zero3_offload); ZeRO without data parallelism shards
+    nothing (except to offload)."""
+    return (offload and zero != 3) or (dp == 1 and zero > 0 and not offload)
+
+
+def candidates(hw: Hardware, shape: Shape, batch_size: int):
+    """(zero, tp, pp, dp, offload, ac, m) combinations accel can run: TP within a machine, PP at most the
+    blocks, accel's combination rules (accel.backends.check_available)."""
+    from accel.backends import check_available
+    from accel.config import ConfigError, ParallelismConfig
+
+    for tp in _divisors(hw.num_processes):
+        if shape.hidden % tp or shape.heads % tp:
+            continue
+        for pp in _divisors(hw.world // tp):
+            if pp > shape.layers:
+                continue
+            dp = hw.world // (tp * pp)
+            per_rank = batch_size // dp if batch_size % dp == 0 else 0
+            for zero in range(4):
+                for offload in (False, True):
+                    if _pointless(zero, offload, dp):
+                        continue
+                    par = dict(zero_stage=zero, tp_size=tp, pp_size=pp, offload_optimizer=offload,
+                               offload_params=offload)
+                    try:
+                        check_available(ParallelismConfig(**par), hw.world)
+                    except ConfigError:
+                        continue
+                    micro = [1] if pp == 1 else [m for m in (pp, 2 * pp, 4 * pp, 8 * pp)
+                                                 if per_rank and per_rank % m == 0] or [pp]
+                    for ac in ("no", "full"):
+                        for m in micro:
+                            yield zero, tp, pp, dp, offload, ac, m, per_rank
+
+
+def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
+             mixed_precision: str, states_cache: dict) -> dict:
+    zero, tp, pp, dp, offload, ac, m, per_rank = cand
+    key = (tp, pp)
+    if key not in states_cache:
+        states_cache[key] = training(spec, hw.world, tp, pp)
+    states = states_cache[key]["layouts"]["zero3_offload" if offload else STATE_NAME[zero]]
+    rank_numel = states_cache[key]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
+    shard_numel = states["params_bytes"] / 4
+    unit = shape.largest_unit / tp
+    row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "dp_size": dp, "offload": offload,
+           "activation_checkpointing": ac, "micro_batches": m, "per_process_batch": per_rank,
+           "model_state_bytes_per_rank": states["device_bytes"], "host_bytes_per_rank": states["host_bytes"]}
+    if not per_rank or per_rank % m:
+        return {**row, "fits": False, "memory_per_rank_bytes": None, "step_time_s": None,
+                "reason": f"batch_size {batch_size} does not split into dp {dp} x {m} micro-batches"}
+    mb = per_rank // m
+    layers = math.ceil(shape.layers / pp)
+    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision) * min(m, pp)
+    gathered = 0
+    if zero == 2:
+        gathered = (rank_numel - shard_numel) * 4
+    elif zero == 3:
+        gathered = 3 * unit * 4
+    memory = int(states["device_bytes"] + acts + gathered)
+    usable = hw.device_memory * USABLE_FRACTION
+    fits, reason = memory <= usable, ""
+    if not fits:
+        reason = "needs more than the device's usable memory"
+    elif offload and states["host_bytes"] * hw.num_processes > hw.host_memory:
+        fits, reason = False, "the offloaded shards do not fit the host memory"
+    tokens = batch_size * seq_len
+    rows_mb, width = mb * seq_len, shape.hidden / tp
+    eff = EFFICIENCY * rows_mb / (rows_mb + TOKENS_HALF) * width / (width + WIDTH_HALF)
+    compute = 6 * shape.params * tokens * (4 / 3 if ac == "full" else 1) / (hw.world * hw.flops * eff)
+    compute *= (m + pp - 1) / m
+    grads = rank_numel * 4
+    bw, lat = _link(hw, tp * dp)
+    units = layers + 1
+    if zero == 0:
+        dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET))
+    elif zero == 1:
+        dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET)) + _gather(grads, dp, bw, lat)
+    elif zero == 2:
+        dp_comm = 2 * _gather(grads, dp, bw, lat, units)
+    else:
+        dp_comm = 3 * _gather(grads, dp, bw, lat, units)
+    act_mb = mb * seq_len * shape.hidden * 2
+    tbw, tlat = _link(hw, tp)
+    tp_comm = 4 * layers * m * _allreduce(act_mb, tp, tbw, tlat) * (2 if ac == "no" else 3) / 2
+    pbw, plat = _link(hw, tp * dp * pp)
+    pp_comm = 0.0 if pp == 1 else 2 * (m + pp - 2) * (plat + act_mb / tp / pbw)
+    off = 0.0 if not offload else 2 * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
+    step = compute + dp_comm + tp_comm + pp_comm + off
+    return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
+            "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
+            "step_time_s": step, "time_breakdown_s": {"compute": compute, "data_parallel": dp_comm,
+                                                      "tensor_parallel": tp_comm, "pipeline": pp_comm,
+                                                      "offload": off}}
+
+
+def _complexity(row: dict) -> tuple:
+    return (row["offload"], row["pp_size"] > 1, row["tp_size"] > 1, row["zero_stage"],
+            row["activation_checkpointing"] != "no", row["step_time_s"])
+
+
+def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
+         hidden: int | None = None, heads: int | None = None) -> dict:
+    """Every candidate layout, fitting ones first by step time; `recommended` indexes the fastest that fits
+    (None when none does) and `explanation` says why in the seed's terms."""
+    for name, value in (("--batch_size", batch_size), ("--seq_len", seq_len), ("--num_processes", hw.num_processes),
+                        ("--num_machines", hw.num_machines)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name}: bad value {value!r}; allowed: a positive integer")
+    if hw.device_memory <= 0 or hw.flops <= 0 or hw.intra_bw <= 0 or hw.inter_bw <= 0:
+        raise PlanError("--device_memory, --flops and the bandwidths must be positive")
+    if not spec.params:
+        raise PlanError(f"{spec.source}: the model has no parameters")
+    shape = model_shape(spec, hidden, heads)
+    cache: dict = {}
+    rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache)
+            for c in candidates(hw, shape, batch_size)]
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["step_time_s"] is not None else math.inf))
+    recommended = None
+    if rows and rows[0]["fits"]:  # the simplest layout within TIE of the fastest: fewer moving parts
+        fast = rows[0]["step_time_s"] * (1 + TIE)
+        recommended = min((i for i, r in enumerate(rows) if r["fits"] and r["step_time_s"] <= fast),
+                          key=lambda i: _complexity(rows[i]))
+    return {"model": spec.source, "params": shape.params,
+            "shape": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
+                      "largest_unit_params": shape.largest_unit},
+            "hardware": {"num_machines": hw.num_machines, "num_processes": hw.num_processes,
+                         "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
+                         "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory},
+            "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
+            "layouts": rows, "recommended": recommended,
+            "explanation": explain(rows, recommended, shape, hw)}
+
+
+# -- the seed's terms ------------------------------------------------------------------------------------------
+def family(row: dict) -> str:
+    """The seed's branches: pure data parallelism, ZeRO-3, offload, tensor or pipeline parallelism."""
+    if row["offload"]:
+        return "ZeRO-3 + offload"
+    if row["pp_size"] > 1:
+        return "pipeline parallelism"
+    if row["tp_size"] > 1:
+        return "tensor parallelism"
+    return {0: "DDP", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}[row["zero_stage"]]
+
+
+def layout_name(row: dict) -> str:
+    parts = [f"PP {row['pp_size']}"] if row["pp_size"] > 1 else []
+    parts += [f"TP {row['tp_size']}"] if row["tp_size"] > 1 else []
+    parts.append("DDP" if row["zero_stage"] == 0 else f"ZeRO-{row['zero_stage']}")
+    return " + ".join(parts) + (" + offload" if row["offload"] else "")
+
+
+def describe(row: dict) -> str:
+    t = "" if row["step_time_s"] is None else f"{row['step_time_s']:.3f} s/step"
+    return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}, micro-batches "
+            f"{row['micro_batches']}, checkpointing {row['activation_checkpointing']}) {t}").strip()
+
+
+def branch(shape: Shape, hw: Hardware) -> str:
+    """Which branch of the seed's decision tree the model and hardware fall in."""
+    usable = hw.device_memory * USABLE_FRACTION
+    states = 16 * shape.params  # float32 params + grads + two moments
+    if states <= usable:
+        out = "the model's training state fits one device -> data parallelism (DDP) or ZeRO-1/2"
+    elif 8 * shape.largest_unit > usable:  # its float32 weights and gradient, gathered whole
+        out = ("even its largest layer does not fit one device when gathered -> tensor parallelism (within a "
+               "machine), or ZeRO with care")
+    else:
+        out = "the model's training state does not fit one device -> ZeRO-3, pipeline or tensor parallelism"
+    if hw.num_machines > 1:
+        slow = hw.inter_bw * 4 < hw.intra_bw
+        out += ("; slow links between machines -> pipeline parallelism across them, TP/ZeRO within" if slow else
+                "; fast links between machines -> data parallelism/ZeRO may span them")
+    return out
+
+
+def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardware) -> list[str]:
+    lines = [f"Branch: {branch(shape, hw)}."]
+    if recommended is None:
+        lines.append("No layout fits: more devices, more device memory, a smaller batch or a shorter sequence.")
+        return lines
+    best = rows[recommended]
+    lines.append(f"Recommended: {describe(best)}" + ("" if recommended == 0 else
+                 f", the simplest within {TIE:.0%} of the fastest ({layout_name(rows[0])})") + ".")
+    seen = {family(best)}
+    for row in rows:
+        name = family(row)
+        if name in seen:
+            continue
+        seen.add(name)
+        if row["fits"]:
+            lines.append(f"Not {name}: its best, {layout_name(row)}, fits but is slower ({row['step_time_s']:.3f} "
+                         f"vs {best['step_time_s']:.3f} s/step).")
+        else:
+            lines.append(f"Not {name}: none fits ({layout_name(row)} {row['reason']}).")
+    return lines
+
+
+def write_config(result: dict, path, main_process_ip: str | None = None):
+    """Save the recommended layout as an accel config (AccelConfig.save) that check_launchable accepts; several
+    machines need the address of machine 0 (each machine then sets its own machine_rank)."""
+    from accel.config import AccelConfig
+    from accel.config.checks import check_launchable
+
+    if result["recommended"] is None:
+        raise PlanError("--write: no layout fits, nothing to write")
+    if result["hardware"]["num_machines"] > 1 and not main_process_ip:
+        raise PlanError("--write with --num_machines > 1 needs --main_process_ip (the address of machine 0)")
+    row = result["layouts"][result["recommended"]]
+    hw = result["hardware"]
+    par = {"zero_stage": row["zero_stage"], "tp_size": row["tp_size"], "pp_size": row["pp_size"],
+           "offload_optimizer": row["offload"], "offload_params": row["offload"],
+           "activation_checkpointing": row["activation_checkpointing"]}
+    if row["pp_size"] > 1:
+        par["pp_microbatches"] = row["micro_batches"]
+    data = {"num_processes": hw["num_machines"] * hw["num_processes"], "num_machines": hw["num_machines"],
+            "main_process_ip": main_process_ip, "mixed_precision": result["mixed_precision"], "parallelism": par}
+    cfg = check_launchable(AccelConfig.from_dict(data, "accel plan"), "accel plan")
+    return cfg.save(path)

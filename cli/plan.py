@@ -1,0 +1,127 @@
+"""`accel plan MODEL`: enumerate data-parallel x ZeRO x TP x PP x offload x activation-checkpointing layouts for
+a model, a global batch and sequence length on the given hardware, drop those that do not fit, rank the rest by
+estimated step time and explain the choice in the seed's decision-tree terms.
+
+`--json` prints {"layouts": [{"zero_stage", "tp_size", "pp_size", "dp_size", "offload",
+"activation_checkpointing", "micro_batches", "model_state_bytes_per_rank", "memory_per_rank_bytes", "fits",
+"step_time_s", ...}], "recommended": <index or null>, "explanation": [...], ...}. `--write cfg.yaml` saves the
+winner as an accel config for `accel launch --config_file cfg.yaml train.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+from accel.cli._common import UsageError, add_flag
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+          "TIB": 2 ** 40}
+
+
+def memory_size(text: str, flag: str) -> float:
+    """'80GB', '80GiB', '16e9' or a number of GB."""
+    match = _SIZE.match(text)
+    if not match:
+        try:
+            return float(text)
+        except ValueError:
+            raise UsageError(f"{flag}: bad value {text!r}; allowed: a size like 80GB or 80GiB") from None
+    value, unit = float(match.group(1)), (match.group(2) or "GB").upper()
+    return value * _UNITS[unit]
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan", help="pick a parallel layout for a model on your hardware (estimates, no memory used)",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
+                                      "module:callable returning an nn.Module, or a safetensors file/index/folder")
+    add_flag(parser, "batch_size", type=int, default=8,
+             help="GLOBAL batch: samples per optimizer step over all processes (default %(default)s)")
+    add_flag(parser, "seq_len", type=int, default=1024, help="tokens per sample (default %(default)s)")
+    add_flag(parser, "num_processes", type=int, default=None, help="processes (devices) per machine (default 1)")
+    add_flag(parser, "num_machines", type=int, default=1, help="machines (default 1)")
+    add_flag(parser, "device_memory", default=None, help="memory per device, e.g. 80GB (default 80GB)")
+    add_flag(parser, "host_memory", default=None, help="host memory per machine for offload (default 1024GB)")
+    add_flag(parser, "intra_bandwidth", type=float, default=None,
+             help="GB/s per device within a machine (default 150)")
+    add_flag(parser, "inter_bandwidth", type=float, default=None,
+             help="GB/s per device between machines (default 25)")
+    add_flag(parser, "flops", type=float, default=None, help="peak TFLOP/s per device (default 312, A100 bf16)")
+    add_flag(parser, "mixed_precision", default="bf16", choices=("no", "fp16", "bf16"),
+             help="the run's mixed precision (default %(default)s)")
+    add_flag(parser, "detect", action="store_true", help="read this machine's GPUs (else CPU cores and RAM)")
+    add_flag(parser, "top", type=int, default=10, help="layouts to print (default %(default)s)")
+    add_flag(parser, "write", default=None, help="save the recommended layout as an accel config file")
+    add_flag(parser, "main_process_ip", default=None, help="with --write on several machines: machine 0's address")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def hardware(args):
+    from accel.plan import GB, Hardware, detect
+
+    hw = detect() if args.detect else Hardware()
+    if args.num_processes is not None:
+        hw.num_processes = args.num_processes
+    hw.num_machines = args.num_machines
+    if args.device_memory is not None:
+        hw.device_memory = memory_size(args.device_memory, "--device_memory")
+    if args.host_memory is not None:
+        hw.host_memory = memory_size(args.host_memory, "--host_memory")
+    if args.intra_bandwidth is not None:
+        hw.intra_bw = args.intra_bandwidth * GB
+    if args.inter_bandwidth is not None:
+        hw.inter_bw = args.inter_bandwidth * GB
+    if args.flops is not None:
+        hw.flops = args.flops * 1e12
+    return hw
+
+
+def run(args) -> int:
+    from accel.estimate import EstimateError, load_spec
+    from accel.plan import plan, write_config
+
+    start = time.perf_counter()
+    try:
+        hw = hardware(args)
+        result = plan(load_spec(args.model), hw, args.batch_size, args.seq_len, args.mixed_precision)
+        if args.write:
+            result["written"] = str(write_config(result, args.write, args.main_process_ip))
+    except EstimateError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"--write {args.write}: cannot write ({exc.strerror or exc})") from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(render(result, args.top, time.perf_counter() - start))
+    return 0
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2 ** 30:.1f}"
+
+
+def render(result: dict, top: int, seconds: float) -> str:
+    hw = result["hardware"]
+    lines = [f"{result['model']}: {result['params']:,} parameters; batch {result['batch_size']} x seq "
+             f"{result['seq_len']} on {hw['num_machines']} machine(s) x {hw['num_processes']} device(s) of "
+             f"{hw['device_memory'] / 2 ** 30:.0f} GiB (planned in {seconds:.1f} s)", "",
+             f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'offl':>4} {'ckpt':>4} {'mb':>3} "
+             f"{'states GiB':>10} {'peak GiB':>9} {'fits':>4} {'step s':>9}"]
+    for i, r in enumerate(result["layouts"][:top]):
+        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f}"
+        lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {r['dp_size']:>4} "
+                     f"{'yes' if r['offload'] else 'no':>4} {r['activation_checkpointing']:>4} "
+                     f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
+                     f"{_gib(r['memory_per_rank_bytes']):>9} {'yes' if r['fits'] else 'no':>4} {step:>9}")
+    lines += ["", *result["explanation"]]
+    if result.get("written"):
+        lines.append(f"Saved to {result['written']}: accel launch --config_file {result['written']} train.py")
+    return "\n".join(lines)

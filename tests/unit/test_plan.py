@@ -1,0 +1,139 @@
+"""`accel plan`: the seed's decision tree on synthetic hardware (models on the meta device, no memory)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import yaml
+
+from accel.cli.main import main
+from accel.config import AccelConfig
+from accel.config.checks import check_launchable
+from accel.estimate import load_spec, spec_from_module
+from accel.plan import GB, Hardware, plan, write_config
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return load_spec("llama")  # LlamaConfig's defaults: 6.7B parameters
+
+
+def _best(result: dict) -> dict:
+    assert result["recommended"] is not None, result["explanation"]
+    return result["layouts"][result["recommended"]]
+
+
+class Wide(torch.nn.Module):
+    """Two blocks of one 12.9B-parameter linear: one block's float32 weights and gradient (103 GB) exceed an
+    80 GB device, so ZeRO and PP (which gather a whole block) cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(65536, 196608, bias=False) for _ in range(2))
+
+
+def wide() -> torch.nn.Module:
+    return Wide()
+
+
+def test_fits_one_device_gets_data_parallelism():
+    result = plan(load_spec("gpt2"), Hardware(num_processes=8), 64, 1024)
+    best = _best(result)
+    assert (best["tp_size"], best["pp_size"], best["offload"]) == (1, 1, False)
+    assert best["zero_stage"] in (0, 1, 2) and best["dp_size"] == 8
+    assert "fits one device" in result["explanation"][0]
+
+
+def test_does_not_fit_one_device_shards(llama7b):
+    result = plan(llama7b, Hardware(num_processes=8), 64, 2048)
+    best = _best(result)
+    assert best["zero_stage"] >= 2 or best["tp_size"] > 1 or best["pp_size"] > 1
+    assert "does not fit one device" in result["explanation"][0]
+    ddp = [r for r in result["layouts"] if r["zero_stage"] == 0 and r["tp_size"] == r["pp_size"] == 1]
+    assert ddp and not any(r["fits"] for r in ddp)
+    assert any(line.startswith("Not DDP: none fits") for line in result["explanation"])
+
+
+def test_largest_layer_too_big_needs_tensor_parallelism():
+    with torch.device("meta"):
+        spec = spec_from_module(wide(), "wide")
+    result = plan(spec, Hardware(num_processes=8), 8, 512)
+    best = _best(result)
+    assert best["tp_size"] > 1
+    assert all(not r["fits"] for r in result["layouts"] if r["tp_size"] == 1)
+    assert "largest layer does not fit" in result["explanation"][0]
+
+
+def test_slow_links_get_pipeline_across_machines_fast_links_do_not(llama7b, tmp_path):
+    hw = dict(num_machines=4, num_processes=8, device_memory=40 * GB)
+    fast = _best(plan(llama7b, Hardware(inter_bw=50 * GB, **hw), 256, 2048))
+    slow_result = plan(llama7b, Hardware(inter_bw=1.25 * GB, **hw), 256, 2048)
+    slow = _best(slow_result)
+    assert fast["pp_size"] == 1
+    assert slow["pp_size"] > 1 and slow["tp_size"] * slow["dp_size"] <= 8  # only PP crosses machines
+    assert "slow links between machines -> pipeline parallelism" in slow_result["explanation"][0]
+    saved = yaml.safe_load(write_config(slow_result, tmp_path / "c.yaml", "10.0.0.1").read_text())
+    assert saved["num_machines"] == 4 and saved["parallelism"]["pp_size"] == slow["pp_size"]
+    assert saved["parallelism"]["pp_microbatches"] == slow["micro_batches"]
+    check_launchable(AccelConfig.from_dict(saved, "c.yaml"))
+
+
+def test_only_offload_fits(llama7b):
+    result = plan(llama7b, Hardware(num_processes=1, device_memory=24 * GB), 1, 1024)
+    best = _best(result)
+    assert best["offload"] and best["zero_stage"] == 3
+    fitting = [r for r in result["layouts"] if r["fits"]]
+    assert fitting and all(r["offload"] for r in fitting)
+
+
+def test_70b_llama_planned_in_seconds(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    result = plan(load_spec(str(tmp_path)), Hardware(num_machines=8, num_processes=8), 512, 4096)
+    assert time.perf_counter() - start < 30
+    assert 68e9 < result["params"] < 70e9
+    best = _best(result)
+    assert best["tp_size"] <= 8 and best["dp_size"] * best["tp_size"] * best["pp_size"] == 64
+
+
+def test_json_keys_and_write_launches(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "gpt2", "--num_processes", "2", "--device_memory", "16GB", "--batch_size", "8",
+                 "--seq_len", "256", "--json", "--write", "cfg.yaml"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["layouts"][out["recommended"]]
+    for key in ("zero_stage", "tp_size", "pp_size", "dp_size", "offload", "activation_checkpointing",
+                "micro_batches", "model_state_bytes_per_rank", "memory_per_rank_bytes", "fits", "step_time_s"):
+        assert key in row
+    assert row["fits"] and row["memory_per_rank_bytes"] >= row["model_state_bytes_per_rank"] > 0
+    saved = yaml.safe_load((tmp_path / "cfg.yaml").read_text())
+    assert saved["num_processes"] == 2 and saved["parallelism"]["zero_stage"] == row["zero_stage"]
+    check_launchable(AccelConfig.from_dict(saved, "cfg.yaml"))
+    (tmp_path / "x.py").write_text("print('hi')\n")
+    assert main(["launch", "--dry_run", "--config_file", "cfg.yaml", "x.py"]) == 0
+
+
+def test_text_output_explains(capsys):
+    assert main(["plan", "gpt2", "--num_processes", "4", "--batch_size", "16", "--seq_len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "Branch:" in out and "Recommended:" in out and "Not " in out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["gpt2", "--batch_size", "0"], "--batch_size"),
+    (["gpt2", "--device_memory", "lots"], "--device_memory"),
+    (["gpt2", "--num_processes", "-1"], "--num_processes"),
+    (["no/such/folder"], "no/such/folder"),
+    (["gpt2", "--num_machines", "2", "--write", "c.yaml"], "--main_process_ip"),
+])
+def test_bad_inputs_are_one_line(args, fragment, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
