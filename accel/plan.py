@@ -122,26 +122,38 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
-                     checkpointing: str = "no", mixed_precision: str = "bf16") -> int:
-    """Activations kept for backward by `layers` blocks on one micro-batch. Uses accel.estimate's
-    `activation_bytes` when it exists (measured on fake tensors); until then Korthikanti et al.'s per-layer
+                     checkpointing: str = "no", mixed_precision: str = "bf16", calibration: dict | None = None) -> int:
+    """Activations kept for backward by `layers` blocks on one micro-batch: Korthikanti et al.'s per-layer
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
-    (2*s*b*h) plus one block's full set while it recomputes. Plus the float32 logits and their gradient."""
-    from accel import estimate
-
+    (2*s*b*h) plus one block's full set while it recomputes; plus the float32 logits and their gradient. Times
+    `calibration[checkpointing]`: accel.estimate's fake-tensor measurement of the whole model over this
+    formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
+    the micro-batch, TP and the blocks of a pipeline stage."""
     layers = shape.layers if layers is None else layers
-    theirs = getattr(estimate, "activation_bytes", None)
-    if theirs is not None:  # the other engineer's estimator, when its signature is this one
-        try:
-            return int(theirs(shape=shape, micro_batch=micro_batch, seq_len=seq_len, tp=tp, layers=layers,
-                              checkpointing=checkpointing, mixed_precision=mixed_precision))
-        except TypeError:
-            pass
     s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
     scale = ACT_BYTES.get(mixed_precision, 1)
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
     kept = layers * 2 * s * b * h * scale + per_layer if checkpointing == "full" else layers * per_layer
-    return int(kept + 2 * 4 * s * b * shape.vocab / tp)
+    return int((kept + 2 * 4 * s * b * shape.vocab / tp) * (calibration or {}).get(checkpointing, 1.0))
+
+
+def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: str = "bf16") -> dict:
+    """{checkpointing: measured / formula} for one sample of `seq_len` through the whole `module`, measured by
+    accel.estimate.activation_bytes on fake tensors (no memory); {} (the formula alone) when that estimator is
+    missing or cannot run the model."""
+    from accel import estimate
+
+    measure = getattr(estimate, "activation_bytes", None)
+    if measure is None or module is None:
+        return {}
+    factors = {}
+    for ac in ("no", "full"):
+        try:
+            measured = measure(module, 1, seq_len, mixed_precision, ac)
+        except Exception:  # noqa: BLE001 - any model the fake run cannot handle falls back to the formula
+            return {}
+        factors[ac] = measured / activation_bytes(shape, 1, seq_len, 1, None, ac, mixed_precision)
+    return factors
 
 
 # -- collectives ----------------------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int):
 
 
 def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
-             mixed_precision: str, states_cache: dict) -> dict:
+             mixed_precision: str, states_cache: dict, calibration: dict | None = None) -> dict:
     zero, tp, pp, dp, offload, ac, m, per_rank = cand
     key = (tp, pp)
     if key not in states_cache:
@@ -219,7 +231,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
                 "reason": f"batch_size {batch_size} does not split into dp {dp} x {m} micro-batches"}
     mb = per_rank // m
     layers = math.ceil(shape.layers / pp)
-    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision) * min(m, pp)
+    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration) * min(m, pp)
     gathered = 0
     if zero == 2:
         gathered = (rank_numel - shard_numel) * 4
@@ -268,9 +280,10 @@ def _complexity(row: dict) -> tuple:
 
 
 def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
-         hidden: int | None = None, heads: int | None = None) -> dict:
-    """Every candidate layout, fitting ones first by step time; `recommended` indexes the fastest that fits
-    (None when none does) and `explanation` says why in the seed's terms."""
+         hidden: int | None = None, heads: int | None = None, module=None) -> dict:
+    """Every candidate layout, fitting ones first by step time; `recommended` indexes the simplest of the
+    fastest that fit (None when none does) and `explanation` says why in the seed's terms. With `module` (the
+    model on the meta device) activations are calibrated on a fake-tensor run, else the formula alone."""
     for name, value in (("--batch_size", batch_size), ("--seq_len", seq_len), ("--num_processes", hw.num_processes),
                         ("--num_machines", hw.num_machines)):
         if not isinstance(value, int) or value < 1:
@@ -281,7 +294,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
         raise PlanError(f"{spec.source}: the model has no parameters")
     shape = model_shape(spec, hidden, heads)
     cache: dict = {}
-    rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache)
+    calibration = activation_calibration(module, shape, seq_len, mixed_precision)
+    rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache, calibration)
             for c in candidates(hw, shape, batch_size)]
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["step_time_s"] is not None else math.inf))
     recommended = None
@@ -296,6 +310,9 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
                          "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
+            "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
+                                  + ", ".join(f"{k} x{v:.2f}" for k, v in calibration.items())) if calibration
+            else "formula (Korthikanti et al.)",
             "layouts": rows, "recommended": recommended,
             "explanation": explain(rows, recommended, shape, hw)}
 

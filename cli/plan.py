@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import time
+from pathlib import Path
 
 from accel.cli._common import UsageError, add_flag
 
@@ -58,6 +59,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "top", type=int, default=10, help="layouts to print (default %(default)s)")
     add_flag(parser, "write", default=None, help="save the recommended layout as an accel config file")
     add_flag(parser, "main_process_ip", default=None, help="with --write on several machines: machine 0's address")
+    add_flag(parser, "activations", default="formula", choices=("formula", "measured"),
+             help="formula: Korthikanti et al.'s per-layer formula (default); measured: scale it to accel "
+                  "estimate-memory's fake-tensor run of the model (not for safetensors checkpoints)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
     return parser
@@ -84,13 +88,14 @@ def hardware(args):
 
 
 def run(args) -> int:
-    from accel.estimate import EstimateError, load_spec
+    from accel.estimate import EstimateError
     from accel.plan import plan, write_config
 
     start = time.perf_counter()
     try:
         hw = hardware(args)
-        result = plan(load_spec(args.model), hw, args.batch_size, args.seq_len, args.mixed_precision)
+        spec, module = model(args.model, args.activations == "measured")
+        result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module)
         if args.write:
             result["written"] = str(write_config(result, args.write, args.main_process_ip))
     except EstimateError as exc:
@@ -102,6 +107,20 @@ def run(args) -> int:
     else:
         print(render(result, args.top, time.perf_counter() - start))
     return 0
+
+
+def model(name: str, want_module: bool):
+    """(ModelSpec, the module on meta or None): the module only when activations are measured and MODEL has
+    code to run (a safetensors checkpoint has not)."""
+    from accel import estimate
+
+    path = Path(name)
+    headers_only = path.suffix == ".safetensors" or name.endswith(".index.json") or (
+        path.is_dir() and not (path / "config.json").is_file())
+    if not want_module or headers_only or not hasattr(estimate, "load_module"):
+        return estimate.load_spec(name), None
+    module = estimate.load_module(name)
+    return estimate.spec_from_module(module, name), module
 
 
 def _gib(n) -> str:
@@ -121,7 +140,7 @@ def render(result: dict, top: int, seconds: float) -> str:
                      f"{'yes' if r['offload'] else 'no':>4} {r['activation_checkpointing']:>4} "
                      f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
                      f"{_gib(r['memory_per_rank_bytes']):>9} {'yes' if r['fits'] else 'no':>4} {step:>9}")
-    lines += ["", *result["explanation"]]
+    lines += ["", *result["explanation"], f"Activations: {result['activation_method']}."]
     if result.get("written"):
         lines.append(f"Saved to {result['written']}: accel launch --config_file {result['written']} train.py")
     return "\n".join(lines)

@@ -120,6 +120,23 @@ def test_json_keys_and_write_launches(tmp_path, capsys, monkeypatch):
     assert main(["launch", "--dry_run", "--config_file", "cfg.yaml", "x.py"]) == 0
 
 
+def test_measured_activations_calibrate_the_formula():
+    from accel.estimate import load_module
+    from accel.plan import model_shape
+
+    module = load_module("gpt2")
+    spec = spec_from_module(module, "gpt2")
+    result = plan(spec, Hardware(num_processes=2), 8, 128, module=module)
+    assert "fake-tensor measurement" in result["activation_method"]
+    formula = plan(spec, Hardware(num_processes=2), 8, 128)
+    assert formula["activation_method"].startswith("formula")
+    row = result["layouts"][0]
+    same = next(r for r in formula["layouts"] if all(r[k] == row[k] for k in ("zero_stage", "tp_size", "pp_size",
+                "offload", "activation_checkpointing", "micro_batches")))
+    assert row["activation_bytes_per_rank"] != same["activation_bytes_per_rank"]
+    assert model_shape(spec).layers == 12
+
+
 def test_text_output_explains(capsys):
     assert main(["plan", "gpt2", "--num_processes", "4", "--batch_size", "16", "--seq_len", "128"]) == 0
     out = capsys.readouterr().out
