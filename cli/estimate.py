@@ -18,12 +18,17 @@ import time
 from accel.cli._common import UsageError, add_flag
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """MODEL, in the forms `accel.estimate` builds on the meta device (also `accel plan`'s)."""
+    parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
+                                      "module:callable returning an nn.Module, or a safetensors file/index/folder")
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "estimate-memory", help="estimate a model's weights and training memory per rank (meta device, no memory)",
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
-                                      "module:callable returning an nn.Module, or a safetensors file/index/folder")
+    add_model_argument(parser)
     add_flag(parser, "dtypes", default="float32,bfloat16", help="comma-separated weight dtypes (default %(default)s)")
     add_flag(parser, "num_processes", type=int, default=1, help="ranks in all (default 1)")
     add_flag(parser, "tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")

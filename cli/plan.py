@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from accel.cli._common import UsageError, add_flag
+from accel.cli.estimate import add_model_argument
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
@@ -39,8 +40,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan", help="pick a parallel layout for a model on your hardware (estimates, no memory used)",
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
-                                      "module:callable returning an nn.Module, or a safetensors file/index/folder")
+    add_model_argument(parser)
     add_flag(parser, "batch_size", type=int, default=8,
              help="GLOBAL batch: samples per optimizer step over all processes (default %(default)s)")
     add_flag(parser, "seq_len", type=int, default=1024, help="tokens per sample (default %(default)s)")
