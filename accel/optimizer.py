@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from accel.accumulation import GradientState
+from accel.plan_measure import meter_from_env
 from accel.precision import PrecisionPolicy
 
 
@@ -24,6 +25,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         self.step_was_skipped = False
         self.before_step = None  # e.g. automatic gradient clipping (DeepSpeed's gradient_clipping)
+        self._meter = meter_from_env()  # `accel plan --measure`: stop after N real steps; None otherwise
 
     # -- delegated state -------------------------------------------------------------------------------------
     @property
@@ -81,6 +83,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.step_was_skipped = self.precision.step(self.optimizer, lambda: self.optimizer.step(closure))
         else:
             self.step_was_skipped = self.precision.step(self.optimizer, self.optimizer.step)
+        if self._meter is not None:
+            self._meter.tick(self)
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"

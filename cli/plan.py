@@ -41,6 +41,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         "plan", help="pick a parallel layout for a model on your hardware (estimates, no memory used)",
         description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
+    model_arg = next(a for a in parser._actions if a.dest == "model")
+    model_arg.nargs, model_arg.required = "?", False  # `accel plan --calibrate` needs no model
     add_flag(parser, "batch_size", type=int, default=8,
              help="GLOBAL batch: samples per optimizer step over all processes (default %(default)s)")
     add_flag(parser, "seq_len", type=int, default=1024, help="tokens per sample (default %(default)s)")
@@ -56,13 +58,22 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "mixed_precision", default="bf16", choices=("no", "fp16", "bf16"),
              help="the run's mixed precision (default %(default)s)")
     add_flag(parser, "detect", action="store_true", help="read this machine's GPUs (else CPU cores and RAM)")
-    add_flag(parser, "top", type=int, default=10, help="layouts to print (default %(default)s)")
+    add_flag(parser, "top", type=int, default=None,
+             help="layouts to print (default 10); with --measure: layouts to run (default 3)")
     add_flag(parser, "write", default=None, help="save the recommended layout as an accel config file")
     add_flag(parser, "main_process_ip", default=None, help="with --write on several machines: machine 0's address")
     add_flag(parser, "activations", default="formula", choices=("formula", "measured"),
              help="formula: Korthikanti et al.'s per-layer formula (default); measured: scale it to accel "
                   "estimate-memory's fake-tensor run of the model (not for safetensors checkpoints)")
+    add_flag(parser, "steps", type=int, default=5, help="with --measure: optimizer steps per layout (default 5)")
+    add_flag(parser, "calibrate", action="store_true",
+             help="measure this machine's matmul rate and all_reduce bandwidth and store them for later plans")
+    add_flag(parser, "calibration", default=None,
+             help="calibration file to write/read (default $XDG_CACHE_HOME/accel/calibration.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--measure", nargs=argparse.REMAINDER, default=None, metavar="SCRIPT [ARGS]",
+                        help="last flag: run the best layouts for --steps optimizer steps each with SCRIPT ARGS "
+                             "on this machine and pick the fastest that runs")
     parser.set_defaults(func=run)
     return parser
 
@@ -87,15 +98,43 @@ def hardware(args):
     return hw
 
 
+def apply_calibration(args, hw) -> str | None:
+    """Stored calibration figures as defaults for --flops/--intra_bandwidth the user did not give; a line
+    saying so, or None."""
+    from accel.plan_measure import load_calibration
+
+    cal = load_calibration(args.calibration)
+    if cal is None:
+        return None
+    used = []
+    if args.flops is None:
+        hw.flops = cal["flops"]
+        used.append(f"{cal['flops'] / 1e12:.2f} TFLOP/s")
+    if args.intra_bandwidth is None and cal.get("intra_bandwidth"):
+        hw.intra_bw = cal["intra_bandwidth"]
+        used.append(f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s within a machine")
+    return f"Calibration {cal['path']} ({cal.get('device')}): {', '.join(used)}." if used else None
+
+
 def run(args) -> int:
     from accel.estimate import EstimateError
     from accel.plan import plan, write_config
 
     start = time.perf_counter()
+    if args.calibrate:
+        return calibrate(args)
+    if args.model is None:
+        raise UsageError("MODEL missing; allowed: a transformers config, module:callable or "
+                         "safetensors checkpoint (or --calibrate alone)")
     try:
         hw = hardware(args)
+        calibration = apply_calibration(args, hw)
         spec, module = model(args.model, args.activations == "measured")
         result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module)
+        if calibration:
+            result["calibration"] = calibration
+        if args.measure is not None:
+            result = measure(args, result)
         if args.write:
             result["written"] = str(write_config(result, args.write, args.main_process_ip))
     except EstimateError as exc:
@@ -105,7 +144,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(render(result, args.top, time.perf_counter() - start))
+        print(render(result, args.top or 10, time.perf_counter() - start))
     return 0
 
 
@@ -141,6 +180,79 @@ def render(result: dict, top: int, seconds: float) -> str:
                      f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
                      f"{_gib(r['memory_per_rank_bytes']):>9} {'yes' if r['fits'] else 'no':>4} {step:>9}")
     lines += ["", *result["explanation"], f"Activations: {result['activation_method']}."]
+    if result.get("calibration"):
+        lines.append(result["calibration"])
+    if "measured" in result:
+        lines += ["", *render_measured(result)]
     if result.get("written"):
         lines.append(f"Saved to {result['written']}: accel launch --config_file {result['written']} train.py")
     return "\n".join(lines)
+
+
+def calibrate(args) -> int:
+    from accel.plan_measure import calibrate as run_calibration
+
+    try:
+        data = run_calibration(args.calibration)
+    except OSError as exc:
+        raise UsageError(f"--calibration {args.calibration}: cannot write ({exc.strerror or exc})") from None
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rates = ", ".join(f"{k} {v:.2f}" for k, v in data["matmul_tflops"].items())
+    bw = data["intra_bandwidth"]
+    print(f"Matmul on {data['device']}: {rates} TFLOP/s; all_reduce (2 processes): "
+          + (f"{bw / 1e9:.2f} GB/s" if bw else "not measured (one device)") + f". Saved to {data['path']}; "
+          "accel plan uses these when --flops/--intra_bandwidth are not given.")
+    return 0
+
+
+def measure(args, result: dict) -> dict:
+    from accel.plan import PlanError
+    from accel.plan_measure import measure as run_measure
+
+    if not args.measure:
+        raise UsageError("--measure: missing the script; allowed: --measure train.py [script args] as the last flag")
+    script = Path(args.measure[0])
+    if not script.is_file():
+        raise UsageError(f"--measure: script {str(script)!r} not found")
+    if result["hardware"]["num_machines"] != 1:
+        raise PlanError("--measure runs on this machine only; allowed: --num_machines 1")
+    top = 3 if args.top is None else args.top
+    for flag, value in (("--steps", args.steps), ("--top", top)):
+        if value < 1 or (flag == "--steps" and value < 2):
+            raise PlanError(f"{flag}: bad value {value}; allowed: an integer >= {2 if flag == '--steps' else 1}")
+    return run_measure(result, str(script), args.measure[1:], top, args.steps)
+
+
+def _fmt(value, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if unit == "s" else f"{value / 2 ** 20:.1f}"
+
+
+def render_measured(result: dict) -> list[str]:
+    lines = [f"Measured on this machine ({result['measured_steps']} optimizer steps each, warm-up excluded; "
+             "memory per rank: the largest rank's):",
+             f"{'#':>3} {'layout':<28} {'est s':>8} {'meas s':>8} {'est MiB':>9} {'meas MiB':>9}  memory"]
+    for m in result["measured"]:
+        row = result["layouts"][m["index"]]
+        name = describe_short(row)
+        if "measured_error" in m:
+            lines.append(f"{m['index']:>3} {name:<28} {_fmt(row['step_time_s'], 's'):>8} {'failed':>8}  "
+                         f"{m['measured_error']}")
+            continue
+        lines.append(f"{m['index']:>3} {name:<28} {_fmt(row['step_time_s'], 's'):>8} "
+                     f"{_fmt(m['measured_step_time_s'], 's'):>8} {_fmt(row['memory_per_rank_bytes'], 'b'):>9} "
+                     f"{_fmt(m['measured_memory_per_rank_bytes'], 'b'):>9}  {m['memory_kind']} "
+                     f"(est. states {_fmt(row['model_state_bytes_per_rank'], 'b')} MiB)")
+    best = result["measured_best"]
+    lines.append("Picked by measurement: " + (f"#{best}, the fastest that ran." if best is not None else
+                                              "none ran; the estimate's recommendation stands."))
+    return lines
+
+
+def describe_short(row: dict) -> str:
+    from accel.plan import layout_name
+
+    return (f"{layout_name(row)} ac={row['activation_checkpointing']} mb={row['micro_batches']}")[:28]

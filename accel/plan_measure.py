@@ -1,0 +1,241 @@
+"""`accel plan --measure` and `--calibrate`: FlexFlow's / DeepSpeed autotuner's step. Run the best candidate
+layouts for a few optimizer steps with the user's unmodified script (accel stops it: `StepMeter`), and measure
+this machine's matmul rate and collective bandwidth for later plans.
+
+Measured memory per rank: on CUDA `torch.cuda.max_memory_allocated`; on CPU the bytes of the tensors the rank
+holds after `optimizer.step()` (parameters, gradients, optimizer state: the same quantity as the estimate's
+model-state bytes, as benchmarks/bench_estimate.py counts them), plus the process's max RSS for reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STOP_ENV = "ACCEL_STOP_AFTER_STEPS"
+FILE_ENV = "ACCEL_MEASURE_FILE"
+CAL_VERSION = 1
+
+
+# -- inside the workers -------------------------------------------------------------------------------------
+class StepMeter:
+    """Counts real optimizer steps (AcceleratedOptimizer.step past the accumulation gate and not skipped for
+    inf/nan), and after `stop` of them writes this rank's record and ends the job cleanly (exit 0)."""
+
+    def __init__(self, stop: int, path: str):
+        self.stop, self.path, self.times = stop, path, [time.perf_counter()]
+
+    def tick(self, optimizer) -> None:
+        if optimizer.step_was_skipped:
+            return
+        self.times.append(time.perf_counter())
+        if len(self.times) - 1 >= self.stop:
+            self.finish(optimizer)
+
+    def record(self, optimizer) -> dict:
+        import resource
+
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        ends = self.times[1:]
+        return {"rank": int(os.environ.get("RANK", 0)), "steps": len(ends),
+                "step_times_s": [b - a for a, b in zip(self.times, ends)],
+                "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else held_bytes(optimizer),
+                "memory_kind": "cuda max_memory_allocated" if cuda else "tensors held after step",
+                "held_bytes": held_bytes(optimizer),
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def finish(self, optimizer):
+        import torch.distributed as dist
+
+        rec = self.record(optimizer)
+        Path(f"{self.path}.rank{rec['rank']}.json").write_text(json.dumps(rec))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        raise SystemExit(0)
+
+
+def meter_from_env() -> StepMeter | None:
+    """The meter when `accel plan --measure` launched this process (ACCEL_STOP_AFTER_STEPS set), else None."""
+    stop = os.environ.get(STOP_ENV)
+    if not stop:
+        return None
+    return StepMeter(int(stop), os.environ.get(FILE_ENV) or os.path.join(tempfile.gettempdir(), "accel_measure"))
+
+
+def held_bytes(optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer state tensors this rank holds (local shards)."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    tensors = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            tensors += [p, p.grad] + [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]  # kept alive: ids
+    seen, total = set(), 0
+    for t in local:
+        if t.device.type == "meta" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+# -- the driver ----------------------------------------------------------------------------------------------
+def summarize(records: list[dict], warmup: int) -> dict:
+    """Step time: the slowest rank's median step after `warmup` steps; memory: the largest rank's."""
+    times = [statistics.median(r["step_times_s"][warmup:] or r["step_times_s"]) for r in records]
+    return {"measured_step_time_s": max(times), "measured_memory_per_rank_bytes": max(
+        r["peak_memory_bytes"] for r in records), "memory_kind": records[0]["memory_kind"],
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in records), "ranks": len(records)}
+
+
+def _reason(proc: subprocess.CompletedProcess) -> str:
+    text = (proc.stderr or "") + (proc.stdout or "")
+    if "out of memory" in text.lower():
+        return "out of memory"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(" ")]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return ((errors or lines or [f"exit code {proc.returncode}"])[-1])[:200]
+
+
+def measure_one(result: dict, index: int, script: str, script_args: list[str], steps: int, workdir: Path,
+                timeout: float = 600, env: dict | None = None) -> dict:
+    """Launch `script` under layout `index` of a plan for `steps` optimizer steps; its measured figures or
+    {"measured_error": one line}."""
+    from accel.plan import write_config
+
+    cfg = write_config({**result, "recommended": index}, workdir / f"layout{index}.yaml")
+    out = workdir / f"layout{index}"
+    run_env = {**(env or os.environ), STOP_ENV: str(steps), FILE_ENV: str(out)}
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--config_file", str(cfg), script, *script_args]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"measured_error": f"did not finish {steps} steps in {timeout:.0f} s"}
+    records = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"layout{index}.rank*.json"))]
+    if proc.returncode != 0 or not records:
+        return {"measured_error": _reason(proc) if proc.returncode else
+                f"the script ended before {steps} optimizer steps (no record written)"}
+    return {**summarize(records, 2 if steps >= 5 else 1), "launch_s": time.perf_counter() - start}
+
+
+def measure(result: dict, script: str, script_args: list[str], top: int = 3, steps: int = 5,
+            timeout: float = 600, env: dict | None = None) -> dict:
+    """Run the `top` best fitting layouts; `measured` lists them with their figures and `measured_best` indexes
+    (into layouts) the fastest that ran, which becomes `recommended`."""
+    fitting = [i for i, r in enumerate(result["layouts"]) if r["fits"]][:top]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="accel-measure-") as tmp:
+        for i in fitting:
+            rows.append({"index": i, **measure_one(result, i, script, script_args, steps, Path(tmp), timeout, env)})
+    ran = [r for r in rows if "measured_step_time_s" in r]
+    best = min(ran, key=lambda r: r["measured_step_time_s"])["index"] if ran else None
+    return {**result, "measured": rows, "measured_steps": steps, "measured_best": best,
+            "recommended": best if best is not None else result["recommended"]}
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+def default_calibration_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "accel" / "calibration.json"
+
+
+def matmul_tflops(device: str, dtype, n: int, reps: int) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    best = 0.0
+    for size in sizes:
+        t = torch.ones(size // 4, device=device)
+        dist.all_reduce(t)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        start, reps = time.perf_counter(), 5
+        for _ in range(reps):
+            dist.all_reduce(t)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) / reps
+        best = max(best, 2 * (world - 1) / world * size / elapsed)  # ring bus bandwidth
+    if rank == 0:
+        queue.put(best)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> float:
+    """Bytes/s of a 2-process all_reduce sweep (ring bus bandwidth, the best size)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_allreduce_worker, args=(2, port, backend, list(sizes), queue), nprocs=2, join=True,
+                       start_method="spawn")
+    return queue.get()
+
+
+def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
+    """Measure and store {"flops": FLOP/s (the best dtype), "intra_bandwidth": bytes/s, ...} at `path`."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    rates = {"fp32": matmul_tflops(device, torch.float32, 4096 if cuda else 1024, 20 if cuda else 4)}
+    if cuda:
+        rates["bf16"] = matmul_tflops(device, torch.bfloat16, 8192, 20)
+    data = {"version": CAL_VERSION, "time": time.time(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "matmul_tflops": rates, "flops": max(rates.values()) * 1e12, "intra_bandwidth": None}
+    procs = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+    if collectives and procs >= 2:
+        data["intra_bandwidth"] = allreduce_bandwidth("nccl" if cuda else "gloo")
+        data["collective_backend"] = "nccl" if cuda else "gloo"
+    path = Path(path or default_calibration_path())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return {**data, "path": str(path)}
+
+
+def load_calibration(path: Path | None = None) -> dict | None:
+    """The stored calibration, or None when there is none (or it cannot be read)."""
+    path = Path(path or default_calibration_path())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {**data, "path": str(path)} if isinstance(data, dict) and data.get("flops") else None
