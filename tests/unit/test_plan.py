@@ -13,6 +13,12 @@ from accel.cli.main import main
 from accel.config import AccelConfig
 from accel.config.checks import check_launchable
 from accel.estimate import load_spec, spec_from_module
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration(tmp_path, monkeypatch):
+    """Plans use a stored `accel plan --calibrate` as defaults: these tests must not read this machine's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 from accel.plan import GB, Hardware, plan, write_config
 
 transformers = pytest.importorskip("transformers")
