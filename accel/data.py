@@ -753,16 +753,13 @@ def prepare_data_loader(
     if dispatch_batches and not put_on_device:
         raise ValueError("prepare_data_loader: dispatch_batches=True needs put_on_device=True (the batches are "
                          "broadcast on the device)")
-    if num_processes is None or process_index is None:
-        from accel.state import PartialState
+    if num_processes is None or process_index is None or (device is None and put_on_device):
+        from accel.state import PartialState  # what the job has, for what the caller left out
 
         state = PartialState()
         num_processes = state.num_processes if num_processes is None else num_processes
         process_index = state.process_index if process_index is None else process_index
-    if device is None and put_on_device:
-        from accel.state import PartialState
-
-        device = PartialState().device
+        device = state.device if device is None and put_on_device else device
     if data_seed is not None:
         seed = data_seed
     if not 0 <= process_index < num_processes:
