@@ -99,9 +99,26 @@ class Shape:
     largest_unit: int  # parameters of the largest ZeRO wrap unit (a block or the root's own)
 
 
+CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head")}
+
+
+def config_dims(module) -> dict:
+    """{"hidden", "heads"} as the model's transformers config states them (text config for multimodal
+    models); {} for a module without one."""
+    config = getattr(module, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    dims = {}
+    for name, keys in CONFIG_KEYS.items():
+        value = next((getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None)
+        if value:
+            dims[name] = value
+    return dims
+
+
 def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = None) -> Shape:
     """Layers, hidden size and vocabulary read off the parameter shapes: hidden is the most common smaller
-    dimension of the blocks' 2-D parameters, the vocabulary the largest dim-0 outside the blocks."""
+    dimension of the blocks' 2-D parameters, the vocabulary the largest dim-0 outside the blocks. `hidden` and
+    `heads` from the model's config win (`config_dims`); without one, heads = hidden / HEAD_DIM."""
     blocks: dict[str, int] = {}
     dims: dict[int, int] = {}
     root, vocab = 0, 0
@@ -126,7 +143,7 @@ def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, 
     """Activations kept for backward by `layers` blocks on one micro-batch: Korthikanti et al.'s per-layer
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
     (2*s*b*h) plus one block's full set while it recomputes; plus the float32 logits and their gradient. Times
-    `calibration[checkpointing]`: accel.estimate's fake-tensor measurement of the whole model over this
+    `calibration[checkpointing]["scale"]`: accel.estimate's fake-tensor measurement of the whole model over this
     formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
     the micro-batch, TP and the blocks of a pipeline stage."""
     layers = shape.layers if layers is None else layers
@@ -134,13 +151,16 @@ def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, 
     scale = ACT_BYTES.get(mixed_precision, 1)
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
     kept = layers * 2 * s * b * h * scale + per_layer if checkpointing == "full" else layers * per_layer
-    return int((kept + 2 * 4 * s * b * shape.vocab / tp) * (calibration or {}).get(checkpointing, 1.0))
+    factor = (calibration or {}).get(checkpointing, {}).get("scale", 1.0)
+    return int((kept + 2 * 4 * s * b * shape.vocab / tp) * factor)
 
 
 def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: str = "bf16") -> dict:
-    """{checkpointing: measured / formula} for one sample of `seq_len` through the whole `module`, measured by
-    accel.estimate.activation_bytes on fake tensors (no memory); {} (the formula alone) when that estimator is
-    missing or cannot run the model."""
+    """{checkpointing: {"scale", "fixed_bytes"}} from accel.estimate.activation_bytes on fake tensors (no
+    memory) for 1 and 2 samples of `seq_len` through the whole `module`: the difference is what one sample adds
+    (`scale` = it over the formula's), the rest is fixed per step (`fixed_bytes`: mostly autocast's cached low-
+    precision copy of every weight, held until the forward's autocast region ends), so it is not scaled with the
+    micro-batch. {} (the formula alone) when that estimator is missing or cannot run the model."""
     from accel import estimate
 
     measure = getattr(estimate, "activation_bytes", None)
@@ -149,10 +169,12 @@ def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: 
     factors = {}
     for ac in ("no", "full"):
         try:
-            measured = measure(module, 1, seq_len, mixed_precision, ac)
+            one, two = (measure(module, b, seq_len, mixed_precision, ac) for b in (1, 2))
         except Exception:  # noqa: BLE001 - any model the fake run cannot handle falls back to the formula
             return {}
-        factors[ac] = measured / activation_bytes(shape, 1, seq_len, 1, None, ac, mixed_precision)
+        per_sample = max(two - one, 1)
+        factors[ac] = {"scale": per_sample / activation_bytes(shape, 1, seq_len, 1, None, ac, mixed_precision),
+                       "fixed_bytes": max(0, one - per_sample)}
     return factors
 
 
@@ -232,6 +254,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     mb = per_rank // m
     layers = math.ceil(shape.layers / pp)
     acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration) * min(m, pp)
+    acts += (calibration or {}).get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params
     gathered = 0
     if zero == 2:
         gathered = (rank_numel - shard_numel) * 4
@@ -280,10 +303,12 @@ def _complexity(row: dict) -> tuple:
 
 
 def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
-         hidden: int | None = None, heads: int | None = None, module=None) -> dict:
+         hidden: int | None = None, heads: int | None = None, module=None,
+         measure_activations: bool = False) -> dict:
     """Every candidate layout, fitting ones first by step time; `recommended` indexes the simplest of the
-    fastest that fit (None when none does) and `explanation` says why in the seed's terms. With `module` (the
-    model on the meta device) activations are calibrated on a fake-tensor run, else the formula alone."""
+    fastest that fit (None when none does) and `explanation` says why in the seed's terms. `module` (the model on the
+    meta device, or None) gives the hidden size and heads of its config; with `measure_activations` the
+    activation formula is also calibrated on a fake-tensor run of it."""
     for name, value in (("--batch_size", batch_size), ("--seq_len", seq_len), ("--num_processes", hw.num_processes),
                         ("--num_machines", hw.num_machines)):
         if not isinstance(value, int) or value < 1:
@@ -292,9 +317,10 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
         raise PlanError("--device_memory, --flops and the bandwidths must be positive")
     if not spec.params:
         raise PlanError(f"{spec.source}: the model has no parameters")
-    shape = model_shape(spec, hidden, heads)
+    dims = config_dims(module)
+    shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"))
     cache: dict = {}
-    calibration = activation_calibration(module, shape, seq_len, mixed_precision)
+    calibration = activation_calibration(module, shape, seq_len, mixed_precision) if measure_activations else {}
     rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache, calibration)
             for c in candidates(hw, shape, batch_size)]
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["step_time_s"] is not None else math.inf))
@@ -311,7 +337,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
-                                  + ", ".join(f"{k} x{v:.2f}" for k, v in calibration.items())) if calibration
+                                  + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"
+                                              for k, v in calibration.items())) if calibration
             else "formula (Korthikanti et al.)",
             "layouts": rows, "recommended": recommended,
             "explanation": explain(rows, recommended, shape, hw)}

@@ -76,10 +76,9 @@ def held_bytes(optimizer) -> int:
     import torch
 
     inner = getattr(optimizer, "optimizer", optimizer)
-    tensors = []
-    for group in inner.param_groups:
-        for p in group["params"]:
-            tensors += [p, p.grad] + [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    tensors = [t for group in inner.param_groups for p in group["params"] for t in (p, p.grad)]
+    local = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer: this rank's partition and its state
+    tensors += [v for st in local.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]  # kept alive: ids
     seen, total = set(), 0
     for t in local:

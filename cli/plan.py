@@ -129,8 +129,9 @@ def run(args) -> int:
     try:
         hw = hardware(args)
         calibration = apply_calibration(args, hw)
-        spec, module = model(args.model, args.activations == "measured")
-        result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module)
+        spec, module = model(args.model)
+        result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module,
+                      measure_activations=args.activations == "measured")
         if calibration:
             result["calibration"] = calibration
         if args.measure is not None:
@@ -148,15 +149,16 @@ def run(args) -> int:
     return 0
 
 
-def model(name: str, want_module: bool):
-    """(ModelSpec, the module on meta or None): the module only when activations are measured and MODEL has
-    code to run (a safetensors checkpoint has not)."""
+def model(name: str):
+    """(ModelSpec, the module on the meta device or None): the module when MODEL has code (a transformers config
+    or module:callable; a safetensors checkpoint has only headers), for its config's sizes and --activations
+    measured."""
     from accel import estimate
 
     path = Path(name)
     headers_only = path.suffix == ".safetensors" or name.endswith(".index.json") or (
         path.is_dir() and not (path / "config.json").is_file())
-    if not want_module or headers_only or not hasattr(estimate, "load_module"):
+    if headers_only:
         return estimate.load_spec(name), None
     module = estimate.load_module(name)
     return estimate.spec_from_module(module, name), module

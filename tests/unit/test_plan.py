@@ -12,7 +12,7 @@ import yaml
 from accel.cli.main import main
 from accel.config import AccelConfig
 from accel.config.checks import check_launchable
-from accel.estimate import load_spec, spec_from_module
+from accel.estimate import load_module, load_spec, spec_from_module
 
 
 @pytest.fixture(autouse=True)
@@ -132,15 +132,39 @@ def test_measured_activations_calibrate_the_formula():
 
     module = load_module("gpt2")
     spec = spec_from_module(module, "gpt2")
-    result = plan(spec, Hardware(num_processes=2), 8, 128, module=module)
+    result = plan(spec, Hardware(num_processes=2), 8, 128, module=module, measure_activations=True)
     assert "fake-tensor measurement" in result["activation_method"]
-    formula = plan(spec, Hardware(num_processes=2), 8, 128)
+    formula = plan(spec, Hardware(num_processes=2), 8, 128, module=module)
     assert formula["activation_method"].startswith("formula")
     row = result["layouts"][0]
     same = next(r for r in formula["layouts"] if all(r[k] == row[k] for k in ("zero_stage", "tp_size", "pp_size",
                 "offload", "activation_checkpointing", "micro_batches")))
     assert row["activation_bytes_per_rank"] != same["activation_bytes_per_rank"]
     assert model_shape(spec).layers == 12
+
+
+def test_hidden_and_heads_come_from_the_config():
+    """GPT-2 small: hidden 768 with 12 heads of 64 (the hidden / 128 guess would say 6); a safetensors
+    checkpoint (headers only) falls back to the guess."""
+    from accel.cli.plan import model
+
+    spec, module = model("gpt2")
+    result = plan(spec, Hardware(num_processes=2), 8, 128, module=module)
+    assert (result["shape"]["hidden"], result["shape"]["heads"]) == (768, 12)
+    assert plan(spec, Hardware(num_processes=2), 8, 128)["shape"]["heads"] == 6
+
+
+def test_fixed_activation_bytes_do_not_grow_with_the_batch():
+    """--activations measured: autocast's cached bf16 weights are a fixed cost, not scaled with the micro-batch
+    (a whole-model factor at one sample made full checkpointing of big models look 10x larger)."""
+    from accel.plan import activation_calibration, model_shape
+
+    module = load_module("gpt2")
+    spec = spec_from_module(module, "gpt2")
+    shape = model_shape(spec, 768, 12)
+    cal = activation_calibration(module, shape, 64, "bf16")
+    assert cal["full"]["fixed_bytes"] >= 2 * spec.numel * 0.9  # the bf16 copy of the weights
+    assert 0.5 < cal["full"]["scale"] < 2 and 0.5 < cal["no"]["scale"] < 2
 
 
 def test_text_output_explains(capsys):
