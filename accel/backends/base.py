@@ -7,7 +7,7 @@ new method here (with a default), not a branch in the facade.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from accel.state import PartialState
     from accel.topology import Topology
 
+
+
+def loss_input(outputs):
+    """What `loss_fn` receives: a transformers ModelOutput's (or a dict's) logits, as a pipeline's last stage
+    carries them, so one loss_fn serves every backend; any other output as it is."""
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), torch.Tensor):
+        return outputs["logits"]
+    return outputs
 
 class Backend:
     """Wraps models/optimizers for one kind of parallelism and owns what depends on it."""
@@ -79,7 +87,7 @@ class Backend:
 
         def forward(*args, target=None, **kwargs):
             outputs = inner(*args, **kwargs)
-            return outputs if target is None else loss_fn(outputs, target)
+            return outputs if target is None else loss_fn(loss_input(outputs), target)
 
         model.forward = forward
         model._accel_loss_forward = inner

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from accel.backends.base import (
     Backend,
     ParameterReplacements,
     clip_grads_with_norm,
+    loss_input,
     refuse_stepped_optimizer,
     register_backend,
     select_backend,
@@ -447,8 +448,7 @@ def _install_stage_forward(shell: nn.Module, run, index: int, precision) -> None
         kwargs = {k[10:]: v for k, v in packed.items() if k.startswith("_accel_kw_")}
         with precision.autocast():
             out = run_stage(shell, run, index, received[0] if received else None, tuple(args), kwargs)
-        if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
-            out = out["logits"]  # a transformers ModelOutput (or dict): the pipeline carries its logits
+        out = loss_input(out)  # a transformers ModelOutput (or dict): the pipeline carries its logits
         if index == run.plan.num_stages - 1 and precision.dtype is not None:
             out = precision.outputs_to_float32(out)
         if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):

@@ -264,6 +264,25 @@ def test_loss_fn_given_to_prepare_lets_any_backend_take_target():
     assert model.weight.grad is not None
 
 
+def test_loss_fn_gets_a_model_outputs_logits_on_every_backend():
+    """As under pipeline parallelism, loss_fn receives a ModelOutput's logits, so one loss_fn serves all."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class HF(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return CausalLMOutput(logits=self.fc(x))
+
+    model = HF()
+    prepared = Accelerator(cpu=True).prepare(model, loss_fn=lambda logits, y: (logits - y).pow(2).mean())
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    assert torch.equal(prepared(x, target=y), (model.fc(x) - y).pow(2).mean())
+    assert isinstance(prepared(x), CausalLMOutput)  # without target: the outputs as they are
+
+
 def test_precision_policy_decides_the_scaler_and_fsdp_policy_once():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
