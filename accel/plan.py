@@ -69,6 +69,8 @@ class Hardware:
     inter_bw: float = DEFAULT_INTER_GBS * GB
     flops: float = DEFAULT_TFLOPS * 1e12
     host_memory: float = DEFAULT_HOST_GB * GB
+    intra_latency: float = INTRA_LATENCY  # seconds per collective hop
+    inter_latency: float = INTER_LATENCY
 
     @property
     def world(self) -> int:
@@ -190,7 +192,7 @@ def _gather(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> flo
 
 def _link(hw: Hardware, span: int) -> tuple[float, float]:
     """Bandwidth and latency of a group whose ranks span `span` consecutive ranks."""
-    return (hw.intra_bw, INTRA_LATENCY) if span <= hw.num_processes else (hw.inter_bw, INTER_LATENCY)
+    return (hw.intra_bw, hw.intra_latency) if span <= hw.num_processes else (hw.inter_bw, hw.inter_latency)
 
 
 # -- layouts --------------------------------------------------------------------------------------------------
@@ -334,7 +336,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                       "largest_unit_params": shape.largest_unit},
             "hardware": {"num_machines": hw.num_machines, "num_processes": hw.num_processes,
                          "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
-                         "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory},
+                         "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory,
+                         "intra_latency": hw.intra_latency, "inter_latency": hw.inter_latency},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"

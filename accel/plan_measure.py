@@ -174,6 +174,17 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    small = torch.zeros(1, device=device)
+    for _ in range(3):
+        dist.all_reduce(small)
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dist.all_reduce(small)
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    latency = (time.perf_counter() - start) / reps / (2 * (world - 1))  # per ring hop, as accel.plan counts it
     best = 0.0
     for size in sizes:
         t = torch.ones(size // 4, device=device)
@@ -188,13 +199,14 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         elapsed = (time.perf_counter() - start) / reps
         best = max(best, 2 * (world - 1) / world * size / elapsed)  # ring bus bandwidth
     if rank == 0:
-        queue.put(best)
+        queue.put((best, latency))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> float:
-    """Bytes/s of a 2-process all_reduce sweep (ring bus bandwidth, the best size)."""
+def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[float, float]:
+    """(bytes/s of a 2-process all_reduce sweep: ring bus bandwidth, the best size; seconds per ring hop of a
+    4-byte all_reduce: the latency)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -210,7 +222,8 @@ def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> floa
 
 
 def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
-    """Measure and store {"flops": FLOP/s (the best dtype), "intra_bandwidth": bytes/s, ...} at `path`."""
+    """Measure and store {"flops": FLOP/s (the best dtype, with this process's threads), "intra_bandwidth":
+    bytes/s, "intra_latency": s per hop, ...} at `path`."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -222,7 +235,7 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
             "matmul_tflops": rates, "flops": max(rates.values()) * 1e12, "intra_bandwidth": None}
     procs = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     if collectives and procs >= 2:
-        data["intra_bandwidth"] = allreduce_bandwidth("nccl" if cuda else "gloo")
+        data["intra_bandwidth"], data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
         data["collective_backend"] = "nccl" if cuda else "gloo"
     path = Path(path or default_calibration_path())
     path.parent.mkdir(parents=True, exist_ok=True)

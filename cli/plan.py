@@ -113,6 +113,9 @@ def apply_calibration(args, hw) -> str | None:
     if args.intra_bandwidth is None and cal.get("intra_bandwidth"):
         hw.intra_bw = cal["intra_bandwidth"]
         used.append(f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s within a machine")
+        if cal.get("intra_latency"):
+            hw.intra_latency = cal["intra_latency"]
+            used.append(f"{cal['intra_latency'] * 1e6:.0f} us per hop")
     return f"Calibration {cal['path']} ({cal.get('device')}): {', '.join(used)}." if used else None
 
 
