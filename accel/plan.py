@@ -52,6 +52,7 @@ DEFAULT_HOST_GB = 1024.0   # host memory per machine for offload
 DDP_BUCKET = 25 * 2 ** 20  # DDP's gradient bucket
 HEAD_DIM = 128             # heads = hidden / HEAD_DIM when the model does not say
 ACT_BYTES = {"no": 2, "fp16": 1, "bf16": 1, "fp8": 1}  # x the fp16 activation formula
+MAX_ACCUMULATION_LOG2 = 6  # gradient accumulation steps planned: 1, 2, 4, ... 64
 TIE = 0.02                 # layouts within 2% of the fastest count as equal: the simplest is recommended
 STATE_NAME = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
@@ -200,10 +201,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pointless(zero: int, offload: bool, dp: int) -> bool:
+def _pointless(zero: int, offload: bool, dp: int, tp: int) -> bool:
     """Offload is planned with ZeRO-3 only (estimate's zero3_offload); ZeRO without data parallelism shards
-    nothing (except to offload)."""
-    return (offload and zero != 3) or (dp == 1 and zero > 0 and not offload)
+    nothing (except to offload); next to TP accel runs data parallelism as FSDP2 without resharding after the
+    forward whatever the stage below 3 (accel.backends.spmd.data_parallel_kind: DDP takes no DTensors), so
+    ZeRO-0/1 there are ZeRO-2 under another name."""
+    return (offload and zero != 3) or (dp == 1 and zero > 0 and not offload) or (tp > 1 and dp > 1 and zero < 2)
 
 
 def candidates(hw: Hardware, shape: Shape, batch_size: int):
@@ -222,7 +225,7 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int):
             per_rank = batch_size // dp if batch_size % dp == 0 else 0
             for zero in range(4):
                 for offload in (False, True):
-                    if _pointless(zero, offload, dp):
+                    if _pointless(zero, offload, dp, tp):
                         continue
                     par = dict(zero_stage=zero, tp_size=tp, pp_size=pp, offload_optimizer=offload,
                                offload_params=offload)
@@ -230,8 +233,11 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int):
                         check_available(ParallelismConfig(**par), hw.world)
                     except ConfigError:
                         continue
-                    micro = [1] if pp == 1 else [m for m in (pp, 2 * pp, 4 * pp, 8 * pp)
-                                                 if per_rank and per_rank % m == 0] or [pp]
+                    if pp == 1:  # gradient accumulation: per_rank / m samples per forward, m per step
+                        micro = [2 ** k for k in range(MAX_ACCUMULATION_LOG2 + 1)
+                                 if per_rank and per_rank % 2 ** k == 0] or [1]
+                    else:
+                        micro = [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_rank and per_rank % m == 0] or [pp]
                     for ac in ("no", "full"):
                         for m in micro:
                             yield zero, tp, pp, dp, offload, ac, m, per_rank
@@ -241,19 +247,21 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
              mixed_precision: str, states_cache: dict, calibration: dict | None = None) -> dict:
     zero, tp, pp, dp, offload, ac, m, per_rank = cand
     key = (tp, pp)
-    if key not in states_cache:
-        states_cache[key] = training(spec, hw.world, tp, pp)
-    states = states_cache[key]["layouts"]["zero3_offload" if offload else STATE_NAME[zero]]
-    rank_numel = states_cache[key]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
+    if key not in states_cache:  # (this world's states, one replica's: dp 1 holds the rank's tp/pp slice whole)
+        states_cache[key] = training(spec, hw.world, tp, pp), training(spec, tp * pp, tp, pp)
+    states = states_cache[key][0]["layouts"]["zero3_offload" if offload else STATE_NAME[zero]]
+    rank_numel = states_cache[key][1]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
     shard_numel = states["params_bytes"] / 4
     unit = shape.largest_unit / tp
     row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "dp_size": dp, "offload": offload,
-           "activation_checkpointing": ac, "micro_batches": m, "per_process_batch": per_rank,
+           "activation_checkpointing": ac, "micro_batches": m, "gradient_accumulation_steps": m if pp == 1 else 1,
+           "per_process_batch": per_rank, "micro_batch_size": per_rank // m if per_rank else 0,
            "model_state_bytes_per_rank": states["device_bytes"], "host_bytes_per_rank": states["host_bytes"]}
     if not per_rank or per_rank % m:
         return {**row, "fits": False, "memory_per_rank_bytes": None, "step_time_s": None,
                 "reason": f"batch_size {batch_size} does not split into dp {dp} x {m} micro-batches"}
     mb = per_rank // m
+    accum = m if pp == 1 else 1  # forward/backward passes per optimizer step outside a pipeline
     layers = math.ceil(shape.layers / pp)
     acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration) * min(m, pp)
     acts += (calibration or {}).get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params
@@ -262,6 +270,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         gathered = (rank_numel - shard_numel) * 4
     elif zero == 3:
         gathered = 3 * unit * 4
+    if zero >= 2 and accum > 1:  # FSDP2 without gradient sync accumulates unsharded gradients until the last pass
+        gathered += (rank_numel - shard_numel) * 4
     memory = int(states["device_bytes"] + acts + gathered)
     usable = hw.device_memory * USABLE_FRACTION
     fits, reason = memory <= usable, ""
@@ -281,16 +291,16 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET))
     elif zero == 1:
         dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET)) + _gather(grads, dp, bw, lat)
-    elif zero == 2:
-        dp_comm = 2 * _gather(grads, dp, bw, lat, units)
-    else:
-        dp_comm = 3 * _gather(grads, dp, bw, lat, units)
+    elif zero == 2:  # an all-gather per pass, one reduce-scatter per step
+        dp_comm = (accum + 1) * _gather(grads, dp, bw, lat, units)
+    else:  # two all-gathers per pass (forward, backward), one reduce-scatter per step
+        dp_comm = (2 * accum + 1) * _gather(grads, dp, bw, lat, units)
     act_mb = mb * seq_len * shape.hidden * 2
     tbw, tlat = _link(hw, tp)
     tp_comm = 4 * layers * m * _allreduce(act_mb, tp, tbw, tlat) * (2 if ac == "no" else 3) / 2
     pbw, plat = _link(hw, tp * dp * pp)
     pp_comm = 0.0 if pp == 1 else 2 * (m + pp - 2) * (plat + act_mb / tp / pbw)
-    off = 0.0 if not offload else 2 * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
+    off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
     step = compute + dp_comm + tp_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
@@ -301,7 +311,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
 
 def _complexity(row: dict) -> tuple:
     return (row["offload"], row["pp_size"] > 1, row["tp_size"] > 1, row["zero_stage"],
-            row["activation_checkpointing"] != "no", row["step_time_s"])
+            row["activation_checkpointing"] != "no", row["micro_batches"], row["step_time_s"])
 
 
 def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
@@ -368,8 +378,11 @@ def layout_name(row: dict) -> str:
 
 def describe(row: dict) -> str:
     t = "" if row["step_time_s"] is None else f"{row['step_time_s']:.3f} s/step"
-    return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}, micro-batches "
-            f"{row['micro_batches']}, checkpointing {row['activation_checkpointing']}) {t}").strip()
+    batches = (f"{row['micro_batches']} micro-batches of {row['micro_batch_size']}" if row["pp_size"] > 1 else
+               f"gradient accumulation {row['micro_batches']} x {row['micro_batch_size']}"
+               if row["micro_batches"] > 1 else f"batch {row['micro_batch_size']}")
+    return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}, {batches} per "
+            f"process, checkpointing {row['activation_checkpointing']}) {t}").strip()
 
 
 def branch(shape: Shape, hw: Hardware) -> str:
@@ -398,6 +411,14 @@ def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardwar
     best = rows[recommended]
     lines.append(f"Recommended: {describe(best)}" + ("" if recommended == 0 else
                  f", the simplest within {TIE:.0%} of the fastest ({layout_name(rows[0])})") + ".")
+    if best["pp_size"] > 1:
+        lines.append(f"Your script feeds {best['per_process_batch']} samples per process per step (the pipeline "
+                     f"splits them into {best['micro_batches']}); pipeline parallelism needs the pipeline-ready loop "
+                     "(loss_fn given to prepare, loss = model(x, target=y)).")
+    else:
+        lines.append(f"Your DataLoader's batch_size: {best['micro_batch_size']} per process" +
+                     (f", with gradient_accumulation_steps {best['micro_batches']}" if best["micro_batches"] > 1
+                      else "") + f" ({best['per_process_batch']} samples per process per optimizer step).")
     seen = {family(best)}
     for row in rows:
         name = family(row)
@@ -431,5 +452,7 @@ def write_config(result: dict, path, main_process_ip: str | None = None):
         par["pp_microbatches"] = row["micro_batches"]
     data = {"num_processes": hw["num_machines"] * hw["num_processes"], "num_machines": hw["num_machines"],
             "main_process_ip": main_process_ip, "mixed_precision": result["mixed_precision"], "parallelism": par}
+    if row["gradient_accumulation_steps"] > 1:
+        data["gradient_accumulation_steps"] = row["gradient_accumulation_steps"]
     cfg = check_launchable(AccelConfig.from_dict(data, "accel plan"), "accel plan")
     return cfg.save(path)

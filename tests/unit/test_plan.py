@@ -109,6 +109,23 @@ def test_70b_llama_planned_in_seconds(tmp_path):
     assert best["tp_size"] <= 8 and best["dp_size"] * best["tp_size"] * best["pp_size"] == 64
 
 
+def test_gradient_accumulation_fits_a_large_global_batch(llama7b, tmp_path):
+    """7B, global batch 512 x 2048 on 8 x 80 GB: 64 samples per process do not fit in one pass with or without
+    checkpointing, so the plan accumulates gradients over smaller micro-batches and writes
+    gradient_accumulation_steps; one pass per step is still planned, and does not fit."""
+    result = plan(llama7b, Hardware(num_processes=8), 512, 2048)
+    best = _best(result)
+    assert best["pp_size"] > 1 or best["gradient_accumulation_steps"] > 1
+    single = [r for r in result["layouts"] if r["pp_size"] == 1 and r["micro_batches"] == 1]
+    assert single and not any(r["fits"] for r in single)
+    accumulated = next(r for r in result["layouts"] if r["fits"] and r["gradient_accumulation_steps"] > 1)
+    assert accumulated["micro_batch_size"] * accumulated["micro_batches"] == accumulated["per_process_batch"]
+    result["recommended"] = result["layouts"].index(accumulated)
+    saved = yaml.safe_load(write_config(result, tmp_path / "c.yaml").read_text())
+    assert saved["gradient_accumulation_steps"] == accumulated["gradient_accumulation_steps"]
+    check_launchable(AccelConfig.from_dict(saved, "c.yaml"))
+
+
 def test_json_keys_and_write_launches(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "gpt2", "--num_processes", "2", "--device_memory", "16GB", "--batch_size", "8",
