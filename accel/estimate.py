@@ -4,13 +4,18 @@ rank of parameters, gradients and AdamW state for each layout as accel's backend
 Plain functions over a `ModelSpec` (parameter names, sizes, repeated blocks), so `accel estimate-memory` and a
 later `accel plan` share them. Models are built on the meta device: a 70B config takes seconds, no memory.
 
-What accel keeps (accel/precision.py, accel/backends/{ddp,zero,recipe}.py), AdamW, N data-parallel ranks:
-parameters stay float32 in every mixed-precision mode (bf16/fp16 are autocast: no separate master copy),
-gradients float32, two float32 moments plus a 0-d float32 `step` per parameter. DDP: all of it on every rank.
-ZeRO-1 (ZeroRedundancyOptimizer + DDP): whole parameters' optimizer state, partitioned greedily by size.
+What accel keeps (accel/precision.py, accel/backends/{ddp,zero,recipe,spmd,tensor,pipeline}.py), AdamW, N data-
+parallel ranks: parameters stay float32 in every mixed-precision mode (bf16/fp16 are autocast: no separate master
+copy), gradients float32, two float32 moments plus a 0-d float32 `step` per parameter. DDP: all of it on every
+rank. ZeRO-1 (ZeroRedundancyOptimizer + DDP): whole parameters' optimizer state, partitioned greedily by size.
 ZeRO-2/3 (FSDP2 `fully_shard` per repeated block, then the root): parameters, gradients and state as dim-0
 shards (rank 0 holds the largest, ceil(dim0 / N) rows); stage 2 differs from 3 only while it computes.
 Offload (FSDP2 CPUOffloadPolicy): the same shards on the host, nothing on the device between steps.
+Tensor parallelism splits each parameter as accel's plan does (tensor_plan.py: the model's own plan, else the
+automatic one; a vocabulary-split embedding's gradient comes back whole); with data parallelism next to it,
+every zero stage is FSDP2 over the TP shards (DDP takes no DTensors). Pipeline parallelism cuts the blocks as
+accel's balanced split does (pipeline_split.py); each stage then runs the same data-parallel layout on its own.
+Measured to the byte against real gloo runs by benchmarks/bench_estimate.py.
 """
 
 from __future__ import annotations
@@ -32,11 +37,20 @@ LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
 ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every mixed-precision mode (accel's "
                "bf16/fp16 are autocast with float32 weights: no separate master copy, master_bytes 0); plus a 0-d "
                "float32 step per parameter; ZeRO-2/3 shard each parameter on dim 0 (rank 0's shard, the largest, "
-               "is reported); ZeRO-1 partitions whole parameters greedily by size; TP shards the >=2-D parameters "
-               "of the repeated blocks, the rest replicated; PP splits the blocks into contiguous stages, the "
-               "parameters before the first block on the first stage, the others on the last; the model states "
-               "exclude activations (measured apart with --batch_size/--seq_len), gathered parameters and "
-               "communication buffers (e.g. DDP's gradient buckets)")
+               "is reported); ZeRO-1 partitions whole parameters greedily by size; TP splits what accel's tensor "
+               "parallel plan splits (the model's own plan, else the automatic one: q/k/v/gate/up by output rows, "
+               "o/down by input columns, a vocabulary embedding and the output head by vocabulary; norms and "
+               "other parameters replicated; a safetensors checkpoint: by parameter names; a model accel finds "
+               "no plan for: a given plan splitting the >=2-D parameters of the repeated blocks), on the plan's "
+               "dimension, a vocabulary-split embedding's gradient whole (replicated); with TP and more than one "
+               "data-parallel rank every stage (ZeRO-0 included; ZeRO-1 is refused) is FSDP2 over dim 0 of the "
+               "TP shards; PP cuts the repeated blocks into contiguous stages balancing the parameter count as "
+               "accel's automatic split does (the parameters before the first block count with it and sit on "
+               "the first stage, the others with the last), one stage per rank (pp_schedule 1F1B/GPipe), each "
+               "stage with its own data-parallel layout, the "
+               "largest stage's rank reported; the model states exclude activations (measured apart with "
+               "--batch_size/--seq_len), gathered parameters and communication buffers (e.g. DDP's gradient "
+               "buckets)")
 
 
 class EstimateError(ValueError):
@@ -49,6 +63,8 @@ class Param:
     shape: tuple
     itemsize: int  # as stored (safetensors) or as created (module)
     block: str | None  # the repeated block (ZeRO/FSDP2 wrap unit) holding it, None for the root's own
+    tp_dim: int | None = None  # the dimension tensor parallelism splits (None: every TP rank holds it whole)
+    tp_whole_grad: bool = False  # split, but its gradient comes back whole (a vocabulary-split nn.Embedding)
 
     @property
     def numel(self) -> int:
@@ -77,7 +93,74 @@ def spec_from_module(model: torch.nn.Module, source: str = "module") -> ModelSpe
                 for p in child.parameters():
                     owner.setdefault(id(p), block)  # outer blocks win, as wrapping them covers the inner
     params = [Param(n, tuple(p.shape), p.element_size(), owner.get(id(p))) for n, p in model.named_parameters()]
+    splits = _tp_splits(model)
+    if splits is None:
+        _tp_split_blocks(params)
+    for p in params:
+        p.tp_dim, p.tp_whole_grad = (splits or {}).get(p.name, (p.tp_dim, False))
     return ModelSpec(source, params)
+
+
+def _tp_split_blocks(params: list[Param]) -> None:
+    """No plan accel can find (it refuses TP without ParallelismConfig(tp_plan=...)): assume a given plan that
+    splits every >= 2-D parameter of the repeated blocks on dim 0."""
+    for p in params:
+        p.tp_dim = 0 if p.block and len(p.shape) >= 2 else None
+
+
+def _tp_splits(model: torch.nn.Module) -> dict[str, tuple] | None:
+    """parameter name -> (dimension split, gradient whole) under the tensor-parallel plan accel would apply to
+    `model` (its own plan, else the automatic one, ties kept: accel/backends/tensor_plan.py); None when accel
+    finds no plan it can use (it would refuse TP unless given one)."""
+    import contextlib
+    import io
+
+    from accel.backends import tensor_plan as tpl
+    from accel.config import ConfigError
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # model_plan prints the entries it leaves out
+            plan = tpl.model_plan(model) or tpl.automatic_plan(model)
+            plan, _ = tpl.keep_ties(model, tpl.expand_plan(model, plan))
+    except (ConfigError, AttributeError, KeyError, ValueError):
+        return None
+    if not plan:
+        return None
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    splits = {}
+    for module_name, style in plan.items():
+        module = model.get_submodule(module_name)
+        for leaf, param in module.named_parameters(recurse=False):
+            dim = tpl.split_dim(module, leaf, style)
+            if dim == -1:  # fused q/k/v: split by output features, in parts (the local numel is 1/tp)
+                dim = 1 if tpl.is_conv1d(module) and leaf == "weight" else 0
+            if dim is None or dim >= param.dim():
+                continue
+            whole_grad = isinstance(module, torch.nn.Embedding) and style.startswith("rowwise")
+            for name in names[id(param)]:
+                splits[name] = (dim, whole_grad)
+    return splits
+
+
+def _tp_split_by_name(name: str, shape: tuple) -> tuple:
+    """(dimension, gradient whole) for a parameter known by name only, as accel's automatic plan would split it."""
+    from accel.backends import tensor_plan as tpl
+
+    owner, _, leaf = name.rpartition(".")
+    module = owner.rpartition(".")[2]
+    if not shape:
+        return None, False
+    if module in tpl._EMBEDDING_NAMES:
+        return 0, True
+    if module in tpl._HEAD_NAMES or module in tpl._COLUMN_NAMES:
+        return 0, False
+    if module in tpl._FUSED_NAMES:
+        return (1 if len(shape) >= 2 else 0), False  # GPT-2's Conv1D stores [in, 3 x hidden]
+    if module in tpl._ROW_NAMES and len(shape) >= 2 and leaf == "weight":
+        return 1, False
+    return None, False
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
@@ -105,8 +188,11 @@ def spec_from_safetensors(path: Path) -> ModelSpec:
             if name == "__metadata__":
                 continue
             match = _BLOCK.match(name)
-            params.append(Param(name, tuple(info["shape"]), SAFETENSORS_BYTES.get(info["dtype"], 4),
-                                match.group(1) if match else None))
+            shape = tuple(info["shape"])
+            params.append(Param(name, shape, SAFETENSORS_BYTES.get(info["dtype"], 4),
+                                match.group(1) if match else None, *_tp_split_by_name(name, shape)))
+    if all(p.tp_dim is None for p in params):
+        _tp_split_blocks(params)
     return ModelSpec(str(path), params)
 
 
@@ -223,58 +309,92 @@ def _zero1_max(numels: list[int], n: int) -> tuple[int, int]:
     return loads[rank], counts[rank]
 
 
+def pipeline_stages(spec: ModelSpec, pp: int) -> list[list[Param]]:
+    """The parameters of each of `pp` stages, cut as accel's automatic split does (pipeline_split.py): between
+    the blocks of the largest repeated stack, balancing the parameter count; the parameters before its first
+    block count with that block and sit on the first stage, those after it with the last block."""
+    if pp == 1:
+        return [list(spec.params)]
+    from accel.backends.pipeline_split import _partition
+
+    stacks: dict[str, int] = {}
+    for p in spec.params:
+        if p.block:
+            stacks[p.block.rpartition(".")[0]] = stacks.get(p.block.rpartition(".")[0], 0) + p.numel
+    stack = max(stacks, key=stacks.get) if stacks else None
+    blocks = list(dict.fromkeys(p.block for p in spec.params if p.block and p.block.rpartition(".")[0] == stack))
+    if len(blocks) < pp:
+        raise EstimateError(f"--pp_size {pp}: the model has only {len(blocks)} repeated blocks to split")
+    index = {b: i for i, b in enumerate(blocks)}
+    unit, units = 0, []
+    for p in spec.params:  # in definition order: a parameter goes with the last block seen (or the first)
+        unit = index.get(p.block, unit)
+        units.append(unit)
+    costs = [0] * len(blocks)
+    for p, u in zip(spec.params, units):
+        costs[u] += p.numel
+    starts = _partition(costs, pp)
+    stage_of = [sum(1 for s in starts[1:] if s <= u) for u in range(len(blocks))]
+    stages: list[list[Param]] = [[] for _ in range(pp)]
+    for p, u in zip(spec.params, units):
+        stages[stage_of[u]].append(p)
+    return stages
+
+
+def _tp_local(p: Param, tp: int) -> tuple[tuple, tuple]:
+    """(parameter shape, gradient shape) one TP rank holds."""
+    if tp == 1 or p.tp_dim is None:
+        return p.shape, p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)
+    return tuple(shape), p.shape if p.tp_whole_grad else tuple(shape)
+
+
 def rank_params(spec: ModelSpec, tp: int, pp: int) -> list[tuple]:
     """The shapes one rank holds under TP `tp` and PP `pp` (the largest stage), before data parallelism."""
-    blocks = list(dict.fromkeys(p.block for p in spec.params if p.block))
-    if pp > 1:
-        if len(blocks) < pp:
-            raise EstimateError(f"--pp_size {pp}: the model has only {len(blocks)} repeated blocks to split")
-        per = math.ceil(len(blocks) / pp)
-        stage_of = {b: i // per for i, b in enumerate(blocks)}
-        first = next(i for i, p in enumerate(spec.params) if p.block)
-        stages = [[] for _ in range(pp)]
-        for i, p in enumerate(spec.params):
-            stages[stage_of[p.block] if p.block else (0 if i < first else pp - 1)].append(p)
-        chosen = max(stages, key=lambda s: sum(p.numel for p in s))
-    else:
-        chosen = spec.params
-    shapes = []
-    for p in chosen:
-        shape = p.shape
-        if tp > 1 and p.block and len(shape) >= 2:
-            shape = (math.ceil(shape[0] / tp),) + tuple(shape[1:])
-        shapes.append(shape)
-    return shapes
+    stages = pipeline_stages(spec, pp)
+    chosen = max(stages, key=lambda s: sum(p.numel for p in s))
+    return [_tp_local(p, tp)[0] for p in chosen]
+
+
+def _stage_rows(params: list[Param], tp: int, dp: int) -> dict:
+    """{layout: (parameter, gradient, moment, step elements)} of one rank of a stage holding `params`."""
+    local = [_tp_local(p, tp) for p in params]
+    shapes = [s for s, _ in local]
+    full = sum(math.prod(s) for s in shapes)
+    full_grads = sum(math.prod(g) for _, g in local)
+    steps = len(shapes)  # one 0-d step per parameter: FSDP2 keeps one per shard on every rank
+    if dp == 1:  # no data parallelism: every stage keeps the whole TP slice (no FSDP2, no ZeroRedundancyOptimizer)
+        row = (full, full_grads, 2 * full, steps)
+        return dict.fromkeys(LAYOUTS, row)
+    sharded = sum(_shard_numel(s, dp) for s in shapes)
+    fsdp = (sharded, sharded, 2 * sharded, steps)  # FSDP2 reduce-scatters gradients into the parameters' shards
+    zero1, zero1_steps = _zero1_max([math.prod(s) for s in shapes], dp)
+    return {"ddp": fsdp if tp > 1 else (full, full_grads, 2 * full, steps),  # DDP takes no DTensors: FSDP2
+            "zero1": fsdp if tp > 1 else (full, full_grads, 2 * zero1, zero1_steps),  # refused with TP
+            "zero2": fsdp, "zero3": fsdp, "zero3_offload": fsdp}
 
 
 def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1) -> dict:
     """Bytes per rank (the largest) of parameters, gradients, AdamW state and master weights for each layout,
-    on the device and on the host, with `num_processes` ranks of which tp * pp make one model replica."""
+    on the device and on the host, with `num_processes` ranks of which tp * pp make one model replica.
+    `rank_params_bytes`: the float32 bytes of the largest stage's TP slice, before data parallelism shards it."""
     if num_processes < 1 or tp < 1 or pp < 1 or num_processes % (tp * pp):
         raise EstimateError(f"--num_processes {num_processes} is not a multiple of --tp_size {tp} x --pp_size {pp}")
     dp = num_processes // (tp * pp)
-    shapes = rank_params(spec, tp, pp)
-    full = sum(math.prod(s) for s in shapes)
-    sharded = sum(_shard_numel(s, dp) for s in shapes)
-    steps = len(shapes)  # one 0-d step per parameter: FSDP2 keeps one per shard on every rank
-    zero1, zero1_steps = _zero1_max([math.prod(s) for s in shapes], dp)
-    rows = {
-        "ddp": (full, full, 2 * full),
-        "zero1": (full, full, 2 * zero1),
-        "zero2": (sharded, sharded, 2 * sharded),
-        "zero3": (sharded, sharded, 2 * sharded),
-        "zero3_offload": (sharded, sharded, 2 * sharded),
-    }
+    stages = [_stage_rows(params, tp, dp) for params in pipeline_stages(spec, pp)]
     layouts = {}
-    for name, (params, grads, moments) in rows.items():
+    for name in LAYOUTS:
+        params, grads, moments, steps = max((rows[name] for rows in stages), key=sum)  # the fullest rank
         entry = {"params_bytes": params * STATE_BYTES, "grads_bytes": grads * STATE_BYTES,
-                 "optimizer_bytes": (moments + (zero1_steps if name == "zero1" else steps)) * STATE_BYTES,
-                 "master_bytes": 0}
+                 "optimizer_bytes": (moments + steps) * STATE_BYTES, "master_bytes": 0}
         total = sum(entry.values())
         offload = name.endswith("offload")
         entry.update(device_bytes=0 if offload else total, host_bytes=total if offload else 0)
         layouts[name] = entry
-    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "dp_size": dp, "layouts": layouts}
+    rank_numel = sum(math.prod(s) for s in rank_params(spec, tp, pp))
+    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "dp_size": dp,
+            "rank_params_bytes": rank_numel * STATE_BYTES, "layouts": layouts}
 
 
 def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int = 1, tp: int = 1,

@@ -189,3 +189,104 @@ def test_activation_errors_are_one_line(args, fragment, capsys):
     assert main(["estimate-memory", *args]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
+
+
+# -- tensor and pipeline parallelism: what accel's plan splits and where its split cuts ------------------------
+def _llama_spec(tie: bool = False, layers: int = 4):
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                      tie_word_embeddings=tie)
+    with torch.device("meta"):
+        return spec_from_module(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def test_tp_follows_the_models_own_plan():
+    params = {p.name: p for p in _llama_spec().params}
+    assert params["model.embed_tokens.weight"].tp_dim == 0 and params["model.embed_tokens.weight"].tp_whole_grad
+    assert params["lm_head.weight"].tp_dim == 0 and not params["lm_head.weight"].tp_whole_grad
+    assert params["model.layers.0.self_attn.q_proj.weight"].tp_dim == 0
+    assert params["model.layers.0.self_attn.o_proj.weight"].tp_dim == 1  # rowwise: by input columns
+    assert params["model.layers.0.mlp.down_proj.weight"].tp_dim == 1
+    assert params["model.layers.0.input_layernorm.weight"].tp_dim is None  # norms replicated
+    assert params["model.norm.weight"].tp_dim is None
+
+
+def test_tp_alone_keeps_the_split_and_a_whole_embedding_gradient():
+    from accel.estimate import training
+
+    spec = _llama_spec()
+    whole = {p.name: p.numel for p in spec.params}
+    split = sum(n // 2 if spec.params[i].tp_dim is not None else n for i, n in enumerate(whole.values()))
+    result = training(spec, 2, tp=2)
+    ddp = result["layouts"]["ddp"]
+    assert result["dp_size"] == 1 and ddp["params_bytes"] == split * 4 == result["rank_params_bytes"]
+    assert ddp["grads_bytes"] == (split + whole["model.embed_tokens.weight"] // 2) * 4  # its gradient: replicated
+    assert ddp["optimizer_bytes"] == (2 * split + len(spec.params)) * 4
+    assert all(row == ddp for row in result["layouts"].values() if row is not result["layouts"]["zero3_offload"])
+
+
+def test_tp_with_data_parallelism_is_fsdp2_over_the_tp_shards():
+    from accel.estimate import _shard_numel, rank_params, training
+
+    spec = _llama_spec()
+    result = training(spec, 4, tp=2)
+    layouts = result["layouts"]
+    shards = sum(_shard_numel(s, 2) for s in rank_params(spec, 2, 1))
+    for name in ("ddp", "zero2", "zero3"):  # DDP takes no DTensors: accel shards with FSDP2 at every stage
+        assert layouts[name]["params_bytes"] == layouts[name]["grads_bytes"] == shards * 4
+        assert layouts[name]["optimizer_bytes"] == (2 * shards + len(spec.params)) * 4
+    assert result["rank_params_bytes"] == training(spec, 2, tp=2)["rank_params_bytes"]  # unsharded slice
+
+
+def test_tp_split_by_names_for_a_checkpoint():
+    from accel.estimate import _tp_split_by_name
+
+    assert _tp_split_by_name("model.embed_tokens.weight", (100, 8)) == (0, True)
+    assert _tp_split_by_name("lm_head.weight", (100, 8)) == (0, False)
+    assert _tp_split_by_name("model.layers.0.self_attn.k_proj.weight", (4, 8)) == (0, False)
+    assert _tp_split_by_name("model.layers.0.self_attn.k_proj.bias", (4,)) == (0, False)
+    assert _tp_split_by_name("model.layers.0.mlp.down_proj.weight", (8, 16)) == (1, False)
+    assert _tp_split_by_name("model.layers.0.mlp.down_proj.bias", (8,)) == (None, False)
+    assert _tp_split_by_name("transformer.h.0.attn.c_attn.weight", (8, 24)) == (1, False)
+    assert _tp_split_by_name("model.norm.weight", (8,)) == (None, False)
+
+
+class FrontHeavy(torch.nn.Module):
+    """A large embedding before four small blocks: the balanced split puts it alone with the first block."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 8)
+        self.blocks = torch.nn.ModuleList(Block(8) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(8)
+
+
+def test_pp_cuts_where_accels_balanced_split_does():
+    from accel.backends.pipeline_split import balanced_split_points
+    from accel.estimate import pipeline_stages
+
+    model = FrontHeavy()
+    stages = pipeline_stages(spec_from_module(model), 2)
+    assert balanced_split_points(model, 2) == ["blocks.1"]
+    assert [p.name for p in stages[0]] == ["embed.weight", "blocks.0.norm.weight", "blocks.0.norm.bias",
+                                           "blocks.0.fc.weight", "blocks.0.fc.bias"]
+    assert stages[1][-2].name == "norm.weight"  # after the last block: the last stage
+
+
+def test_pp_reports_the_fullest_stage_and_zero1_per_stage():
+    from accel.estimate import _zero1_max, pipeline_stages, training
+
+    model = FrontHeavy()
+    spec = spec_from_module(model)
+    first = pipeline_stages(spec, 2)[0]
+    numel = sum(p.numel for p in first)
+    layouts = training(spec, 4, pp=2)["layouts"]
+    assert layouts["ddp"]["params_bytes"] == numel * 4
+    moments, steps = _zero1_max([p.numel for p in first], 2)
+    assert layouts["zero1"]["optimizer_bytes"] == (2 * moments + steps) * 4
+
+
+def test_tp_without_a_plan_assumes_the_blocks_matrices_split():
+    spec = spec_from_module(Small())  # no layer accel's automatic plan recognises: TP needs a given tp_plan
+    assert {p.name for p in spec.params if p.tp_dim == 0} == {f"blocks.{i}.fc.weight" for i in range(3)}
+    assert all(p.tp_dim is None for p in spec.params if not p.name.endswith("fc.weight"))
