@@ -11,9 +11,12 @@ The model and its constants (documented so a plan can be checked by hand):
   group crosses machines when its span (tp; tp*dp; tp*dp*pp) exceeds the processes per machine. TP is only
   planned within a machine.
 - Memory per rank = model states (accel.estimate.training: what accel's backends keep) + activations
-  (`activation_bytes`) + what is gathered while computing: ZeRO-2 keeps the rank's whole (tp/pp slice of the)
-  float32 parameters gathered through forward and backward, ZeRO-3 (and offload) the largest unit twice
-  (current + prefetched) plus its unsharded gradient. Usable memory = device_memory * USABLE_FRACTION.
+  (`activation_bytes`; under bf16/fp16 without FSDP2 plus autocast's cached 2-byte copy of every weight, held
+  through the forward) + what is gathered while computing: ZeRO-2 keeps the rank's whole (tp/pp slice of the)
+  parameters gathered in the compute dtype through forward and backward, ZeRO-3 (and offload) the largest unit
+  twice (current + prefetched) plus its unsharded float32 gradient; while accumulating gradients FSDP2 keeps them
+  unsharded. Usable memory = device_memory * USABLE_FRACTION. Micro-batches: pipeline micro-batches under PP,
+  else gradient accumulation steps (one micro-batch's activations at a time).
 - Offload: the shards live on the host (host_memory per machine must hold them all).
 - Compute = 6 * params * tokens (x 4/3 with full activation checkpointing) / (world * flops * efficiency),
   times (m + p - 1) / m for the pipeline bubble; efficiency = EFFICIENCY * r/(r + TOKENS_HALF) *
@@ -51,6 +54,7 @@ HOST_BW = 20 * GB          # CPU AdamW step: bytes of state touched per second (
 DEFAULT_HOST_GB = 1024.0   # host memory per machine for offload
 DDP_BUCKET = 25 * 2 ** 20  # DDP's gradient bucket
 HEAD_DIM = 128             # heads = hidden / HEAD_DIM when the model does not say
+AUTOCAST_CACHE = {"bf16": 2, "fp16": 2}  # bytes per float32 weight: autocast keeps its cast copy for the forward
 ACT_BYTES = {"no": 2, "fp16": 1, "bf16": 1, "fp8": 1}  # x the fp16 activation formula
 MAX_ACCUMULATION_LOG2 = 6  # gradient accumulation steps planned: 1, 2, 4, ... 64
 TIE = 0.02                 # layouts within 2% of the fastest count as equal: the simplest is recommended
@@ -264,12 +268,16 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     accum = m if pp == 1 else 1  # forward/backward passes per optimizer step outside a pipeline
     layers = math.ceil(shape.layers / pp)
     acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration) * min(m, pp)
-    acts += (calibration or {}).get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params
-    gathered = 0
+    fsdp = zero >= 2  # FSDP2 gathers the parameters in the compute dtype: autocast has nothing to cast
+    if not fsdp and calibration:
+        acts += calibration.get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params
+    elif not fsdp:
+        acts += AUTOCAST_CACHE.get(mixed_precision, 0) * rank_numel
+    gathered, pbytes = 0, 4 if mixed_precision == "no" else 2
     if zero == 2:
-        gathered = (rank_numel - shard_numel) * 4
+        gathered = (rank_numel - shard_numel) * pbytes
     elif zero == 3:
-        gathered = 3 * unit * 4
+        gathered = 2 * unit * pbytes + unit * 4
     if zero >= 2 and accum > 1:  # FSDP2 without gradient sync accumulates unsharded gradients until the last pass
         gathered += (rank_numel - shard_numel) * 4
     memory = int(states["device_bytes"] + acts + gathered)

@@ -104,7 +104,7 @@ def test_calibrate_writes_positive_figures_and_plan_uses_them(tmp_path, monkeypa
 def test_measure_runs_two_layouts_and_writes_the_fastest(tmp_path, run_accel):
     (tmp_path / "tiny.py").write_text(TINY)
     (tmp_path / "train.py").write_text(TRAIN)
-    proc = run_accel("plan", "tiny:net", "--num_processes", "2", "--batch_size", "8", "--seq_len", "4",
+    proc = run_accel("plan", "tiny:net", "--num_processes", "2", "--batch_size", "2", "--seq_len", "4",
                      "--device_memory", "1GB", "--top", "3", "--steps", "3", "--write", "cfg.yaml", "--json",
                      "--measure", "train.py", timeout=60,
                      env={"PYTHONPATH": str(tmp_path) + ":" + ":".join(sys.path), "OMP_NUM_THREADS": "1"})
