@@ -159,7 +159,7 @@ def _gather_one(tensor: torch.Tensor, group=None) -> torch.Tensor:
     size = _world(group)
     if dist.get_backend(group) == "nccl":
         out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor, group=group)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, tensor, group=group)
         return out
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)

@@ -18,17 +18,20 @@ The model and its constants (documented so a plan can be checked by hand):
   unsharded. Usable memory = device_memory * USABLE_FRACTION. Micro-batches: pipeline micro-batches under PP,
   else gradient accumulation steps (one micro-batch's activations at a time).
 - Offload: the shards live on the host (host_memory per machine must hold them all).
-- Compute = 6 * params * tokens (x 4/3 with full activation checkpointing) / (world * flops * efficiency),
-  times (m + p - 1) / m for the pipeline bubble; efficiency = EFFICIENCY * r/(r + TOKENS_HALF) *
-  w/(w + WIDTH_HALF), r the tokens of one micro-batch, w = hidden / tp (small matmuls run below peak: what
-  makes many tiny pipeline micro-batches or a wide TP degree cost something).
+- Compute = 6 * params (an untied input embedding is a lookup: not counted) * tokens (x 4/3 with full activation checkpointing) / (world * flops * efficiency),
+  times (m + p - 1) / m for the pipeline bubble; efficiency = EFFICIENCY * r/(r + tokens_half) *
+  w/(w + width_half), r the tokens of one micro-batch, w = hidden / tp (small matmuls run below peak: what
+  makes many tiny micro-batches or a wide TP degree cost something on a GPU; `--calibrate` measures both halves,
+  near 0 on a CPU).
 - Collectives (ring): all-reduce 2(n-1)/n * bytes / bw + 2(n-1) * latency; all-gather and reduce-scatter half
-  of that. Gradient sync (float32): DDP all-reduce in DDP_BUCKET-byte buckets; ZeRO-1 all-reduce + all-gather
-  of the parameters; ZeRO-2 one reduce-scatter + one all-gather per unit; ZeRO-3 two all-gathers + one
-  reduce-scatter per unit. TP: 4 all-reduces of a micro-batch's activations per layer. PP: each micro-batch's
-  activations sent forward and their gradient back at each of the p-1 boundaries. Offload adds the host<->device
-  copies of parameters and gradients (PCIE_BW) and the CPU AdamW step (HOST_BW). No overlap of communication
-  with compute is assumed (conservative; the same for every layout).
+  of that at their own bandwidth (gather_factor, scatter_factor of the all-reduce's: 1 by default, measured by
+  `--calibrate`). Gradient sync (float32): DDP all-reduce in DDP_BUCKET-byte buckets; ZeRO-1 all-reduce +
+  all-gather of the parameters; ZeRO-2 one all-gather per pass + one reduce-scatter per step, per unit; ZeRO-3
+  two all-gathers per pass. TP: an all-reduce of a micro-batch's activations per split weight of a block (a Llama
+  block 7: o/down in forward, q/k/v/gate/up in backward; GPT-2 4), +2 (embedding, head), x1.5 with recompute.
+  PP: each micro-batch's activations sent forward and their gradient back at each of the p-1 boundaries.
+  Offload adds the host<->device copies of parameters and gradients (PCIE_BW) and the CPU AdamW step (HOST_BW).
+  No overlap of communication with compute is assumed (conservative; the same for every layout).
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class Hardware:
     host_memory: float = DEFAULT_HOST_GB * GB
     intra_latency: float = INTRA_LATENCY  # seconds per collective hop
     inter_latency: float = INTER_LATENCY
+    tokens_half: float = TOKENS_HALF  # matmul rows at which the rate is half the peak (`--calibrate` measures it)
+    width_half: float = WIDTH_HALF
+    gather_factor: float = 1.0  # all-gather bus bandwidth / all-reduce's (gloo: ~0.5; `--calibrate` measures it)
+    scatter_factor: float = 1.0  # reduce-scatter's (gloo: ~0.35)
+    collectives: dict | None = None  # {kind: [[bytes, seconds], ...]} timed by `--calibrate` within a machine
 
     @property
     def world(self) -> int:
@@ -104,6 +112,8 @@ class Shape:
     heads: int
     vocab: int
     largest_unit: int  # parameters of the largest ZeRO wrap unit (a block or the root's own)
+    flop_params: int = 0  # parameters used in matmuls: an untied input embedding is a lookup
+    tp_splits: int = 4  # TP-split weights per block: each is one all-reduce (row-wise: forward; column-wise: backward)
 
 
 CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head")}
@@ -142,7 +152,12 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
         hidden = max(dims, key=dims.get) if dims else max((min(p.shape) for p in spec.params if len(p.shape) == 2),
                                                            default=1)
     heads = heads or max(1, hidden // HEAD_DIM)
-    return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]))
+    vocab_tables = [p.numel for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
+    lookups = sum(vocab_tables[:1]) if len(vocab_tables) > 1 else 0  # untied: the embedding is looked up
+    first = next(iter(blocks), None)
+    splits = sum(1 for p in spec.params if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
+    return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]),
+                 spec.numel - lookups, splits or 4)
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
@@ -186,13 +201,36 @@ def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: 
 
 
 # -- collectives ----------------------------------------------------------------------------------------------
-def _allreduce(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat * calls
+RING_HOPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
-def _gather(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> float:
-    """All-gather or reduce-scatter of `nbytes` in all."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * lat * calls
+def collective(hw: Hardware, kind: str, nbytes: float, n: int, span: int, calls: int = 1) -> float:
+    """Seconds for `calls` calls of `kind` moving `nbytes` in all among `n` ranks that span `span` consecutive
+    ranks. Within a machine whose collectives `--calibrate` timed: those times (2 processes, interpolated at the
+    size of one call, scaled by the ring's 2(n-1)/n for n); else the ring's latency/bandwidth formula."""
+    if n <= 1:
+        return 0.0
+    table = (hw.collectives or {}).get(kind) if span <= hw.num_processes else None
+    if table:
+        return calls * _interpolate(table, nbytes / calls) * 2 * (n - 1) / n
+    bw, lat = _link(hw, span)
+    bw *= {"all_gather": hw.gather_factor, "reduce_scatter": hw.scatter_factor}.get(kind, 1.0)
+    hops = RING_HOPS[kind]
+    return hops * (n - 1) / n * nbytes / bw + hops * (n - 1) * lat * calls
+
+
+def _interpolate(points: list, size: float) -> float:
+    """Seconds at `size` bytes from measured [bytes, seconds] points: log-log between them, the smallest one's
+    time below them (latency), its last slope beyond them (bandwidth)."""
+    points = sorted(points)
+    if size <= points[0][0]:
+        return points[0][1]
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    (s0, t0), (s1, t1) = points[-2], points[-1]
+    return t1 + (size - s1) * (t1 - t0) / (s1 - s0)
 
 
 def _link(hw: Hardware, span: int) -> tuple[float, float]:
@@ -289,23 +327,21 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         fits, reason = False, "the offloaded shards do not fit the host memory"
     tokens = batch_size * seq_len
     rows_mb, width = mb * seq_len, shape.hidden / tp
-    eff = EFFICIENCY * rows_mb / (rows_mb + TOKENS_HALF) * width / (width + WIDTH_HALF)
-    compute = 6 * shape.params * tokens * (4 / 3 if ac == "full" else 1) / (hw.world * hw.flops * eff)
+    eff = EFFICIENCY * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
+    compute = 6 * shape.flop_params * tokens * (4 / 3 if ac == "full" else 1) / (hw.world * hw.flops * eff)
     compute *= (m + pp - 1) / m
     grads = rank_numel * 4
-    bw, lat = _link(hw, tp * dp)
-    units = layers + 1
-    if zero == 0:
-        dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET))
-    elif zero == 1:
-        dp_comm = _allreduce(grads, dp, bw, lat, math.ceil(grads / DDP_BUCKET)) + _gather(grads, dp, bw, lat)
-    elif zero == 2:  # an all-gather per pass, one reduce-scatter per step
-        dp_comm = (accum + 1) * _gather(grads, dp, bw, lat, units)
-    else:  # two all-gathers per pass (forward, backward), one reduce-scatter per step
-        dp_comm = (2 * accum + 1) * _gather(grads, dp, bw, lat, units)
-    act_mb = mb * seq_len * shape.hidden * 2
-    tbw, tlat = _link(hw, tp)
-    tp_comm = 4 * layers * m * _allreduce(act_mb, tp, tbw, tlat) * (2 if ac == "no" else 3) / 2
+    units, span = layers + 1, tp * dp
+    if zero <= 1:  # DDP's bucketed all-reduce (ZeroRedundancyOptimizer: then each rank's partition to all)
+        dp_comm = collective(hw, "all_reduce", grads, dp, span, math.ceil(grads / DDP_BUCKET))
+        dp_comm += collective(hw, "all_gather", grads, dp, span) if zero == 1 else 0.0
+    else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
+        gathers = accum if zero == 2 else 2 * accum
+        dp_comm = (gathers * collective(hw, "all_gather", grads, dp, span, units)
+                   + collective(hw, "reduce_scatter", grads, dp, span, units))
+    act_mb = mb * seq_len * shape.hidden * (4 if mixed_precision == "no" else 2)
+    tp_calls = (shape.tp_splits * layers + 2) * m * (2 if ac == "no" else 3) / 2
+    tp_comm = tp_calls * collective(hw, "all_reduce", act_mb, tp, tp)
     pbw, plat = _link(hw, tp * dp * pp)
     pp_comm = 0.0 if pp == 1 else 2 * (m + pp - 2) * (plat + act_mb / tp / pbw)
     off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
@@ -355,7 +391,10 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
             "hardware": {"num_machines": hw.num_machines, "num_processes": hw.num_processes,
                          "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
                          "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory,
-                         "intra_latency": hw.intra_latency, "inter_latency": hw.inter_latency},
+                         "intra_latency": hw.intra_latency, "inter_latency": hw.inter_latency,
+                         "tokens_half": hw.tokens_half, "width_half": hw.width_half,
+                         "gather_factor": hw.gather_factor, "scatter_factor": hw.scatter_factor,
+                         "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"

@@ -166,6 +166,32 @@ def matmul_tflops(device: str, dtype, n: int, reps: int) -> float:
     return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
 
 
+def half_rate_size(device: str, dtype, peak: float, sizes=(64, 256), width: bool = False) -> float:
+    """The size at which a matmul runs at half the `peak` rate, fitting rate = peak * n / (n + half) to
+    [n, 1024] @ [1024, 1024] (rows: a micro-batch's tokens) or [1024, n] @ [n, n] (`width`: hidden per TP rank),
+    the median over `sizes`."""
+    import torch
+
+    fits = []
+    for n in sizes:
+        shape_a, shape_b = ((1024, n), (n, n)) if width else ((n, 1024), (1024, 1024))
+        a = torch.randn(*shape_a, device=device, dtype=dtype)
+        b = torch.randn(*shape_b, device=device, dtype=dtype)
+        flops = 2 * shape_a[0] * shape_a[1] * shape_b[1]
+        reps = max(4, int(2e9 / flops))
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rate = flops * reps / (time.perf_counter() - start)
+        fits.append(max(0.0, n * (peak / rate - 1)))
+    return statistics.median(fits)
+
+
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], queue) -> None:
     import torch
     import torch.distributed as dist
@@ -174,39 +200,56 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    small = torch.zeros(1, device=device)
-    for _ in range(3):
-        dist.all_reduce(small)
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    start, reps = time.perf_counter(), 20
-    for _ in range(reps):
-        dist.all_reduce(small)
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    latency = (time.perf_counter() - start) / reps / (2 * (world - 1))  # per ring hop, as accel.plan counts it
-    best = 0.0
+    times: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
     for size in sizes:
-        t = torch.ones(size // 4, device=device)
-        dist.all_reduce(t)
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        start, reps = time.perf_counter(), 5
-        for _ in range(reps):
-            dist.all_reduce(t)
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        elapsed = (time.perf_counter() - start) / reps
-        best = max(best, 2 * (world - 1) / world * size / elapsed)  # ring bus bandwidth
+        full = torch.ones(size // 4, device=device)
+        shard = torch.ones(size // 4 // world, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed them
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        calls = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
+                 "reduce_scatter": lambda: scatter(shard, full)}
+        for name, call in calls.items():
+            call()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            call()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            reps = min(50, max(5, int(0.2 / max(time.perf_counter() - start, 1e-6))))  # ~0.2 s of each
+            reps = torch.tensor([reps], device=device)
+            dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # every rank runs as many
+            reps = int(reps.item())
+            start = time.perf_counter()
+            for _ in range(reps):
+                call()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            times[name].append((size, (time.perf_counter() - start) / reps))
+    fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
+    best = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
+            for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
+    latency = max(fits["all_reduce"][0], 0.0) / (2 * (world - 1))  # per ring hop, as accel.plan counts it
+    best["times"] = times
     if rank == 0:
         queue.put((best, latency))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[float, float]:
-    """(bytes/s of a 2-process all_reduce sweep: ring bus bandwidth, the best size; seconds per ring hop of a
-    4-byte all_reduce: the latency)."""
+def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of seconds against bytes."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - slope * mx, slope
+
+
+def allreduce_bandwidth(backend: str, sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[dict, float]:
+    """({collective: bytes/s} of a 2-process sweep of all_reduce, all_gather_into_tensor and
+    reduce_scatter_tensor over `sizes` (16 KiB-16 MiB: TP activations to gradient buckets), seconds per ring hop
+    of an all_reduce): a straight line through each collective's times, so the bandwidth is its slope and the
+    latency its fixed cost per call (on gloo about 2 ms per MB-sized call, far above a 4-byte message's)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -222,8 +265,9 @@ def allreduce_bandwidth(backend: str, sizes=(2 ** 20, 2 ** 22, 2 ** 24)) -> tupl
 
 
 def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
-    """Measure and store {"flops": FLOP/s (the best dtype, with this process's threads), "intra_bandwidth":
-    bytes/s, "intra_latency": s per hop, ...} at `path`."""
+    """Measure and store {"flops": FLOP/s (the best dtype, with this process's threads), "tokens_half" and
+    "width_half" (accel.plan's small-matmul efficiency), "intra_bandwidth": bytes/s, "intra_latency": s per hop,
+    ...} at `path`."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -233,9 +277,16 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
         rates["bf16"] = matmul_tflops(device, torch.bfloat16, 8192, 20)
     data = {"version": CAL_VERSION, "time": time.time(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "matmul_tflops": rates, "flops": max(rates.values()) * 1e12, "intra_bandwidth": None}
+    best = torch.bfloat16 if cuda else torch.float32
+    data["tokens_half"] = half_rate_size(device, best, data["flops"])
+    data["width_half"] = half_rate_size(device, best, data["flops"], width=True)
     procs = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     if collectives and procs >= 2:
-        data["intra_bandwidth"], data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
+        rates, data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
+        data["intra_bandwidth"] = rates["all_reduce"]
+        data["gather_factor"] = rates["all_gather"] / rates["all_reduce"]
+        data["scatter_factor"] = rates["reduce_scatter"] / rates["all_reduce"]
+        data["collectives"] = {"world": 2, **rates["times"]}  # what accel.plan interpolates
         data["collective_backend"] = "nccl" if cuda else "gloo"
     path = Path(path or default_calibration_path())
     path.parent.mkdir(parents=True, exist_ok=True)

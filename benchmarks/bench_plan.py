@@ -103,10 +103,15 @@ def run(args) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
         cal = calibrate(Path(tmp) / "calibration.json", collectives=True)
-        print(f"calibration (1 thread): {cal['flops'] / 1e9:.1f} GFLOP/s, all_reduce "
-              f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s, latency {cal['intra_latency'] * 1e6:.0f} us per hop")
+        print(f"calibration (1 thread): {cal['flops'] / 1e9:.1f} GFLOP/s (half rate at {cal['tokens_half']:.0f} rows, "
+              f"width {cal['width_half']:.0f}), all_reduce {cal['intra_bandwidth'] / 1e9:.2f} GB/s, latency "
+              f"{cal['intra_latency'] * 1e6:.0f} us per hop, all-gather / reduce-scatter at {cal['gather_factor']:.2f} / "
+              f"{cal['scatter_factor']:.2f} of its bandwidth")
         hw = Hardware(num_processes=args.num_processes, device_memory=64 * GB, flops=cal["flops"],
-                      intra_bw=cal["intra_bandwidth"], host_memory=64 * GB, intra_latency=cal["intra_latency"])
+                      intra_bw=cal["intra_bandwidth"], host_memory=64 * GB, intra_latency=cal["intra_latency"],
+                      tokens_half=cal["tokens_half"], width_half=cal["width_half"],
+                      gather_factor=cal["gather_factor"], scatter_factor=cal["scatter_factor"],
+                      collectives=cal["collectives"])
         with torch.device("meta"):
             module = llama()
         result = plan(spec_from_module(module, "bench_plan:llama"), hw, GLOBAL_BATCH, SEQ, args.mixed_precision,

@@ -110,12 +110,19 @@ def apply_calibration(args, hw) -> str | None:
     if args.flops is None:
         hw.flops = cal["flops"]
         used.append(f"{cal['flops'] / 1e12:.2f} TFLOP/s")
+        if cal.get("tokens_half") is not None:
+            hw.tokens_half, hw.width_half = cal["tokens_half"], cal.get("width_half", hw.width_half)
+            used.append(f"half rate at {hw.tokens_half:.0f} rows / width {hw.width_half:.0f}")
     if args.intra_bandwidth is None and cal.get("intra_bandwidth"):
         hw.intra_bw = cal["intra_bandwidth"]
         used.append(f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s within a machine")
         if cal.get("intra_latency"):
             hw.intra_latency = cal["intra_latency"]
             used.append(f"{cal['intra_latency'] * 1e6:.0f} us per hop")
+        if cal.get("gather_factor"):
+            hw.gather_factor, hw.scatter_factor = cal["gather_factor"], cal["scatter_factor"]
+            hw.collectives = cal.get("collectives")
+            used.append(f"all-gather / reduce-scatter at {hw.gather_factor:.2f} / {hw.scatter_factor:.2f} of it")
     return f"Calibration {cal['path']} ({cal.get('device')}): {', '.join(used)}." if used else None
 
 

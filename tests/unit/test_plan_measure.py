@@ -87,7 +87,8 @@ def test_calibrate_writes_positive_figures_and_plan_uses_them(tmp_path, monkeypa
     cal = tmp_path / "cache" / "accel" / "calibration.json"
     assert main(["plan", "--calibrate"]) == 0
     data = json.loads(cal.read_text())
-    assert data["flops"] > 0 and data["intra_bandwidth"] > 0
+    assert data["flops"] > 0 and data["intra_bandwidth"] > 0 and data["intra_latency"] > 0
+    assert data["tokens_half"] >= 0 and data["width_half"] >= 0 and data["gather_factor"] > 0 < data["scatter_factor"]
     capsys.readouterr()
     (tmp_path / "tiny.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -97,6 +98,8 @@ def test_calibrate_writes_positive_figures_and_plan_uses_them(tmp_path, monkeypa
     assert main(["plan", "tiny:net", "--num_processes", "2", "--json"]) == 0
     hw = json.loads(capsys.readouterr().out)["hardware"]
     assert hw["flops"] == data["flops"] and hw["intra_bandwidth"] == data["intra_bandwidth"]
+    for key in ("intra_latency", "tokens_half", "width_half", "gather_factor", "scatter_factor"):
+        assert hw[key] == data[key], key
     assert main(["plan", "tiny:net", "--flops", "7", "--json"]) == 0  # an explicit flag wins
     assert json.loads(capsys.readouterr().out)["hardware"]["flops"] == 7e12
 
