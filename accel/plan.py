@@ -18,20 +18,32 @@ The model and its constants (documented so a plan can be checked by hand):
   unsharded. Usable memory = device_memory * USABLE_FRACTION. Micro-batches: pipeline micro-batches under PP,
   else gradient accumulation steps (one micro-batch's activations at a time).
 - Offload: the shards live on the host (host_memory per machine must hold them all).
-- Compute = 6 * params (an untied input embedding is a lookup: not counted) * tokens (x 4/3 with full activation checkpointing) / (world * flops * efficiency),
-  times (m + p - 1) / m for the pipeline bubble; efficiency = EFFICIENCY * r/(r + tokens_half) *
-  w/(w + width_half), r the tokens of one micro-batch, w = hidden / tp (small matmuls run below peak: what
-  makes many tiny micro-batches or a wide TP degree cost something on a GPU; `--calibrate` measures both halves,
-  near 0 on a CPU).
+- Compute = (6 * params (an untied input embedding is a lookup: not counted) * tokens + 12 * layers * hidden *
+  seq_len * tokens for attention's QK^T and AV) (x 4/3 with full activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble; efficiency =
+  EFFICIENCY (1 for a `--calibrate`d rate) * r/(r + tokens_half) * w/(w + width_half), r the tokens of one
+  micro-batch, w = hidden / tp (small matmuls run below peak: what makes many tiny micro-batches or a wide TP
+  degree cost something on a GPU; `--calibrate` measures both halves, near 0 on a CPU). Memory-bound work (norms,
+  activations, softmax, residuals, the loss) = ELEMENTWISE_PASSES over a micro-batch's activation bytes (the parts
+  TP replicates counted whole, the float32 logits whole on every TP rank) / memory_bw, a mix of those ops'
+  measured rate; AdamW touches ADAM_PASSES x 4 bytes per element the rank steps at the same rate. Framework time:
+  op_overhead x OPS_PER_TENSOR x the stage's parameter tensors per micro-batch pass (0 by default: a GPU's
+  launches hide behind its kernels; `--calibrate` on a CPU measures it, tens of microseconds).
 - Collectives (ring): all-reduce 2(n-1)/n * bytes / bw + 2(n-1) * latency; all-gather and reduce-scatter half
   of that at their own bandwidth (gather_factor, scatter_factor of the all-reduce's: 1 by default, measured by
-  `--calibrate`). Gradient sync (float32): DDP all-reduce in DDP_BUCKET-byte buckets; ZeRO-1 all-reduce +
-  all-gather of the parameters; ZeRO-2 one all-gather per pass + one reduce-scatter per step, per unit; ZeRO-3
-  two all-gathers per pass. TP: an all-reduce of a micro-batch's activations per split weight of a block (a Llama
-  block 7: o/down in forward, q/k/v/gate/up in backward; GPT-2 4), +2 (embedding, head), x1.5 with recompute.
-  PP: each micro-batch's activations sent forward and their gradient back at each of the p-1 boundaries.
-  Offload adds the host<->device copies of parameters and gradients (PCIE_BW) and the CPU AdamW step (HOST_BW).
-  No overlap of communication with compute is assumed (conservative; the same for every layout).
+  `--calibrate`; within a machine `--calibrate`'s timed sweep is interpolated instead). Gradient sync (float32):
+  DDP all-reduce in DDP_BUCKET-byte buckets; ZeRO-1 all-reduce + all-gather of the parameters; ZeRO-2 one
+  all-gather per pass + one reduce-scatter per step, per unit; ZeRO-3 two all-gathers per pass. TP: an all-reduce
+  of a micro-batch's activations per split weight of a block (a Llama block 7: o/down in forward, q/k/v/gate/up in
+  backward; GPT-2 4), +2 (embedding, head), x1.5 with recompute. PP: each micro-batch's activations sent forward
+  and their gradient back at each of the p-1 boundaries. Offload adds the host<->device copies of parameters and
+  gradients (PCIE_BW) and the CPU AdamW step (HOST_BW).
+- Inside a step a blocking collective costs more than alone: sync_fixed per call + sync_slowdown x its isolated
+  time (0 and 1 by default, a GPU's figures; `--calibrate` measures them: on a 2-core CPU with gloo the ranks
+  arrive apart and wait for each other, about 1 ms per call). DDP's buckets but the last, FSDP2's backward
+  gathers and reduce-scatters but the first unit's, and its forward gathers where the device runs ahead of the
+  host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them (1 by default;
+  `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per micro-batch:
+  accel's TP head hands whole logits to the loss) and PP's sends are on the critical path.
 """
 
 from __future__ import annotations
@@ -50,6 +62,9 @@ WIDTH_HALF = 128           # ... and as w/(w + WIDTH_HALF) with the hidden size 
 DEFAULT_TFLOPS = 312.0     # peak dense bf16 of an A100; pass --flops for yours
 DEFAULT_INTRA_GBS = 150.0  # per-device bandwidth within a machine (NVLink class), GB/s
 DEFAULT_INTER_GBS = 25.0   # per-device bandwidth between machines (200 Gb/s InfiniBand class), GB/s
+DEFAULT_MEMORY_GBS = 2000.0  # device memory bandwidth (A100 HBM class), GB/s: the memory-bound work's rate
+ELEMENTWISE_PASSES = {"no": 4, "full": 5}  # passes over the kept activations: forward writes, backward reads,
+#                                           its gradient written and read; recompute writes them again
 INTRA_LATENCY = 5e-6       # seconds per collective hop within a machine
 INTER_LATENCY = 20e-6      # between machines
 PCIE_BW = 25 * GB          # host <-> device, bytes/s (offload)
@@ -57,6 +72,8 @@ HOST_BW = 20 * GB          # CPU AdamW step: bytes of state touched per second (
 DEFAULT_HOST_GB = 1024.0   # host memory per machine for offload
 DDP_BUCKET = 25 * 2 ** 20  # DDP's gradient bucket
 HEAD_DIM = 128             # heads = hidden / HEAD_DIM when the model does not say
+OPS_PER_TENSOR = 10        # eager ops per parameter tensor per forward + backward (a Llama block: 9 tensors, ~100)
+ADAM_PASSES = 12           # bytes of float32 state touched per element stepped by AdamW, / 4 (7 + temporaries)
 AUTOCAST_CACHE = {"bf16": 2, "fp16": 2}  # bytes per float32 weight: autocast keeps its cast copy for the forward
 ACT_BYTES = {"no": 2, "fp16": 1, "bf16": 1, "fp8": 1}  # x the fp16 activation formula
 MAX_ACCUMULATION_LOG2 = 6  # gradient accumulation steps planned: 1, 2, 4, ... 64
@@ -84,6 +101,13 @@ class Hardware:
     gather_factor: float = 1.0  # all-gather bus bandwidth / all-reduce's (gloo: ~0.5; `--calibrate` measures it)
     scatter_factor: float = 1.0  # reduce-scatter's (gloo: ~0.35)
     collectives: dict | None = None  # {kind: [[bytes, seconds], ...]} timed by `--calibrate` within a machine
+    efficiency: float = EFFICIENCY  # of `flops` a training matmul reaches: a datasheet peak's; 1 for a measured rate
+    memory_bw: float = DEFAULT_MEMORY_GBS * GB  # bytes/s of elementwise work (`--calibrate` measures it)
+    overlap: float = 1.0  # share of DDP/FSDP2 collectives hidden behind compute (GPU: own stream; gloo ~0.3-0.6)
+    sync_fixed: float = 0.0  # seconds a blocking collective adds inside a step beyond its transfer (`--calibrate`)
+    sync_slowdown: float = 1.0  # x its isolated time there (caches cold, the other rank's threads busy)
+    run_ahead: bool = True  # the host queues work ahead of the device (CUDA), so FSDP2's forward gathers overlap
+    op_overhead: float = 0.0  # seconds of framework time per op (forward + backward) the device does not hide
 
     @property
     def world(self) -> int:
@@ -100,7 +124,47 @@ def detect() -> Hardware:
         return Hardware(num_processes=torch.cuda.device_count(),
                         device_memory=torch.cuda.get_device_properties(0).total_memory, host_memory=ram)
     procs = max(1, (os.cpu_count() or 1) // 4)
-    return Hardware(num_processes=procs, device_memory=ram / procs, flops=1e12, intra_bw=10 * GB, host_memory=ram)
+    # gloo on a CPU as measured on a 2-core machine (`accel plan --calibrate` measures yours)
+    return Hardware(num_processes=procs, device_memory=ram / procs, flops=1e12, intra_bw=10 * GB, host_memory=ram,
+                    memory_bw=15 * GB, overlap=0.4, sync_fixed=1e-3, op_overhead=1e-5, run_ahead=False)
+
+
+def apply_calibration(hw: Hardware, cal: dict, compute: bool = True, links: bool = True) -> list[str]:
+    """Set `hw` from a stored `accel plan --calibrate` record (accel.plan_measure.calibrate): the device's rates
+    when `compute`, the links within a machine when `links`. What was used, in words."""
+    used = []
+    if compute and cal.get("flops"):
+        hw.flops, hw.efficiency = cal["flops"], 1.0  # a measured matmul rate: already what a matmul reaches
+        used.append(f"{cal['flops'] / 1e12:.2f} TFLOP/s")
+        if cal.get("tokens_half") is not None:
+            hw.tokens_half, hw.width_half = cal["tokens_half"], cal.get("width_half", hw.width_half)
+            used.append(f"half rate at {hw.tokens_half:.0f} rows / width {hw.width_half:.0f}")
+        if cal.get("memory_bandwidth"):
+            hw.memory_bw = cal["memory_bandwidth"]
+            used.append(f"memory-bound work {hw.memory_bw / 1e9:.1f} GB/s")
+        if cal.get("op_overhead") is not None:
+            hw.op_overhead = cal["op_overhead"]
+            used.append(f"{hw.op_overhead * 1e6:.0f} us per op")
+    if links and cal.get("intra_bandwidth"):
+        hw.intra_bw = cal["intra_bandwidth"]
+        used.append(f"{hw.intra_bw / 1e9:.2f} GB/s within a machine")
+        if cal.get("intra_latency"):
+            hw.intra_latency = cal["intra_latency"]
+            used.append(f"{hw.intra_latency * 1e6:.0f} us per hop")
+        if cal.get("gather_factor"):
+            hw.gather_factor, hw.scatter_factor = cal["gather_factor"], cal["scatter_factor"]
+            hw.collectives = cal.get("collectives")
+            used.append(f"all-gather / reduce-scatter at {hw.gather_factor:.2f} / {hw.scatter_factor:.2f} of it")
+        if cal.get("overlap") is not None:
+            hw.overlap = cal["overlap"]
+            used.append(f"{hw.overlap:.0%} of a collective hidden behind compute")
+        if cal.get("sync_fixed") is not None:
+            hw.sync_fixed, hw.sync_slowdown = cal["sync_fixed"], cal["sync_slowdown"]
+            used.append(f"a blocking collective in a step: {hw.sync_fixed * 1e3:.2f} ms + {hw.sync_slowdown:.2f} x "
+                        f"its time alone")
+    if compute and cal.get("run_ahead") is not None:
+        hw.run_ahead = cal["run_ahead"]
+    return used
 
 
 # -- the model's shape ----------------------------------------------------------------------------------------
@@ -114,6 +178,7 @@ class Shape:
     largest_unit: int  # parameters of the largest ZeRO wrap unit (a block or the root's own)
     flop_params: int = 0  # parameters used in matmuls: an untied input embedding is a lookup
     tp_splits: int = 4  # TP-split weights per block: each is one all-reduce (row-wise: forward; column-wise: backward)
+    tensors: int = 0  # parameter tensors: what the per-op framework time scales with
 
 
 CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head")}
@@ -155,9 +220,10 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
     vocab_tables = [p.numel for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
     lookups = sum(vocab_tables[:1]) if len(vocab_tables) > 1 else 0  # untied: the embedding is looked up
     first = next(iter(blocks), None)
-    splits = sum(1 for p in spec.params if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
+    splits = sum(1 for p in spec.params
+                 if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
     return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]),
-                 spec.numel - lookups, splits or 4)
+                 spec.numel - lookups, splits or 4, len(spec.params))
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
@@ -198,6 +264,27 @@ def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: 
         factors[ac] = {"scale": per_sample / activation_bytes(shape, 1, seq_len, 1, None, ac, mixed_precision),
                        "fixed_bytes": max(0, one - per_sample)}
     return factors
+
+
+def elementwise_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int, layers: int,
+                      mixed_precision: str) -> float:
+    """Bytes of one micro-batch's activations the memory-bound work (norms, activations, softmax, residuals, the
+    loss) writes once: the activation formula's per-layer bytes (the parts TP replicates are not split) plus the
+    float32 logits, whole on every TP rank (accel's head gathers them: the loss is replicated)."""
+    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
+    per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * ACT_BYTES.get(mixed_precision, 1)
+    return layers * per_layer + 4 * s * b * shape.vocab
+
+
+def _in_step(hw: Hardware, seconds: float, calls: int) -> float:
+    """What `calls` blocking collectives taking `seconds` in isolation (`collective`) take inside a step."""
+    return calls * hw.sync_fixed + hw.sync_slowdown * seconds if seconds else 0.0
+
+
+def _exposed(hw: Hardware, seconds: float, hideable: float, window: float) -> float:
+    """What a collective adds to the step when the `hideable` share of it runs beside `window` seconds of
+    compute, of which `hw.overlap` can hide it."""
+    return seconds * (1 - hideable) + max(0.0, seconds * hideable - hw.overlap * window)
 
 
 # -- collectives ----------------------------------------------------------------------------------------------
@@ -327,28 +414,46 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         fits, reason = False, "the offloaded shards do not fit the host memory"
     tokens = batch_size * seq_len
     rows_mb, width = mb * seq_len, shape.hidden / tp
-    eff = EFFICIENCY * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
-    compute = 6 * shape.flop_params * tokens * (4 / 3 if ac == "full" else 1) / (hw.world * hw.flops * eff)
-    compute *= (m + pp - 1) / m
+    eff = hw.efficiency * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
+    bubble = (m + pp - 1) / m
+    attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
+    recompute = 4 / 3 if ac == "full" else 1
+    compute = (6 * shape.flop_params * tokens + attention) * recompute / (hw.world * hw.flops * eff) * bubble
+    memory_bound = (ELEMENTWISE_PASSES[ac] * elementwise_bytes(shape, mb, seq_len, tp, layers, mixed_precision)
+                    * m / hw.memory_bw * bubble)
+    stepped = states["optimizer_bytes"] / 8  # elements this rank's AdamW steps (two float32 moments each)
+    memory_bound += 0.0 if offload else ADAM_PASSES * 4 * stepped / hw.memory_bw
+    dispatch = hw.op_overhead * OPS_PER_TENSOR * shape.tensors / pp * m * recompute * bubble
+    window = compute + memory_bound + dispatch  # what collectives issued beside compute can hide behind
     grads = rank_numel * 4
     units, span = layers + 1, tp * dp
-    if zero <= 1:  # DDP's bucketed all-reduce (ZeroRedundancyOptimizer: then each rank's partition to all)
-        dp_comm = collective(hw, "all_reduce", grads, dp, span, math.ceil(grads / DDP_BUCKET))
-        dp_comm += collective(hw, "all_gather", grads, dp, span) if zero == 1 else 0.0
+    if zero <= 1:  # DDP's bucketed all-reduce in the last pass's backward (ZeroRedundancyOptimizer: + all-gather)
+        buckets = math.ceil(grads / DDP_BUCKET)
+        sync = _in_step(hw, collective(hw, "all_reduce", grads, dp, span, buckets), buckets)
+        dp_comm = _exposed(hw, sync, (buckets - 1) / buckets if buckets > 1 else 0.0, window * 2 / 3 / accum)
+        dp_comm += _in_step(hw, collective(hw, "all_gather", grads, dp, span), 1) if zero == 1 else 0.0
     else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
-        gathers = accum if zero == 2 else 2 * accum
-        dp_comm = (gathers * collective(hw, "all_gather", grads, dp, span, units)
-                   + collective(hw, "reduce_scatter", grads, dp, span, units))
+        gather = _in_step(hw, accum * collective(hw, "all_gather", grads, dp, span, units), accum * units)
+        late = (gather if zero == 3 else 0.0) + _in_step(hw, collective(hw, "reduce_scatter", grads, dp, span, units),
+                                                          units)  # backward: FSDP2 prefetches the next unit's
+        early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
+        late += gather if hw.run_ahead else 0.0
+        dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
     act_mb = mb * seq_len * shape.hidden * (4 if mixed_precision == "no" else 2)
-    tp_calls = (shape.tp_splits * layers + 2) * m * (2 if ac == "no" else 3) / 2
-    tp_comm = tp_calls * collective(hw, "all_reduce", act_mb, tp, tp)
+    logits_mb = mb * seq_len * shape.vocab * (4 if mixed_precision == "no" else 2)
+    tp_calls = math.ceil((shape.tp_splits * layers + 2) * m * (2 if ac == "no" else 3) / 2)
+    tp_comm = 0.0 if tp == 1 else (  # on the critical path: each output is needed by the next op
+        _in_step(hw, tp_calls * collective(hw, "all_reduce", act_mb, tp, tp), tp_calls)
+        + _in_step(hw, m * collective(hw, "all_gather", logits_mb, tp, tp), m))  # the head's logits, gathered
     pbw, plat = _link(hw, tp * dp * pp)
-    pp_comm = 0.0 if pp == 1 else 2 * (m + pp - 2) * (plat + act_mb / tp / pbw)
+    sends = 2 * (m + pp - 2)  # each boundary: activations forward, their gradient back
+    pp_comm = 0.0 if pp == 1 else _in_step(hw, sends * (plat + act_mb / tp / pbw), sends)
     off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
-    step = compute + dp_comm + tp_comm + pp_comm + off
+    step = compute + memory_bound + dispatch + dp_comm + tp_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
-            "step_time_s": step, "time_breakdown_s": {"compute": compute, "data_parallel": dp_comm,
+            "step_time_s": step, "time_breakdown_s": {"compute": compute, "memory_bound": memory_bound, "dispatch": dispatch,
+                                                      "data_parallel": dp_comm,
                                                       "tensor_parallel": tp_comm, "pipeline": pp_comm,
                                                       "offload": off}}
 
@@ -394,7 +499,9 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "intra_latency": hw.intra_latency, "inter_latency": hw.inter_latency,
                          "tokens_half": hw.tokens_half, "width_half": hw.width_half,
                          "gather_factor": hw.gather_factor, "scatter_factor": hw.scatter_factor,
-                         "collectives_measured": bool(hw.collectives)},
+                         "efficiency": hw.efficiency, "memory_bandwidth": hw.memory_bw, "overlap": hw.overlap,
+                         "sync_fixed": hw.sync_fixed, "sync_slowdown": hw.sync_slowdown, "run_ahead": hw.run_ahead,
+                         "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"

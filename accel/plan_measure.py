@@ -150,20 +150,67 @@ def default_calibration_path() -> Path:
     return Path(base) / "accel" / "calibration.json"
 
 
+def _best_seconds(call, reps: int, trials: int = 3, cuda: bool = False) -> float:
+    """Seconds per call: the best of `trials` timings of `reps` calls (a shared machine's hiccups only slow)."""
+    import torch
+
+    call()
+    best = float("inf")
+    for _ in range(trials):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
 def matmul_tflops(device: str, dtype, n: int, reps: int) -> float:
     import torch
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+    return 2 * n ** 3 / _best_seconds(lambda: a @ b, reps, cuda=device == "cuda") / 1e12
+
+
+def memory_bandwidth(device: str, dtype, nbytes: int = 2 ** 24) -> float:
+    """Bytes/s (read + written) of the memory-bound work of a training step that accel.plan adds to the matmuls,
+    as a mix of its kinds on `nbytes` activations: residual add, gating mul, SiLU, a norm's mean of squares, and
+    the loss's log_softmax with its backward (on a CPU, exp-heavy ops run at a fraction of a plain add's rate)."""
+    import torch
+
+    n = nbytes // torch.tensor([], dtype=dtype).element_size()
+    x, y = (torch.randn(n // 4096, 4096, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty_like(x)
+    grad = torch.empty_like(x)
+    ops = [(lambda: torch.add(x, y, out=out), 3), (lambda: torch.mul(x, y, out=out), 3),
+           (lambda: torch.nn.functional.silu(x), 2), (lambda: x.pow(2).mean(-1, keepdim=True), 2),
+           (lambda: torch.log_softmax(x, -1), 2),
+           (lambda: torch._log_softmax_backward_data(y, x, -1, dtype, out=grad), 3)]
+    cuda = device == "cuda"
+    seconds = sum(_best_seconds(op, 5 if device == "cpu" else 50, cuda=cuda) for op, _ in ops)
+    return sum(passes for _, passes in ops) * nbytes / seconds
+
+
+def op_overhead(device: str) -> float:
+    """Seconds of framework time per eager op, forward + backward: a chain of 200 elementwise ops on a 64-element
+    tensor that requires grad (the kernels are nothing; dispatch, autograd and Python are what is timed). On a
+    GPU the launches run ahead of the kernels and hide behind any model worth planning: 0 there."""
+    import torch
+
+    if device != "cpu":
+        return 0.0
+    x = torch.ones(64, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(200):
+            y = y * 1.0001
+        y.sum().backward()
+    return _best_seconds(chain, 5) / 200
 
 
 def half_rate_size(device: str, dtype, peak: float, sizes=(64, 256), width: bool = False) -> float:
@@ -178,16 +225,7 @@ def half_rate_size(device: str, dtype, peak: float, sizes=(64, 256), width: bool
         a = torch.randn(*shape_a, device=device, dtype=dtype)
         b = torch.randn(*shape_b, device=device, dtype=dtype)
         flops = 2 * shape_a[0] * shape_a[1] * shape_b[1]
-        reps = max(4, int(2e9 / flops))
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        rate = flops * reps / (time.perf_counter() - start)
+        rate = flops / _best_seconds(lambda: a @ b, max(4, int(2e9 / flops)), cuda=device == "cuda")
         fits.append(max(0.0, n * (peak / rate - 1)))
     return statistics.median(fits)
 
@@ -209,32 +247,137 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         calls = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
                  "reduce_scatter": lambda: scatter(shard, full)}
         for name, call in calls.items():
-            call()
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            call()
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            reps = min(50, max(5, int(0.2 / max(time.perf_counter() - start, 1e-6))))  # ~0.2 s of each
-            reps = torch.tensor([reps], device=device)
-            dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # every rank runs as many
-            reps = int(reps.item())
-            start = time.perf_counter()
-            for _ in range(reps):
-                call()
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            times[name].append((size, (time.perf_counter() - start) / reps))
+            times[name].append((size, _median_call(call, backend, device)))
+    situ = _in_situ(backend, device, times)
     fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
     best = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
     latency = max(fits["all_reduce"][0], 0.0) / (2 * (world - 1))  # per ring hop, as accel.plan counts it
-    best["times"] = times
+    best["times"], best["in_situ"] = times, situ
     if rank == 0:
         queue.put((best, latency))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _median_call(call, backend: str, device: str) -> float:
+    """Median seconds of one call over ~0.2 s of calls (every rank runs as many): the typical call, not the
+    mean a few scheduler hiccups of a shared CPU machine (10x a call, now and then) would set."""
+    import torch
+    import torch.distributed as dist
+
+    def timed() -> float:
+        start = time.perf_counter()
+        call()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed()
+    reps = torch.tensor([min(50, max(7, int(0.2 / max(timed(), 1e-6))))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
+    return statistics.median(timed() for _ in range(int(reps.item())))
+
+
+def _compute_chain(device: str, seconds: float):
+    """A call that runs about `seconds` of matmuls shaped like a small transformer's ([256, 256] @ [256, 688])."""
+    import torch
+
+    a = torch.randn(256, 256, device=device)
+    b = torch.randn(256, 688, device=device)
+    one = _best_seconds(lambda: a @ b, 20, cuda=device != "cpu")
+    reps = max(1, round(seconds / max(one, 1e-7)))
+
+    def run():
+        for _ in range(reps):
+            a @ b
+    return run
+
+
+def _in_situ(backend: str, device: str, iso: dict) -> dict:
+    """What a blocking collective costs inside a training step, beyond the isolated time `iso` measured: ranks
+    that compute between collectives arrive at different times and wait for each other (on a CPU the OS
+    scheduler and gloo's threads make that large; a GPU's kernels run alike). Segments of compute (2 and 8 ms)
+    each followed by an all_reduce (16 KiB and 1 MiB), against the compute alone (medians: the typical step);
+    the extra per call is fitted as `sync_fixed` + `sync_slowdown` x the isolated time. Also `overlap`: the share
+    of an asynchronous all_reduce of about the same duration that hides behind matmuls (DDP's and FSDP2's
+    bucketed collectives run beside compute; a GPU runs them on their own stream, gloo's thread competes with
+    the matmuls for the CPU's cores)."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+    rows = []
+    for seg in (0.002, 0.008):
+        chain = _compute_chain(device, seg)
+        for size in (2 ** 14, 2 ** 20):
+            x = torch.ones(size // 4, device=device)
+
+            def interleaved(chain=chain, x=x):
+                for _ in range(8):
+                    chain()
+                    dist.all_reduce(x)
+                sync()
+
+            def alone(chain=chain):
+                for _ in range(8):
+                    chain()
+                sync()
+            t_alone = _synced_median(alone, backend, device)
+            extra = (_synced_median(interleaved, backend, device) - t_alone) / 8
+            rows.append((1.0, _interpolate_iso(iso["all_reduce"], size), extra))
+    fixed, slowdown = _least_squares(rows)
+    g = torch.ones(2 ** 21, device=device)  # 8 MiB: a gradient bucket's order
+    t_comm = _synced_median(lambda: (dist.all_reduce(g), sync()), backend, device)
+    chain = _compute_chain(device, t_comm)
+    t_compute = _synced_median(lambda: (chain(), sync()), backend, device)
+
+    def both():
+        work = dist.all_reduce(g, async_op=True)
+        chain()
+        work.wait()
+        sync()
+    hidden = t_comm + t_compute - _synced_median(both, backend, device)
+    return {"sync_fixed": max(0.0, fixed), "sync_slowdown": max(1.0, slowdown),
+            "overlap": max(0.0, min(1.0, hidden / max(min(t_comm, t_compute), 1e-9)))}
+
+
+def _synced_median(call, backend: str, device: str, trials: int = 7) -> float:
+    """The median of `trials` timings: what a step typically meets (ranks drifting apart is the point here)."""
+    return statistics.median(_synced_times(call, trials))
+
+
+def _synced_times(call, trials: int) -> list[float]:
+    import torch.distributed as dist
+
+    call()
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _interpolate_iso(points: list, size: int) -> float:
+    return min(points, key=lambda p: abs(p[0] - size))[1]
+
+
+def _least_squares(rows: list[tuple[float, ...]]) -> list[float]:
+    """Coefficients c minimizing sum (row[:-1] . c - row[-1])^2 (normal equations, Gaussian elimination)."""
+    k = len(rows[0]) - 1
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * r[-1] for r in rows)] for i in range(k)]
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(a[r][i]))
+        a[i], a[pivot] = a[pivot], a[i]
+        if abs(a[i][i]) < 1e-30:
+            return [0.0] * k
+        for r in range(k):
+            if r != i:
+                f = a[r][i] / a[i][i]
+                a[r] = [x - f * y for x, y in zip(a[r], a[i])]
+    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -280,6 +423,9 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     best = torch.bfloat16 if cuda else torch.float32
     data["tokens_half"] = half_rate_size(device, best, data["flops"])
     data["width_half"] = half_rate_size(device, best, data["flops"], width=True)
+    data["memory_bandwidth"] = memory_bandwidth(device, best)
+    data["op_overhead"] = op_overhead(device)
+    data["run_ahead"] = cuda  # CUDA queues kernels ahead of the host: FSDP2's forward gathers overlap there
     procs = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     if collectives and procs >= 2:
         rates, data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
@@ -287,6 +433,7 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
         data["gather_factor"] = rates["all_gather"] / rates["all_reduce"]
         data["scatter_factor"] = rates["reduce_scatter"] / rates["all_reduce"]
         data["collectives"] = {"world": 2, **rates["times"]}  # what accel.plan interpolates
+        data.update(rates["in_situ"])  # sync_fixed, sync_slowdown, overlap
         data["collective_backend"] = "nccl" if cuda else "gloo"
     path = Path(path or default_calibration_path())
     path.parent.mkdir(parents=True, exist_ok=True)

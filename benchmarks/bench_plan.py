@@ -62,11 +62,16 @@ def worker() -> int:
     model, optimizer = accelerator.prepare(model, optimizer, loss_fn=loss_fn)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH // dp, SEQ + 1), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(accelerator.device)
+    # the DataLoader the plan asks for: batch_size per_process / gradient_accumulation_steps (a pipeline splits the
+    # whole per-process batch into its micro-batches itself)
+    micro = tokens.chunk(accelerator.gradient_accumulation_steps) if par.pp_size == 1 else [tokens]
     for _ in range(10_000):
-        loss = model(tokens[:, :-1], target=tokens[:, 1:])
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        for batch in micro:
+            with accelerator.accumulate(model):
+                loss = model(batch[:, :-1], target=batch[:, 1:])
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
     return 3  # not reached when measured
 
 
@@ -92,34 +97,86 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def run(args) -> int:
+def layout_key(row: dict) -> str:
+    from accel.plan import describe
+
+    return describe({**row, "step_time_s": None})
+
+
+def planned(cal: dict, num_processes: int, mixed_precision: str) -> dict:
+    """The plan of the benchmark's model for this machine's calibration `cal`."""
     import torch
 
     from accel.estimate import spec_from_module
-    from accel.plan import GB, Hardware, describe, plan
-    from accel.plan_measure import calibrate, measure_one
+    from accel.plan import GB, Hardware, apply_calibration, plan
+
+    hw = Hardware(num_processes=num_processes, device_memory=64 * GB, host_memory=64 * GB)
+    apply_calibration(hw, cal)
+    with torch.device("meta"):
+        module = llama()
+    return plan(spec_from_module(module, "bench_plan:llama"), hw, GLOBAL_BATCH, SEQ, mixed_precision, module=module)
+
+
+def show_calibration(cal: dict) -> None:
+    print(f"calibration (1 thread): {cal['flops'] / 1e9:.1f} GFLOP/s (half rate at {cal['tokens_half']:.0f} rows, "
+          f"width {cal['width_half']:.0f}), memory-bound work {cal['memory_bandwidth'] / 1e9:.1f} GB/s, all_reduce "
+          f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s, latency {cal['intra_latency'] * 1e6:.0f} us per hop, "
+          f"all-gather / reduce-scatter at {cal['gather_factor']:.2f} / {cal['scatter_factor']:.2f} of its "
+          f"bandwidth; in a step a blocking collective takes {cal['sync_fixed'] * 1e3:.2f} ms + "
+          f"{cal['sync_slowdown']:.2f} x its time alone; {cal['op_overhead'] * 1e6:.0f} us per op; "
+          f"{cal['overlap']:.0%} of an all-reduce hides behind matmuls")
+
+
+def score(result: dict, measured: dict[str, float], fitting: list[int], top: int) -> dict:
+    """Spearman of estimated vs measured over the layouts that ran, and what `--measure --top` would pick."""
+    from accel.plan import describe
+
+    ran = [(i, result["layouts"][i], measured[layout_key(result["layouts"][i])]) for i in fitting
+           if measured.get(layout_key(result["layouts"][i])) is not None]
+    if len(ran) < 3:
+        print("fewer than 3 layouts ran: no ranking")
+        return {}
+    rho = spearman([r["step_time_s"] for _, r, _ in ran], [m for _, _, m in ran])
+    fastest = min(m for _, _, m in ran)
+    pick = min(ran[:top], key=lambda x: x[2])
+    ratio = pick[2] / fastest
+    print(f"\nSpearman rank correlation, estimated vs measured step time over {len(ran)} layouts: {rho:.3f} "
+          f"(target >= 0.8: {'ok' if rho >= 0.8 else 'MISSED'})")
+    print(f"--measure --top {top} picks #{pick[0]} ({describe(pick[1])}): {pick[2]:.3f} s vs the fastest "
+          f"measured {fastest:.3f} s: x{ratio:.3f} (target <= 1.10: {'ok' if ratio <= 1.10 else 'MISSED'})")
+    return {"spearman": rho, "pick_ratio": ratio}
+
+
+def run(args) -> int:
+    import torch
+
+    from accel.plan import describe
+    from accel.plan_measure import calibrate, load_calibration, measure_one
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     torch.set_num_threads(1)
+    if args.rescore:  # the current model against a saved run's measurements and calibration
+        saved = json.loads(Path(args.rescore).read_text())
+        cal = load_calibration(Path(args.calibration)) if args.calibration else saved["calibration"]
+        show_calibration(cal)
+        result = planned(cal, args.num_processes, args.mixed_precision)
+        measured = {r["key"]: r["measured_s"] for r in saved["rows"]}
+        fitting = [i for i, r in enumerate(result["layouts"]) if r["fits"]]
+        for i in fitting:
+            row = result["layouts"][i]
+            meas = measured.get(layout_key(row))
+            print(f"{i:>3} {describe(row):<90} " + (f"meas {meas:.3f} s" if meas is not None else "not measured"))
+        score(result, measured, fitting, args.top)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
-        cal = calibrate(Path(tmp) / "calibration.json", collectives=True)
-        print(f"calibration (1 thread): {cal['flops'] / 1e9:.1f} GFLOP/s (half rate at {cal['tokens_half']:.0f} rows, "
-              f"width {cal['width_half']:.0f}), all_reduce {cal['intra_bandwidth'] / 1e9:.2f} GB/s, latency "
-              f"{cal['intra_latency'] * 1e6:.0f} us per hop, all-gather / reduce-scatter at {cal['gather_factor']:.2f} / "
-              f"{cal['scatter_factor']:.2f} of its bandwidth")
-        hw = Hardware(num_processes=args.num_processes, device_memory=64 * GB, flops=cal["flops"],
-                      intra_bw=cal["intra_bandwidth"], host_memory=64 * GB, intra_latency=cal["intra_latency"],
-                      tokens_half=cal["tokens_half"], width_half=cal["width_half"],
-                      gather_factor=cal["gather_factor"], scatter_factor=cal["scatter_factor"],
-                      collectives=cal["collectives"])
-        with torch.device("meta"):
-            module = llama()
-        result = plan(spec_from_module(module, "bench_plan:llama"), hw, GLOBAL_BATCH, SEQ, args.mixed_precision,
-                      module=module)
+        cal = (load_calibration(Path(args.calibration)) if args.calibration else
+               calibrate(Path(tmp) / "calibration.json", collectives=True))
+        show_calibration(cal)
+        result = planned(cal, args.num_processes, args.mixed_precision)
         fitting = [i for i, r in enumerate(result["layouts"]) if r["fits"]]
         if args.quick:
             fitting = fitting[:3]
-        print(f"{len(fitting)} layouts fit; measuring each for {args.steps} optimizer steps")
+        print(f"{len(fitting)} layouts fit; measuring each for {args.steps} optimizer steps", flush=True)
         rows = []
         for i in fitting:
             row = result["layouts"][i]
@@ -128,25 +185,12 @@ def run(args) -> int:
             rows.append((i, row, meas))
             print(f"{i:>3} {describe(row):<90} est {row['step_time_s']:.3f} s  "
                   + (f"meas {meas:.3f} s" if meas is not None else f"failed: {got['measured_error']}"), flush=True)
-    ran = [(i, r, m) for i, r, m in rows if m is not None]
-    if len(ran) < 3:
-        print("fewer than 3 layouts ran: no ranking")
-        return 1
-    rho = spearman([r["step_time_s"] for _, r, _ in ran], [m for _, _, m in ran])
-    fastest = min(m for _, _, m in ran)
-    top = [x for x in ran if x[0] in fitting[:args.top]]
-    pick = min(top, key=lambda x: x[2]) if top else None
-    print(f"\nSpearman rank correlation, estimated vs measured step time over {len(ran)} layouts: {rho:.3f} "
-          f"(target >= 0.8: {'ok' if rho >= 0.8 else 'MISSED'})")
-    if pick:
-        ratio = pick[2] / fastest
-        print(f"--measure --top {args.top} picks #{pick[0]} ({describe(pick[1])}): {pick[2]:.3f} s vs the fastest "
-              f"measured {fastest:.3f} s: x{ratio:.3f} (target <= 1.10: {'ok' if ratio <= 1.10 else 'MISSED'})")
+    summary = score(result, {layout_key(r): m for _, r, m in rows}, fitting, args.top)
     if args.json:
-        Path(args.json).write_text(json.dumps({"spearman": rho, "rows": [
-            {"index": i, "layout": describe(r), "estimated_s": r["step_time_s"], "measured_s": m,
-             "breakdown": r.get("time_breakdown_s")} for i, r, m in rows]}, indent=2))
-    return 0
+        Path(args.json).write_text(json.dumps({**summary, "calibration": cal, "rows": [
+            {"index": i, "key": layout_key(r), "layout": describe(r), "estimated_s": r["step_time_s"],
+             "measured_s": m, "breakdown": r.get("time_breakdown_s")} for i, r, m in rows]}, indent=2))
+    return 0 if summary else 1
 
 
 def main(argv=None) -> int:
@@ -157,7 +201,10 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=3, help="what --measure would run (default 3)")
     parser.add_argument("--mixed_precision", default="no")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--json", default=None, help="also write the rows and the calibration to this file")
+    parser.add_argument("--calibration", default=None, help="use this stored calibration instead of calibrating")
+    parser.add_argument("--rescore", default=None, metavar="RUN.json",
+                        help="measure nothing: score the current model against a --json run's measurements")
     args = parser.parse_args(argv)
     if args.worker:
         return worker()

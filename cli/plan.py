@@ -101,28 +101,13 @@ def hardware(args):
 def apply_calibration(args, hw) -> str | None:
     """Stored calibration figures as defaults for --flops/--intra_bandwidth the user did not give; a line
     saying so, or None."""
+    from accel.plan import apply_calibration as apply
     from accel.plan_measure import load_calibration
 
     cal = load_calibration(args.calibration)
     if cal is None:
         return None
-    used = []
-    if args.flops is None:
-        hw.flops = cal["flops"]
-        used.append(f"{cal['flops'] / 1e12:.2f} TFLOP/s")
-        if cal.get("tokens_half") is not None:
-            hw.tokens_half, hw.width_half = cal["tokens_half"], cal.get("width_half", hw.width_half)
-            used.append(f"half rate at {hw.tokens_half:.0f} rows / width {hw.width_half:.0f}")
-    if args.intra_bandwidth is None and cal.get("intra_bandwidth"):
-        hw.intra_bw = cal["intra_bandwidth"]
-        used.append(f"{cal['intra_bandwidth'] / 1e9:.2f} GB/s within a machine")
-        if cal.get("intra_latency"):
-            hw.intra_latency = cal["intra_latency"]
-            used.append(f"{cal['intra_latency'] * 1e6:.0f} us per hop")
-        if cal.get("gather_factor"):
-            hw.gather_factor, hw.scatter_factor = cal["gather_factor"], cal["scatter_factor"]
-            hw.collectives = cal.get("collectives")
-            used.append(f"all-gather / reduce-scatter at {hw.gather_factor:.2f} / {hw.scatter_factor:.2f} of it")
+    used = apply(hw, cal, compute=args.flops is None, links=args.intra_bandwidth is None)
     return f"Calibration {cal['path']} ({cal.get('device')}): {', '.join(used)}." if used else None
 
 
