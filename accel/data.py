@@ -692,6 +692,25 @@ def _seedable(sampler, seed: int, use_seedable_sampler: bool = False):
     return sampler
 
 
+MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # set by `accel plan --measure`: the layout's batch per process
+
+
+def _measured_batch_size(dataloader: DataLoader, split_batches: bool) -> DataLoader:
+    """Under `accel plan --measure` the loader of the measured layout: its per-process batch (a micro-batch under
+    gradient accumulation) in place of the script's, so each layout runs the work the plan sized it for. Only a
+    plain `batch_size` is rebuilt (not a custom batch sampler, not `split_batches`)."""
+    import os
+
+    wanted = os.environ.get(MEASURE_BATCH_ENV)
+    if not wanted or split_batches or dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+        return dataloader
+    if int(wanted) == dataloader.batch_size:
+        return dataloader
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    return DataLoader(dataloader.dataset, batch_size=int(wanted), drop_last=dataloader.drop_last,
+                      sampler=None if iterable else dataloader.sampler, **_loader_kwargs(dataloader))
+
+
 def _global_batch_sampler(dataloader: DataLoader, seed: int, use_seedable_sampler: bool = False):
     """The original loader's batch order, made seedable; batches of one index when it does not batch."""
     batch_sampler = dataloader.batch_sampler
@@ -765,6 +784,7 @@ def prepare_data_loader(
     if not 0 <= process_index < num_processes:
         raise ValueError(f"process_index ({process_index}) must be in [0, num_processes={num_processes}).")
     seed = 0 if seed is None else int(seed)
+    dataloader = _measured_batch_size(dataloader, split_batches)
     unbatched = dataloader.batch_size is None and dataloader.batch_sampler is None
     if split_batches and unbatched:
         raise ValueError("split_batches=True needs a data loader with a batch_size (got batch_size=None).")

@@ -433,7 +433,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         dp_comm = _exposed(hw, sync, (buckets - 1) / buckets if buckets > 1 else 0.0, window * 2 / 3 / accum)
         dp_comm += _in_step(hw, collective(hw, "all_gather", grads, dp, span), 1) if zero == 1 else 0.0
     else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
-        gather = _in_step(hw, accum * collective(hw, "all_gather", grads, dp, span, units), accum * units)
+        params = rank_numel * pbytes  # FSDP2 gathers in the compute dtype, reduces float32 gradients
+        gather = _in_step(hw, accum * collective(hw, "all_gather", params, dp, span, units), accum * units)
         late = (gather if zero == 3 else 0.0) + _in_step(hw, collective(hw, "reduce_scatter", grads, dp, span, units),
                                                           units)  # backward: FSDP2 prefetches the next unit's
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 STOP_ENV = "ACCEL_STOP_AFTER_STEPS"
+MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # read by accel.data.prepare_data_loader
 FILE_ENV = "ACCEL_MEASURE_FILE"
 CAL_VERSION = 1
 
@@ -115,7 +116,9 @@ def measure_one(result: dict, index: int, script: str, script_args: list[str], s
 
     cfg = write_config({**result, "recommended": index}, workdir / f"layout{index}.yaml")
     out = workdir / f"layout{index}"
-    run_env = {**(env or os.environ), STOP_ENV: str(steps), FILE_ENV: str(out)}
+    row = result["layouts"][index]  # the script's prepared DataLoader gets the layout's batch per process
+    batch = row["micro_batch_size"] if row["pp_size"] == 1 else row["per_process_batch"]
+    run_env = {**(env or os.environ), STOP_ENV: str(steps), FILE_ENV: str(out), MEASURE_BATCH_ENV: str(batch)}
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--config_file", str(cfg), script, *script_args]
     start = time.perf_counter()
     try:

@@ -10,7 +10,8 @@
    tokens) for N processes of this machine, with the calibrated rates and memory enough for every layout.
 3. Runs every layout that fits with `accel.plan_measure.measure_one` (what `accel plan --measure` runs: this
    file as the unmodified training script under `accel launch --config_file <layout>.yaml`, stopped after
-   --steps optimizer steps; median step after 2 warm-up steps, the slowest rank), one layout at a time.
+   --steps optimizer steps; median step after 2 warm-up steps, the slowest rank), one layout at a time, in a
+   shuffled order (a slow drift of the machine's speed would otherwise line up with the estimated ranking).
 4. Prints estimated next to measured, the Spearman rank correlation of the two (target >= 0.8) and the layout
    `--measure` would pick (the fastest measured of the estimate's --top best) against the fastest measured of
    all (target within 10%). Asserts nothing.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -178,7 +180,9 @@ def run(args) -> int:
             fitting = fitting[:3]
         print(f"{len(fitting)} layouts fit; measuring each for {args.steps} optimizer steps", flush=True)
         rows = []
-        for i in fitting:
+        order = list(fitting)
+        random.Random(0).shuffle(order)  # the machine's slow drifts must not line up with the estimated ranking
+        for i in order:
             row = result["layouts"][i]
             got = measure_one(result, i, __file__, ["--worker"], args.steps, Path(tmp), timeout=600, env=env)
             meas = got.get("measured_step_time_s")

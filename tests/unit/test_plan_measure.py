@@ -129,3 +129,19 @@ def test_measure_runs_two_layouts_and_writes_the_fastest(tmp_path, run_accel):
     assert result["recommended"] == result["measured_best"] == best
     cfg = yaml.safe_load((tmp_path / "cfg.yaml").read_text())
     assert cfg["parallelism"]["zero_stage"] == result["layouts"][best]["zero_stage"]
+
+
+def test_measure_gives_the_prepared_loader_the_layouts_batch(monkeypatch):
+    """Under --measure a layout with gradient accumulation runs micro-batches, not the script's whole batch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accel.data import prepare_data_loader
+    from accel.plan_measure import MEASURE_BATCH_ENV
+
+    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=8, shuffle=True)
+    monkeypatch.setenv(MEASURE_BATCH_ENV, "2")
+    batches = list(prepare_data_loader(loader, num_processes=1, process_index=0))
+    assert [len(b[0]) for b in batches] == [2] * 8
+    assert sorted(torch.cat([b[0] for b in batches]).tolist()) == list(range(16))
+    monkeypatch.delenv(MEASURE_BATCH_ENV)
+    assert [len(b[0]) for b in prepare_data_loader(loader, num_processes=1, process_index=0)] == [8, 8]
