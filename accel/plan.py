@@ -19,7 +19,9 @@ The model and its constants (documented so a plan can be checked by hand):
   else gradient accumulation steps (one micro-batch's activations at a time).
 - Offload: the shards live on the host (host_memory per machine must hold them all).
 - Compute = (6 * params (an untied input embedding is a lookup: not counted) * tokens + 12 * layers * hidden *
-  seq_len * tokens for attention's QK^T and AV) (x 4/3 with full activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble; efficiency =
+  seq_len * tokens for attention's QK^T and AV; under PP, pp x the slowest stage's matmul parameters: accel's
+  split balances parameter counts, and an embedding on the first stage is only looked up) (x 4/3 with full
+  activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble; efficiency =
   EFFICIENCY (1 for a `--calibrate`d rate) * r/(r + tokens_half) * w/(w + width_half), r the tokens of one
   micro-batch, w = hidden / tp (small matmuls run below peak: what makes many tiny micro-batches or a wide TP
   degree cost something on a GPU; `--calibrate` measures both halves, near 0 on a CPU). Memory-bound work (norms,
@@ -39,7 +41,9 @@ The model and its constants (documented so a plan can be checked by hand):
   gradients (PCIE_BW) and the CPU AdamW step (HOST_BW).
 - Inside a step a blocking collective costs more than alone: sync_fixed per call + sync_slowdown x its isolated
   time (0 and 1 by default, a GPU's figures; `--calibrate` measures them: on a 2-core CPU with gloo the ranks
-  arrive apart and wait for each other, about 1 ms per call). DDP's buckets but the last, FSDP2's backward
+  arrive apart and wait for each other, about 1 ms per call); FSDP2 and DTensor TP add their own cost per
+  collective (copies, hooks, dispatch: `fsdp_call`, `tp_call`, 0 by default; `--calibrate` times torch's
+  fully_shard and parallelize_module on a small block stack against the same stack alone). DDP's buckets but the last, FSDP2's backward
   gathers and reduce-scatters but the first unit's, and its forward gathers where the device runs ahead of the
   host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them (1 by default;
   `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per micro-batch:
@@ -52,7 +56,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from accel.estimate import EstimateError, ModelSpec, training
+from accel.estimate import EstimateError, ModelSpec, pipeline_stages, training
 
 GB = 1e9
 USABLE_FRACTION = 0.9      # of device memory: the rest for the CUDA context, allocator slack, buffers
@@ -106,6 +110,8 @@ class Hardware:
     overlap: float = 1.0  # share of DDP/FSDP2 collectives hidden behind compute (GPU: own stream; gloo ~0.3-0.6)
     sync_fixed: float = 0.0  # seconds a blocking collective adds inside a step beyond its transfer (`--calibrate`)
     sync_slowdown: float = 1.0  # x its isolated time there (caches cold, the other rank's threads busy)
+    fsdp_call: float = 0.0  # seconds FSDP2 adds per all-gather/reduce-scatter beyond the transfer (`--calibrate`)
+    tp_call: float = 0.0  # seconds DTensor TP adds per collective beyond the transfer (`--calibrate`)
     run_ahead: bool = True  # the host queues work ahead of the device (CUDA), so FSDP2's forward gathers overlap
     op_overhead: float = 0.0  # seconds of framework time per op (forward + backward) the device does not hide
 
@@ -162,6 +168,9 @@ def apply_calibration(hw: Hardware, cal: dict, compute: bool = True, links: bool
             hw.sync_fixed, hw.sync_slowdown = cal["sync_fixed"], cal["sync_slowdown"]
             used.append(f"a blocking collective in a step: {hw.sync_fixed * 1e3:.2f} ms + {hw.sync_slowdown:.2f} x "
                         f"its time alone")
+        if cal.get("fsdp_call") is not None:
+            hw.fsdp_call, hw.tp_call = cal["fsdp_call"], cal["tp_call"]
+            used.append(f"FSDP2 / TP add {hw.fsdp_call * 1e3:.2f} / {hw.tp_call * 1e3:.2f} ms per collective")
     if compute and cal.get("run_ahead") is not None:
         hw.run_ahead = cal["run_ahead"]
     return used
@@ -179,6 +188,7 @@ class Shape:
     flop_params: int = 0  # parameters used in matmuls: an untied input embedding is a lookup
     tp_splits: int = 4  # TP-split weights per block: each is one all-reduce (row-wise: forward; column-wise: backward)
     tensors: int = 0  # parameter tensors: what the per-op framework time scales with
+    lookups: frozenset = frozenset()  # names of the parameters only looked up (an untied input embedding)
 
 
 CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head")}
@@ -217,13 +227,14 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
         hidden = max(dims, key=dims.get) if dims else max((min(p.shape) for p in spec.params if len(p.shape) == 2),
                                                            default=1)
     heads = heads or max(1, hidden // HEAD_DIM)
-    vocab_tables = [p.numel for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
-    lookups = sum(vocab_tables[:1]) if len(vocab_tables) > 1 else 0  # untied: the embedding is looked up
+    vocab_tables = [p for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
+    looked_up = vocab_tables[:1] if len(vocab_tables) > 1 else []  # untied: the embedding is looked up
+    lookups = sum(p.numel for p in looked_up)
     first = next(iter(blocks), None)
     splits = sum(1 for p in spec.params
                  if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
     return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]),
-                 spec.numel - lookups, splits or 4, len(spec.params))
+                 spec.numel - lookups, splits or 4, len(spec.params), frozenset(p.name for p in looked_up))
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
@@ -276,9 +287,11 @@ def elementwise_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int, lay
     return layers * per_layer + 4 * s * b * shape.vocab
 
 
-def _in_step(hw: Hardware, seconds: float, calls: int) -> float:
-    """What `calls` blocking collectives taking `seconds` in isolation (`collective`) take inside a step."""
-    return calls * hw.sync_fixed + hw.sync_slowdown * seconds if seconds else 0.0
+def _in_step(hw: Hardware, seconds: float, calls: int, backend_call: float = 0.0) -> float:
+    """What `calls` blocking collectives taking `seconds` in isolation (`collective`) take inside a step; a
+    backend's own measured cost per call (`fsdp_call`, `tp_call`: copies, hooks, dispatch, waits) in place of
+    the bare collective's fixed cost where larger."""
+    return calls * max(hw.sync_fixed, backend_call) + hw.sync_slowdown * seconds if seconds else 0.0
 
 
 def _exposed(hw: Hardware, seconds: float, hideable: float, window: float) -> float:
@@ -418,7 +431,10 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     bubble = (m + pp - 1) / m
     attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
     recompute = 4 / 3 if ac == "full" else 1
-    compute = (6 * shape.flop_params * tokens + attention) * recompute / (hw.world * hw.flops * eff) * bubble
+    if ("flops", pp) not in states_cache:  # a pipeline runs at its slowest stage's pace
+        states_cache["flops", pp] = shape.flop_params if pp == 1 else pp * max(
+            sum(p.numel for p in stage if p.name not in shape.lookups) for stage in pipeline_stages(spec, pp))
+    compute = (6 * states_cache["flops", pp] * tokens + attention) * recompute / (hw.world * hw.flops * eff) * bubble
     memory_bound = (ELEMENTWISE_PASSES[ac] * elementwise_bytes(shape, mb, seq_len, tp, layers, mixed_precision)
                     * m / hw.memory_bw * bubble)
     stepped = states["optimizer_bytes"] / 8  # elements this rank's AdamW steps (two float32 moments each)
@@ -434,9 +450,10 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         dp_comm += _in_step(hw, collective(hw, "all_gather", grads, dp, span), 1) if zero == 1 else 0.0
     else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
         params = rank_numel * pbytes  # FSDP2 gathers in the compute dtype, reduces float32 gradients
-        gather = _in_step(hw, accum * collective(hw, "all_gather", params, dp, span, units), accum * units)
-        late = (gather if zero == 3 else 0.0) + _in_step(hw, collective(hw, "reduce_scatter", grads, dp, span, units),
-                                                          units)  # backward: FSDP2 prefetches the next unit's
+        gather = _in_step(hw, accum * collective(hw, "all_gather", params, dp, span, units), accum * units,
+                          hw.fsdp_call)
+        late = (gather if zero == 3 else 0.0) + _in_step(  # backward: FSDP2 prefetches the next unit's
+            hw, collective(hw, "reduce_scatter", grads, dp, span, units), units, hw.fsdp_call)
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
         late += gather if hw.run_ahead else 0.0
         dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
@@ -444,8 +461,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     logits_mb = mb * seq_len * shape.vocab * (4 if mixed_precision == "no" else 2)
     tp_calls = math.ceil((shape.tp_splits * layers + 2) * m * (2 if ac == "no" else 3) / 2)
     tp_comm = 0.0 if tp == 1 else (  # on the critical path: each output is needed by the next op
-        _in_step(hw, tp_calls * collective(hw, "all_reduce", act_mb, tp, tp), tp_calls)
-        + _in_step(hw, m * collective(hw, "all_gather", logits_mb, tp, tp), m))  # the head's logits, gathered
+        _in_step(hw, tp_calls * collective(hw, "all_reduce", act_mb, tp, tp), tp_calls, hw.tp_call)
+        + _in_step(hw, m * collective(hw, "all_gather", logits_mb, tp, tp), m, hw.tp_call))  # the head's logits
     pbw, plat = _link(hw, tp * dp * pp)
     sends = 2 * (m + pp - 2)  # each boundary: activations forward, their gradient back
     pp_comm = 0.0 if pp == 1 else _in_step(hw, sends * (plat + act_mb / tp / pbw), sends)
@@ -502,6 +519,7 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "gather_factor": hw.gather_factor, "scatter_factor": hw.scatter_factor,
                          "efficiency": hw.efficiency, "memory_bandwidth": hw.memory_bw, "overlap": hw.overlap,
                          "sync_fixed": hw.sync_fixed, "sync_slowdown": hw.sync_slowdown, "run_ahead": hw.run_ahead,
+                         "fsdp_call": hw.fsdp_call, "tp_call": hw.tp_call,
                          "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "

@@ -251,7 +251,8 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
                  "reduce_scatter": lambda: scatter(shard, full)}
         for name, call in calls.items():
             times[name].append((size, _median_call(call, backend, device)))
-    situ = _in_situ(backend, device, times)
+    situ = _median_fields([_in_situ(backend, device, times) for _ in range(3)])  # noisy: 3 runs
+    situ.update(_backend_call_costs(backend, device, times))
     fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
     best = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
@@ -301,8 +302,9 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
     """What a blocking collective costs inside a training step, beyond the isolated time `iso` measured: ranks
     that compute between collectives arrive at different times and wait for each other (on a CPU the OS
     scheduler and gloo's threads make that large; a GPU's kernels run alike). Segments of compute (2 and 8 ms)
-    each followed by an all_reduce (16 KiB and 1 MiB), against the compute alone (medians: the typical step);
-    the extra per call is fitted as `sync_fixed` + `sync_slowdown` x the isolated time. Also `overlap`: the share
+    each followed by an all_reduce (16 KiB, 1 MiB, 4 MiB: latency- to bandwidth-bound), against the compute alone
+    in paired trials (medians: the typical step); the extra per call is fitted as `sync_fixed` + `sync_slowdown` x
+    the time of the sweep's call (`iso`, what accel.plan interpolates). Also `overlap`: the share
     of an asynchronous all_reduce of about the same duration that hides behind matmuls (DDP's and FSDP2's
     bucketed collectives run beside compute; a GPU runs them on their own stream, gloo's thread competes with
     the matmuls for the CPU's cores)."""
@@ -310,26 +312,30 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
-    rows = []
+    rows, calls = [], 8
     for seg in (0.002, 0.008):
         chain = _compute_chain(device, seg)
-        for size in (2 ** 14, 2 ** 20):
+        for size in (2 ** 14, 2 ** 20, 2 ** 22):
             x = torch.ones(size // 4, device=device)
 
+            def alone(chain=chain):
+                for _ in range(calls):
+                    chain()
+                sync()
+
             def interleaved(chain=chain, x=x):
-                for _ in range(8):
+                for _ in range(calls):
                     chain()
                     dist.all_reduce(x)
                 sync()
-
-            def alone(chain=chain):
-                for _ in range(8):
-                    chain()
-                sync()
-            t_alone = _synced_median(alone, backend, device)
-            extra = (_synced_median(interleaved, backend, device) - t_alone) / 8
-            rows.append((1.0, _interpolate_iso(iso["all_reduce"], size), extra))
+            alone(), interleaved()  # warm-up
+            # paired trials, the median of their differences: the machine's drift hits both halves of a pair
+            pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)] for _ in range(9)]
+            extra = statistics.median(b - a for a, b in pairs) / calls
+            rows.append((1.0, _nearest(iso["all_reduce"], size), extra))  # against the sweep accel.plan reads
     fixed, slowdown = _least_squares(rows)
+    if slowdown < 1:  # never faster than alone: the fixed part alone then
+        fixed, slowdown = statistics.median(extra - t for _, t, extra in rows), 1.0
     g = torch.ones(2 ** 21, device=device)  # 8 MiB: a gradient bucket's order
     t_comm = _synced_median(lambda: (dist.all_reduce(g), sync()), backend, device)
     chain = _compute_chain(device, t_comm)
@@ -341,8 +347,73 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
         work.wait()
         sync()
     hidden = t_comm + t_compute - _synced_median(both, backend, device)
-    return {"sync_fixed": max(0.0, fixed), "sync_slowdown": max(1.0, slowdown),
+    return {"sync_fixed": max(0.0, fixed), "sync_slowdown": slowdown,
             "overlap": max(0.0, min(1.0, hidden / max(min(t_comm, t_compute), 1e-9)))}
+
+
+def _backend_call_costs(backend: str, device: str, iso: dict, width: int = 256, blocks: int = 4) -> dict:
+    """Seconds torch's own backends add per collective beyond the sweep's time for it, on a small block stack
+    (Linear(w, 2.7w) - GELU - Linear(2.7w, w), a [512, w] batch) against the same stack on one rank alone:
+    `fsdp_call`: fully_shard per block, not resharded after forward (one all-gather and one reduce-scatter per
+    block per step: copy-in/out, hooks, waits); `tp_call`: ColwiseParallel/RowwiseParallel per block (one
+    all-reduce forward, one backward: DTensor dispatch, redistribution). Medians of 7 steps after 2."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    hidden = int(width * 2.7) // 2 * 2
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                                      torch.nn.Linear(hidden, width)) for _ in range(blocks)))
+    stack = stack.to(device)
+    x = torch.randn(512, width, device=device)
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+
+    def step_time(model) -> float:
+        def step():
+            model(x).square().mean().backward()
+            sync()
+        return _synced_median(step, backend, device, trials=7)
+
+    alone = step_time(copy.deepcopy(stack))
+    sharded = copy.deepcopy(stack)
+    for block in sharded:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    block_bytes = sum(p.numel() for p in stack[0].parameters()) * 4
+    fsdp = step_time(sharded) - alone - blocks * (_nearest(iso["all_gather"], block_bytes)
+                                                  + _nearest(iso["reduce_scatter"], block_bytes))
+    split = copy.deepcopy(stack)
+    for block in split:
+        parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    tp_alone = step_time(_halved(copy.deepcopy(stack)))  # a TP rank's matmuls: half the hidden width
+    tp = step_time(split) - tp_alone - 2 * blocks * _nearest(iso["all_reduce"], x.numel() * 4)
+    return {"fsdp_call": max(0.0, fsdp / (2 * blocks)), "tp_call": max(0.0, tp / (2 * blocks))}
+
+
+def _halved(stack):
+    """The stack with each block's hidden width halved (what one of 2 TP ranks computes)."""
+    import torch
+
+    for block in stack:
+        first, last = block[0], block[2]
+        block[0] = torch.nn.Linear(first.in_features, first.out_features // 2).to(first.weight.device)
+        block[2] = torch.nn.Linear(last.in_features // 2, last.out_features).to(last.weight.device)
+    return stack
+
+
+def _nearest(points: list, size: int) -> float:
+    """The time of the sweep's call nearest in size."""
+    return min(points, key=lambda p: abs(p[0] - size))[1]
+
+
+def _median_fields(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def _synced_median(call, backend: str, device: str, trials: int = 7) -> float:
@@ -350,10 +421,11 @@ def _synced_median(call, backend: str, device: str, trials: int = 7) -> float:
     return statistics.median(_synced_times(call, trials))
 
 
-def _synced_times(call, trials: int) -> list[float]:
+def _synced_times(call, trials: int, warmup: bool = True) -> list[float]:
     import torch.distributed as dist
 
-    call()
+    if warmup:
+        call()
     times = []
     for _ in range(trials):
         dist.barrier()
@@ -361,10 +433,6 @@ def _synced_times(call, trials: int) -> list[float]:
         call()
         times.append(time.perf_counter() - start)
     return times
-
-
-def _interpolate_iso(points: list, size: int) -> float:
-    return min(points, key=lambda p: abs(p[0] - size))[1]
 
 
 def _least_squares(rows: list[tuple[float, ...]]) -> list[float]:

@@ -99,10 +99,11 @@ def test_calibrate_writes_positive_figures_and_plan_uses_them(tmp_path, monkeypa
     hw = json.loads(capsys.readouterr().out)["hardware"]
     assert hw["flops"] == data["flops"] and hw["intra_bandwidth"] == data["intra_bandwidth"]
     for key in ("intra_latency", "tokens_half", "width_half", "gather_factor", "scatter_factor", "memory_bandwidth",
-                "op_overhead", "overlap", "sync_fixed", "sync_slowdown", "run_ahead"):
+                "op_overhead", "overlap", "sync_fixed", "sync_slowdown", "run_ahead", "fsdp_call", "tp_call"):
         assert hw[key] == data[key], key
     assert data["memory_bandwidth"] > 0 and data["op_overhead"] > 0 and 0 <= data["overlap"] <= 1
     assert data["sync_fixed"] >= 0 and data["sync_slowdown"] >= 1 and data["run_ahead"] is False  # CPU
+    assert data["fsdp_call"] >= 0 and data["tp_call"] >= 0
     assert hw["efficiency"] == 1.0  # a measured matmul rate is what a matmul reaches
     assert main(["plan", "tiny:net", "--flops", "7", "--json"]) == 0  # an explicit flag wins
     assert json.loads(capsys.readouterr().out)["hardware"]["flops"] == 7e12
