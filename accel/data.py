@@ -702,7 +702,8 @@ def _measured_batch_size(dataloader: DataLoader, split_batches: bool) -> DataLoa
     import os
 
     wanted = os.environ.get(MEASURE_BATCH_ENV)
-    if not wanted or split_batches or dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+    plain = dataloader.batch_size is not None and type(dataloader.batch_sampler) is BatchSampler
+    if not wanted or split_batches or not plain:
         return dataloader
     if int(wanted) == dataloader.batch_size:
         return dataloader

@@ -21,8 +21,8 @@ The model and its constants (documented so a plan can be checked by hand):
 - Compute = (6 * params (an untied input embedding is a lookup: not counted) * tokens + 12 * layers * hidden *
   seq_len * tokens for attention's QK^T and AV; under PP, pp x the slowest stage's matmul parameters: accel's
   split balances parameter counts, and an embedding on the first stage is only looked up) (x 4/3 with full
-  activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble; efficiency =
-  EFFICIENCY (1 for a `--calibrate`d rate) * r/(r + tokens_half) * w/(w + width_half), r the tokens of one
+  activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble;
+  efficiency = EFFICIENCY (1 for a `--calibrate`d rate) * r/(r + tokens_half) * w/(w + width_half), r the tokens of one
   micro-batch, w = hidden / tp (small matmuls run below peak: what makes many tiny micro-batches or a wide TP
   degree cost something on a GPU; `--calibrate` measures both halves, near 0 on a CPU). Memory-bound work (norms,
   activations, softmax, residuals, the loss) = ELEMENTWISE_PASSES over a micro-batch's activation bytes (the parts
@@ -43,8 +43,8 @@ The model and its constants (documented so a plan can be checked by hand):
   time (0 and 1 by default, a GPU's figures; `--calibrate` measures them: on a 2-core CPU with gloo the ranks
   arrive apart and wait for each other, about 1 ms per call); FSDP2 and DTensor TP add their own cost per
   collective (copies, hooks, dispatch: `fsdp_call`, `tp_call`, 0 by default; `--calibrate` times torch's
-  fully_shard and parallelize_module on a small block stack against the same stack alone). DDP's buckets but the last, FSDP2's backward
-  gathers and reduce-scatters but the first unit's, and its forward gathers where the device runs ahead of the
+  fully_shard and parallelize_module on a small block stack against the same stack alone). DDP's buckets but
+  the last, FSDP2's backward gathers and reduce-scatters but the first unit's, and its forward gathers where the device runs ahead of the
   host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them (1 by default;
   `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per micro-batch:
   accel's TP head hands whole logits to the loss) and PP's sends are on the critical path.
@@ -470,8 +470,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     step = compute + memory_bound + dispatch + dp_comm + tp_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
-            "step_time_s": step, "time_breakdown_s": {"compute": compute, "memory_bound": memory_bound, "dispatch": dispatch,
-                                                      "data_parallel": dp_comm,
+            "step_time_s": step, "time_breakdown_s": {"compute": compute, "memory_bound": memory_bound,
+                                                      "dispatch": dispatch, "data_parallel": dp_comm,
                                                       "tensor_parallel": tp_comm, "pipeline": pp_comm,
                                                       "offload": off}}
 
@@ -550,7 +550,7 @@ def layout_name(row: dict) -> str:
 
 
 def describe(row: dict) -> str:
-    t = "" if row["step_time_s"] is None else f"{row['step_time_s']:.3f} s/step"
+    t = "" if row["step_time_s"] is None else f"{row['step_time_s']:.3g} s/step"
     batches = (f"{row['micro_batches']} micro-batches of {row['micro_batch_size']}" if row["pp_size"] > 1 else
                f"gradient accumulation {row['micro_batches']} x {row['micro_batch_size']}"
                if row["micro_batches"] > 1 else f"batch {row['micro_batch_size']}")
@@ -599,8 +599,8 @@ def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardwar
             continue
         seen.add(name)
         if row["fits"]:
-            lines.append(f"Not {name}: its best, {layout_name(row)}, fits but is slower ({row['step_time_s']:.3f} "
-                         f"vs {best['step_time_s']:.3f} s/step).")
+            lines.append(f"Not {name}: its best, {layout_name(row)}, fits but is slower ({row['step_time_s']:.3g} "
+                         f"vs {best['step_time_s']:.3g} s/step).")
         else:
             lines.append(f"Not {name}: none fits ({layout_name(row)} {row['reason']}).")
     return lines

@@ -160,18 +160,18 @@ def model(name: str):
 
 
 def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2 ** 30:.1f}"
+    return "-" if n is None else f"{n / 2 ** 30:.3g}"  # 3 digits: a small model's 0.00319, not 0.0
 
 
 def render(result: dict, top: int, seconds: float) -> str:
     hw = result["hardware"]
     lines = [f"{result['model']}: {result['params']:,} parameters; batch {result['batch_size']} x seq "
              f"{result['seq_len']} on {hw['num_machines']} machine(s) x {hw['num_processes']} device(s) of "
-             f"{hw['device_memory'] / 2 ** 30:.0f} GiB (planned in {seconds:.1f} s)", "",
+             f"{hw['device_memory'] / 2 ** 30:.3g} GiB (planned in {seconds:.1f} s)", "",
              f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'offl':>4} {'ckpt':>4} {'mb':>3} "
              f"{'states GiB':>10} {'peak GiB':>9} {'fits':>4} {'step s':>9}"]
     for i, r in enumerate(result["layouts"][:top]):
-        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f}"
+        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
         lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {r['dp_size']:>4} "
                      f"{'yes' if r['offload'] else 'no':>4} {r['activation_checkpointing']:>4} "
                      f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
@@ -225,7 +225,7 @@ def measure(args, result: dict) -> dict:
 def _fmt(value, unit: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.3f}" if unit == "s" else f"{value / 2 ** 20:.1f}"
+    return f"{value:.3g}" if unit == "s" else f"{value / 2 ** 20:.1f}"
 
 
 def render_measured(result: dict) -> list[str]:
