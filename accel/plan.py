@@ -132,7 +132,8 @@ def detect() -> Hardware:
     procs = max(1, (os.cpu_count() or 1) // 4)
     # gloo on a CPU as measured on a 2-core machine (`accel plan --calibrate` measures yours)
     return Hardware(num_processes=procs, device_memory=ram / procs, flops=1e12, intra_bw=10 * GB, host_memory=ram,
-                    memory_bw=15 * GB, overlap=0.4, sync_fixed=1e-3, op_overhead=1e-5, run_ahead=False)
+                    memory_bw=15 * GB, overlap=0.4, sync_fixed=1e-3, op_overhead=1e-5, run_ahead=False,
+                    fsdp_call=3e-3, tp_call=5e-3)
 
 
 def apply_calibration(hw: Hardware, cal: dict, compute: bool = True, links: bool = True) -> list[str]:
