@@ -38,16 +38,17 @@ The model and its constants (documented so a plan can be checked by hand):
   of a micro-batch's activations per split weight of a block (a Llama block 7: o/down in forward, q/k/v/gate/up in
   backward; GPT-2 4), +2 (embedding, head), x1.5 with recompute. PP: each micro-batch's activations sent forward
   and their gradient back at each of the p-1 boundaries. Offload adds the host<->device copies of parameters and
-  gradients (PCIE_BW) and the CPU AdamW step (HOST_BW).
+  gradients (PCIE_BW) and the CPU AdamW step (ADAM_PASSES x 4 bytes per element at HOST_BW, or the device's
+  memory-bound rate where lower: a CPU device is the host).
 - Inside a step a blocking collective costs more than alone: sync_fixed per call + sync_slowdown x its isolated
   time (0 and 1 by default, a GPU's figures; `--calibrate` measures them: on a 2-core CPU with gloo the ranks
   arrive apart and wait for each other, about 1 ms per call); FSDP2 and DTensor TP add their own cost per
   collective (copies, hooks, dispatch: `fsdp_call`, `tp_call`, 0 by default; `--calibrate` times torch's
   fully_shard and parallelize_module on a small block stack against the same stack alone). DDP's buckets but
-  the last, FSDP2's backward gathers and reduce-scatters but the first unit's, and its forward gathers where the device runs ahead of the
-  host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them (1 by default;
-  `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per micro-batch:
-  accel's TP head hands whole logits to the loss) and PP's sends are on the critical path.
+  the last, FSDP2's backward gathers and reduce-scatters but the first unit's, and its forward gathers where the
+  device runs ahead of the host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them
+  (1 by default; `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per
+  micro-batch: accel's TP head hands whole logits to the loss) and PP's sends are on the critical path.
 """
 
 from __future__ import annotations
@@ -467,7 +468,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     pbw, plat = _link(hw, tp * dp * pp)
     sends = 2 * (m + pp - 2)  # each boundary: activations forward, their gradient back
     pp_comm = 0.0 if pp == 1 else _in_step(hw, sends * (plat + act_mb / tp / pbw), sends)
-    off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + 4 * shard_numel * 4 / HOST_BW
+    host_rate = min(HOST_BW, hw.memory_bw)  # a CPU "device" is the host: its AdamW is no faster offloaded
+    off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + ADAM_PASSES * 4 * shard_numel / host_rate
     step = compute + memory_bound + dispatch + dp_comm + tp_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
