@@ -332,7 +332,7 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
             # paired trials, the median of their differences: the machine's drift hits both halves of a pair
             pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)] for _ in range(9)]
             extra = statistics.median(b - a for a, b in pairs) / calls
-            rows.append((1.0, _nearest(iso["all_reduce"], size), extra))  # against the sweep accel.plan reads
+            rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))  # against the sweep accel.plan reads
     fixed, slowdown = _least_squares(rows)
     if slowdown < 1:  # never faster than alone: the fixed part alone then
         fixed, slowdown = statistics.median(extra - t for _, t, extra in rows), 1.0
@@ -386,13 +386,13 @@ def _backend_call_costs(backend: str, device: str, iso: dict, width: int = 256, 
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
     block_bytes = sum(p.numel() for p in stack[0].parameters()) * 4
-    fsdp = step_time(sharded) - alone - blocks * (_nearest(iso["all_gather"], block_bytes)
-                                                  + _nearest(iso["reduce_scatter"], block_bytes))
+    fsdp = step_time(sharded) - alone - blocks * (_sweep_time(iso["all_gather"], block_bytes)
+                                                  + _sweep_time(iso["reduce_scatter"], block_bytes))
     split = copy.deepcopy(stack)
     for block in split:
         parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     tp_alone = step_time(_halved(copy.deepcopy(stack)))  # a TP rank's matmuls: half the hidden width
-    tp = step_time(split) - tp_alone - 2 * blocks * _nearest(iso["all_reduce"], x.numel() * 4)
+    tp = step_time(split) - tp_alone - 2 * blocks * _sweep_time(iso["all_reduce"], x.numel() * 4)
     return {"fsdp_call": max(0.0, fsdp / (2 * blocks)), "tp_call": max(0.0, tp / (2 * blocks))}
 
 
@@ -407,9 +407,11 @@ def _halved(stack):
     return stack
 
 
-def _nearest(points: list, size: int) -> float:
-    """The time of the sweep's call nearest in size."""
-    return min(points, key=lambda p: abs(p[0] - size))[1]
+def _sweep_time(points: list, size: int) -> float:
+    """The sweep's time at `size` bytes, read as accel.plan reads it (so what is subtracted is what it adds)."""
+    from accel.plan import _interpolate
+
+    return _interpolate(points, size)
 
 
 def _median_fields(runs: list[dict]) -> dict:
