@@ -1,5 +1,5 @@
 """`accel`: the command line entry point (`accel config`, `accel launch`, `accel env`, `accel plot`,
-`accel estimate-memory`, `accel plan`).
+`accel estimate-memory`, `accel plan`, `accel merge-weights`).
 
 Every user mistake (bad flag, bad config value, missing script, port in use, ...) is reported as ONE line,
 `accel <cmd>: error: <message>`, on stderr with exit code 2 and no traceback.
@@ -15,6 +15,7 @@ from accel.cli import config as config_cmd
 from accel.cli import env as env_cmd
 from accel.cli import estimate as estimate_cmd
 from accel.cli import launch as launch_cmd
+from accel.cli import merge as merge_cmd
 from accel.cli import plan as plan_cmd
 from accel.cli import plot as plot_cmd
 from accel.cli._common import OneLineParser, UsageError
@@ -29,14 +30,15 @@ def build_parser() -> OneLineParser:
     )
     parser.add_argument("--version", action="version", version=f"accel {accel.__version__}",
                         help="print accel's version and exit")
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,env,plot,estimate-memory,plan}",
-                                       parser_class=OneLineParser)
+    subparsers = parser.add_subparsers(dest="command", parser_class=OneLineParser,
+                                       metavar="{config,launch,env,plot,estimate-memory,plan,merge-weights}")
     config_cmd.register(subparsers)
     launch_cmd.register(subparsers)
     env_cmd.register(subparsers)
     plot_cmd.register(subparsers)
     estimate_cmd.register(subparsers)
     plan_cmd.register(subparsers)
+    merge_cmd.register(subparsers)
     return parser
 
 

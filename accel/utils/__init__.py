@@ -81,6 +81,7 @@ _LAZY = {
                      "parse_choice_from_env", "purge_accelerate_environment"), "accel.utils.environment"),
     **dict.fromkeys(("deepspeed_required", "torchao_required"), "accel.utils.imports"),
     "PrepareForLaunch": "accel.utils.launch",
+    "merge_fsdp_weights": "accel.checkpoint.merge",
 }
 
 

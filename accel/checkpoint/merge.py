@@ -1,0 +1,219 @@
+"""`accel merge-weights` / `merge_fsdp_weights`: one model file from a sharded checkpoint, on one process.
+
+A sharded checkpoint is what several ranks wrote together with torch.distributed.checkpoint (DCP):
+
+* accel's `save_state` folder (`accel_checkpoint.json` + `state/*.safetensors`; under ZeRO-3 / FSDP2 each rank
+  wrote its own slices of every parameter), or its `state/` folder;
+* a DCP folder of `__<rank>_<n>.distcp` files plus `.metadata` (Accelerate's FSDP `SHARDED_STATE_DICT`, e.g.
+  `pytorch_model_fsdp_0`, or any `torch.distributed.checkpoint.save` with its default writer).
+
+DCP's own planner rebuilds every full tensor from the saved metadata (no model, no process group needed) and the
+result is written by `save_state_dict_sharded`: `model.safetensors` (tied weights once, with their record),
+atomically, loadable by `from_pretrained` / `load_state_dict`. accel never pickles: `safe_serialization=False`
+(`--unsafe_serialization`) writes safetensors too, and says so once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+DCP_METADATA = ".metadata"
+ACCELERATE_FOLDERS = ("pytorch_model_fsdp_0", "optimizer_0")  # what Accelerate's save_state writes under FSDP
+_warned_unsafe = False
+
+
+class MergeError(ValueError):
+    """A checkpoint folder that cannot be merged, or an output that cannot be written; one line naming the path.
+    A ValueError, as Accelerate's `merge_fsdp_weights` raises for a missing folder."""
+
+
+def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.PathLike,
+                       safe_serialization: bool = True, remove_checkpoint_dir: bool = False) -> Path | None:
+    """Accelerate's `merge_fsdp_weights`: merge the sharded checkpoint `checkpoint_dir` into
+    `output_path/model.safetensors` (on the main process only, as in Accelerate; the others return None).
+    `remove_checkpoint_dir`: delete `checkpoint_dir` once the merged file is in place."""
+    checkpoint_dir = Path(checkpoint_dir)
+    kind, folder = checkpoint_kind(checkpoint_dir)  # every rank checks, so a bad path fails everywhere
+    if not safe_serialization:
+        _say_unsafe_once()
+    if not _is_main_process():
+        return None
+    written = merge(kind, folder, Path(output_path))
+    if remove_checkpoint_dir:
+        shutil.rmtree(checkpoint_dir)
+    return written[0]
+
+
+def _say_unsafe_once() -> None:
+    global _warned_unsafe
+    if not _warned_unsafe:
+        _warned_unsafe = True
+        sys.stderr.write("accel merge-weights: --unsafe_serialization / safe_serialization=False: accel never "
+                         "writes pickle files; model.safetensors is written instead of pytorch_model.bin\n")
+
+
+def _is_main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+# -------------------------------------------------------------------------------------------------------------
+# what the folder is
+# -------------------------------------------------------------------------------------------------------------
+
+def checkpoint_kind(path: Path) -> tuple[str, Path]:
+    """("dcp", folder) for a DCP folder with `.metadata`, ("accel", folder) for accel's save_state folder (also
+    given as its `state/` subfolder); a MergeError saying what is allowed otherwise."""
+    from accel.checkpoint.layout import MANIFEST
+
+    if not path.exists():
+        raise MergeError(f"checkpoint folder {path} not found{_accelerate_hint(path)}; allowed: a folder written by "
+                         "accel's save_state or by torch.distributed.checkpoint (e.g. Accelerate's "
+                         "pytorch_model_fsdp_0)")
+    if not path.is_dir():
+        raise MergeError(f"checkpoint {path} is a file, not a folder; allowed: a folder written by accel's save_state "
+                         "or by torch.distributed.checkpoint (with a .metadata file)")
+    if (path / DCP_METADATA).is_file():
+        return "dcp", path
+    if (path / MANIFEST).is_file():
+        return "accel", path
+    if path.name == "state" and (path.parent / MANIFEST).is_file():
+        return "accel", path.parent
+    raise MergeError(f"{path} is not a sharded checkpoint: it has no {DCP_METADATA} (torch.distributed.checkpoint, "
+                     f"Accelerate's SHARDED_STATE_DICT) and no {MANIFEST} (accel's save_state)"
+                     f"{_accelerate_hint(path)}")
+
+
+def _accelerate_hint(path: Path) -> str:
+    """Accelerate's hint: the model / optimizer subfolders its save_state writes under FSDP."""
+    found = [name for name in ACCELERATE_FOLDERS if (path / name / DCP_METADATA).is_file()]
+    if not found:
+        return ""
+    return "; it holds " + " and ".join(str(path / name) for name in found) + ", pass one of those instead"
+
+
+# -------------------------------------------------------------------------------------------------------------
+# reading (DCP's planner rebuilds the full tensors) and writing
+# -------------------------------------------------------------------------------------------------------------
+
+def merge(kind: str, folder: Path, output: Path) -> list[Path]:
+    """Write the merged model(s) of the checkpoint into `output`; the files written (model 0's first)."""
+    if output.exists() and not output.is_dir():
+        raise MergeError(f"output {output} is a file; allowed: a folder (created if missing) for model.safetensors")
+    models = _accel_models(folder) if kind == "accel" else [_dcp_model(folder)]
+    written: list[Path] = []
+    for index, state in enumerate(models):
+        target = output if index == 0 else output / f"model_{index}"  # a later model: its own loadable folder
+        written += _write(state, target)
+    return written
+
+
+def _read_dcp(reader, planner) -> dict:
+    import torch.distributed.checkpoint.format_utils as dcp_format
+
+    state: dict = {}
+    try:
+        dcp_format._load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except Exception as exc:  # a damaged or truncated file: DCP's CheckpointException carries a traceback per rank
+        first = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
+        raise MergeError(f"cannot read the checkpoint in {reader.path}: {first}") from None
+    return state
+
+
+def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
+    """A DCP folder's tensors; a single top-level entry (Accelerate's {"model": {...}}) is unwrapped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    state = _read_dcp(dcp.FileSystemReader(str(folder)), _EmptyStateDictLoadPlanner())
+    if len(state) == 1 and isinstance(next(iter(state.values())), dict):
+        state = next(iter(state.values()))
+    tensors = _flat_tensors(state, "")
+    if not tensors:
+        raise MergeError(f"{folder}: the checkpoint holds no tensors")
+    return tensors
+
+
+def _flat_tensors(tree, prefix: str) -> dict[str, torch.Tensor]:
+    """Nested dicts flattened with dots (a state dict's own names); non-tensor entries are not weights."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        elif isinstance(value, dict):
+            out.update(_flat_tensors(value, name))
+    return out
+
+
+def _models_only_planner():
+    """DCP's metadata-rebuilding planner, reading only the models' tensors of an accel checkpoint (not the
+    optimizer's state, which would triple the memory)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    class ModelsOnly(_EmptyStateDictLoadPlanner):
+        def _should_include_key(self, key, metadata) -> bool:
+            return key.startswith("/models/")
+
+    return ModelsOnly()
+
+
+def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
+    """Every model of an accel save_state checkpoint, by its parameter names, tied names sharing one tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from accel.checkpoint.layout import CheckpointError, read_manifest
+
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:
+        raise MergeError(str(exc)) from None
+    specs = manifest.get("skeleton", {}).get("models")
+    if not isinstance(specs, list) or not specs:
+        raise MergeError(f"{folder}: the checkpoint holds no model (nothing was prepared before save_state)")
+    layouts = [entry for entry in manifest.get("layouts") or [] if entry]
+    if layouts:
+        names = ", ".join(sorted(layouts[0])[:3])
+        raise MergeError(f"{folder}: parameters ({names}) are held in accel's tensor-parallel fused layout, which a "
+                         "merge cannot put back without the model; write the full weights with "
+                         "accelerator.save_model instead")
+    saved = _read_dcp(dcp.HuggingFaceStorageReader(str(folder / "state")), _models_only_planner())
+    aliases = manifest.get("aliases") or {}
+    models = []
+    for spec in specs:
+        state = {}
+        for name, entry in (spec or {}).items():
+            if isinstance(entry, dict) and "__tensor__" in entry:
+                key = aliases.get(entry["__tensor__"], entry["__tensor__"])
+                if key not in saved:
+                    raise MergeError(f"{folder / 'state'}: tensor {key!r} (parameter {name!r}) is missing")
+                state[name] = saved[key]
+        models.append(state)
+    return models
+
+
+def _write(state: dict[str, torch.Tensor], output: Path) -> list[Path]:
+    from accel.checkpoint.model_io import save_state_dict_sharded
+
+    try:
+        return save_state_dict_sharded(state, output, max_shard_size=2**62, safe_serialization=True)
+    except OSError as exc:
+        raise MergeError(f"cannot write the merged weights to {output}: {exc.strerror or exc}") from None
+
+
+def describe(path: Path) -> str:
+    """One line for the CLI: what was written."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        count = len(list(f.keys()))
+    return f"merged {count} tensors into {path}"
+
+
+__all__ = ["MergeError", "merge_fsdp_weights", "checkpoint_kind", "merge"]

@@ -1,0 +1,43 @@
+"""`accel merge-weights CHECKPOINT_DIR OUTPUT_DIR`: merge a sharded checkpoint into one `model.safetensors`.
+
+CHECKPOINT_DIR is accel's `save_state` folder (ZeRO-3 / FSDP2 runs write each parameter's slices per rank) or a
+torch.distributed.checkpoint folder (`.metadata` + `*.distcp`, e.g. Accelerate's `pytorch_model_fsdp_0`); the
+work is accel/checkpoint/merge.py's. One process, no GPU; it needs the memory of the full weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from accel.cli._common import UsageError, add_flag
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "merge-weights",
+        help="merge a sharded checkpoint (save_state under ZeRO-3/FSDP2, or DCP .distcp files) into model.safetensors",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        allow_abbrev=False,
+    )
+    parser.add_argument("checkpoint_directory", metavar="CHECKPOINT_DIR",
+                        help="accel's save_state folder, or a torch.distributed.checkpoint folder with .metadata")
+    parser.add_argument("output_path", metavar="OUTPUT_DIR", help="folder for model.safetensors (created if missing)")
+    add_flag(parser, "unsafe_serialization", action="store_true", default=False,
+             help="accepted for Accelerate's command line; accel still writes safetensors (never pickle)")
+    add_flag(parser, "remove_checkpoint_dir", action="store_true", default=False,
+             help="delete CHECKPOINT_DIR after the merged file is written")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from accel.checkpoint.merge import MergeError, describe, merge_fsdp_weights
+
+    try:
+        path = merge_fsdp_weights(args.checkpoint_directory, args.output_path,
+                                  safe_serialization=not args.unsafe_serialization,
+                                  remove_checkpoint_dir=args.remove_checkpoint_dir)
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    print(describe(path))
+    return 0
