@@ -8,8 +8,8 @@ A sharded checkpoint is what several ranks wrote together with torch.distributed
   `pytorch_model_fsdp_0`, or any `torch.distributed.checkpoint.save` with its default writer).
 
 DCP's own planner rebuilds every full tensor from the saved metadata (no model, no process group needed) and the
-result is written by `save_state_dict_sharded`: `model.safetensors` (tied weights once, with their record),
-atomically, loadable by `from_pretrained` / `load_state_dict`. accel never pickles: `safe_serialization=False`
+result is written by `save_state_dict_sharded`: `model.safetensors` with every name of the model's state dict (a
+tied weight under each of its names), atomically, loadable by `from_pretrained` / `load_state_dict`. accel never pickles: `safe_serialization=False`
 (`--unsafe_serialization`) writes safetensors too, and says so once.
 """
 
@@ -187,13 +187,16 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
     aliases = manifest.get("aliases") or {}
     models = []
     for spec in specs:
-        state = {}
+        state, used = {}, set()
         for name, entry in (spec or {}).items():
             if isinstance(entry, dict) and "__tensor__" in entry:
                 key = aliases.get(entry["__tensor__"], entry["__tensor__"])
                 if key not in saved:
                     raise MergeError(f"{folder / 'state'}: tensor {key!r} (parameter {name!r}) is missing")
-                state[name] = saved[key]
+                # a tied name gets its own copy: every name of the state dict is in the file (as in a DCP folder's
+                # merge), so a strict load_state_dict works too
+                state[name] = saved[key].clone() if key in used else saved[key]
+                used.add(key)
         models.append(state)
     return models
 
