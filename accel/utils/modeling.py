@@ -226,8 +226,12 @@ def _allowed_devices() -> str:
     return f"'cpu', 'disk', {gpus}"
 
 
-def _resolve_device(value, what: str) -> str | torch.device:
-    """``"cpu"``, ``"disk"`` or a CUDA ``torch.device`` that exists here; ValueError naming ``what`` otherwise."""
+def _resolve_device(value, what: str, planning: bool = False) -> str | torch.device:
+    """``"cpu"``, ``"disk"`` or a CUDA ``torch.device``; ValueError naming ``what`` otherwise.
+
+    With ``planning`` (sizing a device map, nothing is moved) a GPU index this machine lacks is accepted with a
+    warning, as Accelerate does; otherwise the GPU must exist here, since tensors are about to go there.
+    """
     if value == "disk" or value == "cpu":
         return value
     if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
@@ -238,8 +242,12 @@ def _resolve_device(value, what: str) -> str | torch.device:
         raise ValueError(f"{what} = {value!r} is not a known device: allowed are {_allowed_devices()}.") from None
     if device.type == "cpu":
         return "cpu"
-    if device.type == "cuda" and (device.index or 0) < _gpu_count() and (device.index or 0) >= 0:
-        return torch.device("cuda", device.index or 0)
+    index = device.index or 0
+    if device.type == "cuda" and 0 <= index < _gpu_count():
+        return torch.device("cuda", index)
+    if device.type == "cuda" and index >= 0 and planning:
+        logger.warning(f"Device {index} is not available, available devices are {list(range(_gpu_count()))}")
+        return torch.device("cuda", index)
     raise ValueError(f"{what} = {value!r} is not a device this machine has: allowed are {_allowed_devices()}.")
 
 
@@ -274,13 +282,15 @@ def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict
     if not isinstance(max_memory, Mapping):
         raise ValueError(f"max_memory must be a dict of device to size, got {max_memory!r}.")
     result: dict[int | str, int] = {}
-    for key, size in max_memory.items():
-        device = _resolve_device(key, f"max_memory key {key!r}")
+    for key, size in list(max_memory.items()):
+        device = _resolve_device(key, f"max_memory key {key!r}", planning=True)
         name = device if isinstance(device, str) else device.index
         try:
             result[name] = parse_size(size)
         except ValueError as exc:
             raise ValueError(f"max_memory[{key!r}]: {exc}") from None
+        if isinstance(size, str) and isinstance(max_memory, dict):
+            max_memory[key] = result[name]  # as Accelerate: callers (transformers) then compare ints with ints
     gpus = sorted(k for k in result if isinstance(k, int))
     return {k: result[k] for k in gpus + [k for k in ("cpu", "disk") if k in result]}
 

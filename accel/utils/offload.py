@@ -78,15 +78,24 @@ def save_offload_index(index: Mapping[str, dict], offload_folder: str | os.PathL
     atomic_write(folder, OFFLOAD_INDEX_NAME, lambda tmp: write_json(tmp, merged))
 
 
+def _entry_path(file: str | os.PathLike, offload_folder: str | os.PathLike | None) -> Path:
+    """Where an index entry's ``safetensors_file`` is: an absolute path as it is; a relative one inside the offload
+    folder (accel writes names relative to it), else relative to the working directory, as Accelerate reads it
+    (transformers' ``from_pretrained`` records the checkpoint's and its own offloaded files that way)."""
+    path = Path(file)
+    if path.is_absolute() or offload_folder is None:
+        return path
+    inside = Path(offload_folder) / path
+    return inside if inside.is_file() or not path.is_file() else path
+
+
 def load_offloaded_weight(
     weight_info: Mapping, offload_folder: str | os.PathLike | None = None, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Read one tensor an index entry describes (memory-mapped, then released), in the entry's dtype."""
     from safetensors import safe_open
 
-    path = Path(weight_info["safetensors_file"])
-    if not path.is_absolute():
-        path = Path(offload_folder or ".") / path
+    path = _entry_path(weight_info["safetensors_file"], offload_folder)
     if not path.is_file():
         raise FileNotFoundError(
             f"Offloaded weight {weight_info.get('weight_name')!r}: file {str(path)!r} is missing "
