@@ -381,7 +381,7 @@ class Accelerator:
             split_batches=self.split_batches,
             put_on_device=placement,
             even_batches=self.even_batches,
-            seed=self._shared_data_seed(),
+            data_seed=self._shared_data_seed() if self._seedable_shuffle() else None,
             gradient_state=self.gradient_state,
             non_blocking=self.dataloader_config.non_blocking,
             use_seedable_sampler=self.dataloader_config.use_seedable_sampler,
@@ -396,6 +396,11 @@ class Accelerator:
                           f"loader gives each process batches of {prepared.batch_size}; the loader's size is used",
                           stacklevel=2)
         return prepared
+
+    def _seedable_shuffle(self) -> bool:
+        """Whether shuffles are a function of (seed, epoch): asked for, or a `data_seed` given (else Accelerate's
+        draws from the global RNG, see accel.data)."""
+        return self.dataloader_config.use_seedable_sampler or self.dataloader_config.data_seed is not None
 
     def _shared_data_seed(self) -> int:
         """One shuffling seed for every rank: `data_seed`, else rank 0's torch seed (set by `set_seed`)."""

@@ -2,13 +2,20 @@
 
 The sharding keeps one property exact: at step k the N ranks together see the original global batches
 kN..kN+N-1 (or, with `split_batches`, the N parts of global batch k), so N processes with batch size b
-reproduce one process with batch size N*b. Shuffling is a pure function of (seed, epoch) and never touches
-the global RNGs, so every rank draws the same permutation without communicating.
+reproduce one process with batch size N*b.
+
+Random numbers are drawn as Accelerate's loaders draw them, so a script gives Accelerate's numbers (its dropout
+masks included): each pass takes the workers' base seed from the loader's `generator` (the global RNG when None),
+and a `RandomSampler` without a generator shuffles from one global draw at `prepare` on several processes (the
+generator then followed like a user's one), or from a global draw per epoch on one process (torch's own
+`RandomSampler`). `use_seedable_sampler` (or a `data_seed`) makes the order a pure function of (seed, epoch). A pass
+that resumes mid-epoch draws nothing: the checkpointed RNG state already holds that epoch's draws.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -53,6 +60,7 @@ _LOADER_ATTRS = (
     "persistent_workers",
     "pin_memory_device",
     "in_order",
+    "generator",  # the workers' base seed is drawn from it (the global RNG when None), as in torch and Accelerate
 )
 
 
@@ -101,6 +109,27 @@ class SeedableRandomSampler(RandomSampler):
         else:  # replacement / custom num_samples: torch's algorithm, fed our generator
             yield from RandomSampler(self.data_source, self.replacement, self.num_samples, generator=generator)
         self.epoch += 1  # as Accelerate's: a plain DataLoader over it reshuffles each pass (prepared ones set it)
+
+
+def _global_draw() -> int:
+    """One int64 from the global RNG, as torch's DataLoader and RandomSampler draw their seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+class GlobalSeedRandomSampler(RandomSampler):
+    """torch's `RandomSampler` without a generator (one global draw per epoch, the same order), which also remembers
+    the epoch's seed, so a run resumed mid-epoch shuffles as the uninterrupted one did without drawing again."""
+
+    def __init__(self, data_source, replacement: bool = False, num_samples: Optional[int] = None):
+        super().__init__(data_source, replacement=replacement, num_samples=num_samples)
+        self.epoch_seed: Optional[int] = None  # the seed of the epoch being read
+        self.resume_seed: Optional[int] = None  # set by a loader's load_state_dict: the next pass uses it
+
+    def __iter__(self) -> Iterator[int]:
+        seed, self.resume_seed = (_global_draw() if self.resume_seed is None else self.resume_seed), None
+        self.epoch_seed = seed
+        yield from RandomSampler(self.data_source, self.replacement, self._num_samples,
+                                 generator=torch.Generator().manual_seed(seed))
 
 
 class _Head:
@@ -447,6 +476,9 @@ class DataLoaderShard(DataLoader):
         if generator is not None:  # mid-epoch: the state the epoch's shuffle was drawn from
             started = self.__dict__.get("_epoch_start_state")
             state["generator_state"] = (generator.get_state() if started is None else started).clone()
+        sampler = self._order_sampler()
+        if isinstance(sampler, GlobalSeedRandomSampler) and self.__dict__.get("_in_epoch"):
+            state["sampler_seed"] = sampler.epoch_seed  # mid-epoch: the global draw this epoch shuffled from
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -458,20 +490,23 @@ class DataLoaderShard(DataLoader):
         sampler = self._order_sampler()
         if isinstance(sampler, SeedableRandomSampler):
             sampler.seed = self.seed
+        if isinstance(sampler, GlobalSeedRandomSampler):
+            seed = state_dict.get("sampler_seed")
+            sampler.resume_seed = None if seed is None else int(seed)
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self):
         epoch = self.iteration
         self.set_epoch(epoch)
-        # torch draws the workers' base seed from `self.generator` (the global RNG when it is None).
-        self.generator = torch.Generator().manual_seed(self.seed + epoch)
         followed = followed_generator(self)
         if followed is not None:  # every rank shuffles from the main process's generator state, as Accelerate does
             from accel.utils.random import synchronize_rng_state
 
             synchronize_rng_state("generator", generator=followed)
             self._epoch_start_state = followed.get_state()
-            self.generator = followed  # torch draws the workers' base seed from it first, as the user's loader does
+        self._resuming = self._resumes_mid_epoch()
+        for loader in (self, self._parent) if self._parent is not None else (self,):  # the parent is what is saved
+            loader._in_epoch = True
         if self.gradient_state is not None:
             self.gradient_state._add_dataloader(self)
         try:
@@ -483,8 +518,23 @@ class DataLoaderShard(DataLoader):
             if self.gradient_state is not None:
                 self.gradient_state._remove_dataloader(self)
 
+    def _resumes_mid_epoch(self) -> bool:
+        """Whether this pass continues an epoch a checkpoint cut (whose draws the restored RNG already holds)."""
+        return self.skip_batches > 0
+
+    def _base_iterator(self) -> Iterator:
+        """torch's iterator over the base loader. It draws the workers' base seed from `self.generator` (the global
+        RNG when None), as Accelerate's loader does; a pass resuming mid-epoch leaves the global RNG as restored."""
+        if not self.__dict__.get("_resuming") or self.generator is not None:
+            return super(DataLoaderShard, self).__iter__()
+        state = torch.get_rng_state()
+        try:
+            return super(DataLoaderShard, self).__iter__()
+        finally:
+            torch.set_rng_state(state)
+
     def _raw_batches(self) -> Iterator:
-        batches = super().__iter__()
+        batches = self._base_iterator()
         if isinstance(self.dataset, IterableDatasetShard) and self.skip_batches:
             return itertools.islice(batches, self.skip_batches, None)  # iterables must be read to skip
         return batches
@@ -518,8 +568,10 @@ class DataLoaderShard(DataLoader):
     def _finish_epoch(self, epoch: int) -> None:
         self.iteration = epoch + 1
         self._epoch_start_state = None
+        self._in_epoch = False
         if self._parent is not None:  # a skip_first_batches view: the real loader moves to the next epoch
             self._parent.iteration += 1
+            self._parent._in_epoch = False
 
     def _clone(self, **overrides) -> "DataLoaderShard":
         """A loader with the same sharding and settings but its own sampler state."""
@@ -603,7 +655,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         import torch.distributed as dist
 
         main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-        batches = self._global_batches(super(DataLoaderShard, self).__iter__() if main else None)  # the base loader's
+        batches = self._global_batches(self._base_iterator() if main else None)  # the base loader's
         n, r, done = self.num_processes, self.process_index, object()
         self._dispatched_remainder, first = -1, None
         current = next(batches, done)
@@ -681,15 +733,28 @@ class SkipDataLoader(DataLoader):
 # ----------------------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------------------
-def _seedable(sampler, seed: int, use_seedable_sampler: bool = False):
-    """Replace a RandomSampler by one that shuffles as a function of (seed, epoch); keep anything else. A
-    RandomSampler with the user's own `generator` is kept (its order follows that generator, as in Accelerate)
-    unless `use_seedable_sampler` asks for the seedable one."""
-    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
-        if sampler.generator is not None and not use_seedable_sampler:
+@dataclass(frozen=True)
+class _Shuffle:
+    """How a prepared loader shuffles a `RandomSampler` (Accelerate's rules; see the module's docstring)."""
+
+    seed: Optional[int]  # a seed asked for (`data_seed`, accel's `seed=`): the order is a function of (seed, epoch)
+    use_seedable_sampler: bool
+    num_processes: int
+
+    def sampler(self, sampler):
+        """The sampler the prepared loader reads in place of `sampler` (anything but a RandomSampler is kept)."""
+        if not isinstance(sampler, RandomSampler) or isinstance(sampler, (SeedableRandomSampler,
+                                                                          GlobalSeedRandomSampler)):
             return sampler
-        return SeedableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples, seed=seed)
-    return sampler
+        if sampler.generator is not None and not self.use_seedable_sampler:
+            return sampler  # the user's generator: its order, synchronised from the main process each epoch
+        if self.use_seedable_sampler or self.seed is not None:
+            return SeedableRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
+                                         seed=self.seed)
+        if self.num_processes > 1:  # Accelerate: a generator seeded from one global draw, followed from then on
+            return RandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
+                                 generator=torch.Generator().manual_seed(_global_draw()))
+        return GlobalSeedRandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples)
 
 
 MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # set by `accel plan --measure`: the layout's batch per process
@@ -712,27 +777,28 @@ def _measured_batch_size(dataloader: DataLoader, split_batches: bool) -> DataLoa
                       sampler=None if iterable else dataloader.sampler, **_loader_kwargs(dataloader))
 
 
-def _global_batch_sampler(dataloader: DataLoader, seed: int, use_seedable_sampler: bool = False):
-    """The original loader's batch order, made seedable; batches of one index when it does not batch."""
+def _global_batch_sampler(dataloader: DataLoader, shuffle: _Shuffle):
+    """The original loader's batch order, shuffled by `shuffle`'s rules; batches of one index when it does not
+    batch."""
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
-        return BatchSampler(_seedable(dataloader.sampler, seed, use_seedable_sampler), 1, False)
-    return _global_batches_of(batch_sampler, seed, use_seedable_sampler)
+        return BatchSampler(shuffle.sampler(dataloader.sampler), 1, False)
+    return _global_batches_of(batch_sampler, shuffle)
 
 
-def _global_batches_of(batch_sampler, seed: int, use_seedable_sampler: bool = False):
-    """A torch BatchSampler with its sampler made seedable; a custom batch sampler as it is (sharded batch by
-    batch)."""
+def _global_batches_of(batch_sampler, shuffle: _Shuffle):
+    """A torch BatchSampler with its sampler shuffled by `shuffle`'s rules; a custom batch sampler as it is
+    (sharded batch by batch)."""
     if type(batch_sampler) is BatchSampler:
-        return BatchSampler(_seedable(batch_sampler.sampler, seed, use_seedable_sampler), batch_sampler.batch_size,
-                            batch_sampler.drop_last)
+        return BatchSampler(shuffle.sampler(batch_sampler.sampler), batch_sampler.batch_size, batch_sampler.drop_last)
     return batch_sampler
 
 
 def followed_generator(loader: DataLoader):
     """The user's `torch.Generator` that a prepared loader's shuffle follows (a kept RandomSampler's), or None."""
     sampler = loader._order_sampler() if isinstance(loader, DataLoaderShard) else None
-    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+    if isinstance(sampler, RandomSampler) and not isinstance(sampler, (SeedableRandomSampler,
+                                                                      GlobalSeedRandomSampler)):
         return sampler.generator
     return None
 
@@ -784,6 +850,7 @@ def prepare_data_loader(
         seed = data_seed
     if not 0 <= process_index < num_processes:
         raise ValueError(f"process_index ({process_index}) must be in [0, num_processes={num_processes}).")
+    shuffle = _Shuffle(None if seed is None else int(seed), use_seedable_sampler, num_processes)
     seed = 0 if seed is None else int(seed)
     dataloader = _measured_batch_size(dataloader, split_batches)
     unbatched = dataloader.batch_size is None and dataloader.batch_sampler is None
@@ -799,7 +866,7 @@ def prepare_data_loader(
     dataset = dataloader.dataset
     if dispatch_batches:
         return _dispatcher(dispatcher_class, dataloader, num_processes, process_index, split_batches,
-                           slice_fn_for_dispatch, use_seedable_sampler, settings, kwargs)
+                           slice_fn_for_dispatch, shuffle, settings, kwargs)
     shard_args = dict(
         num_processes=num_processes,
         process_index=process_index,
@@ -813,10 +880,10 @@ def prepare_data_loader(
         batch_size = None if unbatched else shard.part
         return shard_class(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
     if unbatched and isinstance(dataloader.sampler, BatchSampler):  # batches given as `sampler=`: shard them as
-        shard = BatchSamplerShard(_global_batches_of(dataloader.sampler, settings["seed"], use_seedable_sampler),
+        shard = BatchSamplerShard(_global_batches_of(dataloader.sampler, shuffle),
                                   **shard_args)  # Accelerate does (even_batches pads the last one too)
         return shard_class(dataset, sampler=shard, batch_size=None, **settings, **kwargs)
-    shard = BatchSamplerShard(_global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler), **shard_args)
+    shard = BatchSamplerShard(_global_batch_sampler(dataloader, shuffle), **shard_args)
     if unbatched:
         return shard_class(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
     return shard_class(dataset, batch_sampler=shard, **settings, **kwargs)
@@ -833,17 +900,19 @@ def _stateful_classes() -> tuple[type, type]:
 
 
 def _dispatcher(dispatcher_class: type, dataloader: DataLoader, num_processes: int, process_index: int,
-                split_batches: bool, slice_fn, use_seedable_sampler: bool, settings: dict,
+                split_batches: bool, slice_fn, shuffle: _Shuffle, settings: dict,
                 kwargs: dict) -> DataLoaderDispatcher:
     """A `dispatcher_class` loader whose main process reads the original loader's batches (its sampler made
-    seedable)."""
+    shuffled by `shuffle`'s rules as one process's: only the main process draws, as in Accelerate)."""
     dataset, batch_size = dataloader.dataset, dataloader.batch_size
+    shuffle = dataclasses.replace(shuffle, num_processes=1)
+    kwargs.pop("generator", None)  # Accelerate's dispatcher draws the base seed from the global RNG
     if isinstance(dataset, IterableDataset):
         kwargs.update(batch_size=batch_size, drop_last=dataloader.drop_last)
     elif dataloader.batch_sampler is None:
-        kwargs.update(sampler=_seedable(dataloader.sampler, settings["seed"], use_seedable_sampler), batch_size=None)
+        kwargs.update(sampler=shuffle.sampler(dataloader.sampler), batch_size=None)
     else:
-        kwargs["batch_sampler"] = _global_batch_sampler(dataloader, settings["seed"], use_seedable_sampler)
+        kwargs["batch_sampler"] = _global_batch_sampler(dataloader, shuffle)
         batch_size = getattr(kwargs["batch_sampler"], "batch_size", batch_size)
     if split_batches and batch_size is not None and batch_size % num_processes:
         raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be divisible by "

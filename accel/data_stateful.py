@@ -42,9 +42,15 @@ class _Position:
             state["position"] = self._position
         return state
 
+    def _resumes_mid_epoch(self) -> bool:
+        """A pass after loading a mid-epoch position continues that epoch (it draws nothing, see accel.data)."""
+        loaded, self._loaded_mid_epoch = self.__dict__.get("_loaded_mid_epoch", False), False
+        return loaded or super()._resumes_mid_epoch()
+
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._position = state_dict.get("position")
+        self._loaded_mid_epoch = self._position is not None
         position = dict(self._position or {})
         if position.get("_iterator_finished"):  # saved after the epoch's last batch: resume at its end, where torchdata
             position["_iterator_finished"] = False  # would start the epoch over

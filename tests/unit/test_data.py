@@ -352,23 +352,103 @@ def test_remainder_with_shuffling_reproduces_the_permutation():
 # ------------------------------------------------------------------------------------------------------
 # Global RNG
 # ------------------------------------------------------------------------------------------------------
-def test_plain_shuffling_loader_does_consume_the_global_rng():
-    """Sanity check that the next test can fail: torch's own loader draws from the global RNG."""
-    before = torch.get_rng_state()
-    list(DataLoader(Numbers(8), batch_size=2, shuffle=True))
-    assert not torch.equal(before, torch.get_rng_state())
+def _draws(state_after: torch.Tensor, seed: int = 0, most: int = 16):
+    """How many int64 draws (torch's DataLoader's seed draws) take manual_seed(seed) to `state_after`."""
+    torch.manual_seed(seed)
+    for count in range(most):
+        if torch.equal(torch.get_rng_state(), state_after):
+            return count
+        torch.empty((), dtype=torch.int64).random_()
+    return None
+
+
+def _consumption(make, epochs: int = 3) -> list:
+    """Global draws counted from manual_seed(0): after `make()` (prepare), then after each of `epochs` passes."""
+    torch.manual_seed(0)
+    loader = make()
+    counts = [_draws(torch.get_rng_state())]
+    for _ in range(epochs):
+        torch.set_rng_state(_rng_after(counts[-1]))  # _draws moved the RNG: back to where the loop had it
+        list(loader)
+        counts.append(_draws(torch.get_rng_state()))
+    return counts
+
+
+def _rng_after(count: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    for _ in range(count):
+        torch.empty((), dtype=torch.int64).random_()
+    return torch.get_rng_state()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_prepared_loader_draws_from_the_global_rng_as_accelerate_does(shuffle, num_processes):
+    """Accelerate 1.15 (measured): one draw per pass (the workers' base seed); a generator-less shuffle on one
+    process draws its seed each epoch as torch's RandomSampler does, on several processes once at prepare (the
+    generator it then follows). So the same seed gives Accelerate's dropout masks."""
+    def make():
+        return prepare_data_loader(DataLoader(Numbers(16), batch_size=2, shuffle=shuffle),
+                                   num_processes=num_processes, process_index=num_processes - 1)
+
+    expected = {(False, 1): [0, 1, 2, 3], (True, 1): [0, 2, 4, 6], (False, 2): [0, 1, 2, 3], (True, 2): [1, 2, 3, 4]}
+    assert _consumption(make) == expected[shuffle, num_processes]
+    torch.manual_seed(0)
+    plain = [_draws(torch.get_rng_state())]  # and torch's own loader on one process, as a check of the counter
+    loader = DataLoader(Numbers(16), batch_size=2, shuffle=shuffle)
+    for _ in range(3):
+        list(loader)
+        plain.append(_draws(torch.get_rng_state()))
+        torch.set_rng_state(_rng_after(plain[-1]))
+    assert plain == expected[shuffle, 1]
+
+
+def test_one_process_shuffle_is_torchs_order():
+    torch.manual_seed(7)
+    reference = [batches(DataLoader(Numbers(12), batch_size=3, shuffle=True)) for _ in range(2)]
+    torch.manual_seed(7)
+    prepared = prepare_data_loader(DataLoader(Numbers(12), batch_size=3, shuffle=True), num_processes=1)
+    assert [batches(prepared) for _ in range(2)] == reference
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_resumed_pass_draws_nothing_and_continues_the_epoch(num_processes):
+    """An uninterrupted run vs one resumed mid-epoch from the loader's state and the global RNG state taken at
+    the same batch: the same batches and the same global RNG (dropout) afterwards."""
+    def make():
+        return prepare_data_loader(DataLoader(Numbers(16), batch_size=2, shuffle=True),
+                                   num_processes=num_processes, process_index=0)
+
+    torch.manual_seed(3)
+    full = make()
+    list(full)  # epoch 0
+    seen, saved = [], None
+    for i, batch in enumerate(full):  # epoch 1, cut after 2 batches
+        seen.append(batch.tolist())
+        if i == 1:
+            saved = (full.state_dict(), torch.get_rng_state())
+    after_uninterrupted = torch.rand(3)
+    torch.manual_seed(99)  # the resumed process: another start, then the checkpoint's states
+    resumed = make()
+    resumed.load_state_dict(saved[0])
+    torch.set_rng_state(saved[1])
+    tail = batches(skip_first_batches(resumed, 2))
+    assert tail == seen[2:]
+    assert torch.equal(torch.rand(3), after_uninterrupted)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_prepared_loader_never_touches_the_global_rngs(num_workers):
+def test_seeded_loader_never_touches_the_global_rngs_beyond_the_base_seed(num_workers):
+    """With a seed (use_seedable_sampler / data_seed) the order needs no global draw: a pass takes only the
+    workers' base seed, as torch's loader does, and Python's RNG is never used."""
     loader = DataLoader(Numbers(16), batch_size=2, shuffle=True, num_workers=num_workers)
     dl = prepare_data_loader(loader, num_processes=2, process_index=1, seed=3)
-    torch_before, python_before = torch.get_rng_state(), random.getstate()
+    torch.manual_seed(0)
+    python_before = random.getstate()
     first = batches(dl)
-    second = batches(dl)
-    assert torch.equal(torch_before, torch.get_rng_state())
+    assert _draws(torch.get_rng_state()) == 1
     assert python_before == random.getstate()
-    assert first != second and len(first) == 4
+    assert first != batches(dl) and len(first) == 4
 
 
 def test_sampling_with_replacement_is_seeded_too():
@@ -376,10 +456,10 @@ def test_sampling_with_replacement_is_seeded_too():
         sampler = torch.utils.data.RandomSampler(Numbers(10), replacement=True, num_samples=6)
         return prepare_data_loader(DataLoader(Numbers(10), batch_size=2, sampler=sampler), seed=5)
 
-    before = torch.get_rng_state()
+    torch.manual_seed(1)
     first = batches(make())
+    torch.manual_seed(2)  # the order depends on the seed alone, not on the global RNG
     assert first == batches(make()) and len(first) == 3
-    assert torch.equal(before, torch.get_rng_state())
 
 
 def test_workers_give_the_same_batches_as_the_main_process():

@@ -12,8 +12,11 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator, DistributedDataParallelKwargs
+from accel import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accel.utils import set_seed
+
+# the order the test rebuilds: randperm(seed + epoch) (the default follows the global RNG, as Accelerate)
+SEEDED = DataLoaderConfiguration(use_seedable_sampler=True)
 
 
 def make_problem():
@@ -40,7 +43,8 @@ def main() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
 
     ddp_options = DistributedDataParallelKwargs(bucket_cap_mb=1, gradient_as_bucket_view=True)
-    accelerator = Accelerator(gradient_accumulation_steps=args.accum, kwargs_handlers=[ddp_options])
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, kwargs_handlers=[ddp_options],
+                              dataloader_config=SEEDED)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     losses, lrs, grads_equal_when = [], [], {"sync": [], "nosync": []}

@@ -9,8 +9,11 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator, ParallelismConfig
+from accel import Accelerator, DataLoaderConfiguration, ParallelismConfig
 from accel.utils import gather_object, set_seed
+
+# the order the test rebuilds: randperm(seed + epoch) (the default follows the global RNG, as Accelerate)
+SEEDED = DataLoaderConfiguration(use_seedable_sampler=True)
 
 
 def make_problem():
@@ -34,7 +37,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
     plan = {"0": "colwise", "2": "rowwise"} if args.user_plan else None
-    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan, zero_stage=args.zero_stage))
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=args.tp_size, tp_plan=plan, zero_stage=args.zero_stage),
+                              dataloader_config=SEEDED)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.load:
         accelerator.load_state(str(Path(args.out) / "ckpt"))

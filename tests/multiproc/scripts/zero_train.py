@@ -15,8 +15,11 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel import Accelerator, GradScalerKwargs, ParallelismConfig
+from accel import Accelerator, DataLoaderConfiguration, GradScalerKwargs, ParallelismConfig
 from accel.utils import set_seed
+
+# the order the test rebuilds: randperm(seed + epoch) (the default follows the global RNG, as Accelerate)
+SEEDED = DataLoaderConfiguration(use_seedable_sampler=True)
 
 
 class Net(torch.nn.Module):
@@ -73,13 +76,13 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
     if args.stage is None:  # everything from the config (e.g. accel launch --deepspeed_config_file ds.json)
-        accelerator = Accelerator()
+        accelerator = Accelerator(dataloader_config=SEEDED)
     else:
         parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload,
                                         offload_params=args.offload)
         accelerator = Accelerator(parallelism_config=parallelism, gradient_accumulation_steps=args.accum,
                                   mixed_precision="fp16" if args.mode == "fp16" else None,
-                                  kwargs_handlers=[GradScalerKwargs(init_scale=256)])
+                                  kwargs_handlers=[GradScalerKwargs(init_scale=256)], dataloader_config=SEEDED)
     if args.separate:  # the optimizer must follow the model's sharded parameters prepared later
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         model = accelerator.prepare(model)
