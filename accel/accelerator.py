@@ -140,10 +140,13 @@ class Accelerator:
                                    compile_options=compiling)
         self.precision.choose_scaler(self.backend.partial_gradients)
         # Accelerate's AcceleratorState members, on the one shared state (scripts read them from AcceleratorState())
+        from accel.checkpoint.fsdp_compat import fsdp_state_members
+
         self.state.__dict__.update(mixed_precision=self.config.mixed_precision, deepspeed_plugin=deepspeed_plugin,
-                                   parallelism_config=self.config.parallelism, is_fsdp2=False,
+                                   parallelism_config=self.config.parallelism,
                                    topology=self.topology, torch_tp_plugin=torch_tp_plugin,
-                                   **deepspeed_state_members(deepspeed_plugin, deepspeed_plugins))
+                                   **deepspeed_state_members(deepspeed_plugin, deepspeed_plugins),
+                                   **fsdp_state_members(fsdp_plugin, self.config, self.backend))
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -599,8 +602,8 @@ class Accelerator:
 
     @property
     def is_fsdp2(self) -> bool:
-        """Accelerate's test for its FSDP2 plugin path, which accel never takes (its ZeRO 2/3 use FSDP2 through the
-        config, and `distributed_type` stays MULTI_CPU/MULTI_GPU), so scripts keep their plain-DDP branch."""
+        """Accelerate's test for its FSDP2 path: true when `state.fsdp_plugin` is set (a plugin was given, or the
+        config's ZeRO 2/3 shards with FSDP2; `distributed_type` is then FSDP)."""
         return self.state.is_fsdp2
 
     @property

@@ -51,6 +51,25 @@ class GradientState:
         loader = self.active_dataloader
         return -1 if loader is None else loader.remainder
 
+    @property
+    def plugin_kwargs(self) -> dict:
+        """Accelerate's view of the settings: those that differ from `GradientAccumulationPlugin()`'s defaults
+        (transformers' Trainer reads `sync_each_batch` here)."""
+        given = {"num_steps": self.num_steps, "adjust_scheduler": self.adjust_scheduler,
+                 "sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch}
+        defaults = {"num_steps": None, "adjust_scheduler": True, "sync_with_dataloader": True, "sync_each_batch": False}
+        return {key: value for key, value in given.items() if value != defaults[key]}
+
+    @property
+    def initialized(self) -> bool:
+        """Accelerate's flag for a state set up by an Accelerator; each Accelerator builds its own here."""
+        return True
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter: a loop that decides the window itself (transformers' Trainer prefetches the window's
+        batches) says here whether this micro-step syncs; the optimizer, scheduler and `no_sync` follow it."""
+        self.sync_gradients = bool(sync_gradients)
+
     # -- the accumulation window -------------------------------------------------------------------------
     def do_sync_step(self) -> bool:
         """Advance one micro-step (Accelerate's `_do_sync`) and return whether gradients sync on it."""

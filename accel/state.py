@@ -126,6 +126,8 @@ class PartialState:
         override = self.__dict__.get("_distributed_type")
         if override is not None:
             return override
+        if self.__dict__.get("fsdp_plugin") is not None:  # ZeRO 2/3 shard with FSDP2 (accel.checkpoint.fsdp_compat)
+            return DistributedType.FSDP
         if self.num_processes <= 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU

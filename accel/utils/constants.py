@@ -20,6 +20,14 @@ SAFE_WEIGHTS_PATTERN_NAME = SAFE_MODEL_NAME + "{suffix}.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = SAFE_WEIGHTS_NAME + ".index.json"
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 
+# -- FSDP option values (what transformers' TrainingArguments checks `fsdp_config` against) ---------------------------
+# accel maps the sharding strategies onto ZeRO stages (accel.plugins); the others are accepted and recorded.
+FSDP_SHARDING_STRATEGY = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+FSDP_AUTO_WRAP_POLICY = ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+FSDP_BACKWARD_PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
+FSDP_STATE_DICT_TYPE = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
+FSDP2_STATE_DICT_TYPE = ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+
 # -- torch versions from which a feature exists ----------------------------------------------------------------------
 XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
 MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
