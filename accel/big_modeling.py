@@ -7,7 +7,9 @@ device map puts them and are brought to the execution device only while that mod
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -25,12 +27,14 @@ from accel.utils.modeling import (
     _all_tensor_names,
     _map_key,
     _resolve_device,
-    check_device_map,
+    _checked_device_map,
     get_balanced_memory,
     infer_auto_device_map,
     load_checkpoint_in_model,
 )
 from accel.utils.offload import OffloadedWeightsLoader, PrefixedDataset, load_offload_index, offload_state_dict
+
+_logger = logging.getLogger(__name__)
 
 __all__ = [
     "cpu_offload_with_hook",
@@ -40,6 +44,7 @@ __all__ = [
     "disk_offload",
     "dispatch_model",
     "load_checkpoint_and_dispatch",
+    "attach_layerwise_casting_hooks",
 ]
 
 
@@ -190,7 +195,7 @@ def dispatch_model(
     back to the device of the input. A map with one resident device just moves the model (no hooks unless
     ``force_hooks``). Sets ``model.hf_device_map``; undo with ``remove_hook_from_submodules``.
     """
-    resolved = check_device_map(model, device_map)
+    resolved = _checked_device_map(model, device_map)
     if main_device is None:
         main = next((d for d in resolved.values() if d not in ("cpu", "disk")), "cpu")
     else:
@@ -321,3 +326,48 @@ def load_checkpoint_and_dispatch(
                              offload_buffers=offload_buffers)
     return dispatch_model(model, device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
                           skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks)
+
+
+def attach_layerwise_casting_hooks(
+    module: nn.Module,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    skip_modules_pattern: str | Sequence[str] | None = None,
+    skip_modules_classes: tuple[type[nn.Module], ...] | None = None,
+    non_blocking: bool = False,
+) -> None:
+    """Keep the weights of every Linear/Conv layer under ``module`` in ``storage_dtype`` and cast them to
+    ``compute_dtype`` only while that layer runs (a ``LayerwiseCastingHook`` each), to save memory without
+    quantizing. Layers whose name matches a regex of ``skip_modules_pattern`` (searched, as ``re.search``) or
+    that are instances of ``skip_modules_classes`` are left as they are, with everything under them."""
+    from accel.hooks import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING, LayerwiseCastingHook
+
+    patterns = (skip_modules_pattern,) if isinstance(skip_modules_pattern, str) else tuple(skip_modules_pattern or ())
+    skip_classes = tuple(skip_modules_classes or ())
+    todo = [("", module)]
+    while todo:
+        name, sub = todo.pop()
+        if (skip_classes and isinstance(sub, skip_classes)) or any(re.search(p, name) for p in patterns):
+            _logger.debug(f"Skipping layerwise casting for layer {name!r}")
+            continue
+        if isinstance(sub, SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING):
+            hook = LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking)
+            add_hook_to_module(sub, hook, append=True)
+            continue
+        todo.extend((f"{name}.{child}" if name else child, m) for child, m in reversed(list(sub.named_children())))
+
+
+def _refuse_recurrent_layers_under_sequence_parallelism(model: nn.Module) -> None:
+    """ValueError for a model whose config lists linear-attention layers (``layer_types``): under sequence
+    parallelism each rank would restart their recurrent state at its shard, giving wrong gradients silently.
+    (Accelerate's private check, kept under its name since its test module imports it.)"""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    recurrent = sorted({t for t in getattr(config, "layer_types", None) or [] if "linear_attention" in t})
+    if recurrent:
+        raise ValueError(
+            f"Sequence parallelism does not support layer_types {recurrent} of {type(model).__name__}: their "
+            "recurrent state spans the sequence (linear_attention), so sharding the sequence gives wrong "
+            "gradients; use a full-attention model or turn sequence parallelism off."
+        )

@@ -24,6 +24,7 @@ __all__ = [
     "AlignDevicesHook",
     "CpuOffload",
     "UserCpuOffloadHook",
+    "LayerwiseCastingHook",
     "add_hook_to_module",
     "remove_hook_from_module",
     "remove_hook_from_submodules",
@@ -161,6 +162,31 @@ class UserCpuOffloadHook:
 
     def remove(self) -> None:
         remove_hook_from_module(self.model)
+
+
+# the layers attach_layerwise_casting_hooks casts (Accelerate's accelerate.utils.constants list)
+SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
+)
+
+
+class LayerwiseCastingHook(ModelHook):
+    """Stores a module's weights in a small dtype (e.g. float8) and casts them to ``compute_dtype`` only for its
+    forward, so the memory held between calls is the storage dtype's (Accelerate's; quality may drop)."""
+
+    def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, non_blocking: bool = False):
+        self.storage_dtype, self.compute_dtype, self.non_blocking = storage_dtype, compute_dtype, non_blocking
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        module.to(dtype=self.compute_dtype, non_blocking=self.non_blocking)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output):
+        module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
+        return output
 
 
 def _find_device(data) -> torch.device | None:

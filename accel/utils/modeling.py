@@ -59,6 +59,10 @@ __all__ = [
     "load_offloaded_weights",
     "load_state_dict",
     "ensure_weights_retied",
+    "get_non_persistent_buffers",
+    "compute_module_total_buffer_size",
+    "get_module_size_with_ties",
+    "get_state_dict_offloaded_model",
 ]
 
 Device = int | str | torch.device
@@ -85,6 +89,17 @@ def _non_persistent_buffers(module: nn.Module, recurse: bool) -> set[str]:
     for prefix, sub in module.named_modules() if recurse else [("", module)]:
         found.update(f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set)
     return found
+
+
+def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: bool = False) -> set[str]:
+    """Names of the buffers left out of ``state_dict`` (``persistent=False``): ``module``'s own, or with ``recurse``
+    those of every submodule too, by their attribute name (Accelerate's default) or, with ``fqns``, by their full
+    dotted name. A new set: the modules' own sets are not touched."""
+    if not recurse:
+        return set(module._non_persistent_buffers_set)
+    if fqns:
+        return _non_persistent_buffers(module, recurse=True)
+    return {name for sub in module.modules() for name in sub._non_persistent_buffers_set}
 
 
 def _all_tensor_names(model: nn.Module, persistent_only: bool = False) -> list[str]:
@@ -123,6 +138,9 @@ def set_module_tensor_to_device(
         if old.device.type == "meta" and device.type != "meta":
             raise ValueError(f"{tensor_name!r} is on the meta device: a value is needed to put it on {device}.")
         value = old
+    elif value.shape != old.shape:
+        raise ValueError(f"set_module_tensor_to_device: value of shape {tuple(value.shape)} for {tensor_name!r}, "
+                         f"which has shape {tuple(old.shape)}; the shapes must match.")
     dtype = resolve_dtype(dtype)
     if dtype is None and value.is_floating_point() and old.is_floating_point():
         dtype = old.dtype
@@ -151,16 +169,18 @@ def compute_module_sizes(
     model: nn.Module,
     dtype: torch.dtype | str | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    buffers_only: bool = False,
 ) -> dict[str, int]:
     """Bytes under every name prefix: ``""`` (the model), each module and each tensor; tied tensors once.
 
     With ``dtype`` floating-point tensors are sized in that dtype (the one they will be loaded in);
-    ``special_dtypes`` overrides it for given tensor names.
+    ``special_dtypes`` overrides it for given tensor names. ``buffers_only``: count the buffers alone.
     """
     dtype = resolve_dtype(dtype)
     special = {name: resolve_dtype(d) for name, d in (special_dtypes or {}).items()}
     sizes: dict[str, int] = {}
-    for name, tensor in named_module_tensors(model, recurse=True):
+    tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
+    for name, tensor in tensors:
         wanted = special.get(name) or (dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
         size = tensor.numel() * wanted.itemsize
         parts = name.split(".")
@@ -169,6 +189,37 @@ def compute_module_sizes(
             sizes[prefix] = sizes.get(prefix, 0) + size
     sizes.setdefault("", 0)
     return sizes
+
+
+def compute_module_total_buffer_size(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> int:
+    """Bytes of all of ``model``'s buffers (sized as ``compute_module_sizes`` does): what stays on the execution
+    device of an offloaded module whose buffers are not offloaded."""
+    return compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes, buffers_only=True)[""]
+
+
+def get_module_size_with_ties(
+    tied_params: list[str],
+    module_size: int,
+    module_sizes: Mapping[str, int],
+    modules_to_treat: list[tuple[str, nn.Module | torch.Tensor]],
+) -> tuple[int, list[str], list[nn.Module | torch.Tensor]]:
+    """(bytes, names, objects) of a module placed together with the entries of ``modules_to_treat`` that hold the
+    parameters in ``tied_params`` (tied to one inside it): each such entry adds its size less the tied parameter,
+    which is already counted. An entry holds a parameter when the name is under it (``"1"`` never takes
+    ``"10.weight"``); a parameter no entry holds is already placed and adds nothing."""
+    total, names, objects = module_size, [], []
+    for param in tied_params:
+        holder = next(((n, o) for n, o in modules_to_treat if param.startswith(n + ".")), None)
+        if holder is None:
+            continue
+        names.append(holder[0])
+        objects.append(holder[1])
+        total += module_sizes.get(holder[0], 0) - module_sizes.get(param, 0)  # an alias is sized under its first name
+    return total, names, objects
 
 
 def _entries(obj: nn.Module, prefix: str) -> list[tuple[str, nn.Module | torch.Tensor]]:
@@ -190,14 +241,16 @@ def get_max_layer_size(
     module_sizes: Mapping[str, int],
     no_split_module_classes: Iterable[str],
 ) -> tuple[int, list[str]]:
-    """Size and names of the largest layer among ``modules``: a module that is never split (no children, or
-    a class in ``no_split_module_classes``) or a lone tensor. It is what gets moved in at once."""
-    no_split = set(no_split_module_classes)
+    """Size and names (in model order) of the largest layer among ``modules``: a module that is never split (no
+    children, or a class in ``no_split_module_classes``) or a lone tensor. It is what gets moved in at once. A
+    split module's own parameters are not layers of their own here (Accelerate's rule)."""
+    no_split = set(no_split_module_classes or ())
     best, names, todo = 0, [], list(modules)
     while todo:
-        name, obj = todo.pop()
-        if _splittable(obj, no_split):
-            todo.extend(_entries(obj, name))
+        name, obj = todo.pop(0)
+        children = list(obj.named_children()) if isinstance(obj, nn.Module) else []
+        if children and type(obj).__name__ not in no_split:
+            todo = [(f"{name}.{n}", c) for n, c in children] + todo
             continue
         size = module_sizes.get(name, 0)
         if size > best:
@@ -336,73 +389,189 @@ def get_balanced_memory(
 # ------------------------------------------------------------------------------------------ device maps
 
 
+def _inside(name: str, tensor_name: str) -> bool:
+    return tensor_name == name or tensor_name.startswith(name + ".")
+
+
+def _outside_ties(name: str, tied: list[list[str]]) -> list[str]:
+    """Parameters tied to one under ``name`` that are not under ``name`` themselves."""
+    groups = [g for g in tied if any(_inside(name, t) for t in g) and not all(_inside(name, t) for t in g)]
+    return [t for g in groups for t in g if not _inside(name, t)]
+
+
+def _split(name: str, obj, no_split: set[str]) -> list[tuple[str, nn.Module | torch.Tensor]] | None:
+    """What ``obj`` is replaced by when it is split (its own parameters, children and buffers), or None when it
+    cannot be: a tensor, a module without children or one whose class is in ``no_split``."""
+    if not _splittable(obj, no_split):
+        return None
+    return _entries(obj, name)
+
+
+def _modules_only(queue):
+    return [(n, o) for n, o in queue if isinstance(o, nn.Module)]
+
+
+def fallback_allocate(
+    modules: list[tuple[str, nn.Module | torch.Tensor]],
+    module_sizes: Mapping[str, int],
+    size_limit: int | str,
+    no_split_module_classes: Iterable[str] | None = None,
+    tied_parameters: list[list[str]] | None = None,
+) -> tuple[str | None, nn.Module | torch.Tensor | None, list[tuple[str, nn.Module | torch.Tensor]]]:
+    """The first entry (depth first, splitting modules as needed) of ``modules`` that fits in ``size_limit`` with
+    its ties, and ``modules`` with it taken out (its ancestors there replaced by their parts); ``(None, None,
+    modules)`` when nothing fits. It lets ``infer_auto_device_map(fallback_allocation=True)`` put something on a
+    device the next module in order is too big for."""
+    try:
+        size_limit = convert_file_size_to_int(size_limit)
+    except ValueError:
+        return None, None, modules
+    no_split = set(no_split_module_classes or ())
+    tied = tied_parameters or []
+    search, found = list(modules), None
+    while search:
+        name, obj = search.pop(0)
+        size, _, _ = get_module_size_with_ties(_outside_ties(name, tied), module_sizes.get(name, 0), module_sizes,
+                                               search)
+        if size <= size_limit:
+            found = name
+            break
+        parts = _split(name, obj, no_split)
+        if parts is not None:
+            search = parts + search
+    if found is None:
+        return None, None, modules
+    queue = list(modules)
+    for depth in range(1, found.count(".") + 1):  # open the ancestors of `found` that are still whole in the queue
+        ancestor = ".".join(found.split(".")[:depth])
+        at = next((i for i, (n, _) in enumerate(queue) if n == ancestor), None)
+        if at is not None:
+            queue[at:at + 1] = _entries(queue[at][1], ancestor)
+    at = next(i for i, (n, _) in enumerate(queue) if n == found)
+    name, obj = queue.pop(at)
+    return name, obj, queue
+
+
 def infer_auto_device_map(
     model: nn.Module,
     max_memory: Mapping[Device, int | str] | None = None,
-    no_split_module_classes: list[str] | None = None,
+    no_split_module_classes: Iterable[str] | None = None,
     dtype: torch.dtype | str | None = None,
     special_dtypes: Mapping[str, torch.dtype | str] | None = None,
     verbose: bool = False,
     clean_result: bool = True,
     offload_buffers: bool = False,
+    fallback_allocation: bool = False,
 ) -> dict[str, int | str]:
-    """A device map filling the GPUs in order, then ``"cpu"``, then ``"disk"``, from sizes alone.
+    """A device map filling the GPUs in order, then ``"cpu"``, then ``"disk"``, from sizes alone (Accelerate's rules).
 
-    Modules are taken in definition order; one that does not fit where the filling stands is split into its
+    Modules are taken in definition order. One that does not fit where the filling stands is split into its
     parameters, children and buffers unless its class name is in ``no_split_module_classes`` (or it has no
-    children), in which case it starts the next device. Tensors tied to one in the module go with it. GPU 0
-    (or the CPU when there is no GPU) and the CPU keep room for the largest layer still to place, since
-    offloaded layers are brought there to run. ``offload_buffers`` is accepted for Accelerate compatibility;
-    buffers are sized with their module either way.
+    children), in which case it starts the next device. Entries holding a tensor tied to one in the module go with
+    it (one of them is split first when only the module itself fits). GPU 0 (or the CPU when there is no GPU) and
+    the CPU keep room for the largest layer still to place, since offloaded layers are brought there to run.
+    ``fallback_allocation``: a device that the next module does not fit gets the first later entry that does,
+    rather than nothing. Without ``offload_buffers`` the buffers of offloaded modules stay on the execution device:
+    a warning says so when they fit no GPU. GPU indices need not exist here: the map is only planned.
     """
-    del offload_buffers
     max_memory = get_max_memory(max_memory)
-    no_split = set(no_split_module_classes or [])
+    no_split = {no_split_module_classes} if isinstance(no_split_module_classes, str) else set(
+        no_split_module_classes or ())
     devices = list(max_memory) + ([] if "disk" in max_memory else ["disk"])
     gpus = [d for d in devices if isinstance(d, int)]
-    reserve_on = {gpus[0], "cpu"} if gpus else {"cpu"}
+    main_devices = {gpus[0], "cpu"} if gpus else {"cpu"}
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     tied = find_tied_parameters(model)
-    layer_size: dict[str, int] = {}
+    if check_tied_parameters_in_config(model) and not tied:
+        logger.warning("The model weights are not tied. Please use the `tie_weights` method before using the "
+                       "`infer_auto_device` function.")
+    say = print if verbose else (lambda *_: None)
 
-    def largest_layer(name: str, obj) -> int:
-        if name not in layer_size:
-            layer_size[name] = get_max_layer_size([(name, obj)], sizes, no_split)[0]
-        return layer_size[name]
-
-    def inside(name: str, tensor_name: str) -> bool:
-        return name == "" or tensor_name == name or tensor_name.startswith(name + ".")
-
+    queue = _entries(model, "")
     device_map: dict[str, int | str] = {}
     used = dict.fromkeys(devices, 0)
-    queue = _entries(model, "")
+    buffers_on: dict[int | str, int] = {}
+    too_small: dict[int | str, int] = {}
+    layer_size, layer_names = get_max_layer_size(queue, sizes, no_split)
     current = 0
     while queue:
         name, obj = queue.pop(0)
+        layer_names = [n for n in layer_names if not _inside(name, n)]
+        if not layer_names:  # the largest layer left was this module: find the next largest
+            layer_size, layer_names = get_max_layer_size(_modules_only(queue), sizes, no_split)
+        ties = _outside_ties(name, tied)
         device = devices[current]
-        # queue entries holding a tensor tied to one inside `name`: they go wherever `name` goes
-        outside = {t for group in tied if any(inside(name, t) for t in group) for t in group if not inside(name, t)}
-        ties = [n for n, _ in queue if any(inside(n, t) for t in outside)]
-        need = sizes.get(name, 0) + sum(sizes.get(n, 0) for n in ties)
-        limit = None
-        if device != "disk":
-            reserve = max((largest_layer(n, o) for n, o in queue if n not in ties), default=0)
-            limit = max_memory[device] - (reserve if device in reserve_on else 0)
-        if limit is None or used[device] + need <= limit:
-            for placed in [name, *ties]:
+        reserved = layer_size if device in main_devices else 0
+        limit = None if device == "disk" else max_memory[device] - reserved
+        size = sizes.get(name, 0)
+        with_ties, tie_names, tie_objs = get_module_size_with_ties(ties, size, sizes, queue)
+
+        if limit is None or used[device] + with_ties <= limit:
+            say(f"Putting {name}{' and ' + str(tie_names) if tie_names else ''} ({with_ties} bytes) on {device!r}.")
+            used[device] += with_ties
+            for placed in [name, *tie_names]:
                 device_map[placed] = device
-            if verbose:
-                print(f"{name}{' with ' + ', '.join(ties) if ties else ''} ({need} bytes) -> {device!r}")
-            queue = [(n, o) for n, o in queue if n not in ties]
-            used[device] += need
-        elif _splittable(obj, no_split):
-            queue = _entries(obj, name) + queue
-        else:
-            if verbose:
-                print(f"{name} ({need} bytes) does not fit on {device!r} (limit {limit}): next device")
-            queue.insert(0, (name, obj))
-            current += 1
-    return clean_device_map(device_map) if clean_result else device_map
+            queue = [(n, o) for n, o in queue if n not in tie_names]
+            if not offload_buffers and isinstance(obj, nn.Module):
+                buffers_on[device] = buffers_on.get(device, 0) + compute_module_total_buffer_size(
+                    obj, dtype=dtype, special_dtypes=special_dtypes)
+            continue
+
+        if ties and used[device] + size <= limit:  # the module fits alone: split one of the entries tied to it
+            position = {n: i for i, (n, _) in enumerate(queue)}
+            splittable = [(position[n], _split(n, o, no_split)) for n, o in zip(tie_names, tie_objs)
+                          if n in position and _split(n, o, no_split) is not None]
+            at, parts = splittable[0] if splittable else (None, None)
+            if parts is not None:
+                say(f"Splitting {queue[at][0]} (tied to {name}) to fit {name} on {device!r}.")
+                queue = [(name, obj)] + queue[:at] + parts + queue[at + 1:]
+                layer_size, layer_names = get_max_layer_size(_modules_only(queue), sizes, no_split)
+                continue
+
+        if used[device] + size >= limit:
+            parts = _split(name, obj, no_split)
+            if parts is not None:
+                say(f"Splitting {name}: {size} bytes do not fit in {limit - used[device]} on {device!r}.")
+                queue = parts + queue
+                layer_size, layer_names = get_max_layer_size(_modules_only(queue), sizes, no_split)
+                continue
+
+        if fallback_allocation and used[device] == 0 and device != "disk":
+            room = max_memory[device] - max(layer_size, with_ties)
+            found, found_obj, rest = fallback_allocate(queue, sizes, room, no_split, tied)
+            if found is not None:
+                say(f"Fallback: {found} goes on {device!r} before {name}.")
+                queue = [(found, found_obj), (name, obj)] + rest
+                continue
+
+        if used[device] == 0:
+            too_small[device] = with_ties + reserved
+        say(f"{name} ({with_ties} bytes) does not fit on {device!r}: next device.")
+        used[device] += reserved
+        current += 1
+        queue.insert(0, (name, obj))
+
+    if clean_result:
+        device_map = clean_device_map(device_map)
+    _warn_offloaded_buffers(buffers_on, used, max_memory, gpus, offload_buffers)
+    if too_small:
+        needs = "\n".join(f"  - {device}: {need} bytes required" for device, need in too_small.items())
+        logger.info("Based on the current allocation process, no modules could be assigned to the following devices "
+                    f"due to insufficient memory:\n{needs}\nThese minimum requirements are specific to this allocation "
+                    "attempt and may vary; give these devices more memory or adjust the model config.")
+    return device_map
+
+
+def _warn_offloaded_buffers(buffers_on, used, max_memory, gpus, offload_buffers) -> None:
+    """Warn when the buffers of CPU/disk-offloaded modules (kept on the execution device without
+    ``offload_buffers``) fit in no GPU's remaining memory."""
+    offloaded = buffers_on.get("cpu", 0) + buffers_on.get("disk", 0)
+    if offload_buffers or not offloaded or not gpus:
+        return
+    if not any(max_memory[g] >= offloaded + used.get(g, 0) for g in gpus):
+        warnings.warn(f"Current model requires {offloaded} bytes of buffers for its offloaded layers on the execution "
+                      "device, more than any GPU has left in this map: pass offload_buffers=True if it runs out of "
+                      "memory.")
 
 
 def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> dict[str, Device]:
@@ -432,11 +601,27 @@ def _map_key(name: str, keys: Mapping[str, object]) -> str | None:
         name = name.rpartition(".")[0]
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict[str, str | torch.device]:
-    """``device_map`` with every value resolved (``"cpu"``, ``"disk"`` or a CUDA device), after checking that
-    each key names a module or tensor of ``model``, keys do not nest, every device exists and every parameter
-    and persistent buffer is covered (non-persistent buffers left out run on the main device). Raises
-    ``ValueError`` naming what is wrong."""
+def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> None:
+    """Accelerate's check of a planned map: a ``UserWarning`` names keys that are no module or tensor of
+    ``model``, and a ``ValueError`` names the parameters and persistent buffers no entry covers. Devices are not
+    checked (a map may be planned for GPUs this machine lacks); dispatching checks them."""
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"device_map must be a dict of module name to device, got {device_map!r}.")
+    names = {n for n, _ in model.named_modules(remove_duplicate=False)} | set(_all_tensor_names(model))
+    unknown = [k for k in device_map if k not in names]
+    if unknown:
+        warnings.warn(f"The following device_map keys do not match any submodules in the model: {unknown}",
+                      UserWarning, stacklevel=2)
+    unassigned = [n for n in _all_tensor_names(model, persistent_only=True) if _map_key(n, device_map) is None]
+    if unassigned:
+        raise ValueError(f"device_map leaves {format_keys(unassigned)} without a device; add entries for them.")
+
+
+def _checked_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict[str, str | torch.device]:
+    """``device_map`` with every value resolved (``"cpu"``, ``"disk"`` or a CUDA device), for loading or
+    dispatching, after checking that each key names a module or tensor of ``model``, keys do not nest, every
+    device exists here and every parameter and persistent buffer is covered (non-persistent buffers left out run
+    on the main device). Raises ``ValueError`` naming what is wrong."""
     if not isinstance(device_map, Mapping):
         raise ValueError(
             "device_map must be a dict of module name to device or one of "
@@ -484,7 +669,7 @@ def load_checkpoint_with_device_map(
     """
     del offload_state_dict
     model = unwrap_model(model)
-    resolved = check_device_map(model, device_map)
+    resolved = _checked_device_map(model, device_map)
     loader = TensorLoader(model, resolve_dtype(dtype))
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
 
@@ -536,24 +721,50 @@ def load_checkpoint_with_device_map(
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike,
-    dtype: torch.dtype | str | None = None,
-    strict: bool = False,
-    *,
     device_map: Mapping[str, Device] | None = None,
     offload_folder: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
     offload_state_dict: bool = False,
     offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """Accelerate's ``load_checkpoint_in_model``: without ``device_map`` the plain load of
-    :func:`accel.checkpoint.model_io.load_checkpoint_in_model`; with one (keyword only), each tensor goes
-    straight to its mapped device and "disk" ones to ``offload_folder`` (:func:`load_checkpoint_with_device_map`).
-    It lives here, above ``model_io``, so that ``model_io`` never imports device-map code."""
-    if device_map is None:
-        return model_io.load_checkpoint_in_model(model, checkpoint, dtype=dtype, strict=strict)
-    return load_checkpoint_with_device_map(
-        model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
-        offload_state_dict=offload_state_dict, offload_buffers=offload_buffers,
-    )
+    """Accelerate's ``load_checkpoint_in_model`` (its argument order): without ``device_map`` the plain load of
+    :func:`accel.checkpoint.model_io.load_checkpoint_in_model`; with one, each tensor goes straight to its mapped
+    device and "disk" ones to ``offload_folder`` (:func:`load_checkpoint_with_device_map`). Checkpoint keys the
+    model does not use are logged as Accelerate logs them (``strict``: RuntimeError). Returns ``(missing_keys,
+    unexpected_keys)``. It lives here, above ``model_io``, so that ``model_io`` never imports device-map code.
+
+    ``keep_in_fp32_modules``, ``offload_8bit_bnb`` and ``broadcast_from_rank0`` (bitsandbytes and distributed
+    loading) are not supported: anything but their defaults is a ValueError."""
+    for flag, value, default in (("keep_in_fp32_modules", keep_in_fp32_modules, None),
+                                 ("offload_8bit_bnb", offload_8bit_bnb, False),
+                                 ("broadcast_from_rank0", broadcast_from_rank0, False)):
+        if value not in (default, [], ()):
+            raise ValueError(f"load_checkpoint_in_model: {flag}={value!r} is not supported by accel; leave it at "
+                             f"{default!r}.")
+    del full_state_dict  # every rank loads the whole checkpoint either way
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device_map is None:
+            missing, unexpected = model_io.load_checkpoint_in_model(model, checkpoint, dtype=dtype, strict=strict)
+        else:
+            missing, unexpected = load_checkpoint_with_device_map(
+                model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
+                offload_state_dict=offload_state_dict, offload_buffers=offload_buffers)
+    for warning in caught:  # the loaders' key report is replaced by the one below; other warnings pass through
+        if not str(warning.message).startswith("Loading checkpoint "):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if missing:
+        warnings.warn(f"Loading checkpoint {str(checkpoint)!r}: missing keys (in the model, not in the checkpoint): "
+                      f"{format_keys(missing)}", stacklevel=2)
+    if unexpected:
+        logger.warning(f"Some weights of the model checkpoint at {checkpoint} were not used when initializing "
+                       f"{type(model).__name__}: {format_keys(unexpected)}.")
+    return missing, unexpected
 
 
 # ------------------------------------------------------------------------------------------ Accelerate's small helpers
@@ -803,6 +1014,32 @@ def load_offloaded_weights(model: nn.Module, index: Mapping[str, Mapping] | None
         else:
             weight = _read_dat_weight(os.path.join(offload_folder, f"{name}.dat"), info)
         set_module_tensor_to_device(model, name, "cpu", value=weight)
+
+
+def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a model whose weights may be offloaded (CPU/disk hooks), on the CPU: each module's
+    weights are brought in by its hook one module at a time, so only one module is materialised at once.
+    Tensors still on the meta device (no data anywhere) are left out with a warning."""
+    state_dict: dict[str, torch.Tensor] = {}
+    on_meta: set[str] = set()
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        try:
+            with align_module_device(module, "cpu"):
+                own = module.state_dict()
+                for key, tensor in own.items():
+                    full = f"{name}.{key}"
+                    if tensor.device.type == "meta":
+                        on_meta.add(full)
+                    else:
+                        state_dict[full] = tensor.to("cpu")
+        except MemoryError:
+            raise MemoryError(f"Module {name!r} of the offloaded model does not fit in CPU memory.") from None
+    on_meta -= set(state_dict)
+    if on_meta:
+        logger.warning(f"The following tensors were not saved because they were still on meta device: {on_meta}")
+    return state_dict
 
 
 def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = None) -> dict[str, torch.Tensor]:
