@@ -17,7 +17,15 @@ _OPERATIONS = {">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": ope
 
 
 def _installed(*names: str) -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in names)
+    """Whether every module can be found; a dotted name whose parent package is missing (find_spec raises
+    ModuleNotFoundError for it) or a broken one is not found, never an error."""
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except (ImportError, ValueError, AttributeError):
+            return False
+    return True
 
 
 def _version(text: str):
@@ -141,17 +149,26 @@ is_pynvml_available = _package_probe("pynvml")
 is_amdsmi_available = _package_probe("amdsmi")
 
 
-def is_bnb_available(min_version: str | None = None) -> bool:
-    if not _installed("bitsandbytes"):
+def _at_least(package: str, min_version: str | None) -> bool:
+    """Whether `package` is installed (and, with `min_version`, at least that version); False when it or its
+    metadata is missing."""
+    if not _installed(package):
         return False
-    return min_version is None or compare_versions("bitsandbytes", ">=", min_version)
+    try:
+        return min_version is None or compare_versions(package, ">=", min_version)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def is_bnb_available(min_version: str | None = None) -> bool:
+    return _at_least("bitsandbytes", min_version)
 
 
 is_4bit_bnb_available = is_8bit_bnb_available = is_bnb_available
 
 
 def is_numpy_available(min_version: str = "1.25.0") -> bool:
-    return _installed("numpy") and compare_versions("numpy", ">=", min_version)
+    return _at_least("numpy", min_version)
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
