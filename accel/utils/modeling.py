@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def compute_module_sizes(
     """
     dtype = resolve_dtype(dtype)
     special = {name: resolve_dtype(d) for name, d in (special_dtypes or {}).items()}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int] = defaultdict(int)  # as Accelerate's: a name with no tensors of its own sizes 0
     tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
     for name, tensor in tensors:
         wanted = special.get(name) or (dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -448,3 +449,199 @@ def test_cpu_offload_with_hook_keeps_the_model_on_the_execution_device_until_off
     assert calls == ["offload"] and out.device.type == "meta" and second.weight.device.type == "meta"
     hook2.remove()
     assert not hasattr(second, "_hf_hook")
+
+
+# --------------------------------------------------------------------------------------------- Accelerate 1.15 names
+# Each is compared with the real Accelerate's function on the same input where it is installed.
+
+def _real(name: str):
+    """The real Accelerate's function (this test runs without the shim), or a skip."""
+    accelerate = pytest.importorskip("accelerate")
+    from accel.shim import PATH
+
+    if Path(accelerate.__file__).resolve().is_relative_to(Path(PATH).resolve()) or accelerate.__name__ != "accelerate":
+        pytest.skip("the shim is on: no real Accelerate to compare with")
+    import accelerate.utils.modeling as real_modeling
+
+    return getattr(real_modeling, name)
+
+
+class Small(nn.Module):
+    """Accelerate's planning example shape: 64 + 72 + 100 bytes of parameters, plus buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1 = nn.Linear(3, 4)
+        self.batchnorm = nn.BatchNorm1d(4)
+        self.linear2 = nn.Linear(4, 5)
+
+
+def _planning_cases():
+    tied = nn.Sequential(*[Small() for _ in range(3)])
+    tied[2].linear2.weight = tied[0].linear2.weight
+    buffers = Small()
+    buffers.linear1.register_buffer("b1", torch.zeros(10, 2))
+    buffers.batchnorm.register_buffer("b2", torch.zeros(10, 3))
+    buffers.linear2.register_buffer("b3", torch.zeros(10, 3))
+    nested = nn.Sequential(nn.Sequential(nn.Linear(10, 4), nn.Linear(4, 4), nn.Linear(4, 8)))
+    return [
+        (Small(), dict(max_memory={0: 200, 1: 200})),
+        (Small(), dict(max_memory={0: 200, 1: 172, 2: 200})),
+        (nn.Sequential(Small(), Small(), Small()), dict(max_memory={0: 500, 1: 500})),
+        (nn.Sequential(Small(), Small(), Small()), dict(max_memory={0: 500, 1: 500}, no_split_module_classes=["Small"])),
+        (tied, dict(max_memory={0: 400, 1: 500})),
+        (buffers, dict(max_memory={0: 400, "cpu": "1GB"})),
+        (buffers, dict(max_memory={0: 400, "cpu": "1GB"}, offload_buffers=True)),
+        (nested, dict(max_memory={0: 256})),
+        (nested, dict(max_memory={0: 256}, fallback_allocation=True)),
+        (nn.Sequential(Small(), Small()), dict(max_memory={"cpu": 300}, fallback_allocation=True)),
+        (Net(), dict(max_memory={"cpu": 40_000}, no_split_module_classes=["Block"])),
+        (Net(), dict(max_memory={0: 30_000, "cpu": 60_000}, dtype=torch.float16)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_planning_cases())))
+def test_infer_auto_device_map_matches_accelerate(case):
+    """Same map, and the same offloaded-buffer warning (or none), as Accelerate for GPU indices this CPU machine
+    lacks (planning only), tied weights, buffers, no-split classes, dtypes and fallback_allocation."""
+    real = _real("infer_auto_device_map")
+    model, kwargs = _planning_cases()[case]
+    results = []
+    for function in (real, infer_auto_device_map):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            device_map = function(model, **dict(kwargs, max_memory=dict(kwargs["max_memory"])))
+        buffer_warnings = [str(w.message) for w in caught if "offload_buffers" in str(w.message)]
+        results.append((dict(device_map), len(buffer_warnings)))
+    assert results[1] == results[0]
+
+
+def test_small_planning_helpers_match_accelerate():
+    model = Small()
+    model.linear1.register_buffer("extra", torch.zeros(10, 10))
+    model.register_buffer("top", torch.zeros(20, 10), persistent=False)
+    model.batchnorm.register_buffer("scratch", torch.zeros(3), persistent=False)
+    real_total = _real("compute_module_total_buffer_size")
+    assert modeling.compute_module_total_buffer_size(model) == real_total(model) == 4 * (100 + 200 + 3 + 4 + 4) + 8  # + BatchNorm's stats
+    real_np = _real("get_non_persistent_buffers")
+    for recurse in (False, True):
+        assert modeling.get_non_persistent_buffers(model, recurse=recurse) == real_np(model, recurse=recurse)
+    assert modeling.get_non_persistent_buffers(model, recurse=True, fqns=True) == {"top", "batchnorm.scratch"}
+    assert model.batchnorm._non_persistent_buffers_set == {"scratch"}  # the module's own set is untouched
+
+    layers = nn.ModuleList([nn.Linear(10, 10) for _ in range(12)])
+    for i in range(1, 12):
+        layers[i].weight = layers[i - 1].weight
+    sizes = {"": 12 * 440, **{f"{i}": 440 for i in range(12)}, **{f"{i}.weight": 400 for i in range(12)},
+             **{f"{i}.bias": 40 for i in range(12)}}  # every alias sized, as infer_auto_device_map's callers may
+    queue = list(layers.named_children())[1:]
+    ties = sorted(f"{i}.weight" for i in range(12))[1:]  # "1" must not take "10.weight"
+    ours = modeling.get_module_size_with_ties(ties, sizes["0"], sizes, queue)
+    assert ours == _real("get_module_size_with_ties")(ties, sizes["0"], sizes, queue)
+    assert ours[0] == 440 + 11 * 40 and ours[1] == [str(i) for i in sorted(range(1, 12), key=str)]
+    for model, no_split in ((Net(), ["Block"]), (Net(), []), (nn.Sequential(Small(), Small()), ["Small"])):
+        modules, sizes = list(model.named_children()), compute_module_sizes(model)
+        assert modeling.get_max_layer_size(modules, sizes, no_split) == _real("get_max_layer_size")(
+            modules, sizes, no_split)
+
+
+def test_get_max_memory_and_check_device_map_plan_for_absent_gpus(caplog):
+    """As Accelerate: size strings are converted in the caller's dict (transformers compares them as ints after),
+    a GPU index this machine lacks is planned for with a warning, and check_device_map only warns about keys
+    that name nothing. Dispatching to that GPU still fails with one clear line."""
+    asked = {0: "1KB", "cpu": "2KB"}
+    with caplog.at_level("WARNING"):
+        assert get_max_memory(asked) == {0: 1000, "cpu": 2000}
+    assert asked == {0: 1000, "cpu": 2000} and "Device 0 is not available" in caplog.text
+    model = Small()
+    modeling.check_device_map(model, {"": 0})
+    modeling.check_device_map(model, {"linear1": 0, "linear2": 1, "batchnorm": 1})
+    with pytest.warns(UserWarning, match=r"do not match any submodules.*'nothing'"):
+        modeling.check_device_map(model, {"": "cpu", "nothing": 0})
+    with pytest.raises(ValueError, match=r"leaves .*batchnorm.weight.* without a device"):
+        modeling.check_device_map(model, {"linear1": 0, "linear2": 1})
+    with pytest.raises(ValueError, match=r"device_map\['linear1'\] = 0 is not a device this machine has"):
+        dispatch_model(model, {"linear1": 0, "linear2": "cpu", "batchnorm": "cpu"})
+
+
+def test_get_state_dict_offloaded_model_gathers_cpu_and_disk_weights(tmp_path):
+    for offload in ("cpu", "disk"):
+        torch.manual_seed(0)
+        model = Net()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        if offload == "cpu":
+            cpu_offload(model, execution_device="cpu")
+        else:
+            disk_offload(model, tmp_path / "off", execution_device="cpu")
+            assert model.head.weight.device.type == "meta"
+        got = modeling.get_state_dict_offloaded_model(model)
+        top = {k for k in expected if "." not in k}  # the root's own tensors: Accelerate's walk skips the root
+        assert set(got) == set(expected) - top
+        assert all(torch.equal(got[k], expected[k]) and got[k].device.type == "cpu" for k in got)
+
+
+def test_layerwise_casting_hooks_match_accelerate():
+    """Weights are stored in bfloat16 between calls and cast to float32 for the forward; skipped names keep float32.
+    The outputs equal the real Accelerate's hooks on a copy of the same model."""
+    import copy
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)),
+                         nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    from accel.big_modeling import attach_layerwise_casting_hooks
+
+    attach_layerwise_casting_hooks(ours, torch.bfloat16, torch.float32, skip_modules_pattern=["^3$"])
+    real = pytest.importorskip("accelerate.big_modeling")
+    _real("infer_auto_device_map")  # skips under the shim
+    real.attach_layerwise_casting_hooks(theirs, torch.bfloat16, torch.float32, skip_modules_pattern=["^3$"])
+    assert ours[0].weight.dtype == ours[2][0].weight.dtype == torch.bfloat16
+    assert ours[3].weight.dtype == ours[2][1].weight.dtype == torch.float32  # skipped / not a Linear or Conv
+    rounded = copy.deepcopy(base)  # what the forward must compute: bfloat16-rounded weights, float32 arithmetic
+    for layer in (rounded[0], rounded[2][0]):
+        for p in layer.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
+    out = ours(x)
+    assert ours[0].weight.dtype == torch.bfloat16  # back to storage after the call
+    assert out.dtype == torch.float32 and torch.equal(out, rounded(x)) and torch.equal(out, theirs(x))
+    assert not torch.equal(out, base(x))  # the rounding is visible: the comparison can fail
+
+
+def test_load_checkpoint_in_model_accelerate_order_and_unused_keys(tmp_path, caplog):
+    """device_map is the third positional argument, as in Accelerate, and unused checkpoint keys are logged with
+    Accelerate's wording (strict: an error)."""
+    from accel.utils.modeling import load_checkpoint_in_model
+
+    torch.manual_seed(0)
+    model = Small()
+    state = dict(model.state_dict(), foo=torch.rand(4, 5))
+    torch.save(state, tmp_path / "w.pt")
+    fresh = Small()
+    with caplog.at_level("WARNING"):
+        missing, unexpected = load_checkpoint_in_model(fresh, tmp_path / "w.pt", {"": "cpu"})
+    assert (missing, unexpected) == ([], ["foo"]) and "were not used when initializing Small" in caplog.text
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="unexpected keys.*foo"):
+        load_checkpoint_in_model(Small(), tmp_path / "w.pt", strict=True)
+    with pytest.raises(ValueError, match="keep_in_fp32_modules=.*not supported"):
+        load_checkpoint_in_model(Small(), tmp_path / "w.pt", keep_in_fp32_modules=["linear1"])
+
+
+def test_offload_index_paths_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """transformers' from_pretrained records `safetensors_file` as given (a relative checkpoint folder, or its own
+    offload folder joined to a relative name): such an entry is read from the working directory, as Accelerate
+    reads it; accel's own entries (names inside the offload folder) still resolve there."""
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "off").mkdir()
+    save_file({"w": torch.arange(4.0)}, "ckpt/model.safetensors")
+    save_file({"v": torch.ones(2)}, "off/v.safetensors")
+    from_cwd = {"safetensors_file": "ckpt/model.safetensors", "weight_name": "w", "dtype": "float32"}
+    inside = {"safetensors_file": "v.safetensors", "weight_name": "v", "dtype": "float32"}
+    assert torch.equal(load_offloaded_weight(from_cwd, "off"), torch.arange(4.0))
+    assert torch.equal(load_offloaded_weight(inside, "off"), torch.ones(2))
+    with pytest.raises(FileNotFoundError, match="'off/nope.safetensors' is missing"):
+        load_offloaded_weight({"safetensors_file": "nope.safetensors", "weight_name": "x"}, "off")
