@@ -479,6 +479,33 @@ class TorchDynamoPlugin:
                 layer[key] = _argument(self._NAME, names[key], value, TOP_FIELDS[key])
         return layer
 
+    def to_dict(self) -> dict:
+        """The fields as Accelerate's plugin holds them: an unset one read from $ACCELERATE_DYNAMO_* (what `accel
+        launch` / `accelerate launch` export), else Accelerate's default; the backend as its lower-case name."""
+        from accel.utils.imports import str_to_bool
+
+        env = os.environ.get
+
+        def flag(name: str) -> bool | None:
+            value = env("ACCELERATE_DYNAMO_" + name)
+            return None if value is None else str_to_bool(value, to_bool=True)
+
+        backend = self.backend if self.backend is not None else env("ACCELERATE_DYNAMO_BACKEND", "no")
+        regional = self.use_regional_compilation
+        return {"backend": str(backend.value if isinstance(backend, enum.Enum) else backend).lower(),
+                "mode": self.mode if self.mode is not None else env("ACCELERATE_DYNAMO_MODE", "default"),
+                "fullgraph": self.fullgraph if self.fullgraph is not None else bool(flag("USE_FULLGRAPH")),
+                "dynamic": self.dynamic if self.dynamic is not None else flag("USE_DYNAMIC"),
+                "options": self.options, "disable": self.disable,
+                "use_regional_compilation": regional if regional is not None else bool(flag("USE_REGIONAL_COMPILATION"))}
+
+    def to_kwargs(self) -> dict:
+        """Accelerate's: the `to_dict()` entries that differ from a plugin built in a clean environment (the
+        torch.compile arguments asked for), `use_regional_compilation` left out (it is not a torch.compile one)."""
+        defaults = {"backend": "no", "mode": "default", "fullgraph": False, "dynamic": None, "options": None,
+                    "disable": False}
+        return {key: value for key, value in self.to_dict().items() if key in defaults and value != defaults[key]}
+
 
 def dynamo_layer(dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> dict:
     """`Accelerator(dynamo_backend=...)` or `Accelerator(dynamo_plugin=...)` as a config layer (not both, as in
