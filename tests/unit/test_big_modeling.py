@@ -488,7 +488,8 @@ def _planning_cases():
         (Small(), dict(max_memory={0: 200, 1: 200})),
         (Small(), dict(max_memory={0: 200, 1: 172, 2: 200})),
         (nn.Sequential(Small(), Small(), Small()), dict(max_memory={0: 500, 1: 500})),
-        (nn.Sequential(Small(), Small(), Small()), dict(max_memory={0: 500, 1: 500}, no_split_module_classes=["Small"])),
+        (nn.Sequential(Small(), Small(), Small()),
+         dict(max_memory={0: 500, 1: 500}, no_split_module_classes=["Small"])),
         (tied, dict(max_memory={0: 400, 1: 500})),
         (buffers, dict(max_memory={0: 400, "cpu": "1GB"})),
         (buffers, dict(max_memory={0: 400, "cpu": "1GB"}, offload_buffers=True)),
@@ -522,7 +523,8 @@ def test_small_planning_helpers_match_accelerate():
     model.register_buffer("top", torch.zeros(20, 10), persistent=False)
     model.batchnorm.register_buffer("scratch", torch.zeros(3), persistent=False)
     real_total = _real("compute_module_total_buffer_size")
-    assert modeling.compute_module_total_buffer_size(model) == real_total(model) == 4 * (100 + 200 + 3 + 4 + 4) + 8  # + BatchNorm's stats
+    expected = 4 * (100 + 200 + 3 + 4 + 4) + 8  # the three buffers added, BatchNorm's statistics and counter
+    assert modeling.compute_module_total_buffer_size(model) == real_total(model) == expected
     real_np = _real("get_non_persistent_buffers")
     for recurse in (False, True):
         assert modeling.get_non_persistent_buffers(model, recurse=recurse) == real_np(model, recurse=recurse)
