@@ -4,7 +4,9 @@ Why safetensors: a file is read memory-mapped, one tensor at a time, when a hook
 is unpickled. ``index.json`` maps a tensor name to ``{"safetensors_file", "weight_name", "dtype", "shape"}``;
 ``safetensors_file`` is relative to the offload folder for files written there, or absolute for a tensor
 read in place from a checkpoint's own safetensors file (no copy is written when it already holds the tensor
-in the wanted dtype). The names and signatures follow ``accelerate.utils.offload``.
+in the wanted dtype). A relative entry not in the offload folder is read from the working directory, as
+Accelerate reads it (transformers records its files that way). The names and signatures follow
+``accelerate.utils.offload``.
 """
 
 from __future__ import annotations
