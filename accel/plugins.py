@@ -8,7 +8,8 @@ it with the precedence of its own arguments. Neither DeepSpeed nor FSDP's own cl
   `accel launch --deepspeed_config_file` reads one) plus `zero_stage`, `offload_optimizer_device`,
   `offload_param_device`, `gradient_accumulation_steps`, `gradient_clipping`;
 * `FullyShardedDataParallelPlugin`: `sharding_strategy` / `reshard_after_forward` (onto ZeRO stages:
-  FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0) and `cpu_offload`;
+  FULL_SHARD and HYBRID_SHARD 3, SHARD_GRAD_OP 2, NO_SHARD 0), `cpu_offload`, and the wrap units
+  (`transformer_cls_names_to_wrap`, `min_num_params` under SIZE_BASED_WRAP: `zero_wrap_classes`, `zero_min_params`);
 * `TorchTensorParallelPlugin`: `tp_size`.
 
 Arguments that only tune how Accelerate wraps or prefetches (`auto_wrap_policy`, `backward_prefetch`,
@@ -297,7 +298,24 @@ class FullyShardedDataParallelPlugin:
             offload = _offload_flag(self.cpu_offload, owner)
             par["offload_params"] = offload
             par["offload_optimizer"] = offload
+        par.update(self._wrapping())
         self._layer = {"parallelism": par} if par else {}
+
+    def _wrapping(self) -> dict:
+        """`transformer_cls_names_to_wrap` / `min_num_params` (what transformers' `fsdp_config` passes) -> the ZeRO
+        blocks, as a config file's `fsdp_config` keys map (a callable policy is Accelerate's own: kept, unused)."""
+        from accel.config.accelerate_import import _fsdp_wrapping
+        from accel.utils.constants import FSDP_AUTO_WRAP_POLICY
+
+        policy = self.auto_wrap_policy
+        if policy is not None and not isinstance(policy, str):
+            return {}
+        if policy is not None and policy.upper() not in FSDP_AUTO_WRAP_POLICY:
+            raise ConfigError(f"{self._NAME}: argument 'auto_wrap_policy': bad value {policy!r}; allowed: "
+                              f"{', '.join(FSDP_AUTO_WRAP_POLICY)} or a callable policy")
+        section = {"fsdp_auto_wrap_policy": policy, "fsdp_min_num_params": self.min_num_params,
+                   "fsdp_transformer_layer_cls_to_wrap": self.transformer_cls_names_to_wrap}
+        return _fsdp_wrapping(section, self._NAME)
 
     def to_layer(self, base: AccelConfig | None = None) -> dict:
         """The config layer this plugin means (apply it with `Accelerator(...)`-argument precedence).

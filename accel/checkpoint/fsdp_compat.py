@@ -64,7 +64,8 @@ class _Wrapped:
 
 
 def _as_prepared(optimizer: Any) -> Any:
-    return optimizer if isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) else _Wrapped(optimizer)
+    prepared = isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+    return optimizer if prepared else _Wrapped(optimizer)
 
 
 def _rng_snapshot() -> dict:

@@ -163,7 +163,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(runs, layout, scenario)
         assert "optimizer.pt" in files
     after = [e for e in record["log"] if e["step"] > 2]
     assert after and [e for e in record["resumed_log"] if e["step"] > 2] == after
-    resumed, whole = load_file(folder / f"{scenario}_resumed.safetensors"), load_file(folder / f"{scenario}.safetensors")
+    resumed = load_file(folder / f"{scenario}_resumed.safetensors")
+    whole = load_file(folder / f"{scenario}.safetensors")
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 

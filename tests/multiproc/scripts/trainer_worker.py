@@ -4,11 +4,11 @@
 Scenarios (`--scenarios`, comma-separated):
   basic      the design documents' example: a small net, `compute_loss` overridden (nll_loss), a collate function
              building {"x", "labels"}, evaluation each epoch, 2 epochs
-  gpt2       tiny GPT-2 (n_embd 32, 2 layers, tied head): gradient accumulation 2, evaluation every 2 steps,
-             `save_steps` 2, then a second Trainer resumed from checkpoint-2 (`resume_from_checkpoint`), then
+  gpt2       tiny GPT-2 (n_embd 32, 2 layers, tied head, dropout 0.1): gradient accumulation 2, evaluation every 2
+             steps, `save_steps` 2, then a second Trainer resumed from checkpoint-2 (`resume_from_checkpoint`), then
              `trainer.save_model` -> `from_pretrained`
   llama      tiny tied Llama in bf16: `save_model` -> `from_pretrained`
-  gpt2_full_shard      the gpt2 scenario with Trainer's own `fsdp="full_shard"` (ZeRO-3)
+  gpt2_full_shard      the gpt2 scenario with Trainer's own `fsdp="full_shard"` (ZeRO-3, GPT2Block the wrap unit)
   llama_shard_grad_op  the llama scenario with `fsdp=True, fsdp_config={"reshard_after_forward": False}` (ZeRO-2),
                        also checkpointed and resumed
   (the last two on accel only: Accelerate cannot shard on CPU)
@@ -64,8 +64,8 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1)  # dropout: the masks follow the global RNG on both
     return GPT2LMHeadModel(config)
 
 
@@ -186,7 +186,8 @@ SCENARIOS = {
     "llama": lambda out: run_causal(out, "llama", llama, bf16=True, gradient_accumulation_steps=1, eval_strategy="no",
                                     save_strategy="no"),
     # accel only: Trainer's own FSDP arguments, which accel maps onto ZeRO 3 and 2
-    "gpt2_full_shard": lambda out: run_causal(out, "gpt2_full_shard", gpt2, fsdp="full_shard"),
+    "gpt2_full_shard": lambda out: run_causal(out, "gpt2_full_shard", gpt2, fsdp="full_shard",
+                                              fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]}),
     "llama_shard_grad_op": lambda out: run_causal(out, "llama_shard_grad_op", llama, bf16=True,
                                                   gradient_accumulation_steps=1, eval_strategy="no", fsdp=True,
                                                   fsdp_config={"reshard_after_forward": False}),
