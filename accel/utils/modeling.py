@@ -64,6 +64,7 @@ __all__ = [
     "compute_module_total_buffer_size",
     "get_module_size_with_ties",
     "get_state_dict_offloaded_model",
+    "fallback_allocate",
 ]
 
 Device = int | str | torch.device
