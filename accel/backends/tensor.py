@@ -16,13 +16,16 @@ import torch
 from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, TransposedRowwise
 from accel.backends.tensor_plan import (
     automatic_plan,
+    builtin_source,
     check_divisible,
+    check_peft_layers,
     expand_plan,
     fused_parent,
     is_conv1d,
     keep_ties,
     kept_whole,
     model_plan,
+    torch_pieces,
 )
 from accel.config import ConfigError
 
@@ -57,24 +60,30 @@ def _style(name: str, module: torch.nn.Module, tp_size: int):
 
 def plan_for(model: torch.nn.Module, parallelism, tp_size: int, announce: bool) -> dict[str, str]:
     """The plan for `model` (given, the model's own, or automatic; checked, with tied weights kept one
-    parameter), printed with what stays whole and why when `announce` (the main process)."""
+    parameter), printed with what stays whole and why when `announce` (the main process). Errors name where
+    the bad entry came from (the config key, the model's plan, or accel's built-in one)."""
     given = getattr(parallelism, "tp_plan", None)
-    source, plan = "ParallelismConfig(tp_plan=...)", given
+    source, plan, origin = "ParallelismConfig(tp_plan=...)", given, "parallelism.tp_plan"
     if not plan:
-        source, plan = "the model's own tp plan", model_plan(model)
+        origin = {}
+        source, plan = "the model's own tp plan", model_plan(model, origin)
     if not plan:
         source, plan = "accel's automatic plan", automatic_plan(model)
+        origin = builtin_source(model)
     if not plan:
         raise ConfigError(f"tensor parallelism: no plan applies to {type(model).__name__}: it publishes no tp "
                           "plan and has no layer accel recognises (q/k/v/o or gate/up/down projections, GPT-2's "
                           "Conv1D c_attn/c_proj/c_fc, Linear pairs in an nn.Sequential, vocabulary embeddings "
                           "or lm_head); give ParallelismConfig(tp_plan={'layer.name': 'colwise', ...})")
-    plan, tied = keep_ties(model, expand_plan(model, plan))
-    check_divisible(model, plan, tp_size)
+    plan = expand_plan(model, plan, origin)  # a dict `origin` gains the concrete names' origins
+    plan, whole = check_peft_layers(model, plan, origin)
+    plan, tied = keep_ties(model, plan)
+    plan, _ = check_peft_layers(model, plan, origin, keep_whole=False)  # a tie completed onto a peft layer
+    check_divisible(model, plan, tp_size, origin)
     if announce:
         lines = ", ".join(f"{k}: {v}" + (f" (tied to {tied[k]})" if k in tied else "") for k, v in plan.items())
         print(f"accel: tensor parallel plan ({source}, tp_size={tp_size}): {lines}", flush=True)
-        whole = kept_whole(model, plan)
+        whole = {**whole, **kept_whole(model, plan)}
         if whole:
             print("accel: tensor parallel: kept whole (every tp rank holds all of it): "
                   + ", ".join(f"{k} ({v})" for k, v in whole.items()), flush=True)
@@ -88,8 +97,9 @@ def held_part(plan: dict[str, str], model: torch.nn.Module) -> dict[str, str]:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, plan: dict[str, str]) -> None:
-    """Split the planned layers over `tp_mesh` (torch's `parallelize_module`), then give each tied weight's uses
-    the one split parameter back."""
+    """Split the planned layers over `tp_mesh` (torch's `parallelize_module`; a peft LoRA layer as its base layer
+    and adapter matrices: tensor_plan.torch_pieces), then give each tied weight's uses the one split parameter
+    back."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from accel.checkpoint.ties import tied_names
@@ -101,7 +111,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, plan: dict[str, str])
         parent = fused_parent(model, name, modules[name]) if style == "fused_qkv" else None
         if parent is not None:
             parent.split_size //= tp_size  # its forward splits the (now local) q/k/v output by this width
-    parallelize_module(model, tp_mesh, {name: _style(style, modules[name], tp_size) for name, style in plan.items()})
+    pieces = [piece for name, style in plan.items() for piece in torch_pieces(name, modules[name], style)]
+    parallelize_module(model, tp_mesh, {name: _style(style, modules[name], tp_size) for name, style in pieces})
     _retie(model, ties)
 
 
