@@ -126,10 +126,10 @@ class PartialState:
         override = self.__dict__.get("_distributed_type")
         if override is not None:
             return override
+        if self.num_processes <= 1:  # also with an FSDP plugin: this is PartialState too, and transformers' gathers
+            return DistributedType.NO  # take anything else for a process group
         if self.__dict__.get("fsdp_plugin") is not None:  # ZeRO 2/3 shard with FSDP2 (accel.checkpoint.fsdp_compat)
             return DistributedType.FSDP
-        if self.num_processes <= 1:
-            return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 
     @distributed_type.setter

@@ -88,7 +88,8 @@ def test_state_tells_trainer_whether_the_model_is_sharded():
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False,
                                             transformer_cls_names_to_wrap="Linear")
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    assert accelerator.state.fsdp_plugin is plugin and accelerator.distributed_type == DistributedType.FSDP
+    # one process: NO, not FSDP (the state is also PartialState, and transformers then expects a process group)
+    assert accelerator.state.fsdp_plugin is plugin and accelerator.distributed_type == DistributedType.NO
     assert accelerator.is_fsdp2 and accelerator.config.parallelism.zero_stage == 2
     assert accelerator.config.parallelism.zero_wrap_classes == "Linear"
 
