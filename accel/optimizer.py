@@ -23,9 +23,18 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.precision = precision
         self.gradient_state = gradient_state
-        self.step_was_skipped = False
+        self._is_overflow = False  # Accelerate's attribute behind step_was_skipped (its tests set it directly)
         self.before_step = None  # e.g. automatic gradient clipping (DeepSpeed's gradient_clipping)
         self._meter = meter_from_env()  # `accel plan --measure`: stop after N real steps; None otherwise
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped (fp16 inf/nan gradients): the prepared scheduler then does not step."""
+        return self._is_overflow
+
+    @step_was_skipped.setter
+    def step_was_skipped(self, value: bool) -> None:
+        self._is_overflow = bool(value)
 
     # -- delegated state -------------------------------------------------------------------------------------
     @property
