@@ -9,6 +9,7 @@ larger than memory never has to be materialised whole.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import warnings
@@ -657,6 +658,8 @@ def load_checkpoint_with_device_map(
     offload_state_dict: bool = False,
     offload_buffers: bool = False,
     strict: bool = False,
+    *,
+    partial: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Stream a checkpoint into ``model`` following ``device_map``; returns ``(missing_keys, unexpected_keys)``.
 
@@ -667,7 +670,8 @@ def load_checkpoint_with_device_map(
     one tensor (one ``.bin`` shard) over what stays resident. ``offload_state_dict`` is accepted for
     Accelerate compatibility and changes nothing (nothing is held but the current tensor). Weights the
     model needs (on the meta device) that the checkpoint lacks raise ``ValueError``; other missing or
-    unexpected keys warn, or raise ``RuntimeError`` with ``strict``.
+    unexpected keys warn, or raise ``RuntimeError`` with ``strict``. ``partial``: the checkpoint is one shard
+    of several, so weights it lacks are not an error here.
     """
     del offload_state_dict
     model = unwrap_model(model)
@@ -686,7 +690,7 @@ def load_checkpoint_with_device_map(
             "pass offload_folder=<a folder>."
         )
     plan = CheckpointPlan(checkpoint, loader)
-    empty = [k for k in plan.missing if loader.current(k).device.type == "meta"]
+    empty = [] if partial else [k for k in plan.missing if loader.current(k).device.type == "meta"]
     if empty:
         raise ValueError(
             f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: {format_keys(empty)}."
@@ -720,6 +724,64 @@ def load_checkpoint_with_device_map(
     return plan.missing, plan.unexpected
 
 
+def _check_shard_keys(model, checkpoint, missing, unexpected, strict: bool, meta_is_error: bool) -> None:
+    """After a shard-by-shard load: weights still on the meta device (no data anywhere) are a ValueError with a
+    device map, and ``strict`` makes any missing or unexpected key a RuntimeError."""
+    if meta_is_error:
+        tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(
+            remove_duplicate=False))
+        empty = [k for k in missing if k in tensors and tensors[k].device.type == "meta"]
+        if empty:
+            raise ValueError(f"Checkpoint {str(checkpoint)!r} lacks weights the model has no data for: "
+                             f"{format_keys(empty)}.")
+    problems = [f"{what} keys {format_keys(keys)}" for what, keys in (("missing", missing),
+                                                                       ("unexpected", unexpected)) if keys]
+    if strict and problems:
+        raise RuntimeError(f"Loading checkpoint {str(checkpoint)!r}: {'; '.join(problems)}.")
+
+
+def _accelerate_index(checkpoint) -> Path | list[Path] | None:
+    """What ``model_io``'s layout lookup does not cover but Accelerate reads: a folder whose only ``*.index.json``
+    has another name (its path is returned), and an index that is a bare name -> shard mapping without
+    ``"weight_map"`` (its shard files are returned, checked to lie in the index's folder). None otherwise."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        if any((path / name).is_file() for name in model_io._FOLDER_CANDIDATES):
+            return None
+        indexes = sorted(p for p in path.iterdir() if p.name.endswith(".index.json"))
+        if len(indexes) > 1:
+            raise ValueError(f"Checkpoint folder {str(path)!r} holds several index files "
+                             f"({', '.join(p.name for p in indexes)}): keep one.")
+        if not indexes:
+            return None
+        path = indexes[0]
+    if not (path.is_file() and path.name.endswith(".json")):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return path  # model_io names the problem
+    if not isinstance(index, dict) or "weight_map" in index or not index or not all(
+            isinstance(v, str) for v in index.values()):
+        return path
+    return [model_io._checked_shard_path(path.parent, entry, path) for entry in dict.fromkeys(index.values())]
+
+
+def _load_shards(model, shards: list[Path], device_map, **kwargs) -> tuple[list[str], list[str]]:
+    """Load the shards of a bare index one file at a time; a key is missing when no shard holds it."""
+    missing: list[str] | None = None
+    unexpected: list[str] = []
+    for shard in shards:
+        if device_map is None:
+            lacked, extra = model_io.load_checkpoint_in_model(model, shard, dtype=kwargs["dtype"])
+        else:
+            lacked, extra = load_checkpoint_with_device_map(model, shard, device_map, partial=True, **kwargs)
+        missing = lacked if missing is None else [k for k in missing if k in set(lacked)]
+        unexpected += extra
+    return missing or [], unexpected
+
+
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -749,11 +811,19 @@ def load_checkpoint_in_model(
             raise ValueError(f"load_checkpoint_in_model: {flag}={value!r} is not supported by accel; leave it at "
                              f"{default!r}.")
     del full_state_dict  # every rank loads the whole checkpoint either way
+    found = _accelerate_index(checkpoint)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if device_map is None:
+        if isinstance(found, list):
+            placement = {} if device_map is None else {"offload_folder": offload_folder,
+                                                       "offload_buffers": offload_buffers}
+            missing, unexpected = _load_shards(unwrap_model(model), found, device_map, dtype=dtype, **placement)
+            _check_shard_keys(model, checkpoint, missing, unexpected, strict, meta_is_error=device_map is not None)
+        elif device_map is None:
+            checkpoint = found or checkpoint
             missing, unexpected = model_io.load_checkpoint_in_model(model, checkpoint, dtype=dtype, strict=strict)
         else:
+            checkpoint = found or checkpoint
             missing, unexpected = load_checkpoint_with_device_map(
                 model, checkpoint, device_map, offload_folder=offload_folder, dtype=dtype, strict=strict,
                 offload_state_dict=offload_state_dict, offload_buffers=offload_buffers)

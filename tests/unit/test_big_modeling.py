@@ -647,3 +647,34 @@ def test_offload_index_paths_relative_to_the_working_directory(tmp_path, monkeyp
     assert torch.equal(load_offloaded_weight(inside, "off"), torch.ones(2))
     with pytest.raises(FileNotFoundError, match="'off/nope.safetensors' is missing"):
         load_offloaded_weight({"safetensors_file": "nope.safetensors", "weight_name": "x"}, "off")
+
+
+def test_load_checkpoint_in_model_reads_a_bare_shard_index(tmp_path):
+    """Accelerate's sharded layout without "weight_map" (a bare name -> file index, any `*.index.json` name), given
+    as the index or its folder, with and without a device map; keys no shard holds are missing."""
+    from accel.utils.modeling import load_checkpoint_in_model
+
+    torch.manual_seed(0)
+    model = Small()
+    index = {k: f"part_{k.split('.')[0]}.bin" for k in model.state_dict()}
+    for file in set(index.values()):
+        torch.save({k: v for k, v in model.state_dict().items() if index[k] == file}, tmp_path / file)
+    (tmp_path / "weight_map.index.json").write_text(json.dumps(index))
+    for checkpoint in (tmp_path / "weight_map.index.json", tmp_path):
+        fresh = Small()
+        assert load_checkpoint_in_model(fresh, checkpoint) == ([], [])
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+        with init_empty_weights():
+            empty = Small()
+        load_checkpoint_in_model(empty, checkpoint, {"linear1": "cpu", "batchnorm": "disk", "linear2": "cpu"},
+                                 offload_folder=tmp_path / "off")
+        assert empty.batchnorm.weight.device.type == "meta" and torch.equal(empty.linear2.bias, model.linear2.bias)
+        assert torch.equal(load_offloaded_weight(json.loads((tmp_path / "off" / "index.json").read_text())[
+            "batchnorm.weight"], tmp_path / "off"), model.batchnorm.weight)
+    (tmp_path / "weight_map.index.json").write_text(json.dumps({k: v for k, v in index.items() if "linear2" not in k}))
+    with init_empty_weights():
+        empty = Small()
+    with pytest.raises(ValueError, match=r"lacks weights .*linear2.weight, linear2.bias"):
+        load_checkpoint_in_model(empty, tmp_path, {"": "cpu"})
+    with pytest.raises(RuntimeError, match=r"missing keys 2 key\(s\): linear2.weight, linear2.bias\.$"):
+        load_checkpoint_in_model(Small(), tmp_path, strict=True)
