@@ -5,7 +5,8 @@ for every one installed) or takes `GeneralTracker` instances; `init_trackers(pro
 process, `log()` sends each call to all of them, `end_training()` finishes them.
 
 A tracker that writes files writes them in its run folder, `<logging_dir>/<project_name>/`, where logging_dir is
-`ProjectConfiguration(logging_dir=...)`, else `project_dir`, else the current directory:
+`ProjectConfiguration(logging_dir=...)`, else `project_dir` (with neither, a tracker that needs a folder is a
+ValueError, as in Accelerate; accel's own jsonl and csv then write under the current directory):
 
 - "jsonl": `metrics.jsonl`, one `{"step", "time", "values"}` object per `log()` call, and the config in `config.json`;
 - "csv": `metrics.csv` with header `step,time,name,value` (one row per value), and the config in `config.json`;
@@ -136,6 +137,7 @@ class _FileTracker(GeneralTracker):
     loses nothing and the file can be followed while training runs."""
 
     requires_logging_directory = True
+    defaults_to_cwd = True  # accel's own file trackers: without logging_dir/project_dir they write under "."
     filename = ""
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike = ".", **kwargs):
@@ -645,7 +647,7 @@ def filter_trackers(log_with: Any, logging_dir: str | os.PathLike | None = None)
                              f"{', '.join(LOGGER_TYPE_TO_CLASS)}, or a GeneralTracker instance")
         if not cls.available():
             raise ImportError(f"log_with={name!r} needs the {cls.library[0]} package: {cls.library[1]}")
-        if cls.requires_logging_directory and logging_dir is None:
+        if cls.requires_logging_directory and logging_dir is None and not getattr(cls, "defaults_to_cwd", False):
             raise ValueError(f"Logging with `{name}` requires a `logging_dir` to be passed in.")
         kind = LoggerType(name) if name in LoggerType else name
         if kind not in loggers:
@@ -663,7 +665,7 @@ def start_trackers(trackers: list, log_with: list, project_name: str, logging_di
             trackers.append(entry)
             continue
         cls = LOGGER_TYPE_TO_CLASS[_name(entry)]
-        args = (project_name, logging_dir) if cls.requires_logging_directory else (project_name,)
+        args = (project_name, logging_dir or ".") if cls.requires_logging_directory else (project_name,)
         trackers.append(cls(*args, **init_kwargs.get(_name(entry), {})))
     for tracker in trackers:
         tracker.start()
@@ -684,6 +686,8 @@ def get_tracker(trackers: list, name: str, unwrap: bool = False):
     raise ValueError(f"{name} is not an available tracker stored inside the `Accelerator`.")
 
 
-def logging_root(project_configuration: Any) -> str:
-    """Where run folders go: ProjectConfiguration's logging_dir, else project_dir, else the current directory."""
-    return project_configuration.logging_dir or project_configuration.project_dir or "."
+def logging_root(project_configuration: Any) -> str | None:
+    """Where run folders go: ProjectConfiguration's logging_dir, else project_dir; None when neither is set (a
+    tracker that needs a folder is then a ValueError, as in Accelerate; accel's jsonl/csv use the current
+    directory)."""
+    return project_configuration.logging_dir or project_configuration.project_dir or None

@@ -58,8 +58,11 @@ def test_run_folder_defaults_to_project_dir_then_cwd(tmp_path, monkeypatch):
     run("jsonl", project_dir=str(tmp_path / "p")).end_training()
     assert len((tmp_path / "p" / "run" / "metrics.jsonl").read_text().splitlines()) == 2
     monkeypatch.chdir(tmp_path)
-    run(LoggerType.TENSORBOARD, project="here", config=None).end_training()  # LoggerType members work as names
-    assert glob.glob(str(tmp_path / "here" / "events.out.tfevents.*"))
+    run("csv", project="here", config=None).end_training()  # accel's file trackers: the current directory
+    assert (tmp_path / "here" / "metrics.csv").is_file()
+    # LoggerType members work as names; tensorboard needs a folder (no cwd default, as in Accelerate)
+    run(LoggerType.TENSORBOARD, project="tb", config=None, project_dir=str(tmp_path)).end_training()
+    assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
