@@ -127,6 +127,7 @@ class ParallelismConfig:
     device_mesh: ClassVar[Any] = None  # Accelerate's: set by get_device_mesh (the Accelerator's is its own)
 
     def __post_init__(self, tp_handler: Any, cp_handler: Any, sp_handler: Any) -> None:
+        self._sizes_from_env()
         for name in ("tp_size", "cp_size", "sp_size"):  # Accelerate's None: the size 1
             if getattr(self, name) is None:
                 setattr(self, name, 1)
@@ -144,6 +145,22 @@ class ParallelismConfig:
                                   f"yet in accel; allowed: {name} 1")
         if self.dp_shard_size is not None:  # what needs no world size is checked now; the rest at start-up
             check_data_parallel_layout(self, self.dp_replicate_size or 1, self.dp_shard_size)
+
+    def _sizes_from_env(self) -> None:
+        """Accelerate's PARALLELISM_CONFIG_* variables (what `accelerate launch --parallelism_config_*` exports) for
+        the sizes and backends left out (a size at its default 1 counts as left out)."""
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "sp_backend"):
+            text = os.environ.get("PARALLELISM_CONFIG_" + name.upper())
+            if text is None or getattr(self, name) not in (None, 1):
+                continue
+            if name.endswith("_backend"):
+                setattr(self, name, text)
+                continue
+            try:
+                setattr(self, name, int(text))
+            except ValueError:
+                raise ConfigError(f"PARALLELISM_CONFIG_{name.upper()}={text!r}: not a whole number; allowed: a "
+                                  "size >= 1") from None
 
     def requested_features(self) -> list[str]:
         """Human names of the parallel features this config asks for beyond plain data parallelism."""
@@ -230,18 +247,37 @@ class ParallelismConfig:
     def data_parallel_size(self) -> int:
         return self._size("dp_replicate") * self._size("dp_shard")
 
+    def _get_mesh(self) -> tuple:
+        """Accelerate's `(mesh_dim_names, mesh_shape)` of the enabled dimensions, in its order (dp_replicate,
+        dp_shard, cp, sp, tp; cp and sp are never enabled here); () when none is."""
+        dims = [(name, self._size(name)) for name in ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+                if self._size(name) > 1]
+        return tuple(zip(*dims))
+
     def build_device_mesh(self, device_type: str):
-        """A DeviceMesh of this layout over the running processes, with Accelerate's dimension names (flattened
-        dp, dp_shard_cp and dp_cp included); None on one process. The Accelerator's own mesh is
-        `accelerator.torch_device_mesh`: this builds another (new process groups), as Accelerate's does."""
-        import torch.distributed as dist
+        """A DeviceMesh of this layout over the running processes, as Accelerate builds it: init_device_mesh over
+        the enabled dimensions (`_get_mesh`), then the flattened `dp`, `dp_shard_cp` and `dp_cp`; None when no
+        dimension is above 1. With accel's pipeline stages (pp_size > 1) it is accel's topology mesh. The
+        Accelerator's own mesh is `accelerator.torch_device_mesh`: this builds another (new process groups)."""
+        if self.pp_size > 1:
+            import torch.distributed as dist
 
-        from accel.topology import Topology  # the topology imports this module
+            from accel.topology import Topology  # the topology imports this module
 
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world == 1:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            return Topology.for_config(world, self, accelerate_names=True).mesh(device_type)
+        mesh = self._get_mesh()
+        if not mesh:
             return None
-        return Topology.for_config(world, self, accelerate_names=True).mesh(device_type)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, shape = mesh
+        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        for dims, flat in ((self.dp_dim_names, "dp"), (self.dp_shard_cp_dim_names, "dp_shard_cp"),
+                           (self.dp_cp_dim_names, "dp_cp")):
+            if dims:
+                device_mesh[dims]._flatten(flat)
+        return device_mesh
 
     def get_device_mesh(self, device_type: str | None = None):
         """Accelerate's cached `build_device_mesh`."""

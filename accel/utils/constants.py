@@ -36,6 +36,8 @@ FSDP2_PYTORCH_VERSION = "2.6.0"
 DTENSOR_PYTORCH_VERSION = "2.5.0"
 BETA_TP_AVAILABLE_PYTORCH_VERSION = "2.3.0"
 BETA_CP_AVAILABLE_PYTORCH_VERSION = "2.6.0"
+BETA_TP_AVAILABLE_TRANSFORMERS_VERSION = "4.52.0"  # Accelerate's: transformers' tp_plan
+BETA_SP_AVAILABLE_DEEPSPEED_VERSION = "0.18.2"  # Accelerate's: DeepSpeed's sequence parallelism (not in accel)
 
 TORCH_DYNAMO_MODES = ["default", "reduce-overhead", "max-autotune"]
 
