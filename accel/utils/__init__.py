@@ -71,7 +71,8 @@ _LAZY = {
                      "is_torch_tensor", "listify", "pad_input_tensors"), "accel.utils.operations"),
     **dict.fromkeys(("check_os_kernel", "clean_state_dict_for_safetensors", "compile_regions", "convert_bytes",
                      "get_module_children_bottom_up", "get_pretty_name", "has_compiled_regions", "is_port_in_use",
-                     "load", "merge_dicts", "model_has_dtensor", "recursive_getattr", "save", "wait_for_everyone"),
+                     "load", "merge_dicts", "model_has_dtensor", "recursive_getattr", "save", "wait_for_everyone",
+                     "get_model_tp_size"),
                     "accel.utils.other"),
     **dict.fromkeys(("align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
                      "check_tied_parameters_on_same_device", "convert_file_size_to_int", "dtype_byte_size",
@@ -83,7 +84,8 @@ _LAZY = {
                      "get_cpu_distributed_information", "get_current_device_type", "get_gpu_info",
                      "parse_choice_from_env", "purge_accelerate_environment"), "accel.utils.environment"),
     **dict.fromkeys(("deepspeed_required", "torchao_required"), "accel.utils.imports"),
-    "PrepareForLaunch": "accel.utils.launch",
+    **dict.fromkeys(("PrepareForLaunch", "prepare_multi_gpu_env", "prepare_simple_launcher_cmd_env"),
+                    "accel.utils.launch"),
     "merge_fsdp_weights": "accel.checkpoint.merge",
 }
 

@@ -262,3 +262,13 @@ def get_module_children_bottom_up(model: torch.nn.Module, return_fqns: bool = Fa
                 stack.append((f"{name}.{child_name}" if name else child_name, child))
         ordered.append((name, module) if return_fqns else module)
     return ordered[::-1]
+
+
+def get_model_tp_size(model: torch.nn.Module) -> int | None:
+    """The tensor-parallel degree a transformers model was loaded with (`tp_plan`), or None: transformers < 5 keeps
+    it on the model (`model.tp_size`), 5 on `model.config.distributed_config` (an object, or a dict after JSON)."""
+    size = getattr(model, "tp_size", None)
+    if size is not None:
+        return size
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    return distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
