@@ -38,6 +38,18 @@ from accel.topology import Topology
 _NOT_YET = "is not available yet in accel"
 
 
+_SAFETENSORS_ONLY_WARNED = []  # save_state(safe_serialization=False) warns once per process
+
+
+def _warn_safetensors_only() -> None:
+    """Accelerate's pickle checkpoints are never written: the files stay safetensors + JSON, which load_state (and
+    Accelerate's loader, for the model files) reads the same way; say so once."""
+    if not _SAFETENSORS_ONLY_WARNED:
+        _SAFETENSORS_ONLY_WARNED.append(True)
+        warnings.warn("save_state(safe_serialization=False): accel never writes pickle checkpoints; saving "
+                      "safetensors + JSON as always (load_state reads them the same way)", UserWarning, stacklevel=3)
+
+
 class Accelerator:
     """Make a plain PyTorch training loop run on one CPU, many processes, GPUs or machines.
 
@@ -754,7 +766,7 @@ class Accelerator:
         from accel.checkpoint.training_state import save_training_state
 
         if not safe_serialization:
-            raise ValueError("save_state(safe_serialization=False): accel checkpoints are always safetensors + JSON")
+            _warn_safetensors_only()
         project = self.project_configuration
         if project.automatic_checkpoint_naming:
             if output_dir is not None:
