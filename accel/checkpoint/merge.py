@@ -9,12 +9,16 @@ A sharded checkpoint is what several ranks wrote together with torch.distributed
 
 DCP's own planner rebuilds every full tensor from the saved metadata (no model, no process group needed) and the
 result is written by `save_state_dict_sharded`: `model.safetensors` with every name of the model's state dict (a
-tied weight under each of its names), atomically, loadable by `from_pretrained` / `load_state_dict`. accel never pickles: `safe_serialization=False`
-(`--unsafe_serialization`) writes safetensors too, and says so once.
+tied weight under each of its names), atomically, loadable by `from_pretrained` / `load_state_dict`. accel never
+pickles: `safe_serialization=False` (`--unsafe_serialization`) writes safetensors too, and says so once.
+
+Accel's own `save_fsdp_model` (SHARDED_STATE_DICT) writes an accel checkpoint folder named `pytorch_model_fsdp_0`:
+both forms are recognised by their files, not their names.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -35,18 +39,35 @@ class MergeError(ValueError):
 def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.PathLike,
                        safe_serialization: bool = True, remove_checkpoint_dir: bool = False) -> Path | None:
     """Accelerate's `merge_fsdp_weights`: merge the sharded checkpoint `checkpoint_dir` into
-    `output_path/model.safetensors` (on the main process only, as in Accelerate; the others return None).
+    `output_path/model.safetensors`. In a distributed job every process calls it (as in Accelerate): the main one
+    merges, the others wait for it and return None; a failure is the same one-line MergeError on every rank.
     `remove_checkpoint_dir`: delete `checkpoint_dir` once the merged file is in place."""
     checkpoint_dir = Path(checkpoint_dir)
-    kind, folder = checkpoint_kind(checkpoint_dir)  # every rank checks, so a bad path fails everywhere
     if not safe_serialization:
         _say_unsafe_once()
-    if not _is_main_process():
-        return None
-    written = merge(kind, folder, Path(output_path))
-    if remove_checkpoint_dir:
-        shutil.rmtree(checkpoint_dir)
-    return written[0]
+    written, error = None, None
+    if _is_main_process():
+        try:
+            written = merge(*checkpoint_kind(checkpoint_dir), Path(output_path))[0]
+            if remove_checkpoint_dir:
+                shutil.rmtree(checkpoint_dir)
+        except MergeError as exc:
+            error = str(exc)
+    error = _from_main(error)
+    if error is not None:
+        raise MergeError(error)
+    return written
+
+
+def _from_main(value):
+    """The main process's `value` on every process of a job (the others wait for its merge); as is otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _say_unsafe_once() -> None:
@@ -116,13 +137,18 @@ def merge(kind: str, folder: Path, output: Path) -> list[Path]:
 
 def _read_dcp(reader, planner) -> dict:
     import torch.distributed.checkpoint.format_utils as dcp_format
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     state: dict = {}
+    root = logging.getLogger()  # DCP's loader logs a damaged file's traceback on the root logger: the error says it
+    was_disabled, root.disabled = root.disabled, True
     try:
         dcp_format._load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
-    except Exception as exc:  # a damaged or truncated file: DCP's CheckpointException carries a traceback per rank
+    except (Exception, CheckpointException) as exc:  # a damaged or truncated file; DCP's carries tracebacks
         first = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
         raise MergeError(f"cannot read the checkpoint in {reader.path}: {first}") from None
+    finally:
+        root.disabled = was_disabled
     return state
 
 

@@ -272,7 +272,8 @@ def test_tpu_config_is_refused_in_one_line(capsys):
 
 def test_to_fsdp2_converts_fsdp1_keys(tmp_path):
     source = tmp_path / "fsdp1.yaml"
-    source.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+    source.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n"
+                      "  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
                       "  fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_use_orig_params: true\n"
                       "  fsdp_offload_params: false\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n")
     args = to_fsdp2_cmd.to_fsdp2_command_parser().parse_args(["--config_file", str(source), "--output_file",
