@@ -99,6 +99,27 @@ class AORecipeKwargs(KwargsHandler):
     module_filter_func: Callable | None = None
 
 
+class _UnavailableRecipe(KwargsHandler):
+    """Accelerate's fp8 recipes for Transformer Engine and MS-AMP: importable (scripts import them beside
+    AORecipeKwargs), but accel's fp8 is torchao's, so building one is a one-line NotImplementedError."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}: Transformer Engine / MS-AMP fp8 is not available in accel "
+                                  "(its fp8 is torchao's); allowed: AORecipeKwargs")
+
+
+class TERecipeKwargs(_UnavailableRecipe):
+    """Accelerate's Transformer Engine fp8 recipe (not available: see _UnavailableRecipe)."""
+
+
+class MSAMPRecipeKwargs(_UnavailableRecipe):
+    """Accelerate's MS-AMP fp8 recipe (not available: see _UnavailableRecipe)."""
+
+
+class FP8RecipeKwargs(_UnavailableRecipe):
+    """Accelerate's deprecated name for TERecipeKwargs / MSAMPRecipeKwargs (not available: see _UnavailableRecipe)."""
+
+
 @dataclass
 class ProfileKwargs(KwargsHandler):
     """Options of `torch.profiler.profile` for `Accelerator.profile()` (Accelerate's): `activities` are names

@@ -33,7 +33,7 @@ _LAZY = {
     "ProjectConfiguration": "accel.checkpoint",
     **dict.fromkeys(("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "DynamoBackend",
                      "TorchTensorParallelPlugin"), "accel.plugins"),
-    "ProfileKwargs": "accel.kwargs",
+    **dict.fromkeys(("ProfileKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs"), "accel.kwargs"),
     "GradientAccumulationPlugin": "accel.accumulation",
     **dict.fromkeys((  # big-model inference helpers
         "check_device_map", "clean_device_map", "compute_module_sizes", "find_tied_parameters", "get_balanced_memory",
