@@ -1,6 +1,6 @@
 """`accel merge-weights` on one process: a DCP folder written with `no_dist` (the format of Accelerate's
 pytorch_model_fsdp_0) merges exactly; every bad input is one line on stderr with exit code 2. The 2-process ZeRO-3
-checkpoints are merged in tests/multiproc/test_merge_weights.py."""
+checkpoints are merged in tests/multiproc/test_merge_weights.py (a different basename: pytest imports both by name)."""
 
 from __future__ import annotations
 
