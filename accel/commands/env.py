@@ -71,8 +71,9 @@ def env_command(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    env_command(env_command_parser().parse_args())
-    return 0
+    from accel.commands.utils import run_main
+
+    return run_main("accelerate env", lambda: env_command(env_command_parser().parse_args()))
 
 
 if __name__ == "__main__":

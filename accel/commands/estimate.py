@@ -150,9 +150,12 @@ def estimate_command(args: argparse.Namespace) -> list[list]:
     return rows
 
 
-def main() -> None:
-    estimate_command(estimate_command_parser().parse_args())
+def main() -> int:
+    from accel.commands.utils import run_main
+
+    return run_main("accelerate estimate-memory", lambda: estimate_command(estimate_command_parser().parse_args()),
+                    (ValueError, OSError, RuntimeError))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

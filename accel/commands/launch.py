@@ -181,11 +181,17 @@ def launch_command(args: argparse.Namespace) -> None:
         raise subprocess.CalledProcessError(returncode=result.returncode, cmd=cmd)
 
 
-def main() -> None:
-    parser = launch_command_parser()
-    args = parser.parse_args()
-    launch_command(args)
+def main() -> int:
+    from accel.commands.utils import run_main
+
+    def run():
+        try:
+            launch_command(launch_command_parser().parse_args())
+        except subprocess.CalledProcessError as exc:  # accel launch has said why
+            raise SystemExit(exc.returncode) from None
+
+    return run_main("accelerate launch", run)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

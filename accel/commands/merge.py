@@ -26,9 +26,12 @@ def merge_command(args: argparse.Namespace) -> None:
                        args.remove_checkpoint_dir)
 
 
-def main() -> None:
-    merge_command(merge_command_parser().parse_args())
+def main() -> int:
+    from accel.checkpoint.merge import MergeError
+    from accel.commands.utils import run_main
+
+    return run_main("accel merge-weights", lambda: merge_command(merge_command_parser().parse_args()), (MergeError,))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

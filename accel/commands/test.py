@@ -46,9 +46,12 @@ def test_command(args: argparse.Namespace) -> None:
     print("Test is a success! You are ready for your distributed training!")
 
 
-def main() -> None:
-    test_command(test_command_parser().parse_args())
+def main() -> int:
+    from accel.commands.utils import run_main
+
+    return run_main("accelerate test", lambda: test_command(test_command_parser().parse_args()),
+                    (subprocess.CalledProcessError,))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

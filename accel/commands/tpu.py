@@ -31,5 +31,11 @@ def tpu_command_launcher(args: argparse.Namespace) -> None:
     raise UsageError(REFUSAL)
 
 
-def main() -> None:
-    tpu_command_launcher(tpu_command_parser().parse_args())
+def main() -> int:
+    from accel.commands.utils import run_main
+
+    return run_main("accelerate tpu-config", lambda: tpu_command_launcher(tpu_command_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -71,3 +71,20 @@ def without_accelerate_defaults(args: argparse.Namespace, parser: CommandParser)
         if dest in own and dest not in given and getattr(args, dest, None) == value:
             setattr(out, dest, own[dest])
     return out
+
+
+def run_main(prog: str, run, errors: tuple = ()) -> int:
+    """A module's `main()` (`python -m accel.commands.X`): a user error is one line `PROG: error: ...` on stderr
+    and exit code 2, as `accel`'s CLI does; `errors` adds exception types that are user errors for this command."""
+    import sys
+
+    from accel.cli._common import UsageError
+    from accel.config import ConfigError
+
+    try:
+        run()
+    except (ConfigError, UsageError, *errors) as exc:
+        sys.stdout.flush()
+        sys.stderr.write(f"{prog}: error: {' '.join(str(exc).split())}\n")
+        return 2
+    return 0

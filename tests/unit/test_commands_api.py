@@ -287,6 +287,19 @@ def test_to_fsdp2_converts_fsdp1_keys(tmp_path):
         to_fsdp2_cmd.to_fsdp2_command(args)
 
 
+def test_module_mains_report_user_errors_in_one_line(capsys, tmp_path, monkeypatch):
+    """`python -m accel.commands.X` (Accelerate's `python -m accelerate.commands.X`): one line, exit 2."""
+    cases = [(launch_cmd, ["--mixed_precision", "fp12", "t.py"], "accelerate launch: error: ", "mixed_precision"),
+             (merge_cmd, [str(tmp_path / "nope"), "o"], "accel merge-weights: error: ", "not found"),
+             (tpu_cmd, ["--debug"], "accelerate tpu-config: error: ", "TPUs"),
+             (estimate_cmd, [str(tmp_path / "nope.json")], "accelerate estimate-memory: error: ", "nope.json")]
+    for module, argv, prefix, needle in cases:
+        monkeypatch.setattr(sys, "argv", ["x", *argv])
+        assert module.main() == 2, module.__name__
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(prefix) and needle in err[0], err
+
+
 def test_accelerate_cli_main_is_accels_cli(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert accelerate_cli.main(["merge-weights", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2

@@ -23,9 +23,11 @@ def config_command(args: argparse.Namespace) -> int:
     return accel_config.run_questionnaire(args)
 
 
-def main() -> None:
-    raise SystemExit(config_command(config_command_parser().parse_args()))
+def main() -> int:
+    from accel.commands.utils import run_main
+
+    return run_main("accelerate config", lambda: config_command(config_command_parser().parse_args()))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
