@@ -55,3 +55,12 @@ TORCH_DISTRIBUTED_OPERATION_TYPES = [
     *CUDA_DISTRIBUTED_TYPES, "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_CPU",
     "MULTI_HPU", "MULTI_NEURON",
 ]
+
+
+def __getattr__(name: str):
+    """`SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING` (layer classes, so it needs torch): accel.hooks' tuple, on first use."""
+    if name == "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING":
+        from accel.hooks import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
+
+        return SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
+    raise AttributeError(f"module 'accel.utils.constants' has no attribute {name!r}")
