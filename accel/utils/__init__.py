@@ -72,7 +72,7 @@ _LAZY = {
     **dict.fromkeys(("check_os_kernel", "clean_state_dict_for_safetensors", "compile_regions", "convert_bytes",
                      "get_module_children_bottom_up", "get_pretty_name", "has_compiled_regions", "is_port_in_use",
                      "load", "merge_dicts", "model_has_dtensor", "recursive_getattr", "save", "wait_for_everyone",
-                     "get_model_tp_size"),
+                     "get_model_tp_size", "has_transformer_engine_layers"),
                     "accel.utils.other"),
     **dict.fromkeys(("align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
                      "check_tied_parameters_on_same_device", "convert_file_size_to_int", "dtype_byte_size",

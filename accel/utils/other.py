@@ -272,3 +272,16 @@ def get_model_tp_size(model: torch.nn.Module) -> int | None:
         return size
     distributed = getattr(getattr(model, "config", None), "distributed_config", None)
     return distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
+
+
+def has_transformer_engine_layers(model: torch.nn.Module) -> bool:
+    """Whether `model` holds Transformer Engine layers (Accelerate's check); an ImportError without
+    transformer_engine installed, as in Accelerate (accel's own fp8 is torchao's and never adds them)."""
+    from accel.utils.imports import is_transformer_engine_available
+
+    if not is_transformer_engine_available():
+        raise ImportError("Using `has_transformer_engine_layers` requires transformer_engine to be installed.")
+    import transformer_engine.pytorch as te
+
+    kinds = (te.LayerNorm, te.Linear, te.TransformerLayer)
+    return any(isinstance(module, kinds) for module in model.modules())
