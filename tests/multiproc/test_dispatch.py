@@ -1,6 +1,6 @@
 """dispatch_batches (Accelerate's `DataLoaderDispatcher`) on 2 CPU processes, one launch: the main process reads,
 every rank trains on its slice. Checked against one process of plain PyTorch on the global batches (weights within
-atol 1e-6), against the sharded loader's order (exact), and against Accelerate's layout of an uneven last round."""
+atol 1e-6), against the orders Accelerate's rules give (exact), and against Accelerate's layout of an uneven last round."""
 
 import json
 
@@ -44,12 +44,21 @@ def test_training_on_a_dispatched_stream_matches_one_process(run):
     assert results["metrics_rows"] == [float(i) for i in range(44)]  # rank 0's rows only, in order, none twice
 
 
-def test_dispatched_order_equals_sharded_order(run):
+def test_dispatched_and_sharded_orders_follow_the_users_generator_as_in_accelerate(run):
+    """DataLoader(shuffle=True, generator=g): sharded, each pass first draws the workers' base seed from g (the
+    loader's generator), then the permutation; dispatched, Accelerate drops the generator from the base loader, so the
+    base seed comes from the global RNG and the permutations are g's own."""
     _, results = run
-    assert results["dispatched"] == results["sharded"]
-    flat = sorted(i for batch in results["dispatched"]["epochs"][0] for i in batch)
-    assert flat == list(range(30))
-    assert results["dispatched"]["epochs"][0] != results["dispatched"]["epochs"][1]  # reshuffled per epoch
+    g = torch.Generator().manual_seed(7)
+    dispatched = [list(torch.utils.data.RandomSampler(range(30), generator=g)) for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    sharded = []
+    for _ in range(2):
+        torch.empty((), dtype=torch.int64).random_(generator=g)
+        sharded.append(list(torch.utils.data.RandomSampler(range(30), generator=g)))
+    for name, expected in (("dispatched", dispatched), ("sharded", sharded)):
+        got = results[name]["epochs"]
+        assert [[i for batch in epoch for i in batch] for epoch in got] == expected, name
 
 
 def test_uneven_last_round_is_padded_as_accelerate_does(run):
