@@ -54,8 +54,9 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 # -- wrappers: PEFT, torch.compile, DDP -----------------------------------------------------------------------
 
-def _peft_class(module_name: str, name: str):
-    """A peft class, only when peft is already imported (a model that holds peft layers imported it)."""
+def _loaded_class(module_name: str, name: str):
+    """A class of a wrapper's module, only when that module is imported (a model it wrapped imported it): the
+    check imports nothing (neither peft nor torch._dynamo, seconds each)."""
     return getattr(sys.modules.get(module_name), name, None)
 
 
@@ -65,10 +66,10 @@ def _wrapped_child(module: nn.Module) -> str | None:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     kinds = [(DistributedDataParallel, "module"), (DataParallel, "module")]
-    kinds += [(_peft_class("peft", "PeftModel"), "base_model"), (_peft_class("peft", "PeftMixedModel"), "base_model"),
-              (_peft_class("peft.tuners.tuners_utils", "BaseTuner"), "model")]
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    kinds.append((getattr(optimized, "OptimizedModule", None), "_orig_mod"))
+    kinds += [(_loaded_class("peft", "PeftModel"), "base_model"), (_loaded_class("peft", "PeftMixedModel"),
+                                                                    "base_model"),
+              (_loaded_class("peft.tuners.tuners_utils", "BaseTuner"), "model"),
+              (_loaded_class("torch._dynamo.eval_frame", "OptimizedModule"), "_orig_mod")]  # imported by compile
     for kind, child in kinds:
         if kind is not None and isinstance(module, kind) and isinstance(module._modules.get(child), nn.Module):
             return child
@@ -91,8 +92,8 @@ def bare_name(name: str, prefix: str) -> str:
 
 def is_peft_layer(module: nn.Module) -> bool:
     """A layer peft put in place of the model's own: a tuner layer (LoRA, IA3, ...) or a modules_to_save copy."""
-    kinds = [_peft_class("peft.tuners.tuners_utils", "BaseTunerLayer"), _peft_class("peft.utils.other",
-                                                                                    "AuxiliaryTrainingWrapper")]
+    kinds = [_loaded_class("peft.tuners.tuners_utils", "BaseTunerLayer"),
+             _loaded_class("peft.utils.other", "AuxiliaryTrainingWrapper")]
     return any(kind is not None and isinstance(module, kind) for kind in kinds)
 
 
@@ -101,8 +102,8 @@ def is_lora_linear(module: nn.Module) -> bool:
     not DoRA or another variant, whose forward also reads the whole base weight."""
     lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
     base = getattr(module, "base_layer", None)
-    return (isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict) and isinstance(base, nn.Module)
-            and is_linear(base) and not getattr(module, "lora_variant", None)
+    return (is_peft_layer(module) and isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)
+            and isinstance(base, nn.Module) and is_linear(base) and not getattr(module, "lora_variant", None)
             and not len(getattr(module, "lora_magnitude_vector", None) or ())
             and all(is_linear(m) for m in (*lora_a.values(), *lora_b.values())))
 
@@ -213,8 +214,9 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
     for key, style in base.items():
         plan[f"{prefix}.{key}" if has_base else key] = style
         found[f"{prefix}.{key}" if has_base else key] = f"{type(config).__name__}.base_model_tp_plan['{key}']"
-    for key, style in (getattr(model, "_tp_plan", None) or {}).items():
-        plan[key], found[key] = style, f"{type(model).__name__}._tp_plan['{key}']"
+    for key, style in (getattr(model, "_tp_plan", None) or {}).items():  # transformers copies the config's here
+        if plan.get(key) != style:
+            plan[key], found[key] = style, f"{type(model).__name__}._tp_plan['{key}']"
     translated, skipped = {}, []
     for key, style in plan.items():
         style = _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))

@@ -1,7 +1,8 @@
 """PEFT (LoRA through peft's get_peft_model) on a tiny Llama under DDP, ZeRO-3, TP 2 and TP 2 x DP 2, against one
-plain-PyTorch process: per-step losses and trained adapter weights within atol 1e-5 (fp32), every base weight
+plain-PyTorch process (fp32, SGD): per-step losses and trained adapter weights within atol 1e-5, every base weight
 bit-equal to its start, and the adapter saved with Accelerate's documented save_pretrained pattern reloads in
-PeftModel.from_pretrained with the same logits (atol 1e-5). One launch per layout runs all the checks."""
+PeftModel.from_pretrained with the same logits (atol 1e-5). A LoRA GPT-2 (Conv1D layers, the fused q/k/v c_attn,
+a modules_to_save head) trains beside it, checked alike. One launch per layout runs all the checks."""
 
 import json
 
@@ -40,14 +41,37 @@ def reference():
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=probe).logits
-    return worker, initial, model.state_dict(), losses, logits, probe
+    gpt2 = worker.make_gpt2()
+    gpt2_initial = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    optimizer = worker.make_optimizer(gpt2.parameters())
+    gpt2_losses = []
+    for batch in (tokens % worker.GPT2_VOCAB).split(worker.BATCH):
+        loss = gpt2(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        gpt2_losses.append(loss.item())
+    gpt2_run = (gpt2_initial, gpt2.state_dict(), gpt2_losses)
+    return worker, initial, model.state_dict(), losses, logits, probe, gpt2_run
+
+
+def check_weights(final: dict, initial: dict, trained: dict, *trainable: str) -> None:
+    """Every weight whose name holds one of `trainable` trained as one process trains it (and changed), every other
+    one bit-equal to its start."""
+    assert final.keys() == initial.keys()
+    for key, value in final.items():
+        if any(part in key for part in trainable):
+            assert torch.allclose(value, trained[key], atol=ATOL, rtol=0), (key, (value - trained[key]).abs().max())
+            assert not torch.equal(value, initial[key]), key
+        else:
+            assert torch.equal(value, initial[key]), key
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_trains_saves_and_reloads_as_one_process(isolated_env, tmp_path, reference, layout):
     from peft import PeftModel
 
-    worker, initial, trained, ref_losses, ref_logits, probe = reference
+    worker, initial, trained, ref_losses, ref_logits, probe, gpt2_run = reference
     processes, flags = LAYOUTS[layout]
     env = {**isolated_env, "HF_HUB_OFFLINE": "1"}
     proc = accel_launch(env, "--cpu", "--num_processes", processes, *flags, SCRIPTS / "peft_lora.py",
@@ -63,15 +87,17 @@ def test_lora_trains_saves_and_reloads_as_one_process(isolated_env, tmp_path, re
         record["losses"], ref_losses)
 
     final = load_file(str(tmp_path / "final.safetensors"))
-    assert final.keys() == initial.keys()
-    adapters = [k for k in final if "lora_" in k]
-    assert len(adapters) == 2 * (5 * 2 + 1)  # A and B of 5 targets x 2 layers, and of lm_head
-    for key, value in final.items():
-        if "lora_" in key:  # trained as one process trains it, and changed by training
-            assert torch.allclose(value, trained[key], atol=ATOL, rtol=0), (key, (value - trained[key]).abs().max())
-            assert not torch.equal(value, initial[key]), key
-        else:  # frozen: bit-equal to the start
-            assert torch.equal(value, initial[key]), key
+    assert len([k for k in final if "lora_" in k]) == 2 * (5 * 2 + 1)  # A, B of 5 targets x 2 layers, and lm_head
+    check_weights(final, initial, trained, "lora_")
+
+    # GPT-2: LoRA on Conv1D layers and on the fused q/k/v (split into whole heads), a modules_to_save lm_head
+    gpt2_initial, gpt2_trained, gpt2_losses = gpt2_run
+    if "--tp_size" in flags:
+        assert "base_model.model.transformer.h.0.attn.c_attn: fused_qkv" in proc.stdout
+        assert "base_model.model.lm_head: colwise_rep" in proc.stdout
+    assert torch.allclose(torch.tensor(record["gpt2_losses"]), torch.tensor(gpt2_losses), atol=ATOL, rtol=0)
+    gpt2_final = load_file(str(tmp_path / "gpt2.safetensors"))
+    check_weights(gpt2_final, gpt2_initial, gpt2_trained, "lora_", "modules_to_save.")  # the head's trained copy
 
     reloaded = PeftModel.from_pretrained(worker.make_base(), str(tmp_path / "adapter")).eval()
     with torch.no_grad():

@@ -132,3 +132,94 @@ def test_fused_order_round_trips():
     assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], torch.arange(12.0))
     assert fused.layouts(module) == {"weight": "fused 3 parts, reordered for tp_size=2",
                                      "bias": "fused 3 parts, reordered for tp_size=2"}
+
+
+# -- wrapped models: PEFT, torch.compile, DataParallel; LoRA layers; where a bad entry came from ---------------
+
+def _tiny_llama(**lora):
+    """A tiny transformers Llama (its own base_model_tp_plan), LoRA-wrapped by peft when `lora` is given."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
+    model = transformers.LlamaForCausalLM(config)
+    if not lora:
+        return model
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=2, **lora))
+
+
+def test_a_plan_for_the_bare_model_matches_through_wrapper_prefixes():
+    from accel.backends.tensor_plan import wrapper_prefix
+
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+    lora = _tiny_llama(target_modules=["q_proj", "o_proj"])
+    assert wrapper_prefix(lora)[0] == "base_model.model."
+    assert expand_plan(lora, plan) == {f"base_model.model.model.layers.{i}.self_attn.{p}": s
+                                       for p, s in (("q_proj", "colwise"), ("o_proj", "rowwise")) for i in (0, 1)}
+    # the full (wrapped) name works too, and a pattern that reaches inside a LoRA layer means the LoRA layer
+    assert expand_plan(lora, {"base_model.model.model.layers.0.self_attn.q_proj.base_layer": "colwise"}) == {
+        "base_model.model.model.layers.0.self_attn.q_proj": "colwise"}
+    bare = _tiny_llama()
+    for wrapped, prefix in ((torch.compile(bare), "_orig_mod."), (torch.nn.DataParallel(bare), "module.")):
+        assert wrapper_prefix(wrapped) == (prefix, bare)
+        assert sorted(expand_plan(wrapped, plan)) == sorted(f"{prefix}{k}" for k in expand_plan(bare, plan))
+    # the model's own plan is read from the model inside the wrappers, in its own names
+    assert model_plan(lora) == model_plan(bare) and "model.layers.*.self_attn.q_proj" in model_plan(lora)
+
+
+def test_lora_layers_are_planned_as_the_layers_they_wrap_and_split_with_their_adapters():
+    from accel.backends.tensor_plan import kept_whole, torch_pieces
+
+    lora = _tiny_llama(target_modules=["q_proj", "o_proj", "lm_head"])
+    plan = automatic_plan(lora)
+    attn = "base_model.model.model.layers.0.self_attn"
+    assert plan[f"{attn}.q_proj"] == "colwise" and plan[f"{attn}.o_proj"] == "rowwise"
+    assert plan["base_model.model.lm_head"] == "colwise_rep" and f"{attn}.q_proj.base_layer" not in plan
+    check_divisible(lora, plan, 2)
+    modules = dict(lora.named_modules())
+    # column-wise: lora_B by its outputs (lora_A whole); row-wise: lora_A by its inputs (lora_B whole)
+    assert torch_pieces(f"{attn}.q_proj", modules[f"{attn}.q_proj"], "colwise") == [
+        (f"{attn}.q_proj.base_layer", "colwise"), (f"{attn}.q_proj.lora_B.default", "colwise")]
+    assert torch_pieces(f"{attn}.o_proj", modules[f"{attn}.o_proj"], "rowwise") == [
+        (f"{attn}.o_proj.base_layer", "rowwise"), (f"{attn}.o_proj.lora_A.default", "rowwise")]
+    assert not any("lora" in k or "base_layer" in k for k in kept_whole(lora, plan))  # go with their layer
+
+
+def test_a_lora_layer_accel_cannot_split_is_kept_whole_or_refused():
+    from accel.backends.tensor_plan import check_peft_layers
+
+    lora = _tiny_llama(target_modules=["embed_tokens", "q_proj"])
+    embed = "base_model.model.model.embed_tokens"
+    plan, whole = check_peft_layers(lora, {embed: "rowwise_rep"})  # whole input and output: keeping it whole is exact
+    assert plan == {} and "accel splits LoRA only around a Linear/Conv1D" in whole[embed]
+    with pytest.raises(ConfigError, match=f"layer '{embed}' \\(colwise, from parallelism.tp_plan\\) is peft "
+                                          "Embedding .*which accel cannot split; allowed: plain LoRA"):
+        check_peft_layers(lora, {embed: "colwise"})
+
+
+def test_plan_errors_name_where_the_plan_came_from():
+    from types import SimpleNamespace
+
+    from accel.backends.tensor import plan_for
+
+    lora = _tiny_llama(target_modules=["q_proj"])
+    with pytest.raises(ConfigError, match="^parallelism.tp_plan: 'model.layers.*.self_attn.qq_proj' matches no "
+                                          "module of the model; allowed: the name of a module as the bare "
+                                          "LlamaForCausalLM names it \\(or with the wrappers' prefix "
+                                          "'base_model.model.'\\), '\\*' matching any part; closest: "
+                                          "'model.layers.\\*.self_attn.q_proj'"):
+        plan_for(lora, SimpleNamespace(tp_plan={"model.layers.*.self_attn.qq_proj": "colwise"}), 2, False)
+    with pytest.raises(ConfigError, match="^parallelism.tp_plan: 'model.norm': bad style 'diagonal'"):
+        plan_for(lora, SimpleNamespace(tp_plan={"model.norm": "diagonal"}), 2, False)
+
+    bare = _tiny_llama()
+    bare.config.base_model_tp_plan = {**bare.config.base_model_tp_plan, "layers.*.mlp.nope": "colwise"}
+    with pytest.raises(ConfigError, match="^the model's own plan \\(LlamaConfig.base_model_tp_plan"
+                                          "\\['layers.\\*.mlp.nope'\\]\\): 'model.layers.\\*.mlp.nope' matches no"):
+        plan_for(bare, SimpleNamespace(tp_plan=None), 2, False)
+    bare.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "colwise"}
+    with pytest.raises(ConfigError, match="has out_features=32, not divisible by tp_size=3 \\(allowed: a tp_size "
+                                          "dividing 32; the entry is from the model's own plan \\(LlamaConfig"):
+        plan_for(bare, SimpleNamespace(tp_plan=None), 3, False)
+    with pytest.raises(ConfigError, match="the entry is from accel's built-in plan for Net\\)"):
+        plan_for(Net(), SimpleNamespace(tp_plan=None), 3, False)
