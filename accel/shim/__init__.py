@@ -58,6 +58,14 @@ class AccelerateAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         """Nothing: the accel module is already executed."""
 
+    def get_code(self, fullname: str):
+        """The accel module's code, for `python -m accelerate.X` (runpy runs it as `__main__`)."""
+        accel_name = "accel" + fullname[len("accelerate"):]
+        spec = importlib.util.find_spec(accel_name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(accel_name + ".__main__")
+        return None if spec is None else spec.loader.get_code(spec.name)
+
     @staticmethod
     def _real_spec(fullname: str):
         root = real_accelerate_dir()

@@ -37,6 +37,16 @@ def test_shim_resolves_accelerate_to_accel():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_shim_runs_accelerate_modules_with_python_m():
+    """`python -m accelerate.commands.launch ...` (how Accelerate's tests and some job scripts launch) runs accel's
+    module as __main__ through the shim."""
+    from accel.shim import PATH
+
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--help"],
+                         env={"PYTHONPATH": PATH, "PATH": ""}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: accelerate launch"), out.stderr
+
+
 def test_loader_follows_the_users_generator_set_after_prepare():
     """Accelerate's semantics: the shuffle is the user's DataLoader(shuffle=True, generator=g) order, with g as it is
     when iteration starts (the test scripts seed it after prepare)."""
