@@ -103,13 +103,25 @@ def _owner(objects: TrainingObjects, optimizer) -> int:
     raise CheckpointError("save_state: an optimizer updates parameters of no prepared model; prepare the model too")
 
 
+def _optimizer_state(backend, model, optimizer) -> dict:
+    """The optimizer's checkpoint state dict. torch's DCP helpers first give an optimizer without state one (a
+    zero-gradient step at lr 0: Adam's step count becomes 1), which would change the training that follows a
+    save before the first step; a fresh optimizer is therefore left fresh, and its checkpoint says so
+    (`accel_fresh`), so loading it leaves the optimizer fresh too, as Accelerate's state_dict round trip does."""
+    fresh = isinstance(getattr(optimizer, "state", None), dict) and not optimizer.state
+    state = backend.checkpoint_optimizer_state(model, optimizer)
+    if fresh:
+        optimizer.state.clear()
+    return {**state, "accel_fresh": fresh}
+
+
 def _collect(objects: TrainingObjects, model_states: list) -> dict:
     """The whole state tree (tensors and plain values) of everything in the checkpoint but the RNG; the models'
     part is `model_states` (after the pre-hooks)."""
     backend = objects.backend
     return {
         "models": model_states,
-        "optimizers": [backend.checkpoint_optimizer_state(objects.models[_owner(objects, o)], o.optimizer)
+        "optimizers": [_optimizer_state(backend, objects.models[_owner(objects, o)], o.optimizer)
                        for o in objects.optimizers],
         "schedulers": [s.state_dict() for s in objects.schedulers],
         "dataloaders": [d.state_dict() for d in objects.dataloaders if hasattr(d, "state_dict")],
@@ -508,7 +520,11 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
             backend.load_checkpoint_model_state(model, sd)
         for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"])):
             what = f"optimizer {i}"
+            sd = dict(sd)
+            fresh = sd.pop("accel_fresh", False)
             backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
+            if fresh:  # saved before its first step: no state, as it was
+                opt.optimizer.state.clear()
     except Exception as exc:
         for obj, before in reversed(undo):
             with contextlib.suppress(Exception):
