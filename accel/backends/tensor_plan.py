@@ -93,7 +93,8 @@ def bare_name(name: str, prefix: str) -> str:
 def is_peft_layer(module: nn.Module) -> bool:
     """A layer peft put in place of the model's own: a tuner layer (LoRA, IA3, ...) or a modules_to_save copy."""
     kinds = [_loaded_class("peft.tuners.tuners_utils", "BaseTunerLayer"),
-             _loaded_class("peft.utils.other", "AuxiliaryTrainingWrapper")]
+             _loaded_class("peft.utils.other", "AuxiliaryTrainingWrapper"),
+             _loaded_class("peft.utils.other", "ModulesToSaveWrapper")]  # its own base class in older peft
     return any(kind is not None and isinstance(module, kind) for kind in kinds)
 
 
