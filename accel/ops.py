@@ -280,11 +280,14 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     return recursively_apply(_one, tensor)
 
 
-def concatenate(data: list) -> Any:
-    """Join a list of same-structured nested batches along dim 0."""
+def concatenate(data: list, dim: int = 0) -> Any:
+    """Join a list of same-structured nested batches along `dim`; a single leaf comes back as it is (even when it
+    is not a tensor), as in Accelerate."""
     first = data[0]
     if isinstance(first, (tuple, list)):
-        return type(first)(concatenate([d[i] for d in data]) for i in range(len(first)))
+        return type(first)(concatenate([d[i] for d in data], dim) for i in range(len(first)))
     if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data]) for k in first})
-    return torch.cat(data, dim=0)
+        return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})
+    if len(data) == 1:
+        return first
+    return torch.cat(data, dim=dim)
