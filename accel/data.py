@@ -393,6 +393,16 @@ class DataLoaderShard(DataLoader):
     epoch = `iteration` (seeding the shuffle and the workers' base seed) and bumps it when it completes.
     """
 
+    def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
+        """Accelerate's `DataLoaderShard(..., use_stateful_dataloader=True)` (and the dispatcher's): the same loader
+        on torchdata's StatefulDataLoader (accel.data_stateful's subclass)."""
+        if use_stateful_dataloader:
+            shard, dispatcher = _stateful_classes()
+            stateful = dispatcher if issubclass(cls, DataLoaderDispatcher) else shard
+            if not issubclass(cls, stateful):
+                cls = stateful
+        return super().__new__(cls)
+
     def __init__(
         self,
         dataset,
@@ -401,9 +411,11 @@ class DataLoaderShard(DataLoader):
         gradient_state=None,
         non_blocking: bool = False,
         skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,  # chose the class (__new__)
         **kwargs,
     ):
         super().__init__(dataset, **kwargs)
+        self.use_stateful_dataloader = type(self).__module__ == "accel.data_stateful"  # Accelerate's attribute
         self.device = device
         self.seed = int(seed)
         self.gradient_state = gradient_state
@@ -616,6 +628,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         self._global_drop_last, self._global_batch_size = global_drop_last, global_batch_size
         self._base_kwargs = dict(kwargs)  # rebuilds the same loader (skip_first_batches)
         self._dispatched_remainder, self._round_position = -1, None
+        kwargs.pop("use_stateful_dataloader", None)  # chose the class (DataLoaderShard.__new__)
         settings = {k: kwargs.pop(k) for k in ("device", "seed", "gradient_state", "non_blocking", "skip_batches")
                     if k in kwargs}
         super().__init__(dataset, **settings, **kwargs)
