@@ -89,6 +89,22 @@ def model_has_dtensor(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _unwrap_original_forward(model: torch.nn.Module) -> None:
+    """Accelerate's convention: a model whose `forward` was wrapped (convert_outputs_to_fp32, autocast) keeps the
+    original in `_original_forward`; follow `__wrapped__` back to it and put it back (the class's own forward is
+    simply uncovered again, so the model pickles)."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    forward = model.forward
+    while hasattr(forward, "__wrapped__") and forward != original:
+        forward = forward.__wrapped__
+    if getattr(forward, "__self__", None) is model and getattr(forward, "__func__", None) is type(model).forward:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = forward if getattr(forward, "__self__", None) is model else types.MethodType(forward, model)
+
+
 def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                                 keep_torch_compile: bool = True, recursive: bool = False) -> torch.nn.Module:
     """The user's module inside DDP (`.module`) and, unless `keep_torch_compile`, a `torch.compile` wrapper (or the
@@ -106,6 +122,7 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
         inner = inner.module
     if not keep_fp32_wrapper:
         PrecisionPolicy.unwrap_forward(inner)
+        _unwrap_original_forward(inner)
     if compiled is None or not keep_torch_compile:
         return inner
     if is_compiled_module(compiled):

@@ -59,3 +59,20 @@ def test_not_oom_and_custom_reduction():
         ours.find_executable_batch_size(lambda batch_size: None, starting_batch_size=0)()
     with pytest.raises(TypeError, match="Batch size was passed"):
         ours.find_executable_batch_size(lambda batch_size, a: None)(128, "a")
+
+
+def test_undo_convert_outputs_pickles():
+    """Accelerate's convention: `_original_forward` kept, forward wrapped by convert_outputs_to_fp32; unwrapping with
+    keep_fp32_wrapper=False puts the class's forward back (the model pickles, outputs as before)."""
+    import pickle
+
+    from accel.utils import convert_outputs_to_fp32, extract_model_from_parallel
+
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    expected = model(x)
+    model._original_forward = model.forward
+    model.forward = convert_outputs_to_fp32(model.forward)
+    model = extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    assert "forward" not in model.__dict__ and "_original_forward" not in model.__dict__
+    assert torch.equal(pickle.loads(pickle.dumps(model))(x), expected)
