@@ -1,0 +1,38 @@
+"""Accelerate 1.15's own unit tests (`tests/test_*.py` of its source distribution, downloaded by pip at run time
+into a temp cache, unchanged) on accel through the shim: exactly the tests listed in
+tests/accelerate_compat/unit_passing_on_accelerate.txt (those that pass on the real Accelerate here) pass, except
+those in unit_expected_failures.txt, which must fail. A new failure fails here, and so does a fixed one (remove it
+from the list). Harness: tests/accelerate_compat/unit_suite.py; reasons: docs/accelerate_compat.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+if importlib.util.find_spec("accelerate") is None:  # its test_utils (not a runtime API) come from the real package
+    pytest.skip("the real accelerate package (a test extra) is not installed", allow_module_level=True)
+if os.environ.get("ACCEL_UNIT_SUITE", "1") == "0":
+    pytest.skip("ACCEL_UNIT_SUITE=0: Accelerate's unit suite turned off", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "accelerate_compat"))
+import unit_suite  # noqa: E402
+
+BUDGET = 360  # seconds, on 2 CPU cores
+
+
+def test_accelerate_unit_suite_on_accel():
+    unit_suite.fetch_sdist()  # the download is not part of the budget
+    start = time.monotonic()
+    results = unit_suite.run_suite("accel", only=sorted(unit_suite.read_ids(unit_suite.PASSING_FILE)))
+    seconds = time.monotonic() - start
+    problems = unit_suite.compare(results)
+    passed = sum(r["outcome"] == "passed" for r in results.values())
+    summary = f"{passed} of {len(results)} of Accelerate's passing unit tests pass on accel, in {seconds:.0f}s"
+    assert not problems, summary + "\n" + "\n".join(problems)
+    assert seconds < BUDGET * 1.5, summary + f": over the {BUDGET}s budget (deselect the slowest in unit_suite.py)"
