@@ -34,6 +34,7 @@ from accel.utils.offload import _dtype_name, offload_weight, save_offload_index
 logger = logging.getLogger(__name__)  # a plain logger, as Accelerate's: these helpers run without a process state
 
 __all__ = [
+    "get_state_dict_from_offload",
     "named_module_tensors",
     "set_module_tensor_to_device",
     "find_tied_parameters",
@@ -1186,3 +1187,17 @@ def ensure_weights_retied(param_init_fn, model: nn.Module, device: torch.device)
         return module
 
     return init_and_retie
+
+
+def get_state_dict_from_offload(module: nn.Module, module_name: str, state_dict: dict,
+                                device_to_put_offload: Device = "cpu") -> dict:
+    """Accelerate's: fill `state_dict`'s entries for `module` (named by one of its tensors, `module_name` =
+    "<module>.weight") with the module's real tensors, an offloaded module's brought onto `device_to_put_offload`
+    for the copy; a module that is not offloaded gives its tensors where they are. Returns `state_dict`."""
+    root = module_name[: module_name.rfind(".")]
+    device = device_to_put_offload if has_offloaded_params(module) else None
+    with align_module_device(module, device):
+        for key, tensor in module.state_dict().items():
+            if f"{root}.{key}" in state_dict:
+                state_dict[f"{root}.{key}"] = tensor
+    return state_dict
