@@ -9,7 +9,8 @@ folder (ACCEL_UNIT_SUITE_CACHE, default a folder in the system temp dir). Each t
 process with a time limit (a hung file fails its tests, the others still report), CPU-only, offline, one thread.
 
 unit_passing_on_accelerate.txt: the test ids that pass on the real Accelerate with this harness here.
-unit_expected_failures.txt: those of them expected to fail on accel, each `ID  # reason`.
+unit_expected_failures.txt: those of them expected to fail on accel, each `ID  # reason` (a reason starting with
+"flaky:" accepts either outcome).
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def compare(results: dict[str, dict]) -> list[str]:
                 for t in expected_fail if t not in reference]
     for test in sorted(reference):
         got = results.get(test, {"outcome": "not run", "message": ""})
+        if expected_fail.get(test, "").startswith("flaky:"):
+            continue  # seen failing for a reason outside accel; either outcome is accepted
         if test in expected_fail and got["outcome"] == "passed":
             problems.append(f"NEW PASS {test}: passes on accel now; remove it from {EXPECTED_FAILURES_FILE.name}")
         elif test not in expected_fail and got["outcome"] != "passed":
