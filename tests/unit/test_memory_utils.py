@@ -27,7 +27,7 @@ def test_sizes_tried_match_accelerate(make_error):
     for name, module in (("accel", ours), ("accelerate", real)):
         sizes = tried[name] = []
 
-        @module.find_executable_batch_size(starting_batch_size=100)
+        @module.find_executable_batch_size(starting_batch_size=30)
         def train(batch_size, text):
             sizes.append(batch_size)
             if batch_size > 20:
