@@ -94,13 +94,21 @@ def _quiet_single_process():
         yield
 
 
-def _owner(objects: TrainingObjects, optimizer) -> int:
-    """Index of the model whose parameters the optimizer updates."""
+def _owner(objects: TrainingObjects, optimizer) -> int | None:
+    """Index of the model whose parameters the optimizer updates; None for an optimizer of tensors no prepared model
+    holds (Accelerate saves those too: their state is then kept by position, as torch's state_dict keeps it)."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for i, model in enumerate(objects.models):
         if any(id(p) in params for p in model.parameters()):
             return i
-    raise CheckpointError("save_state: an optimizer updates parameters of no prepared model; prepare the model too")
+    return None
+
+
+def _owned_optimizer_state(objects: TrainingObjects, optimizer) -> dict:
+    owner = _owner(objects, optimizer)
+    if owner is None:  # tensors of no prepared model: torch's own (index-keyed) state dict
+        return {**optimizer.state_dict(), "accel_by_position": True}
+    return _optimizer_state(objects.backend, objects.models[owner], optimizer)
 
 
 def _optimizer_state(backend, model, optimizer) -> dict:
@@ -118,11 +126,9 @@ def _optimizer_state(backend, model, optimizer) -> dict:
 def _collect(objects: TrainingObjects, model_states: list) -> dict:
     """The whole state tree (tensors and plain values) of everything in the checkpoint but the RNG; the models'
     part is `model_states` (after the pre-hooks)."""
-    backend = objects.backend
     return {
         "models": model_states,
-        "optimizers": [_optimizer_state(backend, objects.models[_owner(objects, o)], o.optimizer)
-                       for o in objects.optimizers],
+        "optimizers": [_owned_optimizer_state(objects, o.optimizer) for o in objects.optimizers],
         "schedulers": [s.state_dict() for s in objects.schedulers],
         "dataloaders": [d.state_dict() for d in objects.dataloaders if hasattr(d, "state_dict")],
         "custom": [obj.state_dict() for obj in objects.custom],
@@ -522,7 +528,11 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
             what = f"optimizer {i}"
             sd = dict(sd)
             fresh = sd.pop("accel_fresh", False)
-            backend.load_checkpoint_optimizer_state(objects.models[_owner(objects, opt)], opt.optimizer, sd)
+            owner = None if sd.pop("accel_by_position", False) else _owner(objects, opt.optimizer)
+            if owner is None:
+                opt.optimizer.load_state_dict(sd)
+            else:
+                backend.load_checkpoint_optimizer_state(objects.models[owner], opt.optimizer, sd)
             if fresh:  # saved before its first step: no state, as it was
                 opt.optimizer.state.clear()
     except Exception as exc:

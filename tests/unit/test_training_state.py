@@ -250,3 +250,24 @@ def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
         model.embed.weight.zero_()
     accelerator.load_state(str(tmp_path / "ckpt"))
     assert model.head.weight is model.embed.weight and model.embed.weight.abs().sum() > 0
+
+
+def test_optimizer_of_tensors_no_prepared_model_holds_round_trips(tmp_path):
+    """Accelerate saves an optimizer whatever it updates (its own tests prepare one model with another model's
+    optimizer): its state is kept by position, as torch's state_dict keeps it, and loads back exactly."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    other = torch.nn.Linear(2, 3)  # never prepared
+    optimizer = torch.optim.AdamW(other.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(torch.nn.Linear(3, 1), optimizer)
+    other(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.optimizer.state_dict())
+    accelerator.save_state(tmp_path / "state")
+    optimizer.step()  # moves away from the checkpoint
+    accelerator.load_state(tmp_path / "state")
+    loaded = optimizer.optimizer.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"]
+    for index, state in saved["state"].items():
+        for key, value in state.items():
+            assert torch.equal(loaded["state"][index][key], value), (index, key)
