@@ -335,10 +335,17 @@ class Accelerator:
         for i, obj in enumerate(args):
             if _is_scheduler(obj):
                 result[i] = self.prepare_scheduler(obj)
+        for i, obj in enumerate(args):  # Accelerate's mark of what prepare handled (other objects pass through)
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)) or \
+                    _is_scheduler(obj):
+                with contextlib.suppress(AttributeError, TypeError):
+                    result[i]._is_accelerate_prepared = True
         return result[0] if len(result) == 1 else tuple(result)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        if any(model is prepared for prepared in self._models):  # prepared already: as it is, listed once
+            return model
         placement = self.device_placement if device_placement is None else device_placement
         mapped = self.verify_device_map(model)  # dispatched by a device_map: it stays as the map placed it
         if mapped and self.use_distributed and os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false") != "true":
