@@ -443,6 +443,12 @@ class DataLoaderShard(DataLoader):
         return None
 
     @property
+    def base_dataloader(self) -> DataLoader:
+        """Accelerate's adapters wrap a torch loader (a StatefulDataLoader with `use_stateful_dataloader`); accel's
+        loader is that loader itself."""
+        return self
+
+    @property
     def skip_batches(self) -> int:
         return self._skip_batches
 
@@ -730,11 +736,25 @@ def _join(batches: list):
 
 
 class SkipDataLoader(DataLoader):
-    """A plain DataLoader that reads and discards its first `skip_batches` batches (iterable datasets)."""
+    """A plain DataLoader that reads and discards its first `skip_batches` batches (iterable datasets).
+    `use_stateful_dataloader=True` (Accelerate's flag) builds it on torchdata's StatefulDataLoader."""
 
-    def __init__(self, dataset, skip_batches: int = 0, **kwargs):
+    def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
+        if use_stateful_dataloader and cls is SkipDataLoader:
+            from accel.data_stateful import StatefulSkipDataLoader
+
+            cls = StatefulSkipDataLoader
+        return super().__new__(cls)
+
+    def __init__(self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs):
         super().__init__(dataset, **kwargs)
         self.skip_batches = skip_batches
+        self.use_stateful_dataloader = use_stateful_dataloader
+
+    @property
+    def base_dataloader(self) -> DataLoader:
+        """Accelerate's adapters wrap a torch loader; accel's loader is that loader itself."""
+        return self
 
     def __len__(self) -> int:
         return max(super().__len__() - self.skip_batches, 0)

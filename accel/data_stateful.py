@@ -11,9 +11,9 @@ import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from accel.data import DataLoaderDispatcher, DataLoaderShard
+from accel.data import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader
 
-__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard"]
+__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard", "StatefulSkipDataLoader"]
 
 
 class _Position:
@@ -70,3 +70,13 @@ class StatefulDataLoaderDispatcher(_Position, DataLoaderDispatcher, StatefulData
 
     def _current_position(self):
         return self._round_position  # taken before the next round was read: the rounds handed out so far
+
+
+class StatefulSkipDataLoader(SkipDataLoader, StatefulDataLoader):
+    """A `SkipDataLoader` on torchdata's `StatefulDataLoader`: its `state_dict()` is torchdata's (the position counts
+    the skipped batches too, as they were read)."""
+
+    def __init__(self, *args, **kwargs):
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which this torch deprecates
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            super().__init__(*args, **kwargs)

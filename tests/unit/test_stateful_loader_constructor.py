@@ -27,3 +27,17 @@ def test_stateful_constructor_resumes_like_torchdata(cls):
     ref_resumed = StatefulDataLoader(list(range(16)), batch_size=4)
     ref_resumed.load_state_dict(ref_state)
     assert [b.tolist() for b in resumed] == [b.tolist() for b in ref_resumed] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_stateful_skip_loader_skips_and_resumes_like_torchdata():
+    from accel.data import SkipDataLoader
+
+    loader = SkipDataLoader(list(range(16)), batch_size=4, skip_batches=1, use_stateful_dataloader=True)
+    assert isinstance(loader, SkipDataLoader) and isinstance(loader, StatefulDataLoader)
+    assert loader.base_dataloader is loader and not isinstance(SkipDataLoader([1], batch_size=1), StatefulDataLoader)
+    it = iter(loader)
+    assert next(it).tolist() == [4, 5, 6, 7]
+    state = loader.state_dict()  # torchdata's: the skipped batch was read too
+    resumed = SkipDataLoader(list(range(16)), batch_size=4, use_stateful_dataloader=True)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[8, 9, 10, 11], [12, 13, 14, 15]]
