@@ -556,7 +556,8 @@ def test_dataloader_configuration():
 def test_stateful_loader_needs_torchdata_and_says_so(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "torchdata", None)  # as if not installed
+    for name in [n for n in sys.modules if n == "torchdata" or n.startswith("torchdata.")] + ["torchdata"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed (an earlier test may have imported it)
     monkeypatch.delitem(sys.modules, "accel.data_stateful", raising=False)
     with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*accel\[torchdata\]"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
