@@ -741,9 +741,7 @@ class SkipDataLoader(DataLoader):
 
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         if use_stateful_dataloader and cls is SkipDataLoader:
-            from accel.data_stateful import StatefulSkipDataLoader
-
-            cls = StatefulSkipDataLoader
+            cls = _stateful_module().StatefulSkipDataLoader
         return super().__new__(cls)
 
     def __init__(self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs):
@@ -922,14 +920,21 @@ def prepare_data_loader(
     return shard_class(dataset, batch_sampler=shard, **settings, **kwargs)
 
 
-def _stateful_classes() -> tuple[type, type]:
-    """The loader classes built on torchdata's StatefulDataLoader (an optional extra)."""
+def _stateful_module():
+    """accel.data_stateful, whose loaders are built on torchdata's StatefulDataLoader (an optional extra): a one-line
+    ImportError naming the extra when torchdata is missing."""
     try:
-        from accel.data_stateful import StatefulDataLoaderDispatcher, StatefulDataLoaderShard
+        import accel.data_stateful as stateful
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata (its StatefulDataLoader); install it with "
                           "`pip install 'accel[torchdata]'` or `pip install torchdata`") from error
-    return StatefulDataLoaderShard, StatefulDataLoaderDispatcher
+    return stateful
+
+
+def _stateful_classes() -> tuple[type, type]:
+    """The shard and dispatcher classes built on torchdata's StatefulDataLoader."""
+    stateful = _stateful_module()
+    return stateful.StatefulDataLoaderShard, stateful.StatefulDataLoaderDispatcher
 
 
 def _dispatcher(dispatcher_class: type, dataloader: DataLoader, num_processes: int, process_index: int,
