@@ -257,7 +257,7 @@ def _config(model: str):
         from transformers import AutoConfig
     except ImportError:
         raise EstimateError("reading a transformers config needs transformers; install it with "
-                            "pip install transformers") from None
+                            "pip install 'accel[transformers]'") from None
     path = Path(model)
     if path.is_file() or path.is_dir():
         file = path / "config.json" if path.is_dir() else path
