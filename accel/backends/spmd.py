@@ -41,11 +41,11 @@ class SpmdBackend(Backend):
         self.applied_plans: list[dict[str, str]] = []
         self.replacements = ParameterReplacements()
         self._wrapped: list[weakref.ref] = []
+        self.state.add_release_callback(self.release)  # DDP reducers go before the process group does
 
     def __getstate__(self) -> dict:
         """A pickled copy (Accelerate's scripts pickle the Accelerator) owns no DDP wrappers to release."""
         return {**self.__dict__, "_wrapped": []}
-        self.state.add_release_callback(self.release)
 
     @property
     def partial_gradients(self) -> bool:
