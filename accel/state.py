@@ -158,7 +158,8 @@ class PartialState:
         """Only the active (first) plugin can be selected: accel prepares every model with one config."""
         plugins = self.__dict__.get("_deepspeed_plugin_table") or {}
         if not plugins:
-            raise ValueError("select_deepspeed_plugin: no DeepSpeed plugin was given to Accelerator(deepspeed_plugin(s)=)")
+            raise ValueError("select_deepspeed_plugin: no DeepSpeed plugin was given to "
+                             "Accelerator(deepspeed_plugin(s)=)")
         if name not in plugins:
             raise ValueError(f"select_deepspeed_plugin: bad value {name!r}; allowed: {', '.join(map(repr, plugins))}")
         first = next(iter(plugins))
@@ -327,7 +328,8 @@ class PartialState:
         it are unusable until a new `Accelerator()`/`PartialState()` initialises it again. The process group stays
         (as in Accelerate); the next state takes it over, with the release callbacks of what uses it."""
         if cls._shared_state.get("_initialized"):
-            cls._carried = (cls._shared_state.get("_owns_group", False), cls._shared_state.get("_release_callbacks", []))
+            shared = cls._shared_state
+            cls._carried = (shared.get("_owns_group", False), shared.get("_release_callbacks", []))
         cls._shared_state.clear()
         cls._instance = None
 
@@ -378,8 +380,8 @@ def __getattr__(name: str):
 def check_device_matches(config, device: torch.device) -> None:
     """A config that asks for GPUs must not quietly run on the CPU."""
     if config.distributed_type == "MULTI_GPU" and device.type != "cuda":
-        raise RuntimeError("config: distributed_type MULTI_GPU but no CUDA device is in use here "
-                           "(none visible, or use_cpu is set); set use_cpu: true / pass --cpu, or omit distributed_type")
+        raise RuntimeError("config: distributed_type MULTI_GPU but no CUDA device is in use here (none visible, or "
+                           "use_cpu is set); set use_cpu: true / pass --cpu, or omit distributed_type")
 
 
 def split_for_process(inputs: Any, num_processes: int, index: int, apply_padding: bool = False) -> Any:

@@ -149,7 +149,7 @@ def _rank_logs_specs_class():
 
         def report_hidden_failures(self, failures) -> None:
             """The last stderr lines of each failed rank whose output the console did not show."""
-            for rank, failure in sorted(failures.items()):
+            for rank in sorted(failures):
                 path = self.hidden_stderr.get(rank)
                 if path is None or not os.path.isfile(path):
                     continue

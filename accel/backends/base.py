@@ -64,7 +64,8 @@ class Backend:
         """Decide what depends on the whole model (TP's plan) before a pipeline cuts it; each stage's
         `prepare_model` then applies its part of that one decision."""
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          models: list[torch.nn.Module]) -> torch.optim.Optimizer:
         """Return the optimizer to wrap (re-pointed at sharded parameters where a backend shards them)."""
         return optimizer
 
@@ -118,7 +119,8 @@ class Backend:
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         loss.backward(**kwargs)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip to the global norm over all gradients; for sharded (DTensor) gradients the norm is reduced
         over the shards, so it equals the single-process norm."""
         parameters = list(parameters)
@@ -191,7 +193,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
-        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(device=device, dtype=torch.float32))
+        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norms.append(whole.to(device=device, dtype=torch.float32))
     if not norms:
         return torch.zeros((), device=device)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)

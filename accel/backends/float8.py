@@ -49,8 +49,9 @@ def float8_layers(model: torch.nn.Module, settings: Float8Settings) -> set[str]:
     keep = settings.module_filter or default_filter(model)
     chosen = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and keep(m, name)}
     if not chosen:
-        warnings.warn(f"mixed_precision fp8: no layer of {type(model).__name__} qualifies for float8 (an nn.Linear with "
-                      "dimensions multiples of 16, not the first or the last one); it trains in bf16", stacklevel=3)
+        warnings.warn(f"mixed_precision fp8: no layer of {type(model).__name__} qualifies for float8 (an nn.Linear "
+                      "with dimensions multiples of 16, not the first or the last one); it trains in bf16",
+                      stacklevel=3)
     return chosen
 
 

@@ -230,7 +230,7 @@ class PipelineBackend(Backend):
             held.update(n for n, _ in model.named_parameters(remove_duplicate=False))
             held.update(n for n, _ in model.named_buffers())
             if for_optimizer:
-                held.update(w.names[0] for w, p in zip(model.tied, model._tied_params()) if p is not None)
+                held.update(w.names[0] for w, p in zip(model.tied, model._tied_params(), strict=True) if p is not None)
         return held
 
     def tied_groups(self, model: nn.Module) -> list[tuple[str, ...]]:
@@ -301,7 +301,7 @@ class PipelineModel(nn.Module):
     def not_owned_parameters(self) -> list[torch.Tensor]:
         """Weights tied across stages that an earlier stage on another process counts (for the norm)."""
         local = self._backend.local_stages
-        return [p for weight, p in zip(self.tied, self._tied_params())
+        return [p for weight, p in zip(self.tied, self._tied_params(), strict=True)
                 if p is not None and weight.first_stage not in local]
 
     # -- the schedule -----------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class PipelineModel(nn.Module):
         each process on its own)."""
         backend = self._backend
         group = backend.topology.group("pp", backend.state.device.type)
-        for weight, param in zip(self.tied, self._tied_params()):
+        for weight, param in zip(self.tied, self._tied_params(), strict=True):
             source = dist.get_global_rank(group, backend.placement[weight.first_stage])
             buffer = torch.empty(weight.shape, device=backend.state.device) if param is None else _local(param.data)
             dist.broadcast(buffer, src=source, group=group)
@@ -404,7 +404,7 @@ class PipelineModel(nn.Module):
         self._tied_pending = False
         backend = self._backend
         group = backend.topology.group("pp", backend.state.device.type)
-        for weight, param in zip(self.tied, self._tied_params()):
+        for weight, param in zip(self.tied, self._tied_params(), strict=True):
             if param is not None and param.grad is None:
                 param.grad = torch.zeros_like(param)
             if param is not None and getattr(param.grad, "placements", None) != getattr(param, "placements", None):

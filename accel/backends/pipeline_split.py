@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import itertools
 
 import torch
 from torch import nn
@@ -115,7 +116,7 @@ def check_split_points(model: nn.Module, points: list[str], num_stages: int) -> 
             close = difflib.get_close_matches(name, [n for n in order if n], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise SplitError(f"parallelism.pp_split_points: '{name}' is not a module of {type(model).__name__}{hint}")
-    for first, second in zip(points, points[1:]):
+    for first, second in itertools.pairwise(points):
         if order[second] <= order[first]:
             raise SplitError(f"parallelism.pp_split_points: '{second}' comes before '{first}' in the model; "
                              "allowed: names in the order the model defines them")

@@ -122,7 +122,7 @@ def _retie(model: torch.nn.Module, ties: list[tuple[str, ...]]) -> None:
     for names in ties:
         params = [model.get_parameter(n) for n in names]
         kept = next((p for p in params if hasattr(p, "device_mesh")), params[0])
-        for name, param in zip(names, params):
+        for name, param in zip(names, params, strict=True):
             if param is not kept:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner) if owner else model, leaf, kept)

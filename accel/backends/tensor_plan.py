@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import re
 import sys
 
@@ -171,7 +172,7 @@ def automatic_plan(model: nn.Module) -> dict[str, str]:
         elif isinstance(module, nn.Sequential):
             linears = [(n, m) for n, m in module.named_children() if isinstance(computing(m), nn.Linear)]
             children = list(module.named_children())
-            for (first, _), (second, _) in zip(linears, linears[1:]):
+            for (first, _), (second, _) in itertools.pairwise(linears):
                 between = children[[n for n, _ in children].index(first) + 1:[n for n, _ in children].index(second)]
                 if all(not list(m.parameters()) for _, m in between):  # only activations/dropout between them
                     prefix = f"{name}." if name else ""

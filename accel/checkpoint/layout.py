@@ -70,7 +70,7 @@ def temporary_sibling(target: Path) -> Path:
 
 def fsync_tree(folder: Path) -> None:
     """Flush every file and folder under `folder` (and `folder` itself) to disk."""
-    for root, dirs, files in os.walk(folder):
+    for root, _dirs, files in os.walk(folder):
         for name in files:
             fsync_file(Path(root) / name)
         fsync_dir(Path(root))

@@ -303,7 +303,7 @@ def save_state_dict_sharded(
 
     written: list[Path] = []
     weight_map: dict[str, str] = {}
-    pairs = zip(shards, names)
+    pairs = zip(shards, names, strict=True)
     for shard, file_name in progress(pairs, total, "Saving checkpoint shards") if total > 1 else pairs:
         tensors: dict[str, torch.Tensor] = {}
         for name in shard:

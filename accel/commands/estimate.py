@@ -133,7 +133,8 @@ def create_ascii_table(headers: list, rows: list, title: str) -> str:
     inner = len(line) - 2
 
     def row(cells):
-        return "|" + "|".join(str(c).center(w) for c, w in zip(cells, widths)) + "|"
+        # strict=False: a row may have more cells than there are headers
+        return "|" + "|".join(str(c).center(w) for c, w in zip(cells, widths, strict=False)) + "|"
 
     return "\n".join([line, "|" + title[:inner].center(inner) + "|", line, row(headers), line,
                       *(row(r) for r in rows), line])

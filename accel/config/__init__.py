@@ -64,12 +64,14 @@ _allowed = allowed_values
 _check_value = check_value
 
 __all__ = [
-    "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY", "DYNAMO_BACKENDS", "DYNAMO_MODES",
-    "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "OFFLOAD_DEVICES", "LAUNCH_ENV", "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
+    "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY",
+    "DYNAMO_BACKENDS", "DYNAMO_MODES", "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "OFFLOAD_DEVICES", "LAUNCH_ENV",
+    "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
     "PP_SCHEDULES", "RDZV_BACKENDS", "TOP_FIELDS", "USER_CONFIG_ENV", "AccelConfig", "ConfigError",
     "DeepSpeedConfigWarning", "ParallelismConfig", "allowed_values", "build_config", "check_consistency",
     "check_value", "compact_gpu_ids", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",
     "default_user_config_path", "divides_world", "encode_for_workers", "file_layers", "launched_config",
     "merge_layers", "model_parallel_size", "parse_layer", "read_config_file", "read_deepspeed_config",
-    "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config", "worker_layers",
+    "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config",
+    "worker_layers",
 ]

@@ -44,14 +44,18 @@ def from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
     par: dict = {}
     top: dict = {}
     if "zero_stage" in section:
-        par["zero_stage"] = check_value(section["zero_stage"], PARALLEL_FIELDS["zero_stage"], where + "zero_stage", source)
-    for src_key, dst_key in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        par["zero_stage"] = check_value(section["zero_stage"], PARALLEL_FIELDS["zero_stage"], where + "zero_stage",
+                                         source)
+    for src_key, dst_key in (("offload_optimizer_device", "offload_optimizer"),
+                             ("offload_param_device", "offload_params")):
         if src_key in section:
             device = str(section[src_key]).lower()
             if device not in ("none", "cpu", "nvme"):
-                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {section[src_key]!r}; allowed: none, cpu, nvme")
+                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {section[src_key]!r}; "
+                                  "allowed: none, cpu, nvme")
             if device == "nvme":
-                raise ConfigError(f"{source}: key '{where}{src_key}': 'nvme' offload is not supported by accel; allowed: none, cpu")
+                raise ConfigError(f"{source}: key '{where}{src_key}': 'nvme' offload is not supported by accel; "
+                                  "allowed: none, cpu")
             par[dst_key] = device == "cpu"
     gas = section.get("gradient_accumulation_steps")
     if gas is not None and gas != "auto":

@@ -69,7 +69,8 @@ class ParallelismConfig:
     tp_size: int = _spec(1, int, lo=1, help="tensor-parallel degree")
     pp_size: int = _spec(1, int, lo=1, help="pipeline-parallel degree")
     pp_schedule: str = _spec("1F1B", str, choices=PP_SCHEDULES, help="pipeline schedule")
-    pp_microbatches: int | None = _spec(None, int, lo=1, optional=True, help="micro-batches per step (default: pp_size)")
+    pp_microbatches: int | None = _spec(None, int, lo=1, optional=True,
+                                        help="micro-batches per step (default: pp_size)")
     pp_stages_per_rank: int | None = _spec(
         None, int, lo=1, optional=True,
         help="model stages each process holds (default: 1; 2 for the interleaved, looped and V schedules)")
@@ -78,7 +79,8 @@ class ParallelismConfig:
         help="names of the modules where a new stage begins, e.g. [layers.4] (default: balanced by parameter count)")
     tp_plan: dict | None = _spec(
         None, dict, optional=True,
-        help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | replicate")
+        help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | "
+             "replicate")
     activation_checkpointing: str = _spec(
         "no", str, choices=ACTIVATION_CHECKPOINTING,
         help="recompute each repeated block's activations in backward: no, full (keep only the block's input) or "
@@ -252,7 +254,7 @@ class ParallelismConfig:
         dp_shard, cp, sp, tp; cp and sp are never enabled here); () when none is."""
         dims = [(name, self._size(name)) for name in ("dp_replicate", "dp_shard", "cp", "sp", "tp")
                 if self._size(name) > 1]
-        return tuple(zip(*dims))
+        return tuple(zip(*dims, strict=True))
 
     def build_device_mesh(self, device_type: str):
         """A DeviceMesh of this layout over the running processes, as Accelerate builds it: init_device_mesh over
@@ -504,7 +506,8 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     """Rules that involve more than one key."""
     if cfg.num_processes % cfg.num_machines:
         raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by num_machines="
-                          f"{cfg.num_machines}; allowed: a multiple of num_machines (it is the total over all machines)")
+                          f"{cfg.num_machines}; allowed: a multiple of num_machines (it is the total over all "
+                          "machines)")
     if cfg.machine_rank >= cfg.num_machines:
         raise ConfigError(f"{source}: key 'machine_rank': {cfg.machine_rank} is out of range for num_machines="
                           f"{cfg.num_machines}; allowed: 0 to {cfg.num_machines - 1}")
@@ -512,7 +515,8 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'main_process_ip': required when num_machines={cfg.num_machines}; "
                           "allowed: the address of the machine with machine_rank 0")
     if cfg.use_cpu and cfg.distributed_type == "MULTI_GPU":
-        raise ConfigError(f"{source}: key 'distributed_type': MULTI_GPU contradicts use_cpu=true; allowed: NO or MULTI_CPU")
+        raise ConfigError(f"{source}: key 'distributed_type': MULTI_GPU contradicts use_cpu=true; "
+                          "allowed: NO or MULTI_CPU")
     if cfg.distributed_type == "NO" and cfg.num_processes > 1:
         raise ConfigError(f"{source}: key 'distributed_type': NO contradicts num_processes={cfg.num_processes}; "
                           "allowed: MULTI_CPU or MULTI_GPU (or omit it)")
@@ -527,8 +531,8 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
                           "list of GPU indices like \"0,1\"")
     if cfg.mixed_precision == "fp8" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it with "
-                          "pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
+        raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it "
+                          "with pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
 
 
 
@@ -552,7 +556,8 @@ def shards_data_parallel(parallelism: ParallelismConfig) -> bool:
     return parallelism.zero_stage >= 2 or parallelism.tp_size > 1
 
 
-def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int, source: str = "parallelism") -> tuple[int, int]:
+def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
+                        source: str = "parallelism") -> tuple[int, int]:
     """(dp_replicate, dp_shard) for `world_size` processes: their product is the data-parallel degree, the
     world size over tp x pp (checked before: `divides_world`).
 
