@@ -127,6 +127,7 @@ class Accelerator:
         self.kwargs_handlers = list(kwargs_handlers or [])
         self._check_handlers()
         self.log_with, self.trackers = self._tracker_names(log_with), []
+        self._tracker_resume: dict | None = None  # the tracker run of a checkpoint loaded before init_trackers
 
         backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
@@ -760,11 +761,13 @@ class Accelerator:
 
     def _training_objects(self):
         from accel.checkpoint.training_state import TrainingObjects
+        from accel.tracking import tracker_record
 
         return TrainingObjects(self.backend, self._models, self._optimizers, self._schedulers, self._dataloaders,
                                self._custom_objects, self.scaler, self.gradient_state.step,
                                save_hooks=list(self._save_model_state_pre_hook.values()),
-                               load_hooks=list(self._load_model_state_pre_hook.values()))
+                               load_hooks=list(self._load_model_state_pre_hook.values()),
+                               trackers=tracker_record(self.trackers))
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
         """Save everything needed to continue (models, optimizers, schedulers, scaler, loaders, RNG, registered
@@ -809,6 +812,7 @@ class Accelerator:
             input_dir = layout.latest_checkpoint(project.checkpoints_dir())
         manifest = load_training_state(input_dir, self._training_objects())
         self.gradient_state.step = int(manifest.get("step", 0))
+        self._resume_trackers(manifest.get("trackers"))
         name = Path(input_dir).name
         if project.automatic_checkpoint_naming and name.startswith("checkpoint_") and name[11:].isdigit():
             project.iteration = int(name[11:]) + 1
@@ -864,13 +868,25 @@ class Accelerator:
 
     # -- experiment trackers (accel/tracking.py): started, fed and finished on the main process only ----------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Start the `log_with` trackers for a run in `<logging_dir>/<project_name>/`; `config`: its hyperparameters;
+        """Start the `log_with` trackers for a new run in `<logging_dir>/<project_name>/` (accel's jsonl/csv: in its
+        own `run-<NNN>/` there; the checkpoint's run when load_state came first); `config`: its hyperparameters;
         `init_kwargs`: per tracker name, keyword arguments for its constructor (e.g. `{"wandb": {"tags": [...]}}`)."""
         from accel.tracking import logging_root, start_trackers
 
         if self.is_main_process:
             start_trackers(self.trackers, self.log_with, project_name, logging_root(self.project_configuration),
-                           config, init_kwargs)
+                           config, init_kwargs, resume=self._tracker_resume)
+        self._tracker_resume = None
+
+    def _resume_trackers(self, record: dict | None) -> None:
+        """After load_state: the file trackers continue the checkpoint's run (accel/tracking.py says how), now if
+        they are started, else at init_trackers."""
+        from accel.tracking import resume_trackers
+
+        if self.is_main_process and self.trackers:
+            resume_trackers(self.trackers, record)
+        else:
+            self._tracker_resume = record
 
     def get_tracker(self, name: str, unwrap: bool = False):
         """The tracker called `name` (its library's own object with `unwrap=True`); a blank one off the main process."""

@@ -4,13 +4,25 @@
 for every one installed) or takes `GeneralTracker` instances; `init_trackers(project_name)` starts them on the main
 process, `log()` sends each call to all of them, `end_training()` finishes them.
 
-A tracker that writes files writes them in its run folder, `<logging_dir>/<project_name>/`, where logging_dir is
-`ProjectConfiguration(logging_dir=...)`, else `project_dir` (with neither, a tracker that needs a folder is a
-ValueError, as in Accelerate; accel's own jsonl and csv then write under the current directory):
+Where files go: logging_dir is `ProjectConfiguration(logging_dir=...)`, else `project_dir` (with neither, a
+tracker that needs a folder is a ValueError, as in Accelerate; accel's own jsonl and csv then write under the
+current directory). accel's own file trackers give each `init_trackers` call its own run folder,
+`<logging_dir>/<project_name>/run-<NNN>/` (run-001, run-002, ...: the next free number, chosen by the main
+process, the only one that writes), so two runs into one project never share a file:
 
-- "jsonl": `metrics.jsonl`, one `{"step", "time", "values"}` object per `log()` call, and the config in `config.json`;
-- "csv": `metrics.csv` with header `step,time,name,value` (one row per value), and the config in `config.json`;
-- "tensorboard": `torch.utils.tensorboard.SummaryWriter(log_dir=<run folder>)`.
+- "jsonl": `run-<NNN>/metrics.jsonl`, one `{"step", "time", "values"}` object per `log()` call, and the config in
+  `run-<NNN>/config.json`;
+- "csv": `run-<NNN>/metrics.csv` with header `step,time,name,value` (one row per value), and `config.json`;
+- "tensorboard" keeps Accelerate's folder: `SummaryWriter(log_dir=<logging_dir>/<project_name>)`, one event file
+  per run in it (TensorBoard's own way of keeping runs apart); the other trackers keep their library's runs.
+
+A resumed run continues its own folder: `save_state` records the run and how far each of its files was written
+(`"trackers"` in the checkpoint's manifest), and `load_state` of that checkpoint, before or after `init_trackers`,
+switches the file trackers back to that run and cuts its files back to that point (what was logged after the save
+is redone by the resumed training, so no step appears twice), then appends. A run folder that `init_trackers` has
+just created and nothing was logged to is removed when the run switches away from it. This is also how a script
+restarted by `accel launch --max_restarts` continues its log: it calls `load_state()` again. A checkpoint of
+another project, or whose run folder is not in this project, leaves the new run as it is.
 
 jsonl and csv need no extra library; the others need theirs (`pip install 'accel[tensorboard]'`, ...), and asking
 for one that is missing is a one-line ImportError naming it.
@@ -28,7 +40,7 @@ import sys
 import time
 import warnings
 from functools import wraps
-from typing import Any
+from typing import Any, TextIO
 
 from accel.logging import get_logger
 from accel.utils.dataclasses import LoggerType
@@ -132,27 +144,83 @@ def _json_number(value):
     return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
+RUN_PREFIX = "run-"
+
+
+def run_number(name: str) -> int | None:
+    """The N of a run folder's name `run-<N>`; None for any other name."""
+    digits = name[len(RUN_PREFIX):]
+    return int(digits) if name.startswith(RUN_PREFIX) and digits.isdigit() else None
+
+
+def new_run_id(project_folder: str | os.PathLike) -> str:
+    """Create the project's next run folder (one past the highest `run-<N>` there) and return its name. mkdir is
+    exclusive, so two trainings starting together in one project still get a folder each."""
+    os.makedirs(project_folder, exist_ok=True)
+    numbers = [run_number(name) for name in os.listdir(project_folder)]
+    number = max([n for n in numbers if n is not None], default=0) + 1
+    while True:
+        run_id = f"{RUN_PREFIX}{number:03d}"
+        try:
+            os.mkdir(os.path.join(project_folder, run_id))
+            return run_id
+        except FileExistsError:
+            number += 1
+
+
 class _FileTracker(GeneralTracker):
-    """Writes in `<logging_dir>/<run_name>/`: appends one record per `log()` call and flushes it, so a crash
-    loses nothing and the file can be followed while training runs."""
+    """Writes in its run folder `<logging_dir>/<project_name>/<run_id>/`: appends one record per `log()` call and
+    flushes it, so a crash loses nothing and the file can be followed while training runs."""
 
     requires_logging_directory = True
     defaults_to_cwd = True  # accel's own file trackers: without logging_dir/project_dir they write under "."
     filename = ""
+    name: str  # each subclass's (an annotation only: GeneralTracker checks that a real class defines it)
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike = ".", **kwargs):
         super().__init__()
         if kwargs:
             raise TypeError(f"init_kwargs[{self.name!r}]: unexpected {', '.join(sorted(kwargs))}; allowed: none")
         self.run_name, self.logging_dir_param = run_name, logging_dir
-        self.file = None
+        self.run_id: str | None = None  # set by start_trackers (one run for all file trackers of a call)
+        self.truncate_at: int | None = None  # a resumed run: the file's size when the checkpoint was saved
+        self.logged = 0  # log() calls into this run since start
+        self.file: TextIO | None = None
+
+    @property
+    def project_folder(self) -> str:
+        return os.path.join(self.logging_dir_param, self.run_name)
 
     @on_main_process
     def start(self):
-        self.logging_dir = os.path.join(self.logging_dir_param, self.run_name)
+        if self.run_id is None:
+            self.run_id = new_run_id(self.project_folder)
+        self.logging_dir = os.path.join(self.project_folder, self.run_id)
         os.makedirs(self.logging_dir, exist_ok=True)
         self.path = os.path.join(self.logging_dir, self.filename)
         self.file = open(self.path, "a", newline="", encoding="utf-8")
+        if self.truncate_at is not None:
+            self._cut_back(self.truncate_at)
+            self.truncate_at = None
+
+    @property
+    def _out(self) -> TextIO:
+        if self.file is None:
+            raise RuntimeError(f"the {self.name} tracker is not started (or finished): call init_trackers first")
+        return self.file
+
+    def _cut_back(self, size: int) -> None:
+        """Drop what was appended after the checkpoint (the resumed training logs it again)."""
+        if self._out.tell() < size:
+            logger.warning(f"{self.path}: {self._out.tell()} bytes, less than the {size} the checkpoint recorded; "
+                           "appending to it as it is")
+            return
+        self._out.truncate(size)
+        self._out.seek(size)
+
+    def written(self) -> int:
+        """How far the file is written (what a checkpoint records to resume from)."""
+        return self._out.tell()
 
     @property
     def tracker(self):
@@ -165,8 +233,9 @@ class _FileTracker(GeneralTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        self.file.write(self._format(flatten_values(values), step, time.time()))
-        self.file.flush()
+        self._out.write(self._format(flatten_values(values), step, time.time()))
+        self._out.flush()
+        self.logged += 1
 
     def _format(self, values: dict, step: int | None, now: float) -> str:
         raise NotImplementedError
@@ -200,7 +269,7 @@ class CSVTracker(_FileTracker):
     @on_main_process
     def start(self):
         super().start()
-        if self.file.tell() == 0:
+        if self.file.tell() == 0:  # a new file (a resumed one keeps its header)
             self.file.write("step,time,name,value\n")
             self.file.flush()
 
@@ -656,10 +725,12 @@ def filter_trackers(log_with: Any, logging_dir: str | os.PathLike | None = None)
 
 
 def start_trackers(trackers: list, log_with: list, project_name: str, logging_dir: str | os.PathLike,
-                   config: dict | None = None, init_kwargs: dict | None = None) -> list:
-    """`Accelerator.init_trackers` (on the main process): build the named trackers, start every one, store the
-    config. Returns the trackers list, grown."""
+                   config: dict | None = None, init_kwargs: dict | None = None, resume: dict | None = None) -> list:
+    """`Accelerator.init_trackers` (on the main process): build the named trackers, start every one (accel's file
+    trackers in one new run folder, or in the run `resume` names: what `load_state` read before this call), store
+    the config. Returns the trackers list, grown."""
     init_kwargs = init_kwargs or {}
+    started = len(trackers)
     for entry in log_with:
         if isinstance(entry, GeneralTracker):
             trackers.append(entry)
@@ -667,12 +738,80 @@ def start_trackers(trackers: list, log_with: list, project_name: str, logging_di
         cls = LOGGER_TYPE_TO_CLASS[_name(entry)]
         args = (project_name, logging_dir or ".") if cls.requires_logging_directory else (project_name,)
         trackers.append(cls(*args, **init_kwargs.get(_name(entry), {})))
-    for tracker in trackers:
+    files = [t for t in trackers[started:] if isinstance(t, _FileTracker) and t.run_id is None]
+    if files:
+        _choose_run(files, resume)
+    for tracker in trackers[started:]:
         tracker.start()
     if config is not None:
-        for tracker in trackers:
+        for tracker in trackers[started:]:
             tracker.store_init_configuration(config)
     return trackers
+
+
+def _choose_run(files: list, resume: dict | None) -> None:
+    """One run for every file tracker of an init_trackers call: the resumed one, else the project's next."""
+    resumed = _resumable(resume, files[0])
+    run_id, written = resumed if resumed else (new_run_id(files[0].project_folder), {})
+    for tracker in files:
+        tracker.run_id, tracker.truncate_at = run_id, written.get(tracker.filename)
+
+
+def _resumable(record: dict | None, tracker: _FileTracker) -> tuple[str, dict] | None:
+    """The run a checkpoint's record names and its files' sizes then, when it is a run folder of this tracker's
+    project (a record that is not what tracker_record writes resumes nothing)."""
+    if not isinstance(record, dict) or record.get("project") != tracker.run_name:
+        return None
+    run_id, written = record.get("run"), record.get("written")
+    if not isinstance(run_id, str) or run_number(run_id) is None or not isinstance(written, dict):
+        return None
+    if not all(type(size) is int and size >= 0 for size in written.values()):
+        return None
+    return (run_id, written) if os.path.isdir(os.path.join(tracker.project_folder, run_id)) else None
+
+
+def tracker_record(trackers: list) -> dict | None:
+    """What a checkpoint keeps of accel's file trackers (main process): the project, the run and how many bytes
+    of each file were written, so that resuming continues that run from exactly there."""
+    files = [t for t in trackers if isinstance(t, _FileTracker) and t.file is not None]
+    if not files:
+        return None
+    return {"project": files[0].run_name, "run": files[0].run_id, "written": {t.filename: t.written() for t in files}}
+
+
+def resume_trackers(trackers: list, record: dict | None) -> None:
+    """`load_state` after `init_trackers` (main process): move the file trackers to the run the checkpoint names,
+    cut back to where the checkpoint was saved; the new run folder they leave is removed if nothing was logged."""
+    files = [t for t in trackers if isinstance(t, _FileTracker) and t.file is not None]
+    resumed = _resumable(record, files[0]) if files else None
+    if resumed is None:
+        return
+    run_id, written = resumed
+    left = {t.logging_dir for t in files if t.run_id != run_id}
+    untouched = all(t.logged == 0 for t in files)
+    for tracker in files:
+        tracker.finish()
+        tracker.run_id, tracker.truncate_at, tracker.logged = run_id, written.get(tracker.filename), 0
+        tracker.start()
+    for folder in left:
+        if untouched:
+            _remove_fresh_run(folder, {t.filename for t in files}, files[0].logging_dir)
+    logger.info(f"trackers: resumed run {os.path.join(files[0].project_folder, run_id)}")
+
+
+def _remove_fresh_run(folder: str, names: set, resumed: str) -> None:
+    """Remove a run folder holding only what starting the trackers wrote (empty logs and the config, which moves
+    to the resumed run, as it does when load_state comes before init_trackers)."""
+    try:
+        entries = set(os.listdir(folder))
+        if entries <= names | {"config.json"}:
+            if "config.json" in entries:
+                os.replace(os.path.join(folder, "config.json"), os.path.join(resumed, "config.json"))
+            for name in entries - {"config.json"}:
+                os.remove(os.path.join(folder, name))
+            os.rmdir(folder)
+    except OSError:
+        pass  # shared or changed by someone else: leave it
 
 
 def get_tracker(trackers: list, name: str, unwrap: bool = False):

@@ -1,7 +1,10 @@
-"""`accel plot`: draw every logged scalar of one or more runs against the step (one panel per metric).
+"""`accel plot`: draw every logged scalar of one or more runs against the step (one panel per metric, one line
+per run).
 
-Reads the run folders the trackers write (`metrics.jsonl`, `metrics.csv`, TensorBoard event files) and writes
-a PNG/SVG/PDF with matplotlib (the `plot` extra) or one self-contained HTML page drawn without it.
+Reads the run folders the trackers write (`<project>/run-<NNN>/metrics.jsonl` or `metrics.csv`, TensorBoard event
+files) and writes a PNG/SVG/PDF with matplotlib (the `plot` extra) or one self-contained HTML page drawn without
+it. Each run folder is its own line, labelled `<project>/run-<NNN>`; a project folder's own `metrics.jsonl` (the
+single file older accels appended every run to) is one more line, labelled by the project.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from accel.cli._common import UsageError
 
 FORMATS = ("png", "svg", "pdf", "html")
 JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
+RUN_PREFIX = "run-"  # accel.tracking's run folders: <logging_dir>/<project_name>/run-<NNN>/
 CSV_HEADER = ["step", "time", "name", "value"]
 # matplotlib's tab10, shared by both renderers so a run has the same color in PNG and HTML
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -37,6 +41,7 @@ class Run:
     source: str  # which file kind it was read from (JSONL, CSV or EVENTS)
     label: str = ""
     metrics: dict = field(default_factory=dict)  # name -> Series
+    writer: int | None = None  # EVENTS with several event files in the folder: which one (one per SummaryWriter)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -45,7 +50,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="draw the logged metrics of one or more runs (PNG, SVG, PDF or one HTML page)",
         description="Draw every logged scalar against the step: one panel per metric, one line per run, "
         "smoothed (TensorBoard's exponential moving average) over the raw values drawn faint. A RUN_DIR holds "
-        "metrics.jsonl, metrics.csv or TensorBoard event files, or is a folder of such run folders.",
+        "metrics.jsonl, metrics.csv or TensorBoard event files, or is a folder of such run folders (a project "
+        "folder of run-<NNN> folders, or a folder of projects).",
         allow_abbrev=False,
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder, or a folder of run folders")
@@ -75,31 +81,70 @@ def _source_of(folder: Path) -> str | None:
     return None
 
 
+SEARCH_DEPTH = 3  # RUN_DIR, a project folder in it, a run-<NNN> folder in that
+
+
+def _runs_in(folder: Path, depth: int = 0) -> list[tuple[Path, str]]:
+    """The runs under `folder`, each drawn on its own: the folder's own metrics.jsonl/csv (a log of older accels,
+    where a project's runs shared one file) and every run folder below it (the trackers' `run-<NNN>/`). A
+    TensorBoard folder is one run unless jsonl/csv runs lie below it (accel's trackers write the same values
+    there, one folder per run); its subfolders (add_scalars, add_hparams) belong to it."""
+    source = _source_of(folder)
+    below = [] if depth >= SEARCH_DEPTH else [
+        run for sub in sorted((p for p in folder.iterdir() if p.is_dir()), key=_run_order)
+        for run in _runs_in(sub, depth + 1)]
+    files = [run for run in below if run[1] != EVENTS]
+    if source in (JSONL, CSV):
+        return [(folder, source), *below]
+    if source == EVENTS:
+        return files or [(folder, source)]
+    return below
+
+
+def _run_number(name: str) -> int | None:
+    digits = name[len(RUN_PREFIX):]
+    return int(digits) if name.startswith(RUN_PREFIX) and digits.isdigit() else None
+
+
+def _run_order(path: Path) -> tuple:
+    """run-002 before run-010 (numbers compared as numbers), other names alphabetically."""
+    number = _run_number(path.name)
+    return (path.name, -1) if number is None else (RUN_PREFIX, number)
+
+
 def find_runs(run_dirs: list[str]) -> list[Run]:
-    """Each RUN_DIR is a run folder, or else a parent whose subfolders with a metrics file are runs."""
+    """Each RUN_DIR is a run folder, a project folder of run folders, or a folder of those."""
     runs, seen = [], set()
     for arg in run_dirs:
         folder = Path(arg)
         if not folder.is_dir():
             raise UsageError(f"RUN_DIR {arg}: no such folder")
-        source = _source_of(folder)
-        found = [(folder, source)] if source else [
-            (sub, _source_of(sub)) for sub in sorted(folder.iterdir()) if sub.is_dir() and _source_of(sub)]
+        found = _runs_in(folder)
         if not found:
             raise UsageError(f"RUN_DIR {arg}: no {JSONL}, {CSV} or {EVENTS} in it nor in its subfolders")
         for path, kind in found:
-            if path.resolve() not in seen:
-                seen.add(path.resolve())
-                runs.append(Run(path=path, source=kind))
+            writers = len(_event_files(path)) if kind == EVENTS else 1
+            for writer in range(writers) if writers > 1 else [None]:
+                if (path.resolve(), writer) not in seen:
+                    seen.add((path.resolve(), writer))
+                    runs.append(Run(path=path, source=kind, writer=writer))
     _label(runs)
     return runs
 
 
+def _name(path: Path) -> str:
+    """A run's name: its folder's, with the project's before a trackers' run folder (`quickstart/run-002`)."""
+    path = path.resolve()
+    return path.name if _run_number(path.name) is None else f"{path.parent.name}/{path.name}"
+
+
 def _label(runs: list[Run]) -> None:
-    """A run is named by its folder's name, or by its path where two runs share a name."""
-    names = [run.path.resolve().name for run in runs]
-    for run, name in zip(runs, names):
-        run.label = name if names.count(name) == 1 else str(run.path)
+    """A run is labelled by its name (`#<n>` after it for the n-th writer of a TensorBoard folder), or by its path
+    where two runs share a name."""
+    parts = ["" if run.writer is None else f"#{run.writer + 1}" for run in runs]  # runs of one TensorBoard folder
+    names = [_name(run.path) + part for run, part in zip(runs, parts, strict=True)]
+    for run, name, part in zip(runs, names, parts, strict=True):
+        run.label = name if names.count(name) == 1 else str(run.path) + part
 
 
 NON_FINITE = {"nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
@@ -187,7 +232,8 @@ def read_csv(path: Path) -> dict:
 
 
 def _scalars(folder: Path) -> dict:
-    """tag -> Series of the event files directly in `folder`, read with tensorboard's EventAccumulator."""
+    """tag -> Series of the event files directly in `folder` (or of that one event file), read with tensorboard's
+    EventAccumulator."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError:
@@ -205,15 +251,41 @@ def _scalars(folder: Path) -> dict:
     return metrics
 
 
-def read_tensorboard(folder: Path) -> dict:
+def _event_key(path: Path) -> tuple:
+    """`events.out.tfevents.<time>.<host>.<pid>.<n>` (n counts a process's writers): (time, n, host.pid)."""
+    parts = path.name.split(".")
+    stamp, count = parts[3] if len(parts) > 4 else "", parts[-1]
+    return (int(stamp) if stamp.isdigit() else 0, int(count) if count.isdigit() else 0, ".".join(parts[4:-1]))
+
+
+def _event_files(folder: Path) -> list[Path]:
+    """The event files directly in `folder`, oldest first: each is one SummaryWriter, so one run (Accelerate's
+    TensorBoard tracker writes every run of a project into the same folder)."""
+    return sorted((p for p in folder.glob(EVENTS) if p.is_file()), key=_event_key)
+
+
+def _writer_of(event_file: Path, writers: list[Path]) -> int:
+    """Which of a folder's writers made an add_scalars event file in its subfolder: the last one started before
+    it, of the same process where there is one."""
+    key = _event_key(event_file)
+    same = [i for i, w in enumerate(writers) if _event_key(w)[2] == key[2]] or list(range(len(writers)))
+    started = [i for i in same if _event_key(writers[i])[:2] <= key[:2]]
+    return started[-1] if started else same[0]
+
+
+def read_tensorboard(folder: Path, writer: int | None = None) -> dict:
     """The run folder's scalars, plus those SummaryWriter.add_scalars("a", {"b": ...}) puts in a subfolder
-    `a_b` (tag "a"), named "a/b" as the jsonl tracker flattens the same dict."""
-    metrics = _scalars(folder)
+    `a_b` (tag "a"), named "a/b" as the jsonl tracker flattens the same dict. With `writer`, only that event
+    file's run (a folder several runs wrote into: each drawn apart)."""
+    writers = _event_files(folder) if writer is not None else []
+    metrics = _scalars(folder) if writer is None else _scalars(writers[writer])
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and any(p.glob(EVENTS))):
-        for tag, series in _scalars(sub).items():
-            prefix = f"{tag}_"
-            name = f"{tag}/{sub.name[len(prefix):]}" if sub.name.startswith(prefix) else f"{sub.name}/{tag}"
-            metrics.setdefault(name, series)
+        parts = [sub] if writer is None else [f for f in _event_files(sub) if _writer_of(f, writers) == writer]
+        for part in parts:
+            for tag, series in _scalars(part).items():
+                prefix = f"{tag}_"
+                name = f"{tag}/{sub.name[len(prefix):]}" if sub.name.startswith(prefix) else f"{sub.name}/{tag}"
+                metrics.setdefault(name, series)
     return metrics
 
 
@@ -225,7 +297,7 @@ def load_runs(run_dirs: list[str]) -> list[Run]:
         elif run.source == CSV:
             run.metrics = read_csv(run.path / CSV)
         else:
-            run.metrics = read_tensorboard(run.path)
+            run.metrics = read_tensorboard(run.path, run.writer)
     return runs
 
 

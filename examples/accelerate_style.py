@@ -4,7 +4,8 @@ It follows the shape of Accelerate's own examples: set_seed, main_process_first 
 gradient accumulation with `accumulate`, clipping, evaluation with `gather_for_metrics`, and
 `unwrap_model` at the end, experiment tracking with `log_with`/`init_trackers`/`log`. Synthetic classification data,
 no download. The main process logs loss and learning rate per optimizer step, and accuracy per epoch, to
-runs/accelerate_style/metrics.jsonl (`--project_dir` moves it; `--log_with tensorboard` writes TensorBoard events).
+runs/accelerate_style/run-<NNN>/metrics.jsonl, a new run-<NNN> each time (`--project_dir` moves it;
+`--log_with tensorboard` writes TensorBoard events in runs/accelerate_style/).
 
     accel launch --cpu --num_processes 2 examples/accelerate_style.py --gradient_accumulation_steps 2
     accel launch --cpu --num_processes 2 --mixed_precision bf16 examples/accelerate_style.py

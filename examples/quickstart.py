@@ -4,7 +4,8 @@
     accel launch --cpu --num_processes 2 examples/quickstart.py   # two processes on gloo
 
 It learns y = 3x - 1 + noise with a small MLP on synthetic data (no download). The main process logs the loss and
-learning rate of every step to runs/quickstart/metrics.jsonl (one JSON object per line; `--project_dir` moves it).
+learning rate of every step to runs/quickstart/run-<NNN>/metrics.jsonl, a new run-<NNN> each time (one JSON object
+per line; `--project_dir` moves it); `accel plot runs/quickstart -o curves.png` draws each run as its own line.
 """
 
 import argparse
@@ -20,7 +21,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--project_dir", default="runs", help="logs go to PROJECT_DIR/quickstart/metrics.jsonl")
+    parser.add_argument("--project_dir", default="runs",
+                        help="logs go to PROJECT_DIR/quickstart/run-<NNN>/metrics.jsonl")
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -3,7 +3,9 @@
 On-disk layout of one checkpoint folder::
 
     accel_checkpoint.json        manifest: format, version, world size, step, the JSON skeleton of every
-                                 non-tensor value, and the size of every file (written last)
+                                 non-tensor value, the jsonl/csv trackers' run and how far its files were
+                                 written (`trackers`, to resume that log), and the size of every file (written
+                                 last)
     state/shard-*.safetensors    model, optimizer, scheduler, scaler, data-loader and registered objects'
                                  tensors, written by torch.distributed.checkpoint: every rank writes its
                                  own part, replicated tensors once, loadable on another process count
@@ -52,6 +54,7 @@ class TrainingObjects:
     # hook(models, folder); what they remove from `weights` / `models` is not saved / loaded
     save_hooks: list = field(default_factory=list)
     load_hooks: list = field(default_factory=list)
+    trackers: dict | None = None  # the main process's file-tracker run (accel.tracking.tracker_record), resumed
 
 
 def _rank_world() -> tuple[int, int]:
@@ -292,7 +295,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         begin("writing tensors")
         run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
         begin("publishing")
-        run(lambda: _publish(tmp, target, meta, world, objects.step) if rank == 0 else None)
+        run(lambda: _publish(tmp, target, meta, world, objects) if rank == 0 else None)
     return target
 
 
@@ -345,10 +348,11 @@ def _write_tensors_and_rng(tensors: dict, meta: dict, tmp: Path, rank: int, worl
     _save_rng(tmp / "rng", rank)
 
 
-def _publish(tmp: Path, target: Path, meta: dict, world: int, step: int) -> None:
+def _publish(tmp: Path, target: Path, meta: dict, world: int, objects: TrainingObjects) -> None:
     layout.fsync_tree(tmp)
-    layout.write_manifest(tmp, {"world_size": world, "step": step, "aliases": meta["aliases"],
-                                "layouts": meta["layouts"], "skeleton": meta["skeleton"]})
+    trackers = {} if objects.trackers is None else {"trackers": objects.trackers}
+    layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": meta["aliases"],
+                                "layouts": meta["layouts"], "skeleton": meta["skeleton"], **trackers})
     layout.publish(tmp, target)
 
 
@@ -576,7 +580,8 @@ def _checked_manifest(path: Path, manifest: dict) -> tuple[dict, dict]:
     if not isinstance(skeleton, dict) or not all(isinstance(skeleton.get(k), list) for k in _PARTS):
         raise CheckpointError(f"{path}: damaged (its skeleton needs lists {', '.join(_PARTS)})")
     fields = (("world_size", int, "an integer >= 1", None), ("step", int, "an integer", 0),
-              ("aliases", dict, "a mapping", {}), ("layouts", (list, type(None)), "a list", None))
+              ("aliases", dict, "a mapping", {}), ("layouts", (list, type(None)), "a list", None),
+              ("trackers", (dict, type(None)), "a mapping", None))
     for name, kind, allowed, default in fields:  # the defaults: what checkpoints of older accels lack
         value = manifest.setdefault(name, default)
         if not isinstance(value, kind) or isinstance(value, bool) or (name == "world_size" and value < 1):

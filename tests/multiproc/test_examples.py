@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
-LOGGING = {"quickstart.py", "accelerate_style.py"}  # log to PROJECT_DIR/<name>/metrics.jsonl (default runs/)
+LOGGING = {"quickstart.py", "accelerate_style.py"}  # log to PROJECT_DIR/<name>/run-<NNN>/metrics.jsonl (default runs/)
 
 
 def launch(isolated_env, *args: str) -> subprocess.CompletedProcess:
@@ -32,7 +32,8 @@ def test_example_on_the_embedded_default(isolated_env, example, tmp_path):
     out = launch(isolated_env, str(example), *logs_to(example, tmp_path)).stdout
     assert "1 process" in out
     if example.name in LOGGING:
-        lines = [json.loads(line) for line in (tmp_path / example.stem / "metrics.jsonl").read_text().splitlines()]
+        log = tmp_path / example.stem / "run-001" / "metrics.jsonl"  # the first run into this project_dir
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
         assert [line["step"] for line in lines if "loss" in line["values"]] == list(range(96))  # 3 epochs x 32
         assert all(isinstance(line["values"].get("lr", 0.0), float) for line in lines)
 

@@ -26,7 +26,8 @@ def attempts(out: Path) -> dict[tuple[int, int], dict]:
 def test_rank_killed_inside_a_save_restarts_and_ends_bit_equal(isolated_env, tmp_path):
     """Rank 1 SIGKILLs itself on the first attempt while checkpoint_2 (step 12) is half written; torchrun restarts
     the group once; the second attempt skips the half-written folder, resumes mid-epoch from checkpoint_1
-    (step 8) and ends with exactly the weights of a run that was never interrupted."""
+    (step 8) and ends with exactly the weights of a run that was never interrupted; its loss log is one run that
+    continues from the checkpoint, every step once, the same losses as the uninterrupted run's."""
     script = SCRIPTS / "restart_train.py"
     accel_launch(isolated_env, "--cpu", "--num_processes", 2, script, "--out", tmp_path / "a", timeout=120)
     killed = accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--max_restarts", 1, script,
@@ -54,6 +55,14 @@ def test_rank_killed_inside_a_save_restarts_and_ends_bit_equal(isolated_env, tmp
     assert expected.keys() == resumed.keys() and len(expected) == 4
     for key in expected:
         assert torch.equal(expected[key], resumed[key]), key
+
+    def losses(out: Path) -> list[tuple]:
+        (run,) = (out / "train").iterdir()  # the restart's own new run folder was left for the checkpoint's
+        assert run.name == "run-001"
+        return [(r["step"], r["values"]["loss"]) for r in map(json.loads, (run / "metrics.jsonl").open())]
+
+    assert [step for step, _ in losses(tmp_path / "b")] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
 @pytest.mark.parametrize("torchrun_count, given, expected", [("2", None, "2"), ("1", "0", "1"), (None, None, "0"),

@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,8 @@ def test_trackers_start_and_log_on_the_main_process_only(run):
     everything = {"jsonl", "csv"} | {n for n in ("tensorboard", "wandb", "mlflow") if installed(n)}
     assert set(ranks[0]["trackers"]) == everything | {"in-log-with-everywhere"}
     assert ranks[1]["trackers"] == [] and ranks[1]["get_tracker"] == "GeneralTracker"  # Accelerate's blank tracker
-    folder = out / "tracking"
+    folder = out / "tracking" / "run-001"  # accel's file trackers: a run folder (TensorBoard: the project's folder)
+    assert sorted(p.name for p in (out / "tracking").glob("run-*")) == ["run-001"]
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3]  # written once, not once per process
     assert lines[1]["values"] == {"loss": 0.5, "lr": 0.05, "phase": "train", "eval/acc": 0.25}
@@ -70,6 +72,34 @@ def test_trackers_start_and_log_on_the_main_process_only(run):
     # directly, on_main_process honours it
     assert sorted(p.name for p in out.glob("*-[01]")) == [
         "direct-everywhere-0", "direct-everywhere-1", "direct-main-0", "in-log-with-everywhere-0"]
+
+
+def test_the_script_again_on_one_process_is_a_second_run_and_a_second_line(run, tmp_path):
+    """The same script into the same project_dir, now on one process: its own run folder beside the 2-process
+    run's, each with its steps once, and `accel plot` of the project draws two lines that never join."""
+    from conftest import make_isolated_env
+
+    from accel.cli import plot
+    from accel.cli.plot_html import render_panel
+
+    pytest.importorskip("tensorboard")  # the script asks for its tracker
+    project = tmp_path / "project"
+    shutil.copytree(run[0] / "tracking", project / "tracking")  # the 2-process run (and its TensorBoard events)
+    accel_launch(make_isolated_env(tmp_path), "--accelerate_shim", "--cpu", SCRIPT, project, "jsonl,csv,tensorboard",
+                 timeout=120)
+    assert not (project / "rank1.json").exists()  # one process this time
+    folder = project / "tracking"
+    assert sorted(p.name for p in folder.glob("run-*")) == ["run-001", "run-002"]
+    for name in ("run-001", "run-002"):
+        lines = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    runs = plot.load_runs([str(folder)])  # the run folders, not the TensorBoard events beside them
+    assert [(r.label, r.source) for r in runs] == [("tracking/run-001", plot.JSONL), ("tracking/run-002", plot.JSONL)]
+    expected = [r["lr"] for r in map(worker_module("tracking_worker").values, range(4))]
+    for r in runs:
+        assert (r.metrics["lr"].x, r.metrics["lr"].y) == ([0.0, 1.0, 2.0, 3.0], pytest.approx(expected))
+    paths = re.findall(r'<path d="([^"]*)"[^>]*data-run="([^"]*)"', render_panel(runs, "lr", 0.0))
+    assert [(d.count("M"), name) for d, name in paths] == [(1, "tracking/run-001"), (1, "tracking/run-002")]
 
 
 def test_tensorboard_written_by_the_main_process_with_accelerates_values(run):

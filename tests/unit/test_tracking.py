@@ -36,7 +36,7 @@ def run(log_with, steps=((1, {"loss": torch.tensor(0.5), "lr": 0.1, "phase": "tr
 def test_jsonl_and_csv_write_the_shared_format_in_logging_dir(tmp_path):
     project = ProjectConfiguration(project_dir=str(tmp_path / "project"), logging_dir=str(tmp_path / "logs"))
     accelerator = run([JSONL, "csv"], project_config=project)
-    folder = tmp_path / "logs" / "run"
+    folder = tmp_path / "logs" / "run" / "run-001"  # <logging_dir>/<project_name>/<run>, one run for both trackers
     # each call is on disk before end_training (append + flush)
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [{k: v for k, v in line.items() if k != "time"} for line in lines] == [
@@ -52,14 +52,15 @@ def test_jsonl_and_csv_write_the_shared_format_in_logging_dir(tmp_path):
     assert len({r[1] for r in rows[1:5]}) == 1 and float(rows[1][1]) <= float(rows[5][1])
     assert json.loads((folder / "config.json").read_text()) == CONFIG
     assert not (tmp_path / "project").exists()
+    assert [p.name for p in (tmp_path / "logs" / "run").iterdir()] == ["run-001"]
 
 
 def test_run_folder_defaults_to_project_dir_then_cwd(tmp_path, monkeypatch):
     run("jsonl", project_dir=str(tmp_path / "p")).end_training()
-    assert len((tmp_path / "p" / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "p" / "run" / "run-001" / "metrics.jsonl").read_text().splitlines()) == 2
     monkeypatch.chdir(tmp_path)
     run("csv", project="here", config=None).end_training()  # accel's file trackers: the current directory
-    assert (tmp_path / "here" / "metrics.csv").is_file()
+    assert (tmp_path / "here" / "run-001" / "metrics.csv").is_file()
     # LoggerType members work as names; tensorboard needs a folder (no cwd default, as in Accelerate)
     run(LoggerType.TENSORBOARD, project="tb", config=None, project_dir=str(tmp_path)).end_training()
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))

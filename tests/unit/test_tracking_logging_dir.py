@@ -46,7 +46,7 @@ def test_folder_needed(registered, tmp_path, monkeypatch):
     accelerator.init_trackers("cwd_run")
     accelerator.log({"loss": 1.0}, step=0)
     accelerator.end_training()
-    assert (tmp_path / "cwd_run" / "metrics.jsonl").is_file()
+    assert (tmp_path / "cwd_run" / "run-001" / "metrics.jsonl").is_file()
 
 
 def test_same_error_on_accelerate():

@@ -1,8 +1,9 @@
 """Worker for test_restart_resume.py: the resume pattern for `accel launch --max_restarts N`.
 
-Dropout, a shuffled loader, AdamW and an LR scheduler; a checkpoint every --every steps. Every attempt calls
-`load_state()`: on the first there is no checkpoint (FileNotFoundError: start fresh), after a restart it loads
-the latest complete one and skips the batches already done in its epoch.
+Dropout, a shuffled loader, AdamW and an LR scheduler; a checkpoint every --every steps; the loss of every step
+logged with the jsonl tracker. Every attempt calls `init_trackers` then `load_state()`: on the first there is no
+checkpoint (FileNotFoundError: start fresh), after a restart it loads the latest complete one (and so continues
+its run's log from there) and skips the batches already done in its epoch.
 
 --out DIR      project_dir; rank 0 writes final.safetensors there, each rank attempt<i>_rank<r>.json
 --kill_at N    on the first attempt rank 1 SIGKILLs itself inside step N's save_state, after its tensors are on
@@ -63,10 +64,11 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
 
     project = ProjectConfiguration(project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2)
-    accelerator = Accelerator(project_config=project)
+    accelerator = Accelerator(project_config=project, log_with="jsonl")
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
+    accelerator.init_trackers("train")
 
     checkpoints = Path(args.out) / "checkpoints"
     found = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
@@ -89,6 +91,7 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             progress.steps += 1
+            accelerator.log({"loss": loss.item()}, step=progress.steps)
             if progress.steps % args.every == 0:
                 if progress.steps == args.kill_at and restart == 0 and accelerator.process_index == 1:
                     die_inside_the_next_save()
