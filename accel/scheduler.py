@@ -20,7 +20,7 @@ def retarget_scheduler(scheduler, optimizer) -> None:
         optimizer._opt_called = True
         return original(*args, **kwargs)
 
-    step._wrapped_by_lr_sched = True
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch's LR scheduler reads this mark
     optimizer.step = step
 
 

@@ -12,7 +12,7 @@ import enum
 import gc
 import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ class PartialState:
     """
 
     _instance: "PartialState | None" = None
+    _initialized: bool  # in the shared dict, set by __new__
     # Every instance shares one attribute dict (Accelerate's shared state): an object kept from before
     # `_reset_state()` is unusable until a new PartialState() initialises the state again, then sees it.
     _shared_state: dict = {}
@@ -354,7 +355,7 @@ def _collective_timeout(timeout: Any) -> timedelta:
     """How long a collective may wait: `timeout` from code (PartialState(timeout=), InitProcessGroupKwargs) wins over
     the config's `collective_timeout` (the launched config, else the config files)."""
     if timeout is not None:
-        return as_timeout(timeout, "PartialState: argument 'timeout'")
+        return cast(timedelta, as_timeout(timeout, "PartialState: argument 'timeout'"))  # None only for None
     from accel.config import worker_config
 
     return timedelta(seconds=worker_config().collective_timeout)

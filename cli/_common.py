@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 
 class UsageError(Exception):
@@ -13,12 +14,12 @@ class UsageError(Exception):
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (`accel <cmd>: error: ...`) and exit code 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
         sys.exit(2)
 
 
-def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> argparse.Action:
+def add_flag(parser: argparse._ActionsContainer, name: str, **kwargs) -> argparse.Action:
     """Add `--name_with_underscores` and its `--dash-spelling` alias (Accelerate accepts both)."""
     names = [f"--{name}"]
     if "_" in name:

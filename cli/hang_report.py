@@ -25,6 +25,7 @@ import linecache
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -194,7 +195,7 @@ class HangWatch:
 # reading the run folder
 # ---------------------------------------------------------------------------------------------------------
 
-def ask_for_stacks(folder: Path, running: dict[int, object]) -> dict[int, int | None]:
+def ask_for_stacks(folder: Path, running: dict[int, subprocess.Popen]) -> dict[int, int | None]:
     """Send SIGUSR1 to the running workers that registered for it and wait (briefly) for their dumps.
 
     Returns rank -> the size of its stack file before the dump (where the dump starts), None for a worker that never
@@ -326,8 +327,8 @@ def stack_lines(frames: list[Frame]) -> list[str]:
     while len(frames) > 1 and is_library(frames[0].filename) and not all(is_library(f.filename) for f in frames):
         frames.pop(0)
     lines = []
-    for library, run in itertools.groupby(frames, key=lambda f: is_library(f.filename)):
-        run = list(run)
+    for library, group in itertools.groupby(frames, key=lambda f: is_library(f.filename)):
+        run = list(group)
         hidden = len(run) - 1 if library else 0
         for frame in run[-1:] if library else run:
             more = f"  (+{hidden} library frame{'s' if hidden > 1 else ''})" if hidden else ""

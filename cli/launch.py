@@ -368,8 +368,7 @@ def _exec_single(cfg: AccelConfig, script_argv: list[str], python: bool = True) 
     command = [sys.executable, *script_argv] if python else script_argv
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(command[0], command, env)
-    return 1  # not reached
+    os.execvpe(command[0], command, env)  # replaces this process: never returns
 
 
 def _seconds(text: str) -> float | int:

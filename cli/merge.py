@@ -39,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
                                   remove_checkpoint_dir=args.remove_checkpoint_dir)
     except MergeError as exc:
         raise UsageError(str(exc)) from None
-    print(describe(path))
+    if path is not None:  # None on the ranks that waited for rank 0's merge
+        print(describe(path))
     return 0

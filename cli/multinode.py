@@ -41,7 +41,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from accel.cli._common import UsageError, add_flag
 
@@ -153,7 +155,7 @@ def filter_hosts(pool: dict[str, int], include: str | None, exclude: str | None)
     hosts = {host: list(range(slots)) for host, slots in pool.items()}
     if include:
         picked = parse_node_specs(include, "--include", pool)
-        hosts = {host: slots if picked[host] is None else picked[host]
+        hosts = {host: slots if (chosen := picked[host]) is None else chosen
                  for host, slots in hosts.items() if host in picked}
     elif exclude:
         dropped = parse_node_specs(exclude, "--exclude", pool)
@@ -273,7 +275,7 @@ def expand_hostlist(text: str) -> list[str]:
     return hosts
 
 
-def _env_int(env: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
+def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
     for name in names:
         value = env.get(name)
         if value not in (None, ""):
@@ -284,7 +286,7 @@ def _env_int(env: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
-def slurm_overrides(env: dict, given: dict) -> dict:
+def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
     """machine_rank/num_machines/main_process_ip for a SLURM job step of several nodes, minus the keys in
     `given` (the flags the user gave). Empty outside `srun`, or on one node."""
     if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
@@ -299,7 +301,7 @@ def slurm_overrides(env: dict, given: dict) -> dict:
     if tasks is not None and tasks[1] != nodes[1]:
         raise UsageError(f"SLURM started {tasks[1]} tasks on {nodes[1]} nodes (${tasks[0]}); accel launch must run "
                          "once per node: srun --ntasks-per-node=1 accel launch ... (it starts the processes itself)")
-    found = {"num_machines": nodes[1]}
+    found: dict[str, Any] = {"num_machines": nodes[1]}
     rank = _env_int(env, ("SLURM_PROCID", "SLURM_NODEID"))
     if rank is not None:
         found["machine_rank"] = rank[1]
@@ -400,7 +402,7 @@ def machine_argv(machines: list[Machine], rank: int, port: int, main_ip: str, sh
     return argv + script_argv
 
 
-def ssh_command(args: argparse.Namespace, environ: dict) -> list[str]:
+def ssh_command(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
     text = args.ssh_command or environ.get(SSH_COMMAND_ENV) or DEFAULT_SSH_COMMAND
     try:
         command = shlex.split(text)
@@ -452,10 +454,9 @@ def run_hosts(machines: list[Machine], commands: list[list[str]], poll_s: float 
             procs.append(subprocess.Popen(command, stdin=subprocess.PIPE))
         while True:
             codes = [proc.poll() for proc in procs]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            failed = [(i, code) for i, code in enumerate(codes) if code is not None and code != 0]
             if failed:
-                rank = failed[0]
-                code = codes[rank]
+                rank, code = failed[0]
                 others = [i for i, c in enumerate(codes) if c is None]
                 _stop(procs)
                 stopped = (f"; stopped {', '.join(machines[i].host for i in others)}" if others

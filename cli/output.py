@@ -104,7 +104,7 @@ def _rank_logs_specs_class():
         """Worker output as `--log_dir`/`--tee`/`--local_ranks_filter` ask, in flat files named by global rank;
         a hidden rank's stderr is always written somewhere (a temporary folder without `--log_dir`)."""
 
-        def __init__(self, log_dir=None, redirects=Std.NONE, tee=Std.NONE, local_ranks_filter=None):
+        def __init__(self, log_dir=None, redirects=Std.NONE, tee=Std.NONE, local_ranks_filter=None) -> None:
             super().__init__(log_dir, redirects, tee, local_ranks_filter)
             self._folder: str | None = log_dir or None
             self.temporary = not log_dir
@@ -185,6 +185,7 @@ def run_agent(torchrun_argv: list[str]) -> None:
         args.master_port = 29500
     config, entrypoint, entry_args = torchrun.config_from_args(args)
     given = config.logs_specs
+    assert given is not None  # torchrun's config_from_args always sets it
     specs = _rank_logs_specs_class()(args.log_dir, given._redirects, given._tee, given._local_ranks_filter)
     config.logs_specs = specs
     try:

@@ -8,10 +8,10 @@ import platform
 from shutil import which
 
 from accel.cli import env as accel_env
-from accel.commands.utils import command_parser, without_accelerate_defaults
+from accel.commands.utils import CommandParser, command_parser, without_accelerate_defaults
 
 
-def env_command_parser(subparsers=None) -> argparse.ArgumentParser:
+def env_command_parser(subparsers=None) -> CommandParser:
     parser = command_parser(accel_env.register, subparsers=subparsers)
     if subparsers is not None:
         parser.set_defaults(func=env_command)

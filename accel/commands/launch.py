@@ -71,7 +71,7 @@ class _LaunchParser(CommandParser):
         return parsed, extras
 
 
-def launch_command_parser(subparsers=None) -> argparse.ArgumentParser:
+def launch_command_parser(subparsers=None) -> CommandParser:
     parser = command_parser(accel_launch.register, ACCELERATE_DEFAULTS, subparsers, _LaunchParser)
     parser.description = ((parser.description or "") + " Every flag is also taken with dashes (--num-processes for "
                           "--num_processes).")
@@ -122,7 +122,7 @@ def _validate_launch_command(args: argparse.Namespace):
     from accel.commands.config.config_args import load_config_from_file
     from accel.config import user_config_path
 
-    given = getattr(args, GIVEN, set())
+    given: set[str] = getattr(args, GIVEN, set())
     cfg = _resolved(_accel_args(args))
     for dest in _CONFIG_FILLED:
         value = getattr(cfg, dest, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from accel.cli._common import OneLineParser
 
@@ -21,7 +22,7 @@ class OneSpellingHelpFormatter(argparse.HelpFormatter):
             action.option_strings = original
 
 
-def _dash_alias(option: str, options: list[str]) -> bool:
+def _dash_alias(option: str, options: Sequence[str]) -> bool:
     return option.startswith("--") and "-" in option[2:] and "--" + option[2:].replace("-", "_") in options
 
 
@@ -65,7 +66,7 @@ def without_accelerate_defaults(args: argparse.Namespace, parser: CommandParser)
     """A copy of `args` as accel's own parser would have made it: Accelerate's defaults that the command line did
     not set (and that the caller did not change since) back to accel's `None`/`False`."""
     out = argparse.Namespace(**vars(args))
-    given = getattr(args, GIVEN, set())
+    given: set[str] = getattr(args, GIVEN, set())
     own = {a.dest: a.default for a in parser._actions if a.dest is not argparse.SUPPRESS}
     for dest, value in parser.accelerate_defaults.items():
         if dest in own and dest not in given and getattr(args, dest, None) == value:

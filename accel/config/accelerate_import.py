@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,7 @@ _DS_SCALARS = {
 _DS_PRECISION_SECTIONS = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}  # bfloat16: DeepSpeed's old name
 
 
-def _ds_meta(meta: dict) -> dict:
+def _ds_meta(meta: Mapping) -> dict:
     return {**meta, "auto": True}
 
 

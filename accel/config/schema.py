@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -139,7 +140,8 @@ class ParallelismConfig:
         _validate_fields(self, "ParallelismConfig")
         if derive_stage and self.dp_shard_size is not None and self.dp_shard_size > 1:
             self.zero_stage = 3  # sharded data parallelism is FSDP2's full sharding unless a stage says otherwise
-        self.tp_handler, self.cp_handler, self.sp_handler = tp_handler, cp_handler, sp_handler
+        # Accelerate's attributes, kept from the InitVars (which mypy takes for no attribute)
+        self.tp_handler, self.cp_handler, self.sp_handler = tp_handler, cp_handler, sp_handler  # type: ignore[attr-defined]
         self._resolved: tuple[int, int] | None = None  # (dp_replicate, dp_shard) of the run, set by the Topology
         for name, what in (("cp_size", "context"), ("sp_size", "sequence")):
             if getattr(self, name) > 1:
@@ -278,7 +280,7 @@ class ParallelismConfig:
         for dims, flat in ((self.dp_dim_names, "dp"), (self.dp_shard_cp_dim_names, "dp_shard_cp"),
                            (self.dp_cp_dim_names, "dp_cp")):
             if dims:
-                device_mesh[dims]._flatten(flat)
+                device_mesh[tuple(dims)]._flatten(flat)
         return device_mesh
 
     def get_device_mesh(self, device_type: str | None = None):
@@ -287,7 +289,7 @@ class ParallelismConfig:
             if device_type is None:
                 raise ValueError("ParallelismConfig.get_device_mesh: no mesh yet; allowed: a device_type such as "
                                  "'cuda' or 'cpu' to build it")
-            self.device_mesh = self.build_device_mesh(device_type)
+            self.device_mesh = self.build_device_mesh(device_type)  # type: ignore[misc]  # Accelerate's, not a field
         elif device_type is not None and self.device_mesh.device_type != device_type:
             raise ValueError(f"ParallelismConfig.get_device_mesh: the mesh was built for {self.device_mesh.device_type}"
                              f", got device_type {device_type!r}; allowed: {self.device_mesh.device_type!r}")
@@ -397,7 +399,7 @@ class AccelConfig:
 # field validation
 # ---------------------------------------------------------------------------------------------------------
 
-def allowed_values(meta: dict) -> str:
+def allowed_values(meta: Mapping) -> str:
     kind, choices, lo, hi = meta["kind"], meta["choices"], meta["lo"], meta["hi"]
     if choices:
         text = "one of " + ", ".join(choices)
@@ -422,7 +424,7 @@ def allowed_values(meta: dict) -> str:
     return text + (" (or null)" if meta["optional"] else "")
 
 
-def check_value(value: Any, meta: dict, key: str, source: str) -> Any:
+def check_value(value: Any, meta: Mapping, key: str, source: str) -> Any:
     """Return `value` in canonical form, or raise ConfigError naming source/key/value/allowed."""
 
     def fail() -> None:
@@ -478,7 +480,7 @@ def _validate_fields(obj: Any, source: str) -> None:
             setattr(obj, f.name, check_value(getattr(obj, f.name), f.metadata, f.name, source))
 
 
-def _field_specs(cls: type) -> dict[str, dict]:
+def _field_specs(cls: type) -> dict[str, Mapping]:
     return {f.name: f.metadata for f in dataclasses.fields(cls) if "kind" in f.metadata}
 
 
@@ -572,7 +574,7 @@ def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
         return (1, dp) if shards_data_parallel(par) else (dp, 1)
     replicate = replicate or 1
     derived = shard is None
-    if derived:
+    if shard is None:
         shard = max(dp // replicate, 1) if shards_data_parallel(par) else 1
     if replicate * shard * par.tp_size * par.pp_size != world_size:
         shown = f"{shard} (left out: {'derived' if shards_data_parallel(par) else '1'})" if derived else str(shard)

@@ -19,6 +19,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from typing import cast
 
 PATH = os.path.dirname(os.path.abspath(__file__))  # holds accelerate/__init__.py
 REAL_ONLY = ("accelerate.test_utils",)  # taken from a real Accelerate installation
@@ -64,7 +65,10 @@ class AccelerateAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         spec = importlib.util.find_spec(accel_name)
         if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
             spec = importlib.util.find_spec(accel_name + ".__main__")
-        return None if spec is None else spec.loader.get_code(spec.name)
+        if spec is None:
+            return None
+        loader = cast(importlib.abc.InspectLoader, spec.loader)  # accel's modules: source or bytecode files
+        return loader.get_code(spec.name)
 
     @staticmethod
     def _real_spec(fullname: str):

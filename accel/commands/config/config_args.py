@@ -39,7 +39,7 @@ class BaseConfig:
 
     compute_environment: str
     distributed_type: str
-    mixed_precision: str
+    mixed_precision: str | None  # a file may leave it empty: "no" then
     use_cpu: bool
     debug: bool
 
