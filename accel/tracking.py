@@ -13,8 +13,8 @@ process, the only one that writes), so two runs into one project never share a f
 - "jsonl": `run-<NNN>/metrics.jsonl`, one `{"step", "time", "values"}` object per `log()` call, and the config in
   `run-<NNN>/config.json`;
 - "csv": `run-<NNN>/metrics.csv` with header `step,time,name,value` (one row per value), and `config.json`;
-- "tensorboard" keeps Accelerate's folder: `SummaryWriter(log_dir=<logging_dir>/<project_name>)`, one event file
-  per run in it (TensorBoard's own way of keeping runs apart); the other trackers keep their library's runs.
+- "tensorboard" keeps Accelerate's folder: `SummaryWriter(log_dir=<logging_dir>/<project_name>)` for every run, one
+  event file per run in it (`accel plot` draws each event file apart); the other trackers keep their library's runs.
 
 A resumed run continues its own folder: `save_state` records the run and how far each of its files was written
 (`"trackers"` in the checkpoint's manifest), and `load_state` of that checkpoint, before or after `init_trackers`,

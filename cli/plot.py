@@ -4,7 +4,8 @@ per run).
 Reads the run folders the trackers write (`<project>/run-<NNN>/metrics.jsonl` or `metrics.csv`, TensorBoard event
 files) and writes a PNG/SVG/PDF with matplotlib (the `plot` extra) or one self-contained HTML page drawn without
 it. Each run folder is its own line, labelled `<project>/run-<NNN>`; a project folder's own `metrics.jsonl` (the
-single file older accels appended every run to) is one more line, labelled by the project.
+single file older accels appended every run to) is one more line, labelled by the project; each event file of a
+TensorBoard folder (Accelerate's tracker writes every run of a project into one folder) is one run, `<name>#<n>`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Draw every logged scalar against the step: one panel per metric, one line per run, "
         "smoothed (TensorBoard's exponential moving average) over the raw values drawn faint. A RUN_DIR holds "
         "metrics.jsonl, metrics.csv or TensorBoard event files, or is a folder of such run folders (a project "
-        "folder of run-<NNN> folders, or a folder of projects).",
+        "folder of run-<NNN> folders, or a folder of projects). Runs are never joined: each run folder, and each "
+        "event file of a TensorBoard folder, is its own line.",
         allow_abbrev=False,
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder, or a folder of run folders")
