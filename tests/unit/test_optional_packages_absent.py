@@ -1,5 +1,7 @@
-"""Without the optional packages, every `is_*_available()` returns False (never raises) and accel still imports and
-builds an Accelerator. The test extras install those packages, so a subprocess hides them from the import system."""
+"""Without the optional packages, every `is_*_available()` returns False (never raises), each optional feature asked
+for is refused in one line naming its extra, and accel still imports and builds an Accelerator. The test extras
+install those packages, so a subprocess hides them from the import system (.ci/minimal_install checks a real venv
+without them)."""
 
 from __future__ import annotations
 
@@ -59,16 +61,36 @@ for name in names:
     except Exception as exc:
         errors[name] = f"{type(exc).__name__}: {exc}"
 import torch
+from accel.data_loader import SkipDataLoader
+from accel.utils import DataLoaderConfiguration
+
+
+def refusal(call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# each optional feature asked for: (the extra that brings it, the error), before any Accelerator is built
+refused = [
+    ("fp8", refusal(lambda: accel.Accelerator(cpu=True, mixed_precision="fp8"))),
+    ("torchdata", refusal(lambda: accel.Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)))),
+    ("torchdata", refusal(lambda: SkipDataLoader(list(range(8)), batch_size=2, use_stateful_dataloader=True))),
+    ("tensorboard", refusal(lambda: accel.Accelerator(cpu=True, log_with="tensorboard", project_dir=sys.argv[2]))),
+]
 accelerator = accel.Accelerator(cpu=True)
 model, optimizer = accelerator.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(torch.nn.Linear(4, 2).parameters()))
 leaked = sorted(n for n in sys.modules if n.split(".")[0] in HIDDEN)
-print(json.dumps({"found": found, "errors": errors, "leaked": leaked}))
+print(json.dumps({"found": found, "errors": errors, "leaked": leaked, "refused": refused}))
 """
 
 
-def test_probes_without_optional_packages(isolated_env):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(HIDDEN)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO_ROOT, env=isolated_env)
+def test_probes_without_optional_packages(isolated_env, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(HIDDEN), str(tmp_path / "runs")], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT, env=isolated_env)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["errors"] == {}, result["errors"]
@@ -79,3 +101,6 @@ def test_probes_without_optional_packages(isolated_env):
                  "is_tqdm_available", "is_bnb_available", "is_datasets_available"):
         assert result["found"][name] is False, name
     assert len(result["found"]) > 40  # every probe was called
+    for extra, error in result["refused"]:  # one line naming the extra, never a bare ModuleNotFoundError
+        assert f"pip install 'accel[{extra}]'" in error and "\n" not in error, (extra, error)
+        assert not error.startswith("ModuleNotFoundError"), error
