@@ -87,14 +87,13 @@ SEARCH_DEPTH = 3  # RUN_DIR, a project folder in it, a run-<NNN> folder in that
 
 
 def _runs_in(folder: Path, depth: int = 0) -> list[tuple[Path, str]]:
-    """The runs under `folder`, each drawn on its own: the folder's own metrics.jsonl/csv (a log of older accels,
-    where a project's runs shared one file) and every run folder below it (the trackers' `run-<NNN>/`). A
-    TensorBoard folder is one run unless jsonl/csv runs lie below it (accel's trackers write the same values
-    there, one folder per run); its subfolders (add_scalars, add_hparams) belong to it."""
+    """The run folders under `folder`, each drawn on its own: the folder's own metrics.jsonl/csv (a log of older
+    accels, where a project's runs shared one file) and every run folder below it (the trackers' `run-<NNN>/`). A
+    TensorBoard folder (its runs: one per event file) counts unless jsonl/csv runs lie below it (accel's trackers
+    write the same values there, one folder per run); its subfolders (add_scalars, add_hparams) belong to it."""
     source = _source_of(folder)
-    below = [] if depth >= SEARCH_DEPTH else [
-        run for sub in sorted((p for p in folder.iterdir() if p.is_dir()), key=_run_order)
-        for run in _runs_in(sub, depth + 1)]
+    subfolders = sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=_run_order)
+    below = [] if depth >= SEARCH_DEPTH else [run for sub in subfolders for run in _runs_in(sub, depth + 1)]
     files = [run for run in below if run[1] != EVENTS]
     if source in (JSONL, CSV):
         return [(folder, source), *below]
