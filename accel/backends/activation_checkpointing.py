@@ -3,6 +3,8 @@ instead of keeping its activations (torch's non-reentrant `checkpoint`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from accel.backends.blocks import repeated_blocks
@@ -24,7 +26,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
     for block in repeated_blocks(model, parallelism):
         if "_accel_checkpointed" in block.__dict__ or next(block.parameters(), None) is None:
             continue  # already wrapped, or a stand-in for a block another pipeline stage holds
-        block._accel_checkpointed = block.forward
+        block._accel_checkpointed = block.forward  # type: ignore[assignment]  # a plain attribute: the original
         block.forward = _checkpointed(block.forward, mode)
 
 
@@ -38,7 +40,7 @@ def _checkpointed(forward, mode: str):
 
     from torch.utils.checkpoint import checkpoint
 
-    options = {"use_reentrant": False}
+    options: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = _selective_contexts
 
@@ -67,5 +69,5 @@ def disable_kv_cache(model: torch.nn.Module) -> None:
     cache is state that training does not use, that a recomputed block would update twice, and whose per-layer
     state makes every compiled block recompile."""
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False

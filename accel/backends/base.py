@@ -91,7 +91,7 @@ class Backend:
             return outputs if target is None else loss_fn(loss_input(outputs), target)
 
         model.forward = forward
-        model._accel_loss_forward = inner
+        model._accel_loss_forward = inner  # type: ignore[assignment]  # a plain attribute: the model's own forward
 
     # -- the step --------------------------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module):

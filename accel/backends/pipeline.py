@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -215,7 +215,7 @@ class PipelineBackend(Backend):
         """Every stage's full weights, collected on rank 0 with the original names (other ranks: {})."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        mine: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         mine = fused.to_model_order({k: v.detach().to("cpu") for k, v in mine.items()}, model)  # this stage's
         coords = self.topology.coordinates(self.state.process_index)
         if coords["dp"] or coords["tp"]:
@@ -225,7 +225,7 @@ class PipelineBackend(Backend):
     def held_names(self, for_optimizer: bool = False) -> set[str] | None:
         """The names of this process's stages' parameters and buffers; for optimizer state, also the first name of
         each weight tied across stages that it holds (that state is saved under it)."""
-        held = set()
+        held: set[str] = set()
         for model in self._models:
             held.update(n for n, _ in model.named_parameters(remove_duplicate=False))
             held.update(n for n, _ in model.named_buffers())
@@ -261,6 +261,10 @@ class TiedWeight:
 class PipelineModel(nn.Module):
     """What `prepare` returns for a pipeline: this process's stages. Its parameters and state dict keep the
     original names; calling it runs the schedule over the micro-batches."""
+
+    # set with object.__setattr__ in __init__ (not registered as submodules)
+    local_view: nn.Module
+    _backend: PipelineBackend
 
     def __init__(self, backend: PipelineBackend, view: nn.Module, stages: list, tied: list[TiedWeight],
                  original_parameters: list) -> None:
@@ -364,7 +368,7 @@ class PipelineModel(nn.Module):
                                 "accelerator.prepare(model, ..., loss_fn=torch.nn.functional.cross_entropy)")
         schedule, stages = self._schedule(packed, with_loss=target is not None)
         self._training_step = target is not None and self.training and torch.is_grad_enabled()
-        self._raw_losses: list = []
+        self._raw_losses = []
         if self._training_step:
             with backend.inner.pipeline_stages_step(stages, self.skip_gradient_sync):
                 output = schedule.step(target=target, **packed)
@@ -461,7 +465,7 @@ def _install_stage_forward(shell: nn.Module, run, index: int, precision) -> None
 
 def _broadcast_output(output, src: int, group, device):
     """The last stage's outputs, on every process of the pipeline."""
-    meta = [None]
+    meta: list[Any] = [None]
     if dist.get_rank() == src:
         tensors = output if isinstance(output, tuple) else (output,)
         meta = [(isinstance(output, tuple), [(t.shape, t.dtype) for t in tensors])]

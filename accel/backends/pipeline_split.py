@@ -71,7 +71,7 @@ def balanced_split_points(model: nn.Module, num_stages: int) -> list[str]:
         raise SplitError(f"pipeline: {where} has {len(names)} blocks, too few for {num_stages} stages; allowed: "
                          f"pp_size x pp_stages_per_rank <= {len(names)}")
     costs = [0] * len(names)
-    unit, seen = 0, set()
+    unit, seen = 0, set[int]()
     for name, module in model.named_modules():
         for i in range(unit + 1, len(names)):
             if name == names[i] or name.startswith(names[i] + "."):

@@ -80,6 +80,8 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
         if on_meta:
             materialize(model, "cpu" if recipe.offload else recipe.device)
     elif recipe.data_parallel == "ddp":
+        if recipe.wrap_ddp is None:
+            raise ValueError("Recipe: data_parallel 'ddp' needs wrap_ddp (the backend's DDP with its options)")
         model = recipe.wrap_ddp(model)
     if recipe.compile is not None and not regional:
         model.compile(**options)  # in place: names, state dicts and the wrapper type stay the user's
@@ -121,5 +123,6 @@ def materialize(model: torch.nn.Module, device) -> None:
     model.to_empty(device=device)
     with torch.no_grad():
         for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if reset is not None:
+                reset()

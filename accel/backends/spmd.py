@@ -48,7 +48,7 @@ class SpmdBackend(Backend):
         return {**self.__dict__, "_wrapped": []}
 
     @property
-    def partial_gradients(self) -> bool:
+    def partial_gradients(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
         """FSDP2 shards the gradients: each rank sees only its shard."""
         return self.data_parallel == "fsdp"
 
@@ -91,7 +91,8 @@ class SpmdBackend(Backend):
         prepared = parallelize(model, recipe)
         inner = self.unwrap_model(prepared)
         if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1:
-            inner._accel_parallelized = True  # sharded or split: once only (a DDP model is wrapped again)
+            # sharded or split: once only (a DDP model is wrapped again)
+            inner._accel_parallelized = True  # type: ignore[assignment]  # a plain attribute
         self.replacements.record(originals, inner)  # FSDP2 and TP give the model new (DTensor) parameters
         return prepared
 
@@ -139,7 +140,7 @@ class SpmdBackend(Backend):
             finally:
                 model.require_backward_grad_sync, model.require_forward_param_sync = saved
         elif hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDP2's method (hasattr above)
             yield
         else:
             yield

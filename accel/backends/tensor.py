@@ -11,6 +11,8 @@ q/k/v) are in tensor_parallel_styles.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, TransposedRowwise
@@ -42,12 +44,14 @@ def _style(name: str, module: torch.nn.Module, tp_size: int):
 
     if name == "fused_qkv":
         return ColumnSplit(out_dim=1 if is_conv1d(module) else 0, parts=3, tp_size=tp_size)
+    replicated_output: dict[str, Any] = {"output_layouts": Replicate()} if name == "colwise_rep" else {}
+    replicated_input: dict[str, Any] = {"input_layouts": Replicate()} if name == "rowwise_rep" else {}
     if is_conv1d(module) and name in ("colwise", "colwise_rep"):
-        return ColumnSplit(out_dim=1, **({"output_layouts": Replicate()} if name == "colwise_rep" else {}))
+        return ColumnSplit(out_dim=1, **replicated_output)
     if is_conv1d(module) and name in ("rowwise", "rowwise_rep"):
-        return TransposedRowwise(**({"input_layouts": Replicate()} if name == "rowwise_rep" else {}))
+        return TransposedRowwise(**replicated_input)
     if isinstance(module, torch.nn.Embedding) and name in ("rowwise", "rowwise_rep"):
-        return EmbeddingRowwise(**({"input_layouts": Replicate()} if name == "rowwise_rep" else {}))
+        return EmbeddingRowwise(**replicated_input)
     return {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
@@ -63,10 +67,11 @@ def plan_for(model: torch.nn.Module, parallelism, tp_size: int, announce: bool) 
     parameter), printed with what stays whole and why when `announce` (the main process). Errors name where
     the bad entry came from (the config key, the model's plan, or accel's built-in one)."""
     given = getattr(parallelism, "tp_plan", None)
-    source, plan, origin = "ParallelismConfig(tp_plan=...)", given, "parallelism.tp_plan"
+    source, plan = "ParallelismConfig(tp_plan=...)", given
+    origin: str | dict[str, str] = "parallelism.tp_plan"  # a dict: where each entry was read
     if not plan:
-        origin = {}
-        source, plan = "the model's own tp plan", model_plan(model, origin)
+        origins: dict[str, str] = {}
+        source, plan, origin = "the model's own tp plan", model_plan(model, origins), origins
     if not plan:
         source, plan = "accel's automatic plan", automatic_plan(model)
         origin = builtin_source(model)

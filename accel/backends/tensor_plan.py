@@ -22,6 +22,7 @@ import fnmatch
 import itertools
 import re
 import sys
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,8 +50,8 @@ def is_linear(module: nn.Module) -> bool:
 
 def features(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear or Conv1D."""
-    module = computing(module)
-    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+    layer: Any = computing(module)  # a Linear or transformers' Conv1D: their size attributes
+    return (layer.nx, layer.nf) if is_conv1d(layer) else (layer.in_features, layer.out_features)
 
 
 # -- wrappers: PEFT, torch.compile, DDP -----------------------------------------------------------------------
@@ -82,7 +83,7 @@ def wrapper_prefix(model: nn.Module) -> tuple[str, nn.Module]:
     'module.', nested in any order) and the model inside, whose names a plan is written for."""
     prefix, inner = "", model
     while (child := _wrapped_child(inner)) is not None:
-        prefix, inner = f"{prefix}{child}.", inner._modules[child]
+        prefix, inner = f"{prefix}{child}.", inner.get_submodule(child)
     return prefix, inner
 
 
@@ -121,9 +122,9 @@ def computing(module: nn.Module) -> nn.Module:
     """The layer whose weights a plan entry splits: a LoRA layer's base layer, a modules_to_save wrapper's
     original, else the module itself (a peft layer accel cannot split stays itself, so no style applies)."""
     if is_lora_linear(module):
-        return module.base_layer
+        return cast(nn.Module, module.base_layer)
     if is_saved_copy(module):
-        return module.original_module
+        return cast(nn.Module, module.original_module)
     return module
 
 
@@ -138,7 +139,7 @@ def torch_pieces(name: str, module: nn.Module, style: str) -> list[tuple[str, st
                                                    for key in getattr(module, matrices)]
     if is_saved_copy(module):
         return [(f"{name}.original_module", style)] + [(f"{name}.modules_to_save.{key}", style)
-                                                        for key in module.modules_to_save]
+                                                        for key in cast(nn.ModuleDict, module.modules_to_save)]
     return [(name, style)]
 
 
@@ -219,7 +220,8 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
     for key, style in (getattr(model, "_tp_plan", None) or {}).items():  # transformers copies the config's here
         if plan.get(key) != style:
             plan[key], found[key] = style, f"{type(model).__name__}._tp_plan['{key}']"
-    translated, skipped = {}, []
+    translated: dict[str, str] = {}
+    skipped: list[str] = []
     for key, style in plan.items():
         style = _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
         (translated.__setitem__(key, style) if style in STYLES else skipped.append(f"{key}: {style}"))
