@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-from accel import ops
-from accel.accumulation import GradientState
+from accel.runtime import ops
+from accel.runtime.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
 from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
-from accel.kwargs import (
+from accel.config.kwargs import (
     AORecipeKwargs,
     AutocastKwargs,
     GradScalerKwargs,
@@ -30,10 +30,10 @@ from accel.kwargs import (
     find_handler,
 )
 from accel.optimizer import AcceleratedOptimizer
-from accel.precision import PrecisionPolicy
+from accel.runtime.precision import PrecisionPolicy
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
-from accel.state import DistributedType, PartialState, check_device_matches
-from accel.topology import Topology
+from accel.runtime.state import DistributedType, PartialState, check_device_matches
+from accel.config.topology import Topology
 
 _NOT_YET = "is not available yet in accel"
 
@@ -89,8 +89,8 @@ class Accelerator:
                                       "ParallelismConfig(...) or the config file's parallelism section")
         if unsupported:
             raise TypeError(f"Accelerator() got unexpected keyword arguments: {', '.join(sorted(unsupported))}")
-        from accel.data import DataLoaderConfiguration
-        from accel.plugins import (
+        from accel.data.loading import DataLoaderConfiguration
+        from accel.config.plugins import (
             active_deepspeed_plugin,
             apply_plugins,
             carried_deepspeed_plugin,
@@ -195,7 +195,7 @@ class Accelerator:
         return layer
 
     def _check_handlers(self) -> None:
-        from accel.kwargs import KwargsHandler
+        from accel.config.kwargs import KwargsHandler
 
         for handler in self.kwargs_handlers:
             if not isinstance(handler, KwargsHandler):
@@ -317,7 +317,7 @@ class Accelerator:
         placement = device_placement or [None] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"prepare: device_placement has {len(placement)} entries for {len(args)} objects")
-        from accel.utils.deepspeed import replace_dummies  # DummyOptim/DummyScheduler -> what the DeepSpeed JSON names
+        from accel.compat.deepspeed import replace_dummies  # DummyOptim/DummyScheduler -> what the DeepSpeed JSON names
 
         args = replace_dummies(args, self.deepspeed_plugin, self.backend.data_parallel_size, self.split_batches,
                                self.step_scheduler_with_optimizer)
@@ -393,7 +393,7 @@ class Accelerator:
         return wrapped
 
     def prepare_data_loader(self, data_loader, device_placement: bool | None = None, slice_fn_for_dispatch=None):
-        from accel.data import prepare_data_loader
+        from accel.data.loading import prepare_data_loader
 
         placement = self.device_placement if device_placement is None else device_placement
         prepared = prepare_data_loader(
@@ -422,7 +422,7 @@ class Accelerator:
 
     def _seedable_shuffle(self) -> bool:
         """Whether shuffles are a function of (seed, epoch): asked for, or a `data_seed` given (else Accelerate's
-        draws from the global RNG, see accel.data)."""
+        draws from the global RNG, see accel.data.loading)."""
         return self.dataloader_config.use_seedable_sampler or self.dataloader_config.data_seed is not None
 
     def _shared_data_seed(self) -> int:
@@ -437,7 +437,7 @@ class Accelerator:
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """A loader over the rest of the current epoch, without loading the skipped batches."""
-        from accel.data import skip_first_batches
+        from accel.data.loading import skip_first_batches
 
         return skip_first_batches(dataloader, num_batches)
 
@@ -590,7 +590,7 @@ class Accelerator:
         `Join` lets the processes that ran out shadow the others' gradient all-reduces, for DDP models on GPUs and,
         unlike Accelerate, on CPU processes (gloo) too. `even_batches` overrides the prepared map-style loaders'
         setting inside the block."""
-        from accel.data import BatchSamplerShard
+        from accel.data.loading import BatchSamplerShard
 
         restore = []
         if even_batches is not None:
@@ -633,7 +633,7 @@ class Accelerator:
     @property
     def fp8_backend(self):
         """FP8BackendType.AO when training in fp8 (torchao), else NO."""
-        from accel.utils.dataclasses import FP8BackendType
+        from accel.compat.dataclasses import FP8BackendType
 
         return FP8BackendType.AO if self.config.mixed_precision == "fp8" else FP8BackendType.NO
 
@@ -910,13 +910,21 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
 
 
+_ALSO_HERE = {  # names Accelerate's `accelerate.accelerator` module also provides -> the module defining them
+    **dict.fromkeys(("DataLoaderConfiguration",), "accel.data.loading"),
+    **dict.fromkeys(("GradientAccumulationPlugin", "GradientState"), "accel.runtime.accumulation"),
+    "ProjectConfiguration": "accel.checkpoint.layout",
+    **dict.fromkeys(("DeepSpeedPlugin", "FullyShardedDataParallelPlugin"), "accel.config.plugins"),
+    **dict.fromkeys(("DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
+                     "AORecipeKwargs"), "accel.config.kwargs"),
+    **dict.fromkeys(("PartialState", "AcceleratorState", "DistributedType"), "accel.runtime.state"),
+}
+
+
 def __getattr__(name: str):
     """Names Accelerate's `accelerate.accelerator` module also provides (scripts import them from there)."""
-    import accel
+    import importlib
 
-    if name in ("DataLoaderConfiguration", "GradientAccumulationPlugin", "ProjectConfiguration", "DeepSpeedPlugin",
-                "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs",
-                "InitProcessGroupKwargs", "AutocastKwargs", "AORecipeKwargs", "PartialState", "AcceleratorState",
-                "GradientState", "DistributedType"):
-        return getattr(accel, name) if name != "GradientState" else getattr(accel.state, name)
+    if name in _ALSO_HERE:
+        return getattr(importlib.import_module(_ALSO_HERE[name]), name)
     raise AttributeError(f"module 'accel.accelerator' has no attribute {name!r}")

@@ -1,8 +1,8 @@
-"""Accelerate's module name for the data-loading API (`from accelerate.data_loader import ...`): accel.data's."""
+"""Accelerate's module name for the data-loading API (`from accelerate.data_loader import ...`): accel.data.loading's."""
 
 import abc
 
-from accel.data import (  # noqa: F401
+from accel.data.loading import (  # noqa: F401
     BatchSamplerShard,
     DataLoaderConfiguration,
     DataLoaderDispatcher,

@@ -8,7 +8,7 @@ import contextlib
 import os
 from typing import Callable
 
-import accel
+from accel.core.restarts import export_restart_count
 from accel.config import LAUNCH_ENV, AccelConfig, encode_for_workers
 
 
@@ -66,10 +66,10 @@ def _in_fresh_state(function, *args):
     On CPU the gloo group connects its ranks at the first collective, not in `PartialState()` (torch's
     TORCH_GLOO_LAZY_INIT, unless the user set it): a notebook function may return on one worker before touching the
     state, and the others must not wait for it forever (Accelerate's fault-tolerance test does exactly this)."""
-    from accel.state import PartialState
+    from accel.runtime.state import PartialState
 
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-    accel._export_restart_count()  # this fork imported accel before the agent set TORCHELASTIC_RESTART_COUNT
+    export_restart_count()  # this fork imported accel before the agent set TORCHELASTIC_RESTART_COUNT
 
     PartialState._shared_state.clear()
     PartialState._instance = PartialState._carried = None

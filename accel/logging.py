@@ -1,67 +1,8 @@
-"""Accelerate's `get_logger`: a standard `logging` logger whose records are emitted on the main process only
-(`main_process_only=True`, the default), on every process (`main_process_only=False`), or on every process one
-after another (`in_order=True`, which overrides `main_process_only`). Each message starts with `[RANK i] `."""
+"""Accelerate's `accelerate.logging` path: the module is accel.runtime.logging (one module object under both names, so
+patching either patches both)."""
 
-from __future__ import annotations
+import sys
 
-import functools
-import logging
-import os
+from accel.runtime import logging
 
-
-class MultiProcessAdapter(logging.LoggerAdapter):
-    """`logger.info(msg, main_process_only=False, in_order=True)`; the process state is read when logging."""
-
-    @staticmethod
-    def _should_log(main_process_only: bool) -> bool:
-        from accel.state import PartialState
-
-        return not main_process_only or PartialState().is_main_process
-
-    def process(self, msg, kwargs):
-        """Prefix the rank, and report the caller's line (not this file's) as the record's origin."""
-        from accel.state import PartialState
-
-        msg, kwargs = super().process(msg, kwargs)
-        kwargs.setdefault("stacklevel", 2)
-        return f"[RANK {PartialState().process_index}] {msg}", kwargs
-
-    def log(self, level, msg, *args, **kwargs):
-        """Log on the processes asked for. `in_order=True` makes every rank log in turn, with a barrier after each
-        turn, so every process must make the call."""
-        from accel.state import PartialState
-
-        if not PartialState._shared_state.get("_initialized"):
-            raise RuntimeError("You must initialize the accelerate state by calling either `PartialState()` or "
-                               "`Accelerator()` before using the logging utility.")
-        main_process_only = kwargs.pop("main_process_only", True)
-        in_order = kwargs.pop("in_order", False)
-        if not self.isEnabledFor(level):
-            return
-        msg, kwargs = self.process(msg, kwargs)
-        if not in_order:
-            if self._should_log(main_process_only):
-                self.logger.log(level, msg, *args, **kwargs)
-            return
-        state = PartialState()
-        for rank in range(state.num_processes):
-            if rank == state.process_index:
-                self.logger.log(level, msg, *args, **kwargs)
-            state.wait_for_everyone()
-
-    @functools.lru_cache(None)
-    def warning_once(self, *args, **kwargs):
-        """`warning()`, emitted once per distinct arguments (per logger object, as in Accelerate)."""
-        self.warning(*args, **kwargs)
-
-
-def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
-    """The logger `name`. A level (`log_level`, else $ACCELERATE_LOG_LEVEL, else accel's older $ACCEL_LOG_LEVEL) is
-    set on it and on the root logger, as Accelerate does; with none, levels are left as they are."""
-    if log_level is None:
-        log_level = os.environ.get("ACCELERATE_LOG_LEVEL") or os.environ.get("ACCEL_LOG_LEVEL")
-    logger = logging.getLogger(name)
-    if log_level is not None:
-        logger.setLevel(log_level.upper())
-        logger.root.setLevel(log_level.upper())
-    return MultiProcessAdapter(logger, {})
+sys.modules[__name__] = logging

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from accel.accumulation import GradientState
-from accel.plan_measure import meter_from_env
-from accel.precision import PrecisionPolicy
+from accel.runtime.accumulation import GradientState
+from accel.planning.measure import meter_from_env
+from accel.runtime.precision import PrecisionPolicy
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -24,7 +24,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.precision = precision
         self.gradient_state = gradient_state
         self._is_overflow = False  # Accelerate's attribute behind step_was_skipped (its tests set it directly)
-        self.before_step = None  # e.g. automatic gradient clipping (DeepSpeed's gradient_clipping)
+        self.before_step: Callable[[], Any] | None = None  # e.g. automatic clipping (DeepSpeed's gradient_clipping)
         self._meter = meter_from_env()  # `accel plan --measure`: stop after N real steps; None otherwise
 
     @property
@@ -83,7 +83,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # Accelerate's: no closure's loss back
         if not self.gradient_state.sync_gradients:
             return
         if self.before_step is not None:

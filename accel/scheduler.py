@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from accel.accumulation import GradientState
+from accel.runtime.accumulation import GradientState
 
 
 def retarget_scheduler(scheduler, optimizer) -> None:

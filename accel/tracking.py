@@ -42,8 +42,8 @@ import warnings
 from functools import wraps
 from typing import Any, TextIO
 
-from accel.logging import get_logger
-from accel.utils.dataclasses import LoggerType
+from accel.runtime.logging import get_logger
+from accel.compat.dataclasses import LoggerType
 
 logger = get_logger(__name__)
 
@@ -58,7 +58,7 @@ def on_main_process(function):
     @wraps(function)
     def execute_on_main_process(self, *args, **kwargs):
         if getattr(self, "main_process_only", False):
-            from accel.state import PartialState
+            from accel.runtime.state import PartialState
 
             return PartialState().on_main_process(function)(self, *args, **kwargs)
         return function(self, *args, **kwargs)
@@ -185,6 +185,7 @@ class _FileTracker(GeneralTracker):
         self.run_id: str | None = None  # set by start_trackers (one run for all file trackers of a call)
         self.truncate_at: int | None = None  # a resumed run: the file's size when the checkpoint was saved
         self.logged = 0  # log() calls into this run since start
+        self.new_run = False  # this tracker's run folder was created for it (not a resumed run's)
         self.file: TextIO | None = None
 
     @property
@@ -194,7 +195,7 @@ class _FileTracker(GeneralTracker):
     @on_main_process
     def start(self):
         if self.run_id is None:
-            self.run_id = new_run_id(self.project_folder)
+            self.run_id, self.new_run = new_run_id(self.project_folder), True
         self.logging_dir = os.path.join(self.project_folder, self.run_id)
         os.makedirs(self.logging_dir, exist_ok=True)
         self.path = os.path.join(self.logging_dir, self.filename)
@@ -332,7 +333,7 @@ class TensorBoardTracker(GeneralTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        from accel.utils.operations import listify
+        from accel.compat.operations import listify
 
         for k, v in listify(values).items():
             if isinstance(v, (int, float)):
@@ -502,7 +503,7 @@ class MLflowTracker(GeneralTracker):
     def __init__(self, experiment_name: str | None = None, logging_dir: str | os.PathLike | None = None,
                  run_id: str | None = None, tags: dict | str | None = None, nested_run: bool | None = False,
                  run_name: str | None = None, description: str | None = None):
-        from accel.utils.imports import str_to_bool
+        from accel.core.probes import str_to_bool
 
         tags = os.environ.get("MLFLOW_TAGS", tags)
         nested_run = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
@@ -754,7 +755,7 @@ def _choose_run(files: list, resume: dict | None) -> None:
     resumed = _resumable(resume, files[0])
     run_id, written = resumed if resumed else (new_run_id(files[0].project_folder), {})
     for tracker in files:
-        tracker.run_id, tracker.truncate_at = run_id, written.get(tracker.filename)
+        tracker.run_id, tracker.truncate_at, tracker.new_run = run_id, written.get(tracker.filename), not resumed
 
 
 def _resumable(record: dict | None, tracker: _FileTracker) -> tuple[str, dict] | None:
@@ -788,13 +789,14 @@ def resume_trackers(trackers: list, record: dict | None) -> None:
         return
     run_id, written = resumed
     left = {t.logging_dir for t in files if t.run_id != run_id}
-    untouched = all(t.logged == 0 for t in files)
+    unused = all(t.logged == 0 for t in files)  # made by this init_trackers, nothing logged
     for tracker in files:
         tracker.finish()
         tracker.run_id, tracker.truncate_at, tracker.logged = run_id, written.get(tracker.filename), 0
+        tracker.new_run = False
         tracker.start()
     for folder in left:
-        if untouched:
+        if unused:
             _remove_fresh_run(folder, {t.filename for t in files}, files[0].logging_dir)
     logger.info(f"trackers: resumed run {os.path.join(files[0].project_folder, run_id)}")
 

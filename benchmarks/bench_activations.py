@@ -3,7 +3,7 @@ same training step run for real on CPU (one process).
 
     python benchmarks/bench_activations.py  # tiny Llama and GPT-2, 2 sizes, fp32/bf16, no/full checkpointing (~75 s)
 
-For each model and micro-batch, `accel.estimate.activation_bytes` runs forward + backward on a fake copy
+For each model and micro-batch, `accel.planning.estimate.activation_bytes` runs forward + backward on a fake copy
 (FakeTensorMode, no memory); the real column runs the same step on real tensors under the same tracker (torch's
 MemTracker: peak over the step of the bytes that are not parameters, buffers or gradients). `saved` is an
 independent lower bound: the bytes of the unique storages saved for backward at the end of the real forward
@@ -37,7 +37,7 @@ def models():
 
 def saved_bytes(model, batch_size: int, seq_len: int) -> int:
     """Unique storages saved for backward by one real forward (the activations autograd keeps)."""
-    from accel.estimate import _inputs, _loss
+    from accel.planning.estimate import _inputs, _loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -57,7 +57,7 @@ def saved_bytes(model, batch_size: int, seq_len: int) -> int:
 
 
 def main() -> None:
-    from accel.estimate import activation_bytes
+    from accel.planning.estimate import activation_bytes
 
     print(f"{'model':<12} {'B x S':>8} {'mp':>4} {'ckpt':>5} {'fake (MiB)':>11} {'real (MiB)':>11} {'error':>7} "
           f"{'saved (MiB)':>12} {'fake s':>7}")

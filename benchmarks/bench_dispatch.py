@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader, Dataset
 
     from accel import Accelerator
-    from accel.data import DataLoaderConfiguration
+    from accel.data.loading import DataLoaderConfiguration
 
     class Tokens(Dataset):
         def __init__(self, n):

@@ -15,7 +15,7 @@ The worker runs two AdamW steps (a pipeline: `loss = model(ids, target=ids)` wit
 second `optimizer.step()` (before `zero_grad()`), counts the bytes of the tensors the rank holds: the optimizer's
 parameters (a pipeline rank's optimizer holds only its stage's; DTensors: their local shard), their `.grad`,
 every tensor of the optimizer state (the ZeroRedundancyOptimizer's local `.optim` for ZeRO-1), each tensor once;
-the largest rank is reported next to `accel.estimate.training(spec, N, tp, pp)` for the same model built on the
+the largest rank is reported next to `accel.planning.estimate.training(spec, N, tp, pp)` for the same model built on the
 meta device. Asserts nothing.
 """
 
@@ -104,7 +104,7 @@ def estimated(n: int, tp: int, pp: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from accel.estimate import spec_from_module, training
+    from accel.planning.estimate import spec_from_module, training
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(llama_config())

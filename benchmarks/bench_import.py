@@ -36,8 +36,8 @@ COMMANDS = {
     "import torch": "import torch",
     "import torch, accel": "import torch, accel",
     "import torch; from accel import Accelerator": "import torch; from accel import Accelerator",
-    # what Accelerator() then imports on its own (accel.data, lazily) before prepare() can run
-    "... + import accel.data": "import torch; from accel import Accelerator; import accel.data",
+    # what Accelerator() then imports on its own (accel.data.loading, lazily) before prepare() can run
+    "... + import accel.data.loading": "import torch; from accel import Accelerator; import accel.data.loading",
 }
 IN_PROCESS = """
 import json, time
@@ -47,7 +47,7 @@ import accel
 t1 = time.perf_counter()
 from accel import Accelerator
 t2 = time.perf_counter()
-import accel.data
+import accel.data.loading
 t3 = time.perf_counter()
 print(json.dumps([(t1 - t0) * 1e3, (t2 - t0) * 1e3, (t3 - t0) * 1e3]))
 """
@@ -66,7 +66,7 @@ def in_process(env: dict) -> list[float]:
 
 def importtime(env: dict, runs: int = 5) -> None:
     """Top offenders of `python -X importtime` among the modules imported after torch (cached .pyc)."""
-    code = COMMANDS["... + import accel.data"]
+    code = COMMANDS["... + import accel.data.loading"]
     self_us: dict[str, list[int]] = {}
     cumulative_us: dict[str, list[int]] = {}
     totals = []

@@ -8,7 +8,7 @@
    process gets one core, gloo all_reduce bandwidth and latency) into a temporary file.
 2. Plans a tiny Llama (transformers `LlamaConfig`, untied: hidden 256, 4 layers, vocab 4096; global batch 8 x 128
    tokens) for N processes of this machine, with the calibrated rates and memory enough for every layout.
-3. Runs every layout that fits with `accel.plan_measure.measure_one` (what `accel plan --measure` runs: this
+3. Runs every layout that fits with `accel.planning.measure.measure_one` (what `accel plan --measure` runs: this
    file as the unmodified training script under `accel launch --config_file <layout>.yaml`, stopped after
    --steps optimizer steps; median step after 2 warm-up steps, the slowest rank), one layout at a time, in a
    shuffled order (a slow drift of the machine's speed would otherwise line up with the estimated ranking).
@@ -100,7 +100,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def layout_key(row: dict) -> str:
-    from accel.plan import describe
+    from accel.planning.plan import describe
 
     return describe({**row, "step_time_s": None})
 
@@ -109,8 +109,8 @@ def planned(cal: dict, num_processes: int, mixed_precision: str) -> dict:
     """The plan of the benchmark's model for this machine's calibration `cal`."""
     import torch
 
-    from accel.estimate import spec_from_module
-    from accel.plan import GB, Hardware, apply_calibration, plan
+    from accel.planning.estimate import spec_from_module
+    from accel.planning.plan import GB, Hardware, apply_calibration, plan
 
     hw = Hardware(num_processes=num_processes, device_memory=64 * GB, host_memory=64 * GB)
     apply_calibration(hw, cal)
@@ -131,7 +131,7 @@ def show_calibration(cal: dict) -> None:
 
 def score(result: dict, measured: dict[str, float], fitting: list[int], top: int) -> dict:
     """Spearman of estimated vs measured over the layouts that ran, and what `--measure --top` would pick."""
-    from accel.plan import describe
+    from accel.planning.plan import describe
 
     ran = [(i, result["layouts"][i], measured[layout_key(result["layouts"][i])]) for i in fitting
            if measured.get(layout_key(result["layouts"][i])) is not None]
@@ -152,8 +152,8 @@ def score(result: dict, measured: dict[str, float], fitting: list[int], top: int
 def run(args) -> int:
     import torch
 
-    from accel.plan import describe
-    from accel.plan_measure import calibrate, load_calibration, measure_one
+    from accel.planning.plan import describe
+    from accel.planning.measure import calibrate, load_calibration, measure_one
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     torch.set_num_threads(1)

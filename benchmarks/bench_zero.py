@@ -301,7 +301,7 @@ def worker(args: argparse.Namespace) -> int:
     parallelism = ParallelismConfig(zero_stage=args.stage, offload_optimizer=args.offload, offload_params=args.offload)
     handlers = []
     if args.ddp_bucket_view:
-        from accel.kwargs import DistributedDataParallelKwargs
+        from accel.config.kwargs import DistributedDataParallelKwargs
 
         handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
     accelerator = Accelerator(parallelism_config=parallelism, kwargs_handlers=handlers)

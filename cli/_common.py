@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+DEFAULT_MULTI_MACHINE_PORT = 29500  # the rendezvous port of a launch over several machines (Accelerate's)
 
 class UsageError(Exception):
     """A mistake on the command line or in the environment; `accel` prints it as one line and exits 2."""

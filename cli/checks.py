@@ -27,7 +27,7 @@ from accel.config import (
     user_config_path,
 )
 from accel.config.accelerate_import import deepspeed_path
-from accel.config.checks import check_launchable
+from accel.backends.launchable import check_launchable
 
 # -------------------------------------------------------------------------------------------------------
 # the config

@@ -7,7 +7,7 @@ The questionnaire reads one answer per line from stdin, so it can be scripted:
 An empty answer takes the default shown in [brackets]; when stdin ends, every remaining question takes its
 default. An invalid answer prints why and the same question is asked again. The answers are validated with
 the same code as config files (`accel.config.parse_layer` / `build_config`), including the rules that
-involve several keys, and with the checks `accel launch` and `accel env` run (`accel.config.checks.
+involve several keys, and with the checks `accel launch` and `accel env` run (`accel.backends.launchable.
 check_launchable`: the layout on num_processes, the combinations accel has, fp8's torchao), so a saved config
 is one `accel launch` accepts. A refused combination prints the one-line error and asks the offending question
 again. When stdin ends right after an invalid or refused answer, nothing is saved and `accel config` exits 2
@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accel.cli._common import UsageError, add_flag
-from accel.cli.launch import DEFAULT_MULTI_MACHINE_PORT
+from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 
 from accel.config import (
     MIXED_PRECISIONS,
@@ -44,7 +43,7 @@ from accel.config import (
     parse_layer,
     read_config_file,
 )
-from accel.config.checks import check_launchable
+from accel.backends.launchable import check_launchable
 
 ANSWERS_SOURCE = "accel config answers"
 REQUIRED = object()  # a question without a default

@@ -45,10 +45,10 @@ def environment_lines() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    import accel
+    from accel.core.version import __version__
 
     lines = [
-        f"- accel version: {accel.__version__}",
+        f"- accel version: {__version__}",
         f"- PyTorch version: {torch.__version__} (built with CUDA: {torch.version.cuda or 'no'})",
         f"- Python version: {platform.python_version()} ({sys.executable})",
         f"- OS: {platform.platform()}",

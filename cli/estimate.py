@@ -6,7 +6,7 @@ rank (parameters, gradients, AdamW state) for DDP, ZeRO 1/2/3 and offload, built
 "layouts": {"ddp"|"zero1"|"zero2"|"zero3"|"zero3_offload": {"params_bytes", "grads_bytes", "optimizer_bytes",
 "master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}, and with --batch_size/--seq_len
 "activations": {"batch_size", "seq_len", "mixed_precision", "no_checkpointing_bytes", "full_checkpointing_bytes",
-"method"}: forward + backward on fake tensors under torch's MemTracker (accel/estimate.py).
+"method"}: forward + backward on fake tensors under torch's MemTracker (accel/planning/estimate.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from accel.cli._common import UsageError, add_flag
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """MODEL, in the forms `accel.estimate` builds on the meta device (also `accel plan`'s)."""
+    """MODEL, in the forms `accel.planning.estimate` builds on the meta device (also `accel plan`'s)."""
     parser.add_argument("model", help="transformers config (config.json, folder, or model type like gpt2), "
                                       "module:callable returning an nn.Module, or a safetensors file/index/folder")
 
@@ -44,7 +44,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from accel.estimate import EstimateError, activations, estimate, load_spec
+    from accel.planning.estimate import EstimateError, activations, estimate, load_spec
 
     if (args.batch_size is None) != (args.seq_len is None):
         raise UsageError("--batch_size and --seq_len: give both (the micro-batch per process and its tokens per "

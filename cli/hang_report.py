@@ -4,7 +4,7 @@ Without it, the rank that waited is the one that fails (after the process group'
 merely stopped, so torchrun names the healthy rank as the first failure. `HangWatch` runs around torchrun's agent:
 
 1. Before the agent starts the workers, `worker_env()` gives them the run folder (`ACCEL_DIAGNOSTICS_DIR`, where
-   `accel.diagnostics` writes each rank's failed-collective record and its stack on demand) and NCCL's settings:
+   `accel.core.diagnostics` writes each rank's failed-collective record and its stack on demand) and NCCL's settings:
    dump the flight recorder of a rank whose collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`) into that folder.
 2. When the agent is about to stop the workers after a failure (the one hook: torchrun's
    `SubprocessContext._close`), and the failure was a collective's, the workers still running are asked for
@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel import diagnostics as diag
-from accel.diagnostics import Frame
+from accel.core import diagnostics as diag
+from accel.core.diagnostics import Frame
 
 ROLE_ORDER = ("stuck", "failed", "waiting")  # the report's order, its first failure first
 STACK_WAIT_S = 2.0  # how long a worker gets to write its stack after SIGUSR1 (faulthandler takes milliseconds)

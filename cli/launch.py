@@ -54,7 +54,7 @@ import socket
 import sys
 
 from accel.cli import accelerate_flags, checks, multinode, output
-from accel.cli._common import UsageError, add_flag
+from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli.hang_report import HangWatch
 from accel.config import (
     LAUNCH_ENV,
@@ -65,7 +65,6 @@ from accel.config import (
 )
 from accel.config import resolve_launch_config as _resolve_launch_config
 
-DEFAULT_MULTI_MACHINE_PORT = 29500
 FLAGS_SOURCE = "accel launch flags"
 
 # launch flag -> key of the config layer it overrides (dotted for the parallelism section)
@@ -95,6 +94,11 @@ _FLAG_KEYS = {
 }
 # the flags that feed the config (`accel env` takes them too), Accelerate's among them
 CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """`accel launch`'s parser on its own (the flags a --hostfile launch passes on to each host)."""
+    return register(argparse.ArgumentParser().add_subparsers())
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -318,7 +322,7 @@ def run_command(args: argparse.Namespace) -> int:
     script_argv = _script_argv(args)
     if args.hostfile:
         return multinode.run_on_hosts(args, script_argv, lambda more: checks.resolve_checked(
-            args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE))
+            args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE), launch_parser())
     # every config rule (shared with accel env and accel config), before starting any process
     cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE)
     if args.accelerate_shim:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import accel
+from accel.core.version import __version__
 from accel.cli import config as config_cmd
 from accel.cli import env as env_cmd
 from accel.cli import estimate as estimate_cmd
@@ -28,7 +28,7 @@ def build_parser() -> OneLineParser:
         description="Configure and launch PyTorch training scripts on one CPU, many processes, GPUs or machines.",
         allow_abbrev=False,
     )
-    parser.add_argument("--version", action="version", version=f"accel {accel.__version__}",
+    parser.add_argument("--version", action="version", version=f"accel {__version__}",
                         help="print accel's version and exit")
     subparsers = parser.add_subparsers(dest="command", parser_class=OneLineParser,
                                        metavar="{config,launch,env,plot,estimate-memory,plan,merge-weights}")

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from accel.cli._common import UsageError, add_flag
+from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 
 SSH_COMMAND_ENV = "ACCEL_SSH_COMMAND"
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes"
@@ -353,17 +353,11 @@ def forwarded_env(environ: dict, cwd: str, home: str) -> dict[str, str]:
     return env
 
 
-def _launch_parser() -> argparse.ArgumentParser:
-    from accel.cli.main import _subparsers, build_parser
-
-    return _subparsers(build_parser())["launch"]
-
-
-def passed_on_flags(args: argparse.Namespace) -> list[str]:
+def passed_on_flags(args: argparse.Namespace, launch_parser: argparse.ArgumentParser) -> list[str]:
     """The launch flags the user gave, as argv for the remote launchers (all but the ones the head sets
-    per host), read from the parser so that every flag `accel launch` has is passed on."""
+    per host), read from `accel launch`'s parser so that every flag it has is passed on."""
     argv: list[str] = []
-    for action in _launch_parser()._actions:
+    for action in launch_parser._actions:
         if not action.option_strings or action.dest in HEAD_ONLY_DESTS:
             continue
         value = getattr(args, action.dest, None)
@@ -472,9 +466,11 @@ def run_hosts(machines: list[Machine], commands: list[list[str]], poll_s: float 
         _stop(procs)
 
 
-def run_on_hosts(args: argparse.Namespace, script_argv: list[str], resolve) -> int:
+def run_on_hosts(args: argparse.Namespace, script_argv: list[str], resolve,
+                 launch_parser: argparse.ArgumentParser) -> int:
     """`accel launch --hostfile FILE ...`: plan the machines, check the config once here, start one
-    `accel launch` per host. `resolve(overrides)` resolves the config with extra overrides (for the check)."""
+    `accel launch` per host. `resolve(overrides)` resolves the config with extra overrides (for the check);
+    the flags passed on are those of `launch_parser` the user gave."""
     from accel.config.resolve import user_config_path
 
     if args.machine_rank is not None:
@@ -488,14 +484,12 @@ def run_on_hosts(args: argparse.Namespace, script_argv: list[str], resolve) -> i
     per_host = len(machines[0].slots)
     cfg = resolve({"num_machines": len(machines), "num_processes": len(machines) * per_host, "machine_rank": 0,
                    "main_process_ip": main_ip})  # a bad config fails here, once, not on every host
-    from accel.cli.launch import DEFAULT_MULTI_MACHINE_PORT
-
     port = cfg.main_process_port or DEFAULT_MULTI_MACHINE_PORT
     config_path = user_config_path(args.config_file)
     config_file = str(config_path.resolve()) if config_path is not None else None
     cwd = os.getcwd()
     env = forwarded_env(dict(os.environ), cwd, os.path.expanduser("~"))
-    shared = passed_on_flags(args)
+    shared = passed_on_flags(args, launch_parser)
     ssh = ssh_command(args, os.environ)
     commands = [ssh + [m.host, remote_command(machine_argv(machines, rank, port, main_ip, shared, config_file,
                                                            script_argv), env, cwd)]

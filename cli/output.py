@@ -12,7 +12,7 @@
   `--log_dir`, a hidden rank's stderr goes to a temporary file (removed after the run), and when that rank
   fails its last lines are printed before the failure summary.
 * One process with `--log_dir` runs under torchrun's agent too (it is the agent that writes the files).
-* Warnings every rank repeats are printed by rank 0 only: see accel/rank_warnings.py (done in the workers).
+* Warnings every rank repeats are printed by rank 0 only: see accel/core/rank_warnings.py (done in the workers).
 
 torchrun's agent runs with `RankLogsSpecs`, a `LogsSpecs` (torchrun's own extension point for where worker
 output goes), through torchrun's `parse_args` / `config_from_args` / `elastic_launch`.

@@ -79,7 +79,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def hardware(args):
-    from accel.plan import GB, Hardware, detect
+    from accel.planning.plan import GB, Hardware, detect
 
     hw = detect() if args.detect else Hardware()
     if args.num_processes is not None:
@@ -101,8 +101,8 @@ def hardware(args):
 def apply_calibration(args, hw) -> str | None:
     """Stored calibration figures as defaults for --flops/--intra_bandwidth the user did not give; a line
     saying so, or None."""
-    from accel.plan import apply_calibration as apply
-    from accel.plan_measure import load_calibration
+    from accel.planning.plan import apply_calibration as apply
+    from accel.planning.measure import load_calibration
 
     cal = load_calibration(args.calibration)
     if cal is None:
@@ -112,8 +112,8 @@ def apply_calibration(args, hw) -> str | None:
 
 
 def run(args) -> int:
-    from accel.estimate import EstimateError
-    from accel.plan import plan, write_config
+    from accel.planning.estimate import EstimateError
+    from accel.planning.plan import plan, write_config
 
     start = time.perf_counter()
     if args.calibrate:
@@ -148,7 +148,7 @@ def model(name: str):
     """(ModelSpec, the module on the meta device or None): the module when MODEL has code (a transformers config
     or module:callable; a safetensors checkpoint has only headers), for its config's sizes and --activations
     measured."""
-    from accel import estimate
+    from accel.planning import estimate
 
     path = Path(name)
     headers_only = path.suffix == ".safetensors" or name.endswith(".index.json") or (
@@ -187,7 +187,7 @@ def render(result: dict, top: int, seconds: float) -> str:
 
 
 def calibrate(args) -> int:
-    from accel.plan_measure import calibrate as run_calibration
+    from accel.planning.measure import calibrate as run_calibration
 
     try:
         data = run_calibration(args.calibration)
@@ -205,8 +205,8 @@ def calibrate(args) -> int:
 
 
 def measure(args, result: dict) -> dict:
-    from accel.plan import PlanError
-    from accel.plan_measure import measure as run_measure
+    from accel.planning.plan import PlanError
+    from accel.planning.measure import measure as run_measure
 
     if not args.measure:
         raise UsageError("--measure: missing the script; allowed: --measure train.py [script args] as the last flag")
@@ -250,6 +250,6 @@ def render_measured(result: dict) -> list[str]:
 
 
 def describe_short(row: dict) -> str:
-    from accel.plan import layout_name
+    from accel.planning.plan import layout_name
 
     return (f"{layout_name(row)} ac={row['activation_checkpointing']} mb={row['micro_batches']}")[:28]

@@ -19,17 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel.cli._common import UsageError
+from accel.cli.plot_style import COLORS, RAW_ALPHA, smooth
 
 FORMATS = ("png", "svg", "pdf", "html")
 JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
 RUN_PREFIX = "run-"  # accel.tracking's run folders: <logging_dir>/<project_name>/run-<NNN>/
 CSV_HEADER = ["step", "time", "name", "value"]
 # matplotlib's tab10, shared by both renderers so a run has the same color in PNG and HTML
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-          "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-RAW_ALPHA = 0.25
-
-
 @dataclass
 class Series:
     x: list = field(default_factory=list)
@@ -319,24 +315,6 @@ def choose_metrics(runs: list[Run], wanted: str | None) -> list[str]:
 
 
 # ---------------------------------------------------------------- smoothing
-
-def smooth(values: list, weight: float) -> list:
-    """TensorBoard's smoothing: a debiased exponential moving average; constant series and non-finite
-    points are left as they are (the same as TensorBoard's scalar dashboard draws)."""
-    if weight <= 0 or not values:
-        return list(values)
-    if all(v == values[0] for v in values):
-        return list(values)
-    out, last, count = [], 0.0, 0
-    for value in values:
-        if not math.isfinite(value):
-            out.append(value)
-            continue
-        last = last * weight + (1 - weight) * value
-        count += 1
-        out.append(last / (1 - weight ** count))
-    return out
-
 
 # ---------------------------------------------------------------- matplotlib figure
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from accel.cli.plot import COLORS, RAW_ALPHA, smooth
+from accel.cli.plot_style import COLORS, RAW_ALPHA, smooth
 
 WIDTH, HEIGHT = 440, 290
 LEFT, RIGHT, TOP, BOTTOM = 64, 14, 30, 40

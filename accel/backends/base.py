@@ -15,9 +15,9 @@ from accel.backends import BACKEND_MODULES, check_available
 from accel.config import ParallelismConfig
 
 if TYPE_CHECKING:
-    from accel.precision import PrecisionPolicy
-    from accel.state import PartialState
-    from accel.topology import Topology
+    from accel.runtime.precision import PrecisionPolicy
+    from accel.runtime.state import PartialState
+    from accel.config.topology import Topology
 
 
 

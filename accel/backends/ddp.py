@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accel.kwargs import DistributedDataParallelKwargs
+from accel.config.kwargs import DistributedDataParallelKwargs
 
 
 def apply_ddp(model: torch.nn.Module, group, device: torch.device,

@@ -60,7 +60,7 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if on_meta and recipe.data_parallel != "fsdp":
         materialize(model, recipe.device)
     if recipe.precision.float8 is not None:
-        from accel.backends.float8 import convert_to_float8
+        from accel.runtime.float8 import convert_to_float8
 
         convert_to_float8(model, recipe.precision.float8, recipe.data_parallel == "fsdp", recipe.float8_layers)
     if recipe.tp_plan is not None:

@@ -14,7 +14,7 @@ from accel.backends import backend_name_for
 from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
 from accel.backends.ddp import apply_ddp, ddp_pipeline_stages, release_ddp
 from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
-from accel.kwargs import DistributedDataParallelKwargs, find_handler
+from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
 
 
 def data_parallel_kind(parallelism, topology) -> str | None:
@@ -64,7 +64,7 @@ class SpmdBackend(Backend):
         if self.parallelism.tp_size > 1:
             self.fixed_plan = self._plan(model)
         if self.precision.float8 is not None:
-            from accel.backends.float8 import float8_layers
+            from accel.runtime.float8 import float8_layers
 
             self.fixed_float8_layers = float8_layers(model, self.precision.float8)
 

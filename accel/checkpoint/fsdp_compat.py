@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from accel.checkpoint.layout import CheckpointError
-from accel.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from accel.core.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 
 def _model_folder(directory: str | os.PathLike, model_index: int) -> Path:
@@ -175,7 +175,7 @@ def fsdp_state_members(given: Any, config: Any, backend: Any) -> dict:
 def derived_plugin(parallelism: Any):
     """The FullyShardedDataParallelPlugin that describes accel's ZeRO 2/3 settings. Its `state_dict_type` is
     FULL_STATE_DICT, so Trainer's `save_model` writes the gathered weights (accel's `save_model` always does)."""
-    from accel.plugins import FullyShardedDataParallelPlugin
+    from accel.config.plugins import FullyShardedDataParallelPlugin
 
     offload = bool(parallelism.offload_params or parallelism.offload_optimizer)
     return FullyShardedDataParallelPlugin(

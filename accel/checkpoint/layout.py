@@ -101,7 +101,7 @@ def fsync_dir(folder: Path) -> None:
 def atomic_write(directory: Path, final_name: str, write) -> Path:
     """Call ``write(tmp_path)``, fsync the result and rename it to ``final_name``; no temp file survives.
 
-    Shared by model weights (`model_io`) and disk offload (`accel.utils.offload`), so neither imports the other."""
+    Shared by model weights (`model_io`) and disk offload (`accel.big_model.offload`), so neither imports the other."""
     tmp = directory / f".{final_name}.{secrets.token_hex(6)}.tmp"
     try:
         write(tmp)

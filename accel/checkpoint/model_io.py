@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path, PurePath
+from typing import cast
 
 import torch
 from torch import nn
@@ -122,7 +123,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model
 
@@ -159,7 +160,7 @@ def get_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     try:  # optional: only present in distributed-enabled builds
         from torch.distributed.tensor import DTensor
     except Exception:  # pragma: no cover
-        DTensor = None  # noqa: N806
+        DTensor = None  # type: ignore[misc, assignment]  # noqa: N806
 
     result: dict[str, torch.Tensor] = {}
     converted: dict[tuple, torch.Tensor] = {}
@@ -299,7 +300,7 @@ def save_state_dict_sharded(
     for alias, target in aliases.items():
         aliases_of.setdefault(target, []).append(alias)
 
-    from accel.utils.progress import progress
+    from accel.runtime.progress import progress
 
     written: list[Path] = []
     weight_map: dict[str, str] = {}
@@ -333,7 +334,7 @@ def save_state_dict_sharded(
                 tensors[alias] = tensors[target]  # torch.save stores the shared storage once
                 weight_map[alias] = file_name
 
-            def write(tmp, tensors=tensors):
+            def write(tmp, tensors=tensors):  # type: ignore[misc]  # torch.save's file has no header
                 with open(tmp, "wb") as f:
                     torch.save(tensors, f)
                     f.flush()
@@ -413,7 +414,7 @@ def _checked_shard_path(folder: Path, entry, index_path: Path) -> Path:
     return path
 
 
-def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str]]], dict[str, str]]:
+def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
@@ -643,11 +644,12 @@ class CheckpointPlan:
         """Yields ``(file, key, stored dtype, read)`` for every saved tensor, one file at a time; ``read()``
         returns the value (for safetensors the data is read only then, so a caller may skip it). Several files
         advance a progress bar (drawn on a terminal only)."""
-        from accel.utils.progress import progress
+        from accel.runtime.progress import progress
 
         files = self.files if len(self.files) < 2 else progress(self.files, desc="Loading checkpoint shards")
         for path, keys in files:
             if path.suffix == ".safetensors":
+                assert keys is not None  # a safetensors file's keys were read when it was checked
                 with _safe_open(path) as f:
                     for key in keys:
                         stored = getattr(torch, _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), ""), None)
@@ -692,7 +694,7 @@ def load_checkpoint_in_model(
     sharing the meta tensor gets the same new one; ``requires_grad`` is kept). Tied aliases recorded by
     :func:`save_state_dict_sharded` are filled from their saved tensor.
 
-    Loading with a ``device_map`` is :func:`accel.utils.modeling.load_checkpoint_in_model` (also
+    Loading with a ``device_map`` is :func:`accel.big_model.modeling.load_checkpoint_in_model` (also
     ``accel.load_checkpoint_in_model``), which builds on this module: this one never imports device maps.
 
     Returns ``(missing_keys, unexpected_keys)``; both are warned about, or raised as ``RuntimeError``

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from accel.checkpoint import layout, tree
 from accel.checkpoint.layout import CheckpointError
-from accel.utils.progress import stages
+from accel.runtime.progress import stages
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.estimate` over accel's estimator (accel/estimate.py, `accel estimate-memory`).
+"""Accelerate's `accelerate.commands.estimate` over accel's estimator (accel/planning/estimate.py, `accel estimate-memory`).
 
 The model is built on the meta device from a local transformers config (config.json or its folder), a model type
 (`gpt2`), `module:callable`, or a Hub name whose config transformers can read (its cache, or the Hub when online).
@@ -69,7 +69,7 @@ def _is_local(model_name: str) -> bool:
 def create_empty_model(model_name: str, library_name: str | None = None, trust_remote_code: bool = False,
                        access_token: str | None = None):
     """`model_name` as an nn.Module on the meta device (see the module docstring for the forms taken)."""
-    from accel.estimate import EstimateError, build_from_config, load_module
+    from accel.planning.estimate import EstimateError, build_from_config, load_module
 
     if library_name == "timm":
         raise RuntimeError(f"Tried to load `{model_name}` with `timm`: timm models are not available in accel's "
@@ -99,8 +99,8 @@ def create_empty_model(model_name: str, library_name: str | None = None, trust_r
 
 def gather_data(args: argparse.Namespace) -> list[list]:
     """Accelerate's rows `[dtype, largest layer bytes, total bytes, training bytes (dict)]`, one per `args.dtypes`."""
-    from accel.estimate import spec_from_module, training
-    from accel.utils.modeling import calculate_maximum_sizes
+    from accel.planning.estimate import spec_from_module, training
+    from accel.big_model.modeling import calculate_maximum_sizes
 
     model = create_empty_model(args.model_name, library_name=getattr(args, "library_name", None),
                                trust_remote_code=getattr(args, "trust_remote_code", False),

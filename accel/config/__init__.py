@@ -1,5 +1,8 @@
 """The one typed config tree, split by concept (see each module's docstring):
 
+* `errors`, `degrees`: the error type and the values derived from the parallel degrees (below everything);
+* `topology`: the degrees as one validated DeviceMesh;
+* `kwargs`, `plugins`: Accelerate's handler and plugin classes, mapped onto this config;
 * `schema`: the dataclasses, field rules, cross-field rules and the values derived from them;
 * `accelerate_import`: Accelerate's config sections and DeepSpeed JSON files, as accel layers;
 * `resolve`: layers and precedence (files, `accel launch` flags, the launched config, `Accelerator` args).
@@ -23,6 +26,7 @@ from accel.config.resolve import (
     PACKAGED_DEFAULT,
     USER_CONFIG_ENV,
     build_config,
+    config_from_dict,
     config_save_path,
     default_user_config_path,
     encode_for_workers,
@@ -59,17 +63,13 @@ from accel.config.schema import (
     model_parallel_size,
 )
 
-# the names `accel/plugins.py` imported before the split
-_allowed = allowed_values
-_check_value = check_value
-
 __all__ = [
     "ACCELERATE_IGNORED_KEYS", "ACCELERATE_SECTIONS", "ACTIVATION_CHECKPOINTING", "DEEPSPEED_FILE_KEY",
     "DYNAMO_BACKENDS", "DYNAMO_MODES", "DISTRIBUTED_TYPES", "KNOWN_TOP_KEYS", "OFFLOAD_DEVICES", "LAUNCH_ENV",
     "MIXED_PRECISIONS", "PACKAGED_DEFAULT", "PARALLEL_FIELDS",
     "PP_SCHEDULES", "RDZV_BACKENDS", "TOP_FIELDS", "USER_CONFIG_ENV", "AccelConfig", "ConfigError",
     "DeepSpeedConfigWarning", "ParallelismConfig", "allowed_values", "build_config", "check_consistency",
-    "check_value", "compact_gpu_ids", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",
+    "check_value", "compact_gpu_ids", "config_from_dict", "config_save_path", "cuda_visible_devices", "deepspeed_json_layer",
     "default_user_config_path", "divides_world", "encode_for_workers", "file_layers", "launched_config",
     "merge_layers", "model_parallel_size", "parse_layer", "read_config_file", "read_deepspeed_config",
     "read_deepspeed_json", "resolve_config", "resolve_launch_config", "user_config_path", "worker_config",

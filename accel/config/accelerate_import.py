@@ -273,7 +273,7 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
     "from the other layers" and is skipped. Every other key is ignored and named in one DeepSpeedConfigWarning.
     With `builds_optimizer` (the JSON reaches `prepare()`: DeepSpeedPlugin, or carried from a config file or
     `accel launch --deepspeed_config_file`) `optimizer` and `scheduler` are kept for `DummyOptim`/`DummyScheduler`
-    (accel/utils/deepspeed.py) and not named.
+    (accel/compat/deepspeed.py) and not named.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object of DeepSpeed keys at the top level, "

@@ -38,6 +38,7 @@ from accel.config.schema import (
     AccelConfig,
     ConfigError,
     ParallelismConfig,
+    check_carried_deepspeed_json,
     check_consistency,
     check_value,
     unknown_key,
@@ -163,6 +164,15 @@ def build_config(layers: list[dict], source: str = "config") -> AccelConfig:
 
 
 
+def config_from_dict(data: dict, source: str = "config") -> AccelConfig:
+    """Validate `data` as one layer (Accelerate's keys included) over the built-in defaults; a `AccelConfig.to_dict()`
+    result's carried DeepSpeed JSON (`deepspeed_json`, `deepspeed_json_path`) is taken as it is."""
+    data = dict(data)
+    carried = {key: data.pop(key) for key in CARRIED_KEYS if key in data}
+    check_carried_deepspeed_json(carried.get("deepspeed_json"), carried.get("deepspeed_json_path"), source)
+    return build_config([{**parse_layer(data, source), **carried}], source)
+
+
 def read_config_file(path: str | os.PathLike) -> dict:
     """Read and validate one YAML (or JSON) config file into a layer."""
     from accel.config.yaml_file import load_yaml_file  # yaml is imported only where files are read
@@ -246,7 +256,7 @@ def launched_config() -> AccelConfig | None:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"${LAUNCH_ENV}: not valid JSON ({exc.msg}); it is written by accel launch") from None
-    return AccelConfig.from_dict(data, f"${LAUNCH_ENV}")
+    return config_from_dict(data, f"${LAUNCH_ENV}")
 
 
 def encode_for_workers(cfg: AccelConfig) -> str:

@@ -17,9 +17,15 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line naming the source, the key, the value and what is allowed."""
+from accel.config.degrees import (  # noqa: F401 (re-exported: accel.config's names)
+    check_data_parallel_layout,
+    data_parallel_sizes,
+    divides_world,
+    model_parallel_size,
+    shards_data_parallel,
+)
+from accel.config.errors import ConfigError
+from accel.config.topology import Topology
 
 
 def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
@@ -266,8 +272,6 @@ class ParallelismConfig:
         if self.pp_size > 1:
             import torch.distributed as dist
 
-            from accel.topology import Topology  # the topology imports this module
-
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             return Topology.for_config(world, self, accelerate_names=True).mesh(device_type)
         mesh = self._get_mesh()
@@ -346,17 +350,6 @@ class AccelConfig:
             if data[key] is None:
                 del data[key]
         return data
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> AccelConfig:
-        """Validate `data` as one layer (Accelerate's keys included) over the built-in defaults; a `to_dict()`
-        result's carried DeepSpeed JSON (`deepspeed_json`, `deepspeed_json_path`) is taken as it is."""
-        from accel.config.resolve import build_config, parse_layer  # resolve imports this module
-
-        data = dict(data)
-        carried = {key: data.pop(key) for key in CARRIED_KEYS if key in data}
-        check_carried_deepspeed_json(carried.get("deepspeed_json"), carried.get("deepspeed_json_path"), source)
-        return build_config([{**parse_layer(data, source), **carried}], source)
 
     def to_yaml(self) -> str:
         """The config-file form: the carried DeepSpeed JSON is left out (a file names it: `deepspeed_config_file`)."""
@@ -536,75 +529,6 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it "
                           "with pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
 
-
-
-# ---------------------------------------------------------------------------------------------------------
-# derived values: each computed here only, so launch, the backends and the topology agree
-# ---------------------------------------------------------------------------------------------------------
-
-def model_parallel_size(tp_size: int, pp_size: int) -> int:
-    """Processes one model copy spans (tp x pp); the data-parallel degree is the world size over this."""
-    return tp_size * pp_size
-
-
-def divides_world(world_size: int, tp_size: int, pp_size: int) -> bool:
-    """Whether tp x pp divides the world size: every data-parallel replica needs a whole model-parallel group."""
-    return world_size % model_parallel_size(tp_size, pp_size) == 0
-
-
-def shards_data_parallel(parallelism: ParallelismConfig) -> bool:
-    """accel's rule for a data-parallel dimension left undescribed: FSDP2 (sharded) with ZeRO 2/3, or with TP
-    (DDP does not take TP's DTensors); else DDP (replicated)."""
-    return parallelism.zero_stage >= 2 or parallelism.tp_size > 1
-
-
-def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
-                        source: str = "parallelism") -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for `world_size` processes: their product is the data-parallel degree, the
-    world size over tp x pp (checked before: `divides_world`).
-
-    Left out: with neither given, accel's fields decide (`shards_data_parallel`: all data-parallel ranks shard,
-    else all replicate: Accelerate's DDP is dp_replicate = the process count). Otherwise dp_replicate_size is 1
-    (Accelerate's default) and dp_shard_size is 1, or, with zero_stage 2/3 or TP, the ranks dp_replicate_size
-    leaves. dp_replicate x dp_shard x tp x pp must be the world size."""
-    par = parallelism
-    dp = world_size // model_parallel_size(par.tp_size, par.pp_size)
-    replicate, shard = par.dp_replicate_size, par.dp_shard_size
-    if replicate is None and shard is None:
-        return (1, dp) if shards_data_parallel(par) else (dp, 1)
-    replicate = replicate or 1
-    derived = shard is None
-    if shard is None:
-        shard = max(dp // replicate, 1) if shards_data_parallel(par) else 1
-    if replicate * shard * par.tp_size * par.pp_size != world_size:
-        shown = f"{shard} (left out: {'derived' if shards_data_parallel(par) else '1'})" if derived else str(shard)
-        raise ConfigError(
-            f"{source}: dp_replicate_size={replicate} x dp_shard_size={shown} x tp_size={par.tp_size} x pp_size="
-            f"{par.pp_size} = {replicate * shard * par.tp_size * par.pp_size}, but {world_size} processes run; "
-            f"allowed: sizes whose product is {world_size}")
-    check_data_parallel_layout(par, replicate, shard, source)
-    return replicate, shard
-
-
-def check_data_parallel_layout(parallelism: ParallelismConfig, replicate: int, shard: int,
-                               source: str = "parallelism") -> None:
-    """The data-parallel layout must agree with accel's own fields (one-line ConfigError otherwise): sharding
-    needs ZeRO 2/3 (or TP's FSDP2, zero_stage 0), pure replication is DDP (zero_stage 0/1, no TP)."""
-    stage, tp = parallelism.zero_stage, parallelism.tp_size
-    if shard > 1 and (stage == 1 or (stage == 0 and tp == 1)):
-        what = f"with dp_replicate_size={replicate}: HSDP" if replicate > 1 else "FSDP2"
-        raise ConfigError(
-            f"{source}: dp_shard_size={shard} ({what}) shards the model, which contradicts zero_stage={stage} "
-            f"({'ZeRO-1: DDP' if stage == 1 else 'plain DDP'}); allowed: zero_stage 2 or 3, or leave zero_stage out "
-            "(then 3)")
-    if shard == 1 and replicate > 1 and stage >= 2:
-        raise ConfigError(
-            f"{source}: zero_stage={stage} shards over dp_shard_size, which is 1 (dp_replicate_size={replicate} only "
-            "replicates); allowed: dp_shard_size > 1 (HSDP), or zero_stage 0/1 for DDP")
-    if shard == 1 and replicate > 1 and tp > 1:
-        raise ConfigError(
-            f"{source}: tp_size={tp} with dp_replicate_size={replicate} and dp_shard_size 1 (DDP) is not supported: "
-            "TP's data parallelism is FSDP2; allowed: dp_shard_size > 1 (HSDP x TP), or dp_replicate_size 1")
 
 
 def compact_gpu_ids(gpu_ids: str) -> str:

@@ -4,7 +4,7 @@
 workers' PYTHONPATH; `PYTHONPATH=$(python -m accel.shim) python script.py` (or `torchrun ...`) does the same by
 hand. That folder's `accelerate/__init__.py` makes `accelerate` the `accel` module and installs `AccelerateAlias`,
 which answers every `accelerate.X` import with accel's module of the same name (`accelerate.utils.dataclasses` is
-`accel.utils.dataclasses`). The one exception is `accelerate.test_utils` (Accelerate's own test helpers, not a
+`accel.compat.dataclasses`). The one exception is `accelerate.test_utils` (Accelerate's own test helpers, not a
 runtime API): it is loaded from a real Accelerate installation when there is one, its imports again going to accel.
 
 The real `accelerate` package, if installed, is shadowed while the shim is on the path (its metadata stays, so

@@ -1,9 +1,9 @@
 """Accelerate's `accelerate.utils.versions` module: version comparisons for an installed package or torch (the
-functions live in accel.utils.imports, beside the probes that use them)."""
+functions live in accel.core.probes, beside the probes that use them)."""
 
 import torch
 
-from accel.utils.imports import compare_versions, is_torch_version
+from accel.core.probes import compare_versions, is_torch_version
 
 torch_version = torch.torch_version.TorchVersion(torch.__version__)  # Accelerate's module constant
 

@@ -66,7 +66,7 @@ def _sum_ranks(out_dir):
     import torch
 
     from accel import PartialState
-    from accel.ops import reduce
+    from accel.runtime.ops import reduce
 
     state = PartialState()
     total = reduce(torch.tensor([float(state.process_index)]), "sum")

@@ -10,7 +10,7 @@ import torch
 from _launch import SCRIPTS, accel_launch
 from safetensors.torch import load_file
 
-import accel
+from accel.core.restarts import export_restart_count
 from accel import Accelerator, PartialState, ProjectConfiguration
 from accel.checkpoint import layout
 
@@ -75,7 +75,7 @@ def test_restart_count_comes_from_torchrun(monkeypatch, torchrun_count, given, e
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    accel._export_restart_count()
+    export_restart_count()
     assert os.environ["ACCEL_RESTART_COUNT"] == expected
     PartialState._reset_for_tests()
     try:

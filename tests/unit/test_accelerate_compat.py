@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accel import Accelerator
-from accel.data import SeedableRandomSampler, prepare_data_loader
+from accel.data.loading import SeedableRandomSampler, prepare_data_loader
 
 
 def _order(loader, epochs=2):
@@ -29,8 +29,8 @@ def test_shim_resolves_accelerate_to_accel():
             "from accelerate.data_loader import prepare_data_loader\n"
             "from accelerate.state import GradientState, AcceleratorState\n"
             "assert accelerate is accel and Accelerator is accel.Accelerator\n"
-            "import accelerate.utils.operations as ops, accel.ops\n"
-            "assert ops.gather is accel.ops.gather\n"
+            "import accelerate.utils.operations as ops, accel.runtime.ops\n"
+            "assert ops.gather is accel.runtime.ops.gather\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": PATH, "PATH": ""}, capture_output=True,
                          text=True, timeout=120)

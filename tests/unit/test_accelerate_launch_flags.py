@@ -16,7 +16,7 @@ import yaml
 from accel.cli import accelerate_flags, launch
 from accel.cli._common import UsageError
 from accel.cli.main import _subparsers, build_parser
-from accel.config import AccelConfig
+from accel.config import AccelConfig, config_from_dict
 
 
 @pytest.fixture
@@ -214,7 +214,7 @@ def test_launch_flags_in_the_torchrun_command_and_the_workers_environment(run_ac
 
 
 def test_rdzv_conf_joins_is_host_on_several_machines():
-    cfg = AccelConfig.from_dict({"num_processes": 4, "num_machines": 2, "machine_rank": 1, "rdzv_backend": "c10d",
+    cfg = config_from_dict({"num_processes": 4, "num_machines": 2, "machine_rank": 1, "rdzv_backend": "c10d",
                                  "main_process_ip": "10.0.0.5", "main_process_port": 29400}, "test")
     argv = launch.build_torchrun_args(cfg, ["t.py"], 0, 29400, "join_timeout=60")
     assert argv[argv.index("--rdzv_conf") + 1] == "is_host=0,join_timeout=60" and argv.count("--rdzv_conf") == 1
@@ -251,8 +251,8 @@ def test_deepspeed_multinode_flags_are_accel_s_hostfile_flags(run_accel, workdir
 
 def test_cpu_affinity_is_torchrun_s_numa_binding_on_gpus_only(monkeypatch):
     args = argparse.Namespace(enable_cpu_affinity=True)
-    on_gpus = AccelConfig.from_dict({"num_processes": 2, "distributed_type": "MULTI_GPU"}, "test")
-    on_cpus = AccelConfig.from_dict({"num_processes": 2, "use_cpu": True}, "test")
+    on_gpus = config_from_dict({"num_processes": 2, "distributed_type": "MULTI_GPU"}, "test")
+    on_cpus = config_from_dict({"num_processes": 2, "use_cpu": True}, "test")
     assert accelerate_flags.torchrun_flags(args, on_cpus) == []
     monkeypatch.setattr(accelerate_flags.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert accelerate_flags.torchrun_flags(args, on_gpus) == ["--numa-binding", "node"]

@@ -54,7 +54,7 @@ def test_constants_equal_accelerates(name):
 
 
 def test_constants_module_has_accelerates_values():
-    from accel.utils import constants
+    from accel.core import constants
 
     for name in dir(constants):
         if name.isupper():
@@ -723,7 +723,7 @@ def test_every_new_name_is_listed_and_import_stays_light():
     for name in CONSTANTS + ENUMS + ["save", "load", "load_state_dict", "PrepareForLaunch", "compile_regions"]:
         assert name in au.__all__
     code = ("import sys, accel.utils\n"
-            "heavy = [m for m in ('accel.utils.modeling', 'accel.utils.other', 'accel.plugins', 'torch._dynamo',"
+            "heavy = [m for m in ('accel.utils.modeling', 'accel.utils.other', 'accel.config.plugins', 'torch._dynamo',"
             " 'accel.utils.dataclasses', 'accel.utils.launch') if m in sys.modules]\n"
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -286,7 +286,7 @@ def test_loss_fn_gets_a_model_outputs_logits_on_every_backend():
 def test_precision_policy_decides_the_scaler_and_fsdp_policy_once():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from accel.precision import PrecisionPolicy
+    from accel.runtime.precision import PrecisionPolicy
 
     fp16 = PrecisionPolicy("fp16", torch.device("cpu"))
     fp16.choose_scaler(partial_gradients=False)

@@ -19,8 +19,8 @@ from accel import Accelerator, DeepSpeedPlugin, ParallelismConfig
 from accel.checkpoint import layout
 from accel.checkpoint.layout import CheckpointError
 from accel.config import ConfigError
-from accel.kwargs import ProfileKwargs
-from accel.plugins import TorchTensorParallelPlugin, tp_plugin_layer
+from accel.config.kwargs import ProfileKwargs
+from accel.config.plugins import TorchTensorParallelPlugin, tp_plugin_layer
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ from accel.hooks import (
     remove_hook_from_module,
     remove_hook_from_submodules,
 )
-from accel.utils import modeling
+from accel.big_model import modeling
 from accel.utils.modeling import (
     clean_device_map,
     compute_module_sizes,

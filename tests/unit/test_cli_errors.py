@@ -1,5 +1,5 @@
 """Every bad input a new user tried is one line on stderr and exit code 2, before any process starts; `accel
-launch`, `accel env` and `accel config` refuse the same configs (one check: accel.config.checks.check_launchable);
+launch`, `accel env` and `accel config` refuse the same configs (one check: accel.backends.launchable.check_launchable);
 `accel launch --dry_run` prints the config and the command and starts nothing; `accel --version`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 
 import accel
 from accel.config import ConfigError, read_config_file, resolve_config
-from accel.config.checks import check_launchable
+from accel.backends.launchable import check_launchable
 
 # the script every launch probe names: if it ever runs, it leaves a marker next to itself
 SCRIPT = "import pathlib, sys\npathlib.Path(sys.argv[0]).with_name('script_ran').write_text('yes')\n"

@@ -11,7 +11,7 @@ import pytest
 from accel.cli import launch
 from accel.cli._common import UsageError
 from accel.cli.main import build_parser
-from accel.config import LAUNCH_ENV, AccelConfig, ConfigError
+from accel.config import LAUNCH_ENV, AccelConfig, ConfigError, config_from_dict
 
 PROBE = "probe.py"
 
@@ -21,7 +21,7 @@ def parse(*argv: str):
 
 
 def cfg_of(**values) -> AccelConfig:
-    return AccelConfig.from_dict(values, "test")
+    return config_from_dict(values, "test")
 
 
 def option(argv: list[str], name: str) -> str:
@@ -85,7 +85,7 @@ def test_worker_env_is_one_config_variable_plus_cuda_visible_devices():
     env = launch.worker_env(cfg)
     assert set(env) == {LAUNCH_ENV, "CUDA_VISIBLE_DEVICES"}
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
-    assert AccelConfig.from_dict(json.loads(env[LAUNCH_ENV])) == cfg
+    assert config_from_dict(json.loads(env[LAUNCH_ENV])) == cfg
     assert set(launch.worker_env(cfg_of(gpu_ids="1,3", use_cpu=True))) == {LAUNCH_ENV}
     assert set(launch.worker_env(cfg_of())) == {LAUNCH_ENV}
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from accel import diagnostics as diag
+from accel.core import diagnostics as diag
 from accel.cli import hang_report, launch
 from accel.cli.main import build_parser
-from accel.config import LAUNCH_ENV, AccelConfig, encode_for_workers
+from accel.config import LAUNCH_ENV, AccelConfig, config_from_dict, encode_for_workers
 from accel.config.schema import DEFAULT_COLLECTIVE_TIMEOUT
-from accel.kwargs import InitProcessGroupKwargs
+from accel.config.kwargs import InitProcessGroupKwargs
 from accel.state import _collective_timeout
 
 GLOO_TIMEOUT = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv "
@@ -48,7 +48,7 @@ def test_the_flag_beats_the_config_file_which_beats_the_default(no_user_config, 
 
 
 def test_init_process_group_kwargs_wins_in_code_over_the_launched_config(no_user_config, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, encode_for_workers(AccelConfig.from_dict({"collective_timeout": 42}, "test")))
+    monkeypatch.setenv(LAUNCH_ENV, encode_for_workers(config_from_dict({"collective_timeout": 42}, "test")))
     assert _collective_timeout(None) == timedelta(seconds=42)  # what PartialState gives init_process_group
     handler = InitProcessGroupKwargs(timeout=timedelta(seconds=5))
     assert _collective_timeout(handler.to_kwargs()["timeout"]) == timedelta(seconds=5)

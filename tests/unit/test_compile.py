@@ -12,7 +12,7 @@ from accel.cli.main import build_parser
 
 from accel import Accelerator
 from accel.config import ConfigError, parse_layer, resolve_config
-from accel.plugins import TorchDynamoPlugin, dynamo_layer
+from accel.config.plugins import TorchDynamoPlugin, dynamo_layer
 
 
 def test_dynamo_keys_from_a_file_and_from_accelerates_section(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
-from accel.accumulation import GradientState
-from accel.data import (
+from accel.runtime.accumulation import GradientState
+from accel.data.loading import (
     DataLoaderConfiguration,
     DataLoaderShard,
     IterableDatasetShard,
@@ -558,7 +558,7 @@ def test_stateful_loader_needs_torchdata_and_says_so(monkeypatch):
 
     for name in [n for n in sys.modules if n == "torchdata" or n.startswith("torchdata.")] + ["torchdata"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed (an earlier test may have imported it)
-    monkeypatch.delitem(sys.modules, "accel.data_stateful", raising=False)
+    monkeypatch.delitem(sys.modules, "accel.data.stateful", raising=False)
     with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*accel\[torchdata\]"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
 
@@ -587,7 +587,7 @@ def test_process_index_must_be_in_range():
 def test_dispatcher_on_one_process_yields_the_original_batches():
     """One process: the dispatcher reads, "broadcasts" to itself and keeps everything; Accelerate's defaults pick it
     for iterable datasets only when batches are put on the device."""
-    from accel.data import DataLoaderDispatcher
+    from accel.data.loading import DataLoaderDispatcher
 
     stream = NumberStream(10)
     dl = prepare_data_loader(DataLoader(stream, batch_size=4), num_processes=1, process_index=0, put_on_device=True)

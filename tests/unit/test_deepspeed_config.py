@@ -16,12 +16,13 @@ from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
     ConfigError,
+    config_from_dict,
     DeepSpeedConfigWarning,
     ParallelismConfig,
     read_deepspeed_config,
     resolve_config,
 )
-from accel.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, apply_plugins
+from accel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, apply_plugins
 
 TYPICAL = {
     "train_batch_size": "auto",
@@ -171,7 +172,7 @@ def test_flag_is_a_layer_above_the_config_file_and_below_the_other_flags(tmp_pat
     assert (cfg.parallelism.zero_stage, cfg.gradient_accumulation_steps) == (3, 4)  # the JSON beats the file
     assert (cfg.num_processes, cfg.use_cpu) == (2, True)                   # untouched keys: file and flags
     # what the workers get is the resolved tree, not the file: they never read the JSON again
-    launched = AccelConfig.from_dict(json.loads(launch.worker_env(cfg)[LAUNCH_ENV]))
+    launched = config_from_dict(json.loads(launch.worker_env(cfg)[LAUNCH_ENV]))
     assert launched == cfg and launched.parallelism.gradient_clipping == 1.0
     assert launch.build_torchrun_args(cfg, ["train.py"])[-1] == "train.py"
 
@@ -603,12 +604,12 @@ def test_plugin_arguments_win_over_the_carried_json(tmp_path, monkeypatch):
 
 def test_carried_json_is_no_config_file_key_and_round_trips(tmp_path):
     cfg = AccelConfig(deepspeed_json=DUMMY_JSON, deepspeed_json_path="ds.json")
-    assert AccelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # what the workers decode
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # what the workers decode
     assert "deepspeed_json" not in AccelConfig().to_dict()  # unset: the dict (and saved files) as before
     assert "deepspeed_json" not in cfg.to_yaml()  # a config file names the JSON (deepspeed_config_file) instead
     with pytest.raises(ConfigError, match="unknown key 'deepspeed_json'"):
         resolve_config(write(tmp_path / "c.yaml", "deepspeed_json: {}\n"))
     with pytest.raises(ConfigError) as info:
-        AccelConfig.from_dict({"deepspeed_json": [1]}, "$ACCEL_LAUNCH_CONFIG")
+        config_from_dict({"deepspeed_json": [1]}, "$ACCEL_LAUNCH_CONFIG")
     assert str(info.value) == ("$ACCEL_LAUNCH_CONFIG: key 'deepspeed_json': bad value of type list; allowed: a "
                                "DeepSpeed JSON object (or null)")

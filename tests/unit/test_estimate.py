@@ -1,4 +1,4 @@
-"""`accel estimate-memory` and accel/estimate.py: exact byte counts, tied weights, ZeRO sharding, a 70B config
+"""`accel estimate-memory` and accel/planning/estimate.py: exact byte counts, tied weights, ZeRO sharding, a 70B config
 on the meta device, the JSON keys and the one-line errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from accel.cli.main import main
-from accel.estimate import estimate, load_spec, spec_from_module, spec_from_safetensors
+from accel.planning.estimate import estimate, load_spec, spec_from_module, spec_from_safetensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def _tiny_llama(layers: int = 3):
 
 @pytest.mark.parametrize("checkpointing", ["no", "full"])
 def test_fake_activations_match_the_real_step(checkpointing):
-    from accel.estimate import activation_bytes
+    from accel.planning.estimate import activation_bytes
 
     model = _tiny_llama()
     fake = activation_bytes(model, 2, 48, checkpointing=checkpointing)
@@ -162,7 +162,7 @@ def test_fake_activations_match_the_real_step(checkpointing):
 
 
 def test_checkpointing_keeps_fewer_bytes_and_grows_with_tokens():
-    from accel.estimate import activation_bytes
+    from accel.planning.estimate import activation_bytes
 
     with torch.device("meta"):
         model = _tiny_llama(layers=4)
@@ -212,7 +212,7 @@ def test_tp_follows_the_models_own_plan():
 
 
 def test_tp_alone_keeps_the_split_and_a_whole_embedding_gradient():
-    from accel.estimate import training
+    from accel.planning.estimate import training
 
     spec = _llama_spec()
     whole = {p.name: p.numel for p in spec.params}
@@ -226,7 +226,7 @@ def test_tp_alone_keeps_the_split_and_a_whole_embedding_gradient():
 
 
 def test_tp_with_data_parallelism_is_fsdp2_over_the_tp_shards():
-    from accel.estimate import _shard_numel, rank_params, training
+    from accel.planning.estimate import _shard_numel, rank_params, training
 
     spec = _llama_spec()
     result = training(spec, 4, tp=2)
@@ -239,7 +239,7 @@ def test_tp_with_data_parallelism_is_fsdp2_over_the_tp_shards():
 
 
 def test_tp_split_by_names_for_a_checkpoint():
-    from accel.estimate import _tp_split_by_name
+    from accel.planning.estimate import _tp_split_by_name
 
     assert _tp_split_by_name("model.embed_tokens.weight", (100, 8)) == (0, True)
     assert _tp_split_by_name("lm_head.weight", (100, 8)) == (0, False)
@@ -263,7 +263,7 @@ class FrontHeavy(torch.nn.Module):
 
 def test_pp_cuts_where_accels_balanced_split_does():
     from accel.backends.pipeline_split import balanced_split_points
-    from accel.estimate import pipeline_stages
+    from accel.planning.estimate import pipeline_stages
 
     model = FrontHeavy()
     stages = pipeline_stages(spec_from_module(model), 2)
@@ -274,7 +274,7 @@ def test_pp_cuts_where_accels_balanced_split_does():
 
 
 def test_pp_reports_the_fullest_stage_and_zero1_per_stage():
-    from accel.estimate import _zero1_max, pipeline_stages, training
+    from accel.planning.estimate import _zero1_max, pipeline_stages, training
 
     model = FrontHeavy()
     spec = spec_from_module(model)

@@ -10,6 +10,7 @@ import pytest
 
 from accel.cli import multinode
 from accel.cli._common import UsageError
+from accel.cli.launch import launch_parser
 from accel.cli.main import build_parser
 from accel.cli.multinode import (
     Machine,
@@ -185,7 +186,7 @@ def _launch_args(*argv: str) -> argparse.Namespace:
 def test_each_host_gets_its_rank_the_shared_flags_and_the_script_untouched():
     args = _launch_args("--hostfile", "hf", "--include", "w0@w1:1,3", "--cpu", "--mixed_precision", "bf16",
                         "--max_restarts", "1", "--log_dir", "logs", "--num_processes", "4", "train.py", "--lr", "1")
-    shared = multinode.passed_on_flags(args)
+    shared = multinode.passed_on_flags(args, launch_parser())
     assert shared == ["--cpu", "--mixed_precision", "bf16", "--max_restarts", "1", "--log_dir", "logs"]
     machines = [Machine("w0", (0, 1)), Machine("w1", (1, 3))]
     argv = multinode.machine_argv(machines, 1, 29555, "w0", shared, "/cfg.yaml", ["train.py", "--lr", "1"])

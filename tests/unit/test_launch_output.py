@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from accel import rank_warnings
+from accel.core import rank_warnings
 from accel.cli import output
 from accel.cli._common import UsageError
 from accel.cli.main import build_parser

@@ -18,7 +18,7 @@ from accel.backends import backend_name_for
 from accel.backends.spmd import data_parallel_kind
 from accel.config import ConfigError, ParallelismConfig, resolve_config
 from accel.config.schema import data_parallel_sizes
-from accel.topology import Topology
+from accel.config.topology import Topology
 
 ACCELERATE_CASES = [{}, {"dp_shard_size": 4}, {"dp_replicate_size": 4}, {"dp_replicate_size": 2, "dp_shard_size": 2},
                     {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}]
@@ -249,7 +249,7 @@ def test_mesh_names_on_a_fake_eight_process_group():
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from accel.config import ParallelismConfig
-        from accel.topology import Topology
+        from accel.config.topology import Topology
 
         dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
         out = {}

@@ -10,16 +10,16 @@ import torch
 import yaml
 
 from accel.cli.main import main
-from accel.config import AccelConfig
-from accel.config.checks import check_launchable
-from accel.estimate import load_module, load_spec, spec_from_module
+from accel.config import AccelConfig, config_from_dict
+from accel.backends.launchable import check_launchable
+from accel.planning.estimate import load_module, load_spec, spec_from_module
 
 
 @pytest.fixture(autouse=True)
 def _no_calibration(tmp_path, monkeypatch):
     """Plans use a stored `accel plan --calibrate` as defaults: these tests must not read this machine's."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-from accel.plan import GB, Hardware, plan, write_config
+from accel.planning.plan import GB, Hardware, plan, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +86,7 @@ def test_slow_links_get_pipeline_across_machines_fast_links_do_not(llama7b, tmp_
     saved = yaml.safe_load(write_config(slow_result, tmp_path / "c.yaml", "10.0.0.1").read_text())
     assert saved["num_machines"] == 4 and saved["parallelism"]["pp_size"] == slow["pp_size"]
     assert saved["parallelism"]["pp_microbatches"] == slow["micro_batches"]
-    check_launchable(AccelConfig.from_dict(saved, "c.yaml"))
+    check_launchable(config_from_dict(saved, "c.yaml"))
 
 
 def test_only_offload_fits(llama7b):
@@ -123,7 +123,7 @@ def test_gradient_accumulation_fits_a_large_global_batch(llama7b, tmp_path):
     result["recommended"] = result["layouts"].index(accumulated)
     saved = yaml.safe_load(write_config(result, tmp_path / "c.yaml").read_text())
     assert saved["gradient_accumulation_steps"] == accumulated["gradient_accumulation_steps"]
-    check_launchable(AccelConfig.from_dict(saved, "c.yaml"))
+    check_launchable(config_from_dict(saved, "c.yaml"))
 
 
 def test_json_keys_and_write_launches(tmp_path, capsys, monkeypatch):
@@ -138,14 +138,14 @@ def test_json_keys_and_write_launches(tmp_path, capsys, monkeypatch):
     assert row["fits"] and row["memory_per_rank_bytes"] >= row["model_state_bytes_per_rank"] > 0
     saved = yaml.safe_load((tmp_path / "cfg.yaml").read_text())
     assert saved["num_processes"] == 2 and saved["parallelism"]["zero_stage"] == row["zero_stage"]
-    check_launchable(AccelConfig.from_dict(saved, "cfg.yaml"))
+    check_launchable(config_from_dict(saved, "cfg.yaml"))
     (tmp_path / "x.py").write_text("print('hi')\n")
     assert main(["launch", "--dry_run", "--config_file", "cfg.yaml", "x.py"]) == 0
 
 
 def test_measured_activations_calibrate_the_formula():
-    from accel.estimate import load_module
-    from accel.plan import model_shape
+    from accel.planning.estimate import load_module
+    from accel.planning.plan import model_shape
 
     module = load_module("gpt2")
     spec = spec_from_module(module, "gpt2")
@@ -174,7 +174,7 @@ def test_hidden_and_heads_come_from_the_config():
 def test_fixed_activation_bytes_do_not_grow_with_the_batch():
     """--activations measured: autocast's cached bf16 weights are a fixed cost, not scaled with the micro-batch
     (a whole-model factor at one sample made full checkpointing of big models look 10x larger)."""
-    from accel.plan import activation_calibration, model_shape
+    from accel.planning.plan import activation_calibration, model_shape
 
     module = load_module("gpt2")
     spec = spec_from_module(module, "gpt2")

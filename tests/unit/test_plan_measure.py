@@ -11,7 +11,7 @@ import yaml
 
 from accel import Accelerator
 from accel.cli.main import main
-from accel.plan_measure import FILE_ENV, STOP_ENV
+from accel.planning.measure import FILE_ENV, STOP_ENV
 
 TINY = '''import torch
 class Block(torch.nn.Module):
@@ -136,8 +136,8 @@ def test_measure_gives_the_prepared_loader_the_layouts_batch(monkeypatch):
     """Under --measure a layout with gradient accumulation runs micro-batches, not the script's whole batch."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from accel.data import prepare_data_loader
-    from accel.plan_measure import MEASURE_BATCH_ENV
+    from accel.data.loading import prepare_data_loader
+    from accel.planning.measure import MEASURE_BATCH_ENV
 
     loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=8, shuffle=True)
     monkeypatch.setenv(MEASURE_BATCH_ENV, "2")

@@ -9,7 +9,7 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from accel.data import DataLoaderDispatcher, DataLoaderShard  # noqa: E402
+from accel.data.loading import DataLoaderDispatcher, DataLoaderShard  # noqa: E402
 
 
 @pytest.mark.parametrize("cls", [DataLoaderShard, DataLoaderDispatcher])
@@ -30,7 +30,7 @@ def test_stateful_constructor_resumes_like_torchdata(cls):
 
 
 def test_stateful_skip_loader_skips_and_resumes_like_torchdata():
-    from accel.data import SkipDataLoader
+    from accel.data.loading import SkipDataLoader
 
     loader = SkipDataLoader(list(range(16)), batch_size=4, skip_batches=1, use_stateful_dataloader=True)
     assert isinstance(loader, SkipDataLoader) and isinstance(loader, StatefulDataLoader)

@@ -116,6 +116,24 @@ def test_a_run_logged_into_before_load_state_is_kept(tmp_path):
     assert jsonl(tmp_path / "proj" / "run-001") == [(0, loss(0, 1)), (1, loss(1, 1)), (2, loss(2, 2))]
 
 
+def test_loading_another_runs_checkpoint_after_a_resume_removes_no_run(tmp_path):
+    """Only the run folder init_trackers just made, with nothing logged, is removed when the log moves away: a
+    resumed run's folder stays, with what it holds."""
+    train(tmp_path, attempt=1, steps=range(3), save_at=1)  # run-001
+    first = (tmp_path / "checkpoints" / "checkpoint_0").rename(tmp_path / "first")
+    train(tmp_path, attempt=2, steps=range(3), save_at=1)  # run-002
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(cpu=True, log_with="jsonl", project_config=config)
+    accelerator.prepare(torch.nn.Linear(2, 1))
+    accelerator.init_trackers("proj")  # run-003, removed by the first load_state
+    accelerator.load_state(str(first))
+    accelerator.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))
+    accelerator.end_training()
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["run-001", "run-002"]
+    assert jsonl(tmp_path / "proj" / "run-001") == [(0, loss(0, 1)), (1, loss(1, 1))]
+    assert jsonl(tmp_path / "proj" / "run-002") == [(0, loss(0, 2)), (1, loss(1, 2))]
+
+
 def test_plot_draws_each_run_apart_and_an_old_single_file_log_too(tmp_path):
     """Two runs into one project, plus the single metrics.jsonl an older accel appended both to: three lines, none
     of which goes back in step (the old file's two runs stay one line: nothing tells them apart)."""

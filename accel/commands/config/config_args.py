@@ -44,8 +44,8 @@ class BaseConfig:
     debug: bool
 
     def __post_init__(self) -> None:
-        from accel.state import DistributedType
-        from accel.utils.dataclasses import ComputeEnvironment
+        from accel.runtime.state import DistributedType
+        from accel.compat.dataclasses import ComputeEnvironment
 
         for name, kind in (("compute_environment", ComputeEnvironment), ("distributed_type", DistributedType)):
             value = getattr(self, name)

@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.config.default`: `write_basic_config` (accel.utils.environment's) and the
+"""Accelerate's `accelerate.commands.config.default`: `write_basic_config` (accel.compat.environment's) and the
 `accelerate config default` subcommand (accel's `accel config default`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 from accel.cli import config as accel_config
 from accel.commands.config.config_args import default_json_config_file, default_yaml_config_file  # noqa: F401
-from accel.utils.environment import write_basic_config
+from accel.compat.environment import write_basic_config
 
 description = "Write accel's default config for this machine without questions (`accel config default`)."
 

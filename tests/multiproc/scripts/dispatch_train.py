@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel import Accelerator
-from accel.data import DataLoaderConfiguration, DataLoaderDispatcher
+from accel.data.loading import DataLoaderConfiguration, DataLoaderDispatcher
 
 ROWS = 44  # 5 full rounds of 8 and an uneven last one on 2 processes with batch 4
 

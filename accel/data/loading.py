@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from .ops import (
+from accel.runtime.ops import (
     broadcast,
     broadcast_object_list,
     concatenate,
@@ -78,7 +79,7 @@ class DataLoaderConfiguration:
 
     def __post_init__(self):
         if self.use_stateful_dataloader:
-            _stateful_classes()  # fail here, where the user asked for it, when torchdata is missing
+            stateful_classes()  # fail here, where the user asked for it, when torchdata is missing
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -395,9 +396,9 @@ class DataLoaderShard(DataLoader):
 
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         """Accelerate's `DataLoaderShard(..., use_stateful_dataloader=True)` (and the dispatcher's): the same loader
-        on torchdata's StatefulDataLoader (accel.data_stateful's subclass)."""
+        on torchdata's StatefulDataLoader (accel.data.stateful's subclass)."""
         if use_stateful_dataloader:
-            shard, dispatcher = _stateful_classes()
+            shard, dispatcher, _ = stateful_classes()
             stateful = dispatcher if issubclass(cls, DataLoaderDispatcher) else shard
             if not issubclass(cls, stateful):
                 cls = stateful
@@ -415,7 +416,7 @@ class DataLoaderShard(DataLoader):
         **kwargs,
     ):
         super().__init__(dataset, **kwargs)
-        self.use_stateful_dataloader = type(self).__module__ == "accel.data_stateful"  # Accelerate's attribute
+        self.use_stateful_dataloader = type(self).__name__.startswith("Stateful")  # Accelerate's attribute
         self.device = device
         self.seed = int(seed)
         self.gradient_state = gradient_state
@@ -518,7 +519,7 @@ class DataLoaderShard(DataLoader):
         self.set_epoch(epoch)
         followed = followed_generator(self)
         if followed is not None:  # every rank shuffles from the main process's generator state, as Accelerate does
-            from accel.utils.random import synchronize_rng_state
+            from accel.core.seeding import synchronize_rng_state
 
             synchronize_rng_state("generator", generator=followed)
             self._epoch_start_state = followed.get_state()
@@ -574,7 +575,7 @@ class DataLoaderShard(DataLoader):
         return getattr(self._shard, "remainder", -1)
 
     def _snapshot(self) -> None:
-        """Called as each batch is handed out; stateful loaders (accel.data_stateful) record their position."""
+        """Called as each batch is handed out; stateful loaders (accel.data.stateful) record their position."""
 
     def _order_sampler(self):
         """The sampler whose order the epoch follows (None for iterable datasets and custom batch samplers)."""
@@ -695,7 +696,7 @@ class DataLoaderDispatcher(DataLoaderShard):
             current = following
 
     def _base_position(self):
-        """The main process's position in the epoch, for stateful loaders (accel.data_stateful); None here."""
+        """The main process's position in the epoch, for stateful loaders (accel.data.stateful); None here."""
         return None
 
     def _global_batches(self, iterator) -> Iterator:
@@ -741,7 +742,7 @@ class SkipDataLoader(DataLoader):
 
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         if use_stateful_dataloader and cls is SkipDataLoader:
-            cls = _stateful_module().StatefulSkipDataLoader
+            cls = stateful_classes()[2]
         return super().__new__(cls)
 
     def __init__(self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs):
@@ -863,7 +864,7 @@ def prepare_data_loader(
     a RandomSampler with a generator follows that generator, synchronised from the main process each epoch);
     `data_seed` is the seed (accel's keyword `seed` too). `rng_types` and `torch_device_mesh` are accepted: no RNG
     other than the loader's is synchronised, and the data-parallel rank is the one given."""
-    shard_class, dispatcher_class = _stateful_classes() if use_stateful_dataloader else (DataLoaderShard,
+    shard_class, dispatcher_class = stateful_classes()[:2] if use_stateful_dataloader else (DataLoaderShard,
                                                                                           DataLoaderDispatcher)
     if dispatch_batches is None:
         dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
@@ -871,7 +872,7 @@ def prepare_data_loader(
         raise ValueError("prepare_data_loader: dispatch_batches=True needs put_on_device=True (the batches are "
                          "broadcast on the device)")
     if num_processes is None or process_index is None or (device is None and put_on_device):
-        from accel.state import PartialState  # what the job has, for what the caller left out
+        from accel.runtime.state import PartialState  # what the job has, for what the caller left out
 
         state = PartialState()
         num_processes = state.num_processes if num_processes is None else num_processes
@@ -920,21 +921,36 @@ def prepare_data_loader(
     return shard_class(dataset, batch_sampler=shard, **settings, **kwargs)
 
 
-def _stateful_module():
-    """accel.data_stateful, whose loaders are built on torchdata's StatefulDataLoader (an optional extra): a one-line
-    ImportError naming the extra when torchdata is missing."""
+@functools.cache
+def stateful_classes() -> tuple[type, type, type]:
+    """`StatefulDataLoaderShard`, `StatefulDataLoaderDispatcher` and `StatefulSkipDataLoader`: this module's loaders
+    on torchdata's StatefulDataLoader (an optional extra: a one-line ImportError naming it when missing) with
+    accel.data.stateful's mix-ins, built on first use and kept as this module's attributes (so they pickle)."""
     try:
-        import accel.data_stateful as stateful
+        from accel.data.stateful import DispatcherPosition, Position, SkipLoaderInit, StatefulDataLoader
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata (its StatefulDataLoader); install it with "
                           "`pip install 'accel[torchdata]'` or `pip install torchdata`") from error
-    return stateful
+    made = []
+    for name, bases, doc in (
+            ("StatefulDataLoaderShard", (Position, DataLoaderShard, StatefulDataLoader),
+             "A `DataLoaderShard` whose base loader is a `StatefulDataLoader`."),
+            ("StatefulDataLoaderDispatcher", (DispatcherPosition, DataLoaderDispatcher, StatefulDataLoader),
+             "A `DataLoaderDispatcher` whose main process reads through a `StatefulDataLoader`."),
+            ("StatefulSkipDataLoader", (SkipLoaderInit, SkipDataLoader, StatefulDataLoader),
+             "A `SkipDataLoader` on torchdata's `StatefulDataLoader`.")):
+        cls = type(name, bases, {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        made.append(cls)
+    return made[0], made[1], made[2]
 
 
-def _stateful_classes() -> tuple[type, type]:
-    """The shard and dispatcher classes built on torchdata's StatefulDataLoader."""
-    stateful = _stateful_module()
-    return stateful.StatefulDataLoaderShard, stateful.StatefulDataLoaderDispatcher
+def __getattr__(name: str):
+    """The stateful loader classes by name (torchdata imported only then)."""
+    if name in ("StatefulDataLoaderShard", "StatefulDataLoaderDispatcher", "StatefulSkipDataLoader"):
+        stateful_classes()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _dispatcher(dispatcher_class: type, dataloader: DataLoader, num_processes: int, process_index: int,

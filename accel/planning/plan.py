@@ -2,15 +2,15 @@
 PP x offload x activation checkpointing x pipeline micro-batches), drop those that do not fit a device,
 estimate each one's step time with a compute + latency/bandwidth model, rank them and say why.
 
-Plain functions over accel.estimate's `ModelSpec` (meta device: a 70B model plans in seconds).
+Plain functions over accel.planning.estimate's `ModelSpec` (meta device: a 70B model plans in seconds).
 
 The model and its constants (documented so a plan can be checked by hand):
 - batch_size is GLOBAL: samples per optimizer step over all processes; each data-parallel rank gets
   batch_size / dp (a layout whose dp does not divide it is dropped), split into `micro_batches` under PP.
-- Ranks are laid out as accel's topology does (accel/topology.py): tp innermost, then dp, pp outermost, so a
+- Ranks are laid out as accel's topology does (accel/config/topology.py): tp innermost, then dp, pp outermost, so a
   group crosses machines when its span (tp; tp*dp; tp*dp*pp) exceeds the processes per machine. TP is only
   planned within a machine.
-- Memory per rank = model states (accel.estimate.training: what accel's backends keep) + activations
+- Memory per rank = model states (accel.planning.estimate.training: what accel's backends keep) + activations
   (`activation_bytes`; under bf16/fp16 without FSDP2 plus autocast's cached 2-byte copy of every weight, held
   through the forward) + what is gathered while computing: ZeRO-2 keeps the rank's whole (tp/pp slice of the)
   parameters gathered in the compute dtype through forward and backward, ZeRO-3 (and offload) the largest unit
@@ -57,7 +57,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from accel.estimate import EstimateError, ModelSpec, pipeline_stages, training
+from accel.planning.estimate import EstimateError, ModelSpec, pipeline_stages, training
 
 GB = 1e9
 USABLE_FRACTION = 0.9      # of device memory: the rest for the CUDA context, allocator slack, buffers
@@ -138,7 +138,7 @@ def detect() -> Hardware:
 
 
 def apply_calibration(hw: Hardware, cal: dict, compute: bool = True, links: bool = True) -> list[str]:
-    """Set `hw` from a stored `accel plan --calibrate` record (accel.plan_measure.calibrate): the device's rates
+    """Set `hw` from a stored `accel plan --calibrate` record (accel.planning.measure.calibrate): the device's rates
     when `compute`, the links within a machine when `links`. What was used, in words."""
     used = []
     if compute and cal.get("flops"):
@@ -244,7 +244,7 @@ def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, 
     """Activations kept for backward by `layers` blocks on one micro-batch: Korthikanti et al.'s per-layer
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
     (2*s*b*h) plus one block's full set while it recomputes; plus the float32 logits and their gradient. Times
-    `calibration[checkpointing]["scale"]`: accel.estimate's fake-tensor measurement of the whole model over this
+    `calibration[checkpointing]["scale"]`: accel.planning.estimate's fake-tensor measurement of the whole model over this
     formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
     the micro-batch, TP and the blocks of a pipeline stage."""
     layers = shape.layers if layers is None else layers
@@ -257,12 +257,12 @@ def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, 
 
 
 def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: str = "bf16") -> dict:
-    """{checkpointing: {"scale", "fixed_bytes"}} from accel.estimate.activation_bytes on fake tensors (no
+    """{checkpointing: {"scale", "fixed_bytes"}} from accel.planning.estimate.activation_bytes on fake tensors (no
     memory) for 1 and 2 samples of `seq_len` through the whole `module`: the difference is what one sample adds
     (`scale` = it over the formula's), the rest is fixed per step (`fixed_bytes`: mostly autocast's cached low-
     precision copy of every weight, held until the forward's autocast region ends), so it is not scaled with the
     micro-batch. {} (the formula alone) when that estimator is missing or cannot run the model."""
-    from accel import estimate
+    from accel.planning import estimate
 
     measure = getattr(estimate, "activation_bytes", None)
     if measure is None or module is None:
@@ -525,7 +525,7 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "fsdp_call": hw.fsdp_call, "tp_call": hw.tp_call,
                          "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
-            "activation_method": ("formula (Korthikanti et al.) scaled to accel.estimate's fake-tensor measurement: "
+            "activation_method": ("formula (Korthikanti et al.) scaled to accel.planning.estimate's fake-tensor measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"
                                               for k, v in calibration.items())) if calibration
             else "formula (Korthikanti et al.)",
@@ -612,8 +612,8 @@ def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardwar
 def write_config(result: dict, path, main_process_ip: str | None = None):
     """Save the recommended layout as an accel config (AccelConfig.save) that check_launchable accepts; several
     machines need the address of machine 0 (each machine then sets its own machine_rank)."""
-    from accel.config import AccelConfig
-    from accel.config.checks import check_launchable
+    from accel.config import config_from_dict
+    from accel.backends.launchable import check_launchable
 
     if result["recommended"] is None:
         raise PlanError("--write: no layout fits, nothing to write")
@@ -630,5 +630,5 @@ def write_config(result: dict, path, main_process_ip: str | None = None):
             "main_process_ip": main_process_ip, "mixed_precision": result["mixed_precision"], "parallelism": par}
     if row["gradient_accumulation_steps"] > 1:
         data["gradient_accumulation_steps"] = row["gradient_accumulation_steps"]
-    cfg = check_launchable(AccelConfig.from_dict(data, "accel plan"), "accel plan")
+    cfg = check_launchable(config_from_dict(data, "accel plan"), "accel plan")
     return cfg.save(path)

@@ -118,7 +118,7 @@ def _world(group=None) -> int:
 
 
 def _debug_mode() -> bool:
-    from accel.state import PartialState
+    from accel.runtime.state import PartialState
 
     state = PartialState._instance
     return bool(state is not None and state.__dict__.get("debug"))
@@ -243,7 +243,7 @@ def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor that exactly one process has (the others pass None), on every process; unlike `broadcast`, the
     others need not know its shape or which process has it."""
-    from accel.state import PartialState
+    from accel.runtime.state import PartialState
 
     state = PartialState()
     described = gather_object([None if tensor is None else (tuple(tensor.shape), tensor.dtype)])

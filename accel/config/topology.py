@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accel.config import ConfigError, divides_world, model_parallel_size
+from accel.config.degrees import data_parallel_sizes, divides_world, model_parallel_size
+from accel.config.errors import ConfigError
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 
@@ -57,8 +58,6 @@ class Topology:
         """The topology a ParallelismConfig asks for on `world_size` processes (sizes left out are derived:
         `accel.config.schema.data_parallel_sizes`); the resolved sizes are recorded on the config, whose
         Accelerate members (data_parallel_size, dp_shard_enabled, ...) then describe this run."""
-        from accel.config.schema import data_parallel_sizes
-
         tp, pp = parallelism.tp_size, parallelism.pp_size
         replicate = shard = None
         if divides_world(world_size, tp, pp):  # else the constructor names tp x pp

@@ -27,20 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from accel.config import (
-    DYNAMO_BACKENDS,
+from accel.config.accelerate_import import (
     OFFLOAD_DEVICES,
-    PARALLEL_FIELDS,
-    TOP_FIELDS,
-    AccelConfig,
-    ConfigError,
     DeepSpeedConfigWarning,
-    allowed_values,
-    check_value,
     deepspeed_json_layer,
-    merge_layers,
     read_deepspeed_json,
 )
+from accel.config.errors import ConfigError
+from accel.config.resolve import merge_layers
+from accel.config.schema import DYNAMO_BACKENDS, PARALLEL_FIELDS, TOP_FIELDS, AccelConfig, allowed_values, check_value
 
 # FSDP sharding strategy -> ZeRO stage; numbers are torch's ShardingStrategy values (and Accelerate's 1-5)
 _STRATEGY_STAGE = {
@@ -98,7 +93,7 @@ class DeepSpeedPlugin:
     with the file (or the file must say "auto" there). No stage at all (neither `zero_stage` nor the file's
     `zero_optimization.stage`, and no `hf_ds_config`) means ZeRO stage 2 as in Accelerate, unless the config
     file/launch already asks for a ZeRO stage, which is then kept. The JSON's `optimizer` / `scheduler` sections
-    are built by `Accelerator.prepare` for `DummyOptim` / `DummyScheduler` (accel/utils/deepspeed.py).
+    are built by `Accelerator.prepare` for `DummyOptim` / `DummyScheduler` (accel/compat/deepspeed.py).
     """
 
     hf_ds_config: Any = None
@@ -143,7 +138,7 @@ class DeepSpeedPlugin:
             raise ConfigError(f"{self._NAME}: argument 'hf_ds_config': bad value of type "
                               f"{type(self.hf_ds_config).__name__}; allowed: a DeepSpeed JSON file's path or its dict")
         file_layer = (deepspeed_json_layer(self.deepspeed_config, source, builds_optimizer=True)
-                      if self.hf_ds_config is not None else {})  # its optimizer/scheduler: see accel.utils.deepspeed
+                      if self.hf_ds_config is not None else {})  # its optimizer/scheduler: see accel.compat.deepspeed
         args_layer = self._layer_of_arguments()  # validated now, not at Accelerator()
         for arg, (section, key) in _DS_ARGUMENTS.items():  # an argument and the file must agree
             mine = (args_layer.get(section, {}) if section else args_layer).get(key)
@@ -305,7 +300,7 @@ class FullyShardedDataParallelPlugin:
         """`transformer_cls_names_to_wrap` / `min_num_params` (what transformers' `fsdp_config` passes) -> the ZeRO
         blocks, as a config file's `fsdp_config` keys map (a callable policy is Accelerate's own: kept, unused)."""
         from accel.config.accelerate_import import _fsdp_wrapping
-        from accel.utils.constants import FSDP_AUTO_WRAP_POLICY
+        from accel.core.constants import FSDP_AUTO_WRAP_POLICY
 
         policy = self.auto_wrap_policy
         if policy is not None and not isinstance(policy, str):
@@ -424,7 +419,7 @@ def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugi
         raise ConfigError(f"Accelerator: argument '{name}': expected accel.DeepSpeedPlugin or "
                           f"accel.FullyShardedDataParallelPlugin, got {type(plugin).__name__}")
     if base is None and _needs_base(plugin):
-        from accel.config import worker_config
+        from accel.config.resolve import worker_config
 
         base = worker_config()
     layer = plugin.to_layer(base)
@@ -500,7 +495,7 @@ class TorchDynamoPlugin:
     def to_dict(self) -> dict:
         """The fields as Accelerate's plugin holds them: an unset one read from $ACCELERATE_DYNAMO_* (what `accel
         launch` / `accelerate launch` export), else Accelerate's default; the backend as its lower-case name."""
-        from accel.utils.imports import str_to_bool
+        from accel.core.probes import str_to_bool
 
         env = os.environ.get
 

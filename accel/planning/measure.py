@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 STOP_ENV = "ACCEL_STOP_AFTER_STEPS"
-MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # read by accel.data.prepare_data_loader
+MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # read by accel.data.loading.prepare_data_loader
 FILE_ENV = "ACCEL_MEASURE_FILE"
 CAL_VERSION = 1
 
@@ -112,7 +112,7 @@ def measure_one(result: dict, index: int, script: str, script_args: list[str], s
                 timeout: float = 600, env: dict | None = None) -> dict:
     """Launch `script` under layout `index` of a plan for `steps` optimizer steps; its measured figures or
     {"measured_error": one line}."""
-    from accel.plan import write_config
+    from accel.planning.plan import write_config
 
     cfg = write_config({**result, "recommended": index}, workdir / f"layout{index}.yaml")
     out = workdir / f"layout{index}"
@@ -180,7 +180,7 @@ def matmul_tflops(device: str, dtype, n: int, reps: int) -> float:
 
 
 def memory_bandwidth(device: str, dtype, nbytes: int = 2 ** 24) -> float:
-    """Bytes/s (read + written) of the memory-bound work of a training step that accel.plan adds to the matmuls,
+    """Bytes/s (read + written) of the memory-bound work of a training step that accel.planning.plan adds to the matmuls,
     as a mix of its kinds on `nbytes` activations: residual add, gating mul, SiLU, a norm's mean of squares, and
     the loss's log_softmax with its backward (on a CPU, exp-heavy ops run at a fraction of a plain add's rate)."""
     import torch
@@ -256,7 +256,7 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
     best = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
-    latency = max(fits["all_reduce"][0], 0.0) / (2 * (world - 1))  # per ring hop, as accel.plan counts it
+    latency = max(fits["all_reduce"][0], 0.0) / (2 * (world - 1))  # per ring hop, as accel.planning.plan counts it
     best["times"], best["in_situ"] = times, situ
     if rank == 0:
         queue.put((best, latency))
@@ -304,7 +304,7 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
     scheduler and gloo's threads make that large; a GPU's kernels run alike). Segments of compute (2 and 8 ms)
     each followed by an all_reduce (16 KiB, 1 MiB, 4 MiB: latency- to bandwidth-bound), against the compute alone
     in paired trials (medians: the typical step); the extra per call is fitted as `sync_fixed` + `sync_slowdown` x
-    the time of the sweep's call (`iso`, what accel.plan interpolates). Also `overlap`: the share
+    the time of the sweep's call (`iso`, what accel.planning.plan interpolates). Also `overlap`: the share
     of an asynchronous all_reduce of about the same duration that hides behind matmuls (DDP's and FSDP2's
     bucketed collectives run beside compute; a GPU runs them on their own stream, gloo's thread competes with
     the matmuls for the CPU's cores)."""
@@ -332,7 +332,7 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
             # paired trials, the median of their differences: the machine's drift hits both halves of a pair
             pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)] for _ in range(9)]
             extra = statistics.median(b - a for a, b in pairs) / calls
-            rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))  # against the sweep accel.plan reads
+            rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))  # against the sweep accel.planning.plan reads
     fixed, slowdown = _least_squares(rows)
     if slowdown < 1:  # never faster than alone: the fixed part alone then
         fixed, slowdown = statistics.median(extra - t for _, t, extra in rows), 1.0
@@ -408,8 +408,8 @@ def _halved(stack):
 
 
 def _sweep_time(points: list, size: int) -> float:
-    """The sweep's time at `size` bytes, read as accel.plan reads it (so what is subtracted is what it adds)."""
-    from accel.plan import _interpolate
+    """The sweep's time at `size` bytes, read as accel.planning.plan reads it (so what is subtracted is what it adds)."""
+    from accel.planning.plan import _interpolate
 
     return _interpolate(points, size)
 
@@ -482,7 +482,7 @@ def allreduce_bandwidth(backend: str, sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20,
 
 def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     """Measure and store {"flops": FLOP/s (the best dtype, with this process's threads), "tokens_half" and
-    "width_half" (accel.plan's small-matmul efficiency), "intra_bandwidth": bytes/s, "intra_latency": s per hop,
+    "width_half" (accel.planning.plan's small-matmul efficiency), "intra_bandwidth": bytes/s, "intra_latency": s per hop,
     ...} at `path`."""
     import torch
 
@@ -505,7 +505,7 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
         data["intra_bandwidth"] = rates["all_reduce"]
         data["gather_factor"] = rates["all_gather"] / rates["all_reduce"]
         data["scatter_factor"] = rates["reduce_scatter"] / rates["all_reduce"]
-        data["collectives"] = {"world": 2, **rates["times"]}  # what accel.plan interpolates
+        data["collectives"] = {"world": 2, **rates["times"]}  # what accel.planning.plan interpolates
         data.update(rates["in_situ"])  # sync_fixed, sync_slowdown, overlap
         data["collective_backend"] = "nccl" if cuda else "gloo"
     path = Path(path or default_calibration_path())

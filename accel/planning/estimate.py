@@ -4,7 +4,7 @@ rank of parameters, gradients and AdamW state for each layout as accel's backend
 Plain functions over a `ModelSpec` (parameter names, sizes, repeated blocks), so `accel estimate-memory` and a
 later `accel plan` share them. Models are built on the meta device: a 70B config takes seconds, no memory.
 
-What accel keeps (accel/precision.py, accel/backends/{ddp,zero,recipe,spmd,tensor,pipeline}.py), AdamW, N data-
+What accel keeps (accel/runtime/precision.py, accel/backends/{ddp,zero,recipe,spmd,tensor,pipeline}.py), AdamW, N data-
 parallel ranks: parameters stay float32 in every mixed-precision mode (bf16/fp16 are autocast: no separate master
 copy), gradients float32, two float32 moments plus a 0-d float32 `step` per parameter. DDP: all of it on every
 rank. ZeRO-1 (ZeroRedundancyOptimizer + DDP): whole parameters' optimizer state, partitioned greedily by size.

@@ -1,6 +1,8 @@
 """Prepared loaders on torchdata's `StatefulDataLoader` (Accelerate's `use_stateful_dataloader=True`).
 
-Their `state_dict()` also holds the position inside the epoch (and the dataset's or workers' state where torchdata
+This module holds the mix-ins; `accel.data.loading.stateful_classes()` puts them on its loader classes (this
+module imports nothing of accel, so the loaders depend on it and not the other way round). Their `state_dict()` also
+holds the position inside the epoch (and the dataset's or workers' state where torchdata
 can take it), so `load_state` resumes mid-epoch with no `skip_first_batches`. The position is taken when a batch is
 handed to the loop, not when the one-ahead batch is read, so it counts exactly the batches the loop has seen.
 """
@@ -11,12 +13,10 @@ import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from accel.data import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader
-
-__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard", "StatefulSkipDataLoader"]
+__all__ = ["DispatcherPosition", "Position", "SkipLoaderInit", "StatefulDataLoader"]
 
 
-class _Position:
+class Position:
     """The mix-in: the loader's epoch state (DataLoaderShard's) plus the base loader's position in the epoch."""
 
     _position = None
@@ -43,7 +43,7 @@ class _Position:
         return state
 
     def _resumes_mid_epoch(self) -> bool:
-        """A pass after loading a mid-epoch position continues that epoch (it draws nothing, see accel.data)."""
+        """A pass after loading a mid-epoch position continues that epoch (it draws nothing, see accel.data.loading)."""
         loaded, self._loaded_mid_epoch = self.__dict__.get("_loaded_mid_epoch", False), False
         return loaded or super()._resumes_mid_epoch()
 
@@ -57,13 +57,9 @@ class _Position:
         StatefulDataLoader.load_state_dict(self, position)
 
 
-class StatefulDataLoaderShard(_Position, DataLoaderShard, StatefulDataLoader):
-    """A `DataLoaderShard` whose base loader is a `StatefulDataLoader`."""
-
-
-class StatefulDataLoaderDispatcher(_Position, DataLoaderDispatcher, StatefulDataLoader):
-    """A `DataLoaderDispatcher` whose main process reads through a `StatefulDataLoader`; the position saved is the
-    main process's (the only one that reads), taken before the round that follows the handed-out batch is read."""
+class DispatcherPosition(Position):
+    """A `DataLoaderDispatcher`'s mix-in: the position saved is the main process's (the only one that reads), taken
+    before the round that follows the handed-out batch is read."""
 
     def _base_position(self):
         return StatefulDataLoader.state_dict(self)
@@ -72,9 +68,9 @@ class StatefulDataLoaderDispatcher(_Position, DataLoaderDispatcher, StatefulData
         return self._round_position  # taken before the next round was read: the rounds handed out so far
 
 
-class StatefulSkipDataLoader(SkipDataLoader, StatefulDataLoader):
-    """A `SkipDataLoader` on torchdata's `StatefulDataLoader`: its `state_dict()` is torchdata's (the position counts
-    the skipped batches too, as they were read)."""
+class SkipLoaderInit:
+    """A `SkipDataLoader`'s mix-in: its `state_dict()` is torchdata's (the position counts the skipped batches too,
+    as they were read)."""
 
     def __init__(self, *args, **kwargs):
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which this torch deprecates

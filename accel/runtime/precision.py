@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from accel.config import MIXED_PRECISIONS, ConfigError
-from accel.ops import recursively_apply
+from accel.runtime.ops import recursively_apply
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -135,8 +135,8 @@ class PrecisionPolicy:
 def _float8_settings(device: torch.device, recipe):
     """torchao's settings for fp8 (accel/backends/float8.py converts the layers): emulated where the device has no
     float8 matmul (the CPU); refused in one line on a GPU without one, or without torchao."""
-    from accel.backends.float8 import INSTALL, Float8Settings
-    from accel.utils.imports import is_torchao_available
+    from accel.runtime.float8 import INSTALL, Float8Settings
+    from accel.core.probes import is_torchao_available
 
     if not is_torchao_available():
         raise ConfigError(f"mixed_precision: fp8 needs torchao; install it with {INSTALL}")

@@ -7,6 +7,7 @@ can see themselves (the real world size) when the Accelerator is built; this che
 
 from __future__ import annotations
 
+from accel.backends import check_available
 from accel.config.schema import (
     AccelConfig,
     ConfigError,
@@ -24,8 +25,6 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
     backend is asked for, that this torch has it. Returns `cfg`."""
     check_consistency(cfg, source)
     check_world_layout(cfg, source)
-    from accel.backends import check_available  # the backends package imports this one
-
     check_available(cfg.parallelism, cfg.num_processes)
     if cfg.dynamo_backend != "no":  # imports torch, only then
         from accel.backends.compilation import compile_options

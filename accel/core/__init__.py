@@ -1,0 +1,1 @@
+"""Leaf helpers that import nothing else of accel: optional-package probes, seeding, memory, constants, diagnostics."""

@@ -1,0 +1,1 @@
+"""Memory estimates and the parallel-layout planner (`accel estimate`, `accel plan`)."""

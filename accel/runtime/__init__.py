@@ -1,0 +1,1 @@
+"""The running job: process state, collectives, precision policy, gradient accumulation, logging."""
