@@ -789,7 +789,7 @@ def resume_trackers(trackers: list, record: dict | None) -> None:
         return
     run_id, written = resumed
     left = {t.logging_dir for t in files if t.run_id != run_id}
-    unused = all(t.logged == 0 for t in files)  # made by this init_trackers, nothing logged
+    unused = all(t.new_run and t.logged == 0 for t in files)  # made by this init_trackers, nothing logged
     for tracker in files:
         tracker.finish()
         tracker.run_id, tracker.truncate_at, tracker.logged = run_id, written.get(tracker.filename), 0

@@ -123,7 +123,7 @@ def test_loading_another_runs_checkpoint_after_a_resume_removes_no_run(tmp_path)
     first = (tmp_path / "checkpoints" / "checkpoint_0").rename(tmp_path / "first")
     train(tmp_path, attempt=2, steps=range(3), save_at=1)  # run-002
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
-    accelerator = Accelerator(cpu=True, log_with="jsonl", project_config=config)
+    accelerator = Accelerator(cpu=True, log_with=["jsonl", "csv"], project_config=config)
     accelerator.prepare(torch.nn.Linear(2, 1))
     accelerator.init_trackers("proj")  # run-003, removed by the first load_state
     accelerator.load_state(str(first))
