@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib
 
-from accel.core.version import __version__  # noqa: E402
+from accel.core.version import __version__
 
-from accel.core.restarts import export_restart_count  # noqa: E402
+from accel.core.restarts import export_restart_count
 
 export_restart_count()
 
@@ -52,7 +52,7 @@ _LAZY = {
     "is_rich_available": "accel.core.probes",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = sorted(_LAZY) + ["__version__"]  # noqa: PLE0605 (the lazy names: strings)
 
 
 def __getattr__(name: str):

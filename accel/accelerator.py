@@ -178,10 +178,11 @@ class Accelerator:
         """The `Accelerator(...)` arguments that were given, as the highest-precedence config layer."""
         layer: dict[str, Any] = {}
         if mixed_precision is not None:
-            layer["mixed_precision"] = str(mixed_precision.value if hasattr(mixed_precision, "value") else mixed_precision)
+            layer["mixed_precision"] = str(getattr(mixed_precision, "value", mixed_precision))
         if plugin is not None and getattr(plugin, "num_steps", None):
             if gradient_accumulation_steps != 1:
-                raise ValueError("Accelerator: give gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+                raise ValueError("Accelerator: give gradient_accumulation_steps or gradient_accumulation_plugin, "
+                                 "not both")
             gradient_accumulation_steps = plugin.num_steps
         if gradient_accumulation_steps != 1:
             layer["gradient_accumulation_steps"] = gradient_accumulation_steps
@@ -200,8 +201,8 @@ class Accelerator:
         for handler in self.kwargs_handlers:
             if not isinstance(handler, KwargsHandler):
                 raise TypeError(f"kwargs_handlers: {handler!r} is not a kwargs handler; allowed: "
-                                "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, "
-                                "AORecipeKwargs, ProfileKwargs")
+                                "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, "
+                                "AutocastKwargs, AORecipeKwargs, ProfileKwargs")
             find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
 
     def _tracker_names(self, log_with: Any) -> list:
@@ -359,7 +360,8 @@ class Accelerator:
         self._models.append(prepared)
         return prepared
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
         return self._prepare_optimizer(optimizer, self._models)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> AcceleratedOptimizer:

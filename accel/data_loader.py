@@ -1,4 +1,5 @@
-"""Accelerate's module name for the data-loading API (`from accelerate.data_loader import ...`): accel.data.loading's."""
+"""Accelerate's module name for the data-loading API (`from accelerate.data_loader import ...`):
+accel.data.loading's."""
 
 import abc
 

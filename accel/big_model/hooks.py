@@ -268,7 +268,7 @@ class AlignDevicesHook(ModelHook):
                 _put(owner, attr, is_param, placeholder)
             self._slots = keep
         if self.execution_device is not None:
-            for name, owner, attr, is_param in self._slots:
+            for _name, owner, attr, is_param in self._slots:
                 _move(owner, attr, is_param, self.execution_device, self.tied_params_map)
         return module
 

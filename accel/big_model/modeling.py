@@ -522,7 +522,7 @@ def infer_auto_device_map(
 
         if ties and used[device] + size <= limit:  # the module fits alone: split one of the entries tied to it
             position = {n: i for i, (n, _) in enumerate(queue)}
-            splittable = [(position[n], _split(n, o, no_split)) for n, o in zip(tie_names, tie_objs)
+            splittable = [(position[n], _split(n, o, no_split)) for n, o in zip(tie_names, tie_objs, strict=True)
                           if n in position and _split(n, o, no_split) is not None]
             at, parts = splittable[0] if splittable else (None, None)
             if parts is not None:
@@ -574,7 +574,7 @@ def _warn_offloaded_buffers(buffers_on, used, max_memory, gpus, offload_buffers)
     if not any(max_memory[g] >= offloaded + used.get(g, 0) for g in gpus):
         warnings.warn(f"Current model requires {offloaded} bytes of buffers for its offloaded layers on the execution "
                       "device, more than any GPU has left in this map: pass offload_buffers=True if it runs out of "
-                      "memory.")
+                      "memory.", stacklevel=1)
 
 
 def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> dict[str, Device]:

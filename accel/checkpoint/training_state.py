@@ -511,24 +511,25 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
     later one refuse its state, then models and optimizers (whose names and shapes were checked)."""
     state = tree.join(plan.manifest["skeleton"], plan.targets)
     small = [(f"registered object {i} ({type(o).__name__})", o, sd) for i, (o, sd) in
-             enumerate(zip(objects.custom, state["custom"]))]
+             enumerate(zip(objects.custom, state["custom"], strict=False))]
     small += [(f"data loader {i}", d, sd) for i, (d, sd) in
-              enumerate(zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"]))]
+              enumerate(zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"],
+                             strict=False))]
     if objects.scaler is not None and state["scaler"] is not None:
         small.append(("the gradient scaler", objects.scaler, state["scaler"]))
     small += [(f"scheduler {i} ({type(s).__name__})", s, sd) for i, (s, sd) in
-              enumerate(zip(objects.schedulers, state["schedulers"]))]
+              enumerate(zip(objects.schedulers, state["schedulers"], strict=False))]
     backend, undo, what, partly = objects.backend, [], "", ""
     try:
-        for what, obj, sd in small:
+        for what, obj, sd in small:  # noqa: B007 (`what` names the object in the error below)
             before = _cpu_copy(obj.state_dict())
             obj.load_state_dict(sd)
             undo.append((obj, before))
         partly = "; the models/optimizers before it hold the checkpoint's values: load again"
-        for i, (model, sd) in enumerate(zip(plan.models, state["models"])):
+        for i, (model, sd) in enumerate(zip(plan.models, state["models"], strict=False)):
             what = f"model {i}"
             backend.load_checkpoint_model_state(model, sd)
-        for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"])):
+        for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"], strict=False)):
             what = f"optimizer {i}"
             sd = dict(sd)
             fresh = sd.pop("accel_fresh", False)
@@ -691,7 +692,7 @@ def _held_keys(backend):
 def _check_layouts(folder: Path, saved: list[dict], backend, models: list) -> None:
     """A parameter held in a backend's own layout (TP's reordered fused q/k/v) is only resumed into the same
     layout: loading it into another would scramble it silently."""
-    for model, before in zip(models, saved):
+    for model, before in zip(models, saved, strict=False):
         now = backend.checkpoint_layouts(model)
         mine = {name for name, _ in backend.unwrap_model(model).named_parameters()}  # without DDP's prefix
         for name in sorted((set(now) | set(before)) & mine):
@@ -729,7 +730,8 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
 
     saved_world = manifest["world_size"]
     if rank >= saved_world:
-        warnings.warn(f"load_state: checkpoint has RNG states for {saved_world} processes; rank {rank} keeps its own")
+        warnings.warn(f"load_state: checkpoint has RNG states for {saved_world} processes; rank {rank} keeps its own",
+                      stacklevel=1)
         return None
     tensors_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.safetensors", folder / layout.MANIFEST)
     json_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.json", folder / layout.MANIFEST)

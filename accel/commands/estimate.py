@@ -1,4 +1,5 @@
-"""Accelerate's `accelerate.commands.estimate` over accel's estimator (accel/planning/estimate.py, `accel estimate-memory`).
+"""Accelerate's `accelerate.commands.estimate` over accel's estimator (accel/planning/estimate.py,
+`accel estimate-memory`).
 
 The model is built on the meta device from a local transformers config (config.json or its folder), a model type
 (`gpt2`), `module:callable`, or a Hub name whose config transformers can read (its cache, or the Hub when online).

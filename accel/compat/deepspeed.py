@@ -217,7 +217,7 @@ class WarmupLR(_DeepSpeedSchedule):
         groups = len(optimizer.param_groups)
         self.min_lrs = _lr_values(warmup_min_lr, "warmup_min_lr", type(self).__name__, groups)
         self.max_lrs = _lr_values(warmup_max_lr, "warmup_max_lr", type(self).__name__, groups)
-        self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs)]
+        self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs, strict=True)]
         super().__init__(optimizer, warmup_num_steps, warmup_type, steps_per_update)
 
     def _gamma(self, it: int) -> float:
@@ -227,7 +227,7 @@ class WarmupLR(_DeepSpeedSchedule):
         if it < 0:
             return list(self.min_lrs)
         gamma = self._gamma(it)
-        return [low + delta * gamma for low, delta in zip(self.min_lrs, self.delta_lrs)]
+        return [low + delta * gamma for low, delta in zip(self.min_lrs, self.delta_lrs, strict=True)]
 
 
 class WarmupDecayLR(WarmupLR):

@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.launch` helpers: the command and environment its launchers build (torchrun, one process,
-mpirun), SageMaker's argument conversion, and launching a function in several forked processes."""
+"""Accelerate's `accelerate.utils.launch` helpers: the command and environment its launchers build (torchrun, one
+process, mpirun), SageMaker's argument conversion, and launching a function in several forked processes."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ _FSDP_ENV = {"fsdp_reshard_after_forward": "RESHARD_AFTER_FORWARD", "fsdp_offloa
              "fsdp_backward_prefetch": "BACKWARD_PREFETCH", "fsdp_state_dict_type": "STATE_DICT_TYPE",
              "fsdp_forward_prefetch": "FORWARD_PREFETCH", "fsdp_use_orig_params": "USE_ORIG_PARAMS",
              "fsdp_cpu_ram_efficient_loading": "CPU_RAM_EFFICIENT_LOADING",
-             "fsdp_sync_module_states": "SYNC_MODULE_STATES", "fsdp_activation_checkpointing": "ACTIVATION_CHECKPOINTING",
+             "fsdp_sync_module_states": "SYNC_MODULE_STATES",
+             "fsdp_activation_checkpointing": "ACTIVATION_CHECKPOINTING",
              "fsdp_activation_checkpointing_offload": "ACTIVATION_CHECKPOINTING_OFFLOAD",
              "fsdp_ignored_modules": "IGNORED_MODULES"}
 _LOWERED = {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_forward_prefetch", "fsdp_use_orig_params",
@@ -80,7 +81,7 @@ def _fp8_env(args: argparse.Namespace) -> dict[str, str]:
         if not name.startswith("fp8_") or value is None:
             continue
         if name == "fp8_override_linear_precision":
-            for part, flag in zip(("FPROP", "DGRAD", "WGRAD"), value):
+            for part, flag in zip(("FPROP", "DGRAD", "WGRAD"), value, strict=False):
                 env[f"ACCELERATE_FP8_OVERRIDE_{part}"] = str(flag)
         else:
             env[f"ACCELERATE_{name.upper()}"] = str(value)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from accel.runtime.ops import (  # noqa: F401
+from accel.runtime.ops import (
     CannotPadNestedTensorWarning,
     DistributedOperationException,
     broadcast,

@@ -28,7 +28,8 @@ def shards_data_parallel(parallelism: ParallelismConfig) -> bool:
     return parallelism.zero_stage >= 2 or parallelism.tp_size > 1
 
 
-def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int, source: str = "parallelism") -> tuple[int, int]:
+def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
+                        source: str = "parallelism") -> tuple[int, int]:
     """(dp_replicate, dp_shard) for `world_size` processes: their product is the data-parallel degree, the
     world size over tp x pp (checked before: `divides_world`).
 

@@ -510,7 +510,8 @@ class TorchDynamoPlugin:
                 "fullgraph": self.fullgraph if self.fullgraph is not None else bool(flag("USE_FULLGRAPH")),
                 "dynamic": self.dynamic if self.dynamic is not None else flag("USE_DYNAMIC"),
                 "options": self.options, "disable": self.disable,
-                "use_regional_compilation": regional if regional is not None else bool(flag("USE_REGIONAL_COMPILATION"))}
+                "use_regional_compilation":
+                    regional if regional is not None else bool(flag("USE_REGIONAL_COMPILATION"))}
 
     def to_kwargs(self) -> dict:
         """Accelerate's: the `to_dict()` entries that differ from a plugin built in a clean environment (the

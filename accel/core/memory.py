@@ -51,7 +51,7 @@ def find_executable_batch_size(function=None, starting_batch_size: int = 128, re
         nonlocal batch_size
         params = list(inspect.signature(function).parameters)
         if len(params) < len(args) + 1:
-            given = ", ".join(f"{name}={value!r}" for name, value in zip(params[1:], args[1:]))
+            given = ", ".join(f"{name}={value!r}" for name, value in zip(params[1:], args[1:], strict=False))
             raise TypeError(f"Batch size was passed into `{function.__name__}` as the first argument when called; "
                             f"the decorator already passes it: call `{function.__name__}({given})`")
         while True:

@@ -331,12 +331,12 @@ def pipeline_stages(spec: ModelSpec, pp: int) -> list[list[Param]]:
         unit = index.get(p.block, unit)
         units.append(unit)
     costs = [0] * len(blocks)
-    for p, u in zip(spec.params, units):
+    for p, u in zip(spec.params, units, strict=True):
         costs[u] += p.numel
     starts = _partition(costs, pp)
     stage_of = [sum(1 for s in starts[1:] if s <= u) for u in range(len(blocks))]
     stages: list[list[Param]] = [[] for _ in range(pp)]
-    for p, u in zip(spec.params, units):
+    for p, u in zip(spec.params, units, strict=True):
         stages[stage_of[u]].append(p)
     return stages
 

@@ -9,6 +9,7 @@ model-state bytes, as benchmarks/bench_estimate.py counts them), plus the proces
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ class StepMeter:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         ends = self.times[1:]
         return {"rank": int(os.environ.get("RANK", 0)), "steps": len(ends),
-                "step_times_s": [b - a for a, b in zip(self.times, ends)],
+                "step_times_s": [b - a for a, b in itertools.pairwise(self.times)],
                 "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else held_bytes(optimizer),
                 "memory_kind": "cuda max_memory_allocated" if cuda else "tensors held after step",
                 "held_bytes": held_bytes(optimizer),
@@ -180,9 +181,9 @@ def matmul_tflops(device: str, dtype, n: int, reps: int) -> float:
 
 
 def memory_bandwidth(device: str, dtype, nbytes: int = 2 ** 24) -> float:
-    """Bytes/s (read + written) of the memory-bound work of a training step that accel.planning.plan adds to the matmuls,
-    as a mix of its kinds on `nbytes` activations: residual add, gating mul, SiLU, a norm's mean of squares, and
-    the loss's log_softmax with its backward (on a CPU, exp-heavy ops run at a fraction of a plain add's rate)."""
+    """Bytes/s (read + written) of the memory-bound work of a training step that accel.planning.plan adds to the
+    matmuls, as a mix of its kinds on `nbytes` activations: residual add, gating mul, SiLU, a norm's mean of squares,
+    and the loss's log_softmax with its backward (on a CPU, exp-heavy ops run at a fraction of a plain add's rate)."""
     import torch
 
     n = nbytes // torch.tensor([], dtype=dtype).element_size()
@@ -228,7 +229,7 @@ def half_rate_size(device: str, dtype, peak: float, sizes=(64, 256), width: bool
         a = torch.randn(*shape_a, device=device, dtype=dtype)
         b = torch.randn(*shape_b, device=device, dtype=dtype)
         flops = 2 * shape_a[0] * shape_a[1] * shape_b[1]
-        rate = flops / _best_seconds(lambda: a @ b, max(4, int(2e9 / flops)), cuda=device == "cuda")
+        rate = flops / _best_seconds(lambda a=a, b=b: a @ b, max(4, int(2e9 / flops)), cuda=device == "cuda")
         fits.append(max(0.0, n * (peak / rate - 1)))
     return statistics.median(fits)
 
@@ -247,8 +248,9 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         shard = torch.ones(size // 4 // world, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed them
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        calls = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
-                 "reduce_scatter": lambda: scatter(shard, full)}
+        calls = {"all_reduce": lambda full=full: dist.all_reduce(full),
+                 "all_gather": lambda full=full, shard=shard, gather=gather: gather(full, shard),
+                 "reduce_scatter": lambda full=full, shard=shard, scatter=scatter: scatter(shard, full)}
         for name, call in calls.items():
             times[name].append((size, _median_call(call, backend, device)))
     situ = _median_fields([_in_situ(backend, device, times) for _ in range(3)])  # noisy: 3 runs
@@ -332,7 +334,8 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
             # paired trials, the median of their differences: the machine's drift hits both halves of a pair
             pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)] for _ in range(9)]
             extra = statistics.median(b - a for a, b in pairs) / calls
-            rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))  # against the sweep accel.planning.plan reads
+            # against the sweep accel.planning.plan reads
+            rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))
     fixed, slowdown = _least_squares(rows)
     if slowdown < 1:  # never faster than alone: the fixed part alone then
         fixed, slowdown = statistics.median(extra - t for _, t, extra in rows), 1.0
@@ -408,7 +411,8 @@ def _halved(stack):
 
 
 def _sweep_time(points: list, size: int) -> float:
-    """The sweep's time at `size` bytes, read as accel.planning.plan reads it (so what is subtracted is what it adds)."""
+    """The sweep's time at `size` bytes, read as accel.planning.plan reads it (so what is subtracted is what it
+    adds)."""
     from accel.planning.plan import _interpolate
 
     return _interpolate(points, size)
@@ -449,7 +453,7 @@ def _least_squares(rows: list[tuple[float, ...]]) -> list[float]:
         for r in range(k):
             if r != i:
                 f = a[r][i] / a[i][i]
-                a[r] = [x - f * y for x, y in zip(a[r], a[i])]
+                a[r] = [x - f * y for x, y in zip(a[r], a[i], strict=True)]
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
@@ -461,7 +465,8 @@ def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def allreduce_bandwidth(backend: str, sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[dict, float]:
+def allreduce_bandwidth(backend: str,
+                        sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[dict, float]:
     """({collective: bytes/s} of a 2-process sweep of all_reduce, all_gather_into_tensor and
     reduce_scatter_tensor over `sizes` (16 KiB-16 MiB: TP activations to gradient buckets), seconds per ring hop
     of an all_reduce): a straight line through each collective's times, so the bandwidth is its slope and the
@@ -482,8 +487,8 @@ def allreduce_bandwidth(backend: str, sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20,
 
 def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     """Measure and store {"flops": FLOP/s (the best dtype, with this process's threads), "tokens_half" and
-    "width_half" (accel.planning.plan's small-matmul efficiency), "intra_bandwidth": bytes/s, "intra_latency": s per hop,
-    ...} at `path`."""
+    "width_half" (accel.planning.plan's small-matmul efficiency), "intra_bandwidth": bytes/s, "intra_latency": s per
+    hop, ...} at `path`."""
     import torch
 
     cuda = torch.cuda.is_available()

@@ -53,6 +53,7 @@ The model and its constants (documented so a plan can be checked by hand):
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -244,8 +245,8 @@ def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, 
     """Activations kept for backward by `layers` blocks on one micro-batch: Korthikanti et al.'s per-layer
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
     (2*s*b*h) plus one block's full set while it recomputes; plus the float32 logits and their gradient. Times
-    `calibration[checkpointing]["scale"]`: accel.planning.estimate's fake-tensor measurement of the whole model over this
-    formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
+    `calibration[checkpointing]["scale"]`: accel.planning.estimate's fake-tensor measurement of the whole model over
+    this formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
     the micro-batch, TP and the blocks of a pipeline stage."""
     layers = shape.layers if layers is None else layers
     s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
@@ -327,7 +328,7 @@ def _interpolate(points: list, size: float) -> float:
     points = sorted(points)
     if size <= points[0][0]:
         return points[0][1]
-    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+    for (s0, t0), (s1, t1) in itertools.pairwise(points):
         if size <= s1:
             w = math.log(size / s0) / math.log(s1 / s0)
             return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
@@ -525,7 +526,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "fsdp_call": hw.fsdp_call, "tp_call": hw.tp_call,
                          "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
-            "activation_method": ("formula (Korthikanti et al.) scaled to accel.planning.estimate's fake-tensor measurement: "
+            "activation_method": ("formula (Korthikanti et al.) scaled to accel.planning.estimate's fake-tensor "
+                                  "measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"
                                               for k, v in calibration.items())) if calibration
             else "formula (Korthikanti et al.)",

@@ -49,7 +49,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                 self.logger.log(level, msg, *args, **kwargs)
             state.wait_for_everyone()
 
-    @functools.lru_cache(None)
+    @functools.lru_cache(None)  # noqa: B019 (Accelerate's: once per adapter, which lives as long as its logger)
     def warning_once(self, *args, **kwargs):
         """`warning()`, emitted once per distinct arguments (per logger object, as in Accelerate)."""
         self.warning(*args, **kwargs)

@@ -261,7 +261,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     def _one(t: torch.Tensor) -> torch.Tensor:
         if getattr(t, "is_nested", False):
             warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
-                          CannotPadNestedTensorWarning)
+                          CannotPadNestedTensorWarning, stacklevel=1)
             return t
         if _world() == 1 or t.ndim == 0 or dim >= t.ndim:
             return t

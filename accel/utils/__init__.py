@@ -100,7 +100,7 @@ def __getattr__(name: str):
     return found
 
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 (the lazy names: strings)
     "AORecipeKwargs", "AutocastKwargs", "DDPCommunicationHookType", "DistributedDataParallelKwargs", "DistributedType",
     "GradScalerKwargs", "InitProcessGroupKwargs", "KwargsHandler", "ParallelismConfig", "broadcast",
     "broadcast_object_list", "concatenate", "gather", "gather_object", "pad_across_processes", "recursively_apply",

@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.constants` path: the module is accel.core.constants (one module object under both names, so
-patching either patches both)."""
+"""Accelerate's `accelerate.utils.constants` path: the module is accel.core.constants (one module object under both
+names, so patching either patches both)."""
 
 import sys
 

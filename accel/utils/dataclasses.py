@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.dataclasses` path: the module is accel.compat.dataclasses (one module object under both names, so
-patching either patches both)."""
+"""Accelerate's `accelerate.utils.dataclasses` path: the module is accel.compat.dataclasses (one module object under
+both names, so patching either patches both)."""
 
 import sys
 

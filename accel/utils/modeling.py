@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.modeling` path: the module is accel.big_model.modeling (one module object under both names, so
-patching either patches both)."""
+"""Accelerate's `accelerate.utils.modeling` path: the module is accel.big_model.modeling (one module object under both
+names, so patching either patches both)."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.operations` path: the module is accel.compat.operations (one module object under both names, so
-patching either patches both)."""
+"""Accelerate's `accelerate.utils.operations` path: the module is accel.compat.operations (one module object under both
+names, so patching either patches both)."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""Accelerate's `accelerate.utils.progress` path: the module is accel.runtime.progress (one module object under both names, so
-patching either patches both)."""
+"""Accelerate's `accelerate.utils.progress` path: the module is accel.runtime.progress (one module object under both
+names, so patching either patches both)."""
 
 import sys
 
