@@ -682,7 +682,7 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
         raise ValueError("The tracker class to register must define a `requires_logging_directory` class attribute.")
     if tracker_class.name in LOGGER_TYPE_TO_CLASS:
         warnings.warn(f"A tracker with the name '{tracker_class.name}' is already registered and will be overwritten "
-                      f"by {tracker_class}.")
+                      f"by {tracker_class}.", stacklevel=1)
     LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
 
 

@@ -337,7 +337,7 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     handles = {}
-    for ax, metric in zip(axes, metrics):
+    for ax, metric in zip(axes, metrics, strict=False):  # the grid may have more axes than metrics
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

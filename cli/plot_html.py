@@ -50,7 +50,7 @@ class _Frame:
 def _path(frame: _Frame, xs: list[float], ys: list[float]) -> str:
     """SVG path data; a non-finite point breaks the line (as matplotlib does)."""
     parts, pen_down = [], False
-    for x, y in zip(xs, ys):
+    for x, y in zip(xs, ys, strict=True):
         if not (math.isfinite(x) and math.isfinite(y)):
             pen_down = False
             continue
