@@ -44,6 +44,8 @@ class DummyOptim:
     attributes): `prepare()` builds that optimizer on `params`; `lr`, `weight_decay` and the other keyword
     arguments fill the section's "auto" values."""
 
+    _built: Any  # the optimizer prepare() built, once it has (read by a later DummyScheduler)
+
     def __init__(self, params, lr=0.001, weight_decay=0, **kwargs):
         self.params = params
         self.lr = lr
@@ -201,7 +203,7 @@ class _DeepSpeedSchedule(LRScheduler):
             return self.inverse_log_warm_up * math.log(it + 1)
         return it / self.warmup_num_steps
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float]:  # type: ignore[override]  # floats, as DeepSpeed's schedulers give
         return self.lrs_at(self.last_batch_iteration)
 
     def lrs_at(self, it: int) -> list[float]:
@@ -275,7 +277,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
     def lrs_at(self, it: int) -> list[float]:
         ratio = self.ratio_at(it)
-        return [base * ratio for base in self.base_lrs]  # base_lrs: each group's lr when built (DeepSpeed's org_lrs)
+        return [base * ratio for base in self.base_lrs]  # type: ignore[misc]  # base_lrs: each group's lr when built (DeepSpeed's org_lrs)
 
 
 def build_scheduler(section: dict, optimizer: torch.optim.Optimizer, dummy: DummyScheduler | None = None,

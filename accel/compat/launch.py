@@ -231,8 +231,8 @@ class PrepareForLaunch:
         if self.debug:
             import torch.distributed as dist
 
-            world_size = int(os.environ.get("WORLD_SIZE"))
-            store = dist.FileStore(os.environ.get("ACCELERATE_DEBUG_RDV_FILE"), world_size)
+            world_size = int(os.environ["WORLD_SIZE"])
+            store = dist.FileStore(os.environ["ACCELERATE_DEBUG_RDV_FILE"], world_size)
             dist.init_process_group("gloo", rank=index, store=store, world_size=world_size)
         elif self.distributed_type in (DistributedType.MULTI_GPU, DistributedType.MULTI_MLU,
                                        DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU,

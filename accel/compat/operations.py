@@ -120,7 +120,7 @@ def convert_outputs_to_fp32(model_forward: Callable) -> Callable:
     def forward(*args, **kwargs):
         return converting(*args, **kwargs)
 
-    forward.__wrapped__ = converting
+    forward.__wrapped__ = converting  # type: ignore[attr-defined]  # what unwrapping looks for
     return forward
 
 

@@ -9,6 +9,7 @@ import re
 import socket
 import sys
 import types
+from typing import cast
 
 import torch
 
@@ -62,10 +63,13 @@ def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Modul
     prepared model in place instead, keeping its type and parameter names.)"""
 
     def compiled(sub: torch.nn.Module) -> torch.nn.Module:
+        # torch.compile of a module gives a module (OptimizedModule); its stubs say only a callable
         if is_repeated_blocks(sub):
-            return torch.nn.ModuleList(torch.compile(block, **compile_kwargs) for block in sub)
+            blocks = cast(torch.nn.ModuleList, sub)
+            return torch.nn.ModuleList(cast(torch.nn.Module, torch.compile(block, **compile_kwargs))
+                                       for block in blocks)
         if not has_repeated_blocks(sub):
-            return torch.compile(sub, **compile_kwargs)
+            return cast(torch.nn.Module, torch.compile(sub, **compile_kwargs))
         copy = type(sub).__new__(type(sub))
         copy.__dict__.update(sub.__dict__)
         for name, value in list(copy.__dict__.items()):  # methods bound to `sub` are bound to the copy
@@ -113,13 +117,13 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
 
     compiled = None
     if is_compiled_module(model):
-        compiled, inner = model, model._orig_mod
+        compiled, inner = model, cast(torch.nn.Module, model._orig_mod)
     elif has_compiled_regions(model) and "_orig_mod" in model.__dict__:
         compiled, inner = model, model.__dict__["_orig_mod"]
     else:
         inner = model
     while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        inner = inner.module
+        inner = cast(torch.nn.Module, inner.module)
     if not keep_fp32_wrapper:
         PrecisionPolicy.unwrap_forward(inner)
         _unwrap_original_forward(inner)

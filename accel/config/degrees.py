@@ -44,7 +44,7 @@ def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
         return (1, dp) if shards_data_parallel(par) else (dp, 1)
     replicate = replicate or 1
     derived = shard is None
-    if derived:
+    if shard is None:
         shard = max(dp // replicate, 1) if shards_data_parallel(par) else 1
     if replicate * shard * par.tp_size * par.pp_size != world_size:
         shown = f"{shard} (left out: {'derived' if shards_data_parallel(par) else '1'})" if derived else str(shard)

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 
 class KwargsHandler:
@@ -14,7 +14,7 @@ class KwargsHandler:
 
     def to_kwargs(self) -> dict[str, Any]:
         defaults = type(self)()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]  # subclasses are dataclasses
                 if getattr(self, f.name) != getattr(defaults, f.name)}
 
 
@@ -164,7 +164,10 @@ class ProfileKwargs(KwargsHandler):
                                       with_modules=self.with_modules)
 
 
-def find_handler(handlers, cls: type) -> KwargsHandler | None:
+HandlerT = TypeVar("HandlerT", bound=KwargsHandler)
+
+
+def find_handler(handlers, cls: type[HandlerT]) -> HandlerT | None:
     """The handler of type `cls` among the user's kwargs_handlers, if any (at most one of each kind)."""
     found = [h for h in (handlers or []) if isinstance(h, cls)]
     if len(found) > 1:

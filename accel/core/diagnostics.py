@@ -62,7 +62,8 @@ def record_path(folder: Path, rank: int) -> Path:
     return folder / f"collective_rank{rank}.json"
 
 
-def flight_recorder_path(run_dir: str | os.PathLike, rank: int) -> Path:
+def flight_recorder_path(run_dir: str | os.PathLike, rank: int | str) -> Path:
+    """Rank `rank`'s flight-recorder dump; rank "": the prefix torch appends each rank to."""
     return Path(run_dir) / FLIGHT_RECORDER_DIR / f"{FLIGHT_RECORDER_PREFIX}{rank}"
 
 
@@ -156,7 +157,7 @@ def _is_distributed_error(exc: BaseException) -> bool:
 def _flight_recorder_entries() -> list[dict]:
     """This process's flight recorder (on by default in torch: the last 2000 collectives, gloo's too)."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # private, not in torch's stubs
 
         return list(load_flight_recorder(_dump_fr_trace(True, False, False)).get("entries", []))
     except Exception:  # older/newer torch, or the recorder turned off

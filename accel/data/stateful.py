@@ -33,11 +33,11 @@ class Position:
         return StatefulDataLoader.state_dict(self)
 
     def _finish_epoch(self, epoch: int) -> None:
-        super()._finish_epoch(epoch)
+        super()._finish_epoch(epoch)  # type: ignore[misc]  # a mix-in: the loader class has it
         self._position = None  # the next pass starts a new epoch from its beginning
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
+        state = super().state_dict()  # type: ignore[misc]  # a mix-in: the loader class has it
         if self._position is not None:
             state["position"] = self._position
         return state
@@ -45,10 +45,10 @@ class Position:
     def _resumes_mid_epoch(self) -> bool:
         """A pass after loading a mid-epoch position continues that epoch (it draws nothing, see accel.data.loading)."""
         loaded, self._loaded_mid_epoch = self.__dict__.get("_loaded_mid_epoch", False), False
-        return loaded or super()._resumes_mid_epoch()
+        return loaded or super()._resumes_mid_epoch()  # type: ignore[misc]  # a mix-in: the loader class has it
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # type: ignore[misc]  # a mix-in: the loader class has it
         self._position = state_dict.get("position")
         self._loaded_mid_epoch = self._position is not None
         position = dict(self._position or {})

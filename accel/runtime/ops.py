@@ -37,7 +37,7 @@ def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is
             return type(data)(*mapped)
         return type(data)(mapped)
     if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(func, v, *args, **rest) for k, v in data.items()})
+        return type(data)({k: recursively_apply(func, v, *args, **rest) for k, v in data.items()})  # type: ignore[call-arg]  # the mapping's own class
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
@@ -100,7 +100,7 @@ def send_to_device(data: Any, device, non_blocking: bool = False, skip_keys=None
             return type(data)(*mapped)
         return type(data)(mapped)
     if isinstance(data, Mapping):
-        return type(data)(
+        return type(data)(  # type: ignore[call-arg]  # the mapping's own class
             {k: v if k in skip_keys else send_to_device(v, device, non_blocking) for k, v in data.items()}
         )
     return data
@@ -287,7 +287,7 @@ def concatenate(data: list, dim: int = 0) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concatenate([d[i] for d in data], dim) for i in range(len(first)))
     if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})
+        return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})  # type: ignore[call-arg]  # the mapping's own class
     if len(data) == 1:
         return first
     return torch.cat(data, dim=dim)

@@ -78,7 +78,7 @@ class PrecisionPolicy:
                 outputs = original(*args, **kwargs)
             return self.outputs_to_float32(outputs)
 
-        model._accel_original_forward = original
+        model._accel_original_forward = original  # type: ignore[assignment]  # a plain attribute
         model.forward = forward
 
     @staticmethod
@@ -120,14 +120,14 @@ class PrecisionPolicy:
             stepped.append(True)
             return original_step(*args, **kwargs)
 
-        optimizer.step = tracking_step  # GradScaler calls optimizer.step only when the gradients are finite
+        optimizer.step = tracking_step  # type: ignore[method-assign]  # GradScaler calls optimizer.step only when the gradients are finite
         try:
             self.scaler.step(optimizer)
         finally:
             if own is None:
                 del optimizer.step
             else:
-                optimizer.step = own
+                optimizer.step = own  # type: ignore[method-assign]  # the instance's own, put back
         self.scaler.update()
         return not stepped
 

@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 
 _OFF_SWITCHES = ("ACCEL_DISABLE_PROGRESS", "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")
 
@@ -105,7 +105,8 @@ def _bar(total: int | None, desc: str | None):
 
 def _terminal_size() -> tuple[int, int] | None:
     try:
-        return tuple(os.get_terminal_size(sys.stderr.fileno()))
+        columns, lines = os.get_terminal_size(sys.stderr.fileno())
+        return columns, lines
     except (AttributeError, OSError, ValueError):  # no file descriptor (a test's capture), or not a terminal
         return None
 
@@ -116,7 +117,7 @@ def progress(iterable: Iterable, total: int | None = None, desc: str | None = No
     if not progress_enabled():
         yield from iterable
         return
-    if total is None and hasattr(iterable, "__len__"):
+    if total is None and isinstance(iterable, Sized):
         total = len(iterable)
     bar = _bar(total, desc)
     try:
