@@ -28,7 +28,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -167,7 +167,7 @@ def _file_buckets(specs: dict[str, tuple[list[int], str]]) -> dict[str, int]:
     return mapping
 
 
-def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def _dedupe_aliases(tensors: dict[str, Any]) -> dict[str, str]:
     """Keys whose tensor is the same data as an earlier key's (tied weights) -> that earlier key. Sharded
     (DTensor) values are compared by their local shard: a tied parameter's two names hold the same shard."""
     seen: dict[tuple, str] = {}
@@ -245,7 +245,8 @@ def _save_failure(target: Path, tmp: Path, rank: int, world: int, exc: BaseExcep
         text = cause.strerror + _where(cause.filename, tmp, target)
     else:
         text = first_cause(cause)
-    hint = _SAVE_HINTS.get(getattr(cause, "errno", None))
+    code = getattr(cause, "errno", None)
+    hint = None if code is None else _SAVE_HINTS.get(code)
     who = f" on rank {failed_rank}" if world > 1 else ""
     return (f"{target}: could not be saved{who}: {text}" + (f"; {hint}" if hint else "")
             + "; nothing was published (a checkpoint already there is unchanged)")
@@ -580,12 +581,13 @@ def _checked_manifest(path: Path, manifest: dict) -> tuple[dict, dict]:
     skeleton = manifest.get("skeleton")
     if not isinstance(skeleton, dict) or not all(isinstance(skeleton.get(k), list) for k in _PARTS):
         raise CheckpointError(f"{path}: damaged (its skeleton needs lists {', '.join(_PARTS)})")
+    fields: tuple[tuple[str, Any, str, Any], ...]  # name, type(s), what is allowed, default
     fields = (("world_size", int, "an integer >= 1", None), ("step", int, "an integer", 0),
               ("aliases", dict, "a mapping", {}), ("layouts", (list, type(None)), "a list", None),
               ("trackers", (dict, type(None)), "a mapping", None))
     for name, kind, allowed, default in fields:  # the defaults: what checkpoints of older accels lack
         value = manifest.setdefault(name, default)
-        if not isinstance(value, kind) or isinstance(value, bool) or (name == "world_size" and value < 1):
+        if not isinstance(value, kind) or isinstance(value, bool) or (name == "world_size" and cast(int, value) < 1):
             raise CheckpointError(f"{path}: damaged ({name} is {value!r}; allowed: {allowed})")
     try:
         specs = tree.tensor_specs(skeleton)

@@ -25,6 +25,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from accel.config.accelerate_import import (
@@ -56,7 +57,7 @@ def _unsupported(plugin: Any, accepted: dict[str, tuple], why: dict[str, str]) -
                               f"{allowed} (leave it unset){why.get(name, '')}")
 
 
-def _argument(owner: str, name: str, value: Any, meta: dict) -> Any:
+def _argument(owner: str, name: str, value: Any, meta: Mapping) -> Any:
     """`value` checked against a config field's rules; errors name the argument."""
     try:
         return check_value(value, meta, name, owner)
@@ -447,7 +448,8 @@ def carried_deepspeed_plugin(config: AccelConfig) -> DeepSpeedPlugin | None:
 
 
 def _needs_base(plugin: Any) -> bool:
-    return "zero_stage" not in plugin.to_layer(AccelConfig(parallelism={"zero_stage": 1})).get("parallelism", {})
+    return "zero_stage" not in plugin.to_layer(AccelConfig(parallelism={"zero_stage": 1})).get(  # type: ignore[arg-type]  # a dict is taken
+        "parallelism", {})
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -455,7 +457,7 @@ def _needs_base(plugin: Any) -> bool:
 # -------------------------------------------------------------------------------------------------------------
 
 # Accelerate's names for torch.compile backends (DynamoBackend.INDUCTOR == "inductor"), from the config's list
-DynamoBackend = enum.Enum("DynamoBackend", {name.upper(): name for name in DYNAMO_BACKENDS}, type=str)
+DynamoBackend = enum.Enum("DynamoBackend", {name.upper(): name for name in DYNAMO_BACKENDS}, type=str)  # type: ignore[misc]  # names from the list
 
 
 @dataclass

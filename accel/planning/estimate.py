@@ -96,8 +96,8 @@ def spec_from_module(model: torch.nn.Module, source: str = "module") -> ModelSpe
     splits = _tp_splits(model)
     if splits is None:
         _tp_split_blocks(params)
-    for p in params:
-        p.tp_dim, p.tp_whole_grad = (splits or {}).get(p.name, (p.tp_dim, False))
+    for param in params:
+        param.tp_dim, param.tp_whole_grad = (splits or {}).get(param.name, (param.tp_dim, False))
     return ModelSpec(source, params)
 
 
@@ -283,7 +283,7 @@ def weights(spec: ModelSpec, dtype: str) -> dict:
     units: dict[str, int] = {}
     for p in spec.params:
         units[p.block or "<root>"] = units.get(p.block or "<root>", 0) + p.numel
-    unit = max(units, key=units.get)
+    unit = max(units, key=lambda block: units[block])
     biggest = max(spec.params, key=lambda p: p.numel)
     return {"dtype": dtype, "total_bytes": spec.numel * size,
             "largest_layer": {"name": unit, "params": units[unit], "bytes": units[unit] * size},
@@ -321,14 +321,14 @@ def pipeline_stages(spec: ModelSpec, pp: int) -> list[list[Param]]:
     for p in spec.params:
         if p.block:
             stacks[p.block.rpartition(".")[0]] = stacks.get(p.block.rpartition(".")[0], 0) + p.numel
-    stack = max(stacks, key=stacks.get) if stacks else None
+    stack = max(stacks, key=lambda name: stacks[name]) if stacks else None
     blocks = list(dict.fromkeys(p.block for p in spec.params if p.block and p.block.rpartition(".")[0] == stack))
     if len(blocks) < pp:
         raise EstimateError(f"--pp_size {pp}: the model has only {len(blocks)} repeated blocks to split")
     index = {b: i for i, b in enumerate(blocks)}
     unit, units = 0, []
     for p in spec.params:  # in definition order: a parameter goes with the last block seen (or the first)
-        unit = index.get(p.block, unit)
+        unit = index.get(p.block or "", unit)  # no block: "" is none of them
         units.append(unit)
     costs = [0] * len(blocks)
     for p, u in zip(spec.params, units, strict=True):

@@ -57,6 +57,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from accel.planning.estimate import EstimateError, ModelSpec, pipeline_stages, training
 
@@ -227,8 +228,8 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
             if len(p.shape) == 2:
                 vocab = max(vocab, max(p.shape))
     if hidden is None:
-        hidden = max(dims, key=dims.get) if dims else max((min(p.shape) for p in spec.params if len(p.shape) == 2),
-                                                           default=1)
+        hidden = max(dims, key=lambda d: dims[d]) if dims else max(
+            (min(p.shape) for p in spec.params if len(p.shape) == 2), default=1)
     heads = heads or max(1, hidden // HEAD_DIM)
     vocab_tables = [p for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
     looked_up = vocab_tables[:1] if len(vocab_tables) > 1 else []  # untied: the embedding is looked up
@@ -372,7 +373,7 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int):
                 for offload in (False, True):
                     if _pointless(zero, offload, dp, tp):
                         continue
-                    par = dict(zero_stage=zero, tp_size=tp, pp_size=pp, offload_optimizer=offload,
+                    par: dict[str, Any] = dict(zero_stage=zero, tp_size=tp, pp_size=pp, offload_optimizer=offload,
                                offload_params=offload)
                     try:
                         check_available(ParallelismConfig(**par), hw.world)
