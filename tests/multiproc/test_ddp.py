@@ -92,7 +92,9 @@ def test_ddp_matches_single_process_reference(tmp_path, num_processes, accum):
 
 
 def test_finished_job_exits_zero_every_time():
-    """Teardown is reliable: a 2-process DDP job that never calls end_training exits 0, 20 times in a row."""
-    for attempt in range(20):
+    """Teardown is reliable: a 2-process DDP job that never calls end_training exits 0, 5 times in a row (the
+    order that makes it so, reducers released before the group is destroyed, is checked directly in
+    tests/unit/test_release_at_destroy.py; benchmarks/bench_teardown.py repeats the job 20 times or more)."""
+    for attempt in range(5):
         proc = accel_launch(2, SCRIPTS / "minimal_ddp.py", timeout=120)
         assert "done" in proc.stdout, f"attempt {attempt}: {proc.stdout}\n{proc.stderr}"
