@@ -92,6 +92,8 @@ class GeneralTracker:
     `log` and `finish` as needed. `main_process_only = False` makes the `on_main_process` methods run everywhere."""
 
     main_process_only = True
+    name: str  # the subclass's (checked when it is built or registered)
+    requires_logging_directory: bool
     library: tuple[str, str] | None = None  # (module, install hint) for the missing-library error
 
     def __init__(self, _blank: bool = False):
@@ -506,11 +508,11 @@ class MLflowTracker(GeneralTracker):
         from accel.core.probes import str_to_bool
 
         tags = os.environ.get("MLFLOW_TAGS", tags)
-        nested_run = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
+        nested: str | bool | None = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
         self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
         self.logging_dir, self.run_id = logging_dir, os.environ.get("MLFLOW_RUN_ID", run_id)
         self.tags = json.loads(tags) if isinstance(tags, str) else tags
-        self.nested_run = str_to_bool(nested_run) == 1 if isinstance(nested_run, str) else nested_run
+        self.nested_run = str_to_bool(nested) == 1 if isinstance(nested, str) else nested
         self.run_name, self.description = run_name, description
 
     @on_main_process
@@ -571,7 +573,8 @@ class ClearMLTracker(GeneralTracker):
     def __init__(self, run_name: str | None = None, **kwargs):
         super().__init__()
         self.user_provided_run_name, self.init_kwargs = run_name, kwargs
-        self._initialized_externally, self.task = False, None
+        self._initialized_externally = False
+        self.task: Any = None  # clearml's Task, from start()
 
     @on_main_process
     def start(self):
@@ -716,7 +719,8 @@ def filter_trackers(log_with: Any, logging_dir: str | os.PathLike | None = None)
             raise ValueError(f"Accelerator(log_with=...): unsupported tracker {entry!r}; allowed: all, "
                              f"{', '.join(LOGGER_TYPE_TO_CLASS)}, or a GeneralTracker instance")
         if not cls.available():
-            raise ImportError(f"log_with={name!r} needs the {cls.library[0]} package: {cls.library[1]}")
+            module, hint = cls.library or (name, "")  # a tracker without a library is always available
+            raise ImportError(f"log_with={name!r} needs the {module} package: {hint}")
         if cls.requires_logging_directory and logging_dir is None and not getattr(cls, "defaults_to_cwd", False):
             raise ValueError(f"Logging with `{name}` requires a `logging_dir` to be passed in.")
         kind = LoggerType(name) if name in LoggerType else name

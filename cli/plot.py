@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from accel.cli._common import UsageError
 from accel.cli.plot_style import COLORS, RAW_ALPHA, smooth
@@ -336,7 +337,7 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     fig = Figure(figsize=(4.6 * cols, 3.2 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    handles = {}
+    handles: dict[str, Any] = {}  # run label -> its first line (matplotlib's Line2D)
     for ax, metric in zip(axes, metrics, strict=False):  # the grid may have more axes than metrics
         ax.set_title(metric)
         ax.set_xlabel("step")
