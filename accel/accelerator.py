@@ -12,7 +12,7 @@ import gc
 import os
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -38,7 +38,7 @@ from accel.config.topology import Topology
 _NOT_YET = "is not available yet in accel"
 
 
-_SAFETENSORS_ONLY_WARNED = []  # save_state(safe_serialization=False) warns once per process
+_SAFETENSORS_ONLY_WARNED: list[bool] = []  # save_state(safe_serialization=False) warns once per process
 
 
 def _warn_safetensors_only() -> None:
@@ -57,6 +57,8 @@ class Accelerator:
     >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     >>> accelerator.backward(loss)   # instead of loss.backward()
     """
+
+    _trigger: torch.Tensor | None  # set_trigger's flag (absent before the first call)
 
     def __init__(
         self,
@@ -126,7 +128,8 @@ class Accelerator:
         self.rng_types = rng_types
         self.kwargs_handlers = list(kwargs_handlers or [])
         self._check_handlers()
-        self.log_with, self.trackers = self._tracker_names(log_with), []
+        self.log_with = self._tracker_names(log_with)
+        self.trackers: list[Any] = []  # GeneralTracker instances, from init_trackers
         self._tracker_resume: dict | None = None  # the tracker run of a checkpoint loaded before init_trackers
 
         backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
@@ -315,13 +318,13 @@ class Accelerator:
         """
         if loss_fn is not None:
             self.backend.set_loss_fn(loss_fn)
-        placement = device_placement or [None] * len(args)
+        placement: list[bool | None] = [*device_placement] if device_placement else [None] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"prepare: device_placement has {len(placement)} entries for {len(args)} objects")
         from accel.compat.deepspeed import replace_dummies  # DummyOptim/DummyScheduler -> what the DeepSpeed JSON names
 
-        args = replace_dummies(args, self.deepspeed_plugin, self.backend.data_parallel_size, self.split_batches,
-                               self.step_scheduler_with_optimizer)
+        args = tuple(replace_dummies(args, self.deepspeed_plugin, self.backend.data_parallel_size, self.split_batches,
+                               self.step_scheduler_with_optimizer))
         result = list(args)
         models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
         for i in models:
@@ -521,6 +524,7 @@ class Accelerator:
         all_tensors = all(isinstance(x, torch.Tensor) for x in leaves) and not isinstance(input_data, (str, int, float))
         replicas = self.backend.data_parallel_size
         group = self.topology.group("dp", self.device.type) if replicas < self.num_processes else None
+        data: Any
         if use_gather_object or not all_tensors:
             items = input_data if isinstance(input_data, list) else [input_data]
             data = list(items) if replicas == 1 else ops.gather_object(items, group=group)
@@ -696,7 +700,7 @@ class Accelerator:
                      keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's own module, without the backend's wrapper (and optionally the autocast wrapper)."""
         compiled = model if hasattr(model, "_orig_mod") else None
-        inner = self.backend.unwrap_model(model._orig_mod if compiled is not None else model)
+        inner = self.backend.unwrap_model(cast(torch.nn.Module, model._orig_mod) if compiled is not None else model)
         if not keep_fp32_wrapper:
             PrecisionPolicy.unwrap_forward(inner)
         return model if compiled is not None and keep_torch_compile and inner is model._orig_mod else inner
@@ -780,17 +784,20 @@ class Accelerator:
         if not safe_serialization:
             _warn_safetensors_only()
         project = self.project_configuration
+        target: str | os.PathLike
         if project.automatic_checkpoint_naming:
             if output_dir is not None:
                 raise ValueError("save_state: output_dir is chosen by automatic_checkpoint_naming; pass no path")
-            output_dir = project.checkpoints_dir() / f"checkpoint_{project.iteration}"
-            if output_dir.exists():
-                raise ValueError(f"save_state: {output_dir} already exists; set ProjectConfiguration(iteration=...) "
+            target = automatic = project.checkpoints_dir() / f"checkpoint_{project.iteration}"
+            if automatic.exists():
+                raise ValueError(f"save_state: {automatic} already exists; set ProjectConfiguration(iteration=...) "
                                  "past the existing checkpoints")
         elif output_dir is None:
             raise ValueError("save_state: give output_dir, or Accelerator(project_config=ProjectConfiguration("
                              "project_dir=..., automatic_checkpoint_naming=True))")
-        path = save_training_state(output_dir, self._training_objects())
+        else:
+            target = output_dir
+        path = save_training_state(target, self._training_objects())
         if project.automatic_checkpoint_naming:
             project.iteration += 1
             if self.is_main_process:
@@ -808,14 +815,17 @@ class Accelerator:
         from accel.checkpoint.training_state import load_training_state
 
         project = self.project_configuration
+        source: str | os.PathLike
         if input_dir is None:
             if not project.automatic_checkpoint_naming:
                 raise ValueError("load_state: give input_dir, or use automatic_checkpoint_naming to load the latest")
-            input_dir = layout.latest_checkpoint(project.checkpoints_dir())
-        manifest = load_training_state(input_dir, self._training_objects())
+            source = layout.latest_checkpoint(project.checkpoints_dir())
+        else:
+            source = input_dir
+        manifest = load_training_state(source, self._training_objects())
         self.gradient_state.step = int(manifest.get("step", 0))
         self._resume_trackers(manifest.get("trackers"))
-        name = Path(input_dir).name
+        name = Path(source).name
         if project.automatic_checkpoint_naming and name.startswith("checkpoint_") and name[11:].isdigit():
             project.iteration = int(name[11:]) + 1
 
@@ -864,7 +874,8 @@ class Accelerator:
             save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
                                     safe_serialization=safe_serialization)
             config = getattr(self.unwrap_model(model), "config", None)
-            if hasattr(config, "to_json_file"):  # a transformers model: from_pretrained(save_directory) works
+            # a transformers model: from_pretrained(save_directory) works
+            if config is not None and hasattr(config, "to_json_file"):
                 config.to_json_file(str(Path(save_directory) / "config.json"))
         self.wait_for_everyone()
 

@@ -729,7 +729,7 @@ def filter_trackers(log_with: Any, logging_dir: str | os.PathLike | None = None)
     return loggers
 
 
-def start_trackers(trackers: list, log_with: list, project_name: str, logging_dir: str | os.PathLike,
+def start_trackers(trackers: list, log_with: list, project_name: str, logging_dir: str | os.PathLike | None,
                    config: dict | None = None, init_kwargs: dict | None = None, resume: dict | None = None) -> list:
     """`Accelerator.init_trackers` (on the main process): build the named trackers, start every one (accel's file
     trackers in one new run folder, or in the run `resume` names: what `load_state` read before this call), store
