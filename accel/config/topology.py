@@ -14,6 +14,7 @@ are left out. accel's code asks `submesh`/`group` by name, which answers `dp` th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from accel.config.degrees import data_parallel_sizes, divides_world, model_parallel_size
 from accel.config.errors import ConfigError
@@ -40,18 +41,23 @@ class Topology:
                 f"the world size {self.world_size}; allowed: degrees whose product divides the number of processes"
             )
         dp = self.dp_size
-        if self.dp_replicate_size is None and self.dp_shard_size is None:
-            self.dp_replicate_size, self.dp_shard_size = dp, 1
-        elif self.dp_replicate_size is None:
-            self.dp_replicate_size = max(dp // self.dp_shard_size, 1)
-        elif self.dp_shard_size is None:
-            self.dp_shard_size = max(dp // self.dp_replicate_size, 1)
-        if self.dp_replicate_size * self.dp_shard_size != dp:
+        replicate, shard = self.dp_replicate_size, self.dp_shard_size
+        if replicate is None:
+            replicate = dp if shard is None else max(dp // shard, 1)
+        if shard is None:
+            shard = 1 if self.dp_replicate_size is None else max(dp // replicate, 1)
+        self.dp_replicate_size, self.dp_shard_size = replicate, shard
+        if replicate * shard != dp:
             raise ConfigError(
-                f"parallelism: dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x "
+                f"parallelism: dp_replicate_size={replicate} x dp_shard_size={shard} x "
                 f"tp_size={self.tp_size} x pp_size={self.pp_size} does not make the world size {self.world_size}; "
                 f"allowed: dp_replicate_size x dp_shard_size = {dp}")
-        self.accelerate_names = self.accelerate_names or (self.dp_replicate_size > 1 and self.dp_shard_size > 1)
+        self.accelerate_names = self.accelerate_names or (replicate > 1 and shard > 1)
+
+    @property
+    def _dp_sizes(self) -> tuple[int, int]:
+        """(dp_replicate, dp_shard): both set by __post_init__ (the fields are None only as arguments)."""
+        return cast(int, self.dp_replicate_size), cast(int, self.dp_shard_size)
 
     @classmethod
     def for_config(cls, world_size: int, parallelism, accelerate_names: bool | None = None) -> Topology:
@@ -81,7 +87,8 @@ class Topology:
     @property
     def sizes(self) -> dict[str, int]:
         """Every named dimension's size (dp is dp_replicate x dp_shard)."""
-        return {**self.degrees, "dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size}
+        replicate, shard = self._dp_sizes
+        return {**self.degrees, "dp_replicate": replicate, "dp_shard": shard}
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each named dimension (pure arithmetic: no process group needed). Its `dp`
@@ -89,8 +96,8 @@ class Topology:
         tp = rank % self.tp_size
         dp = (rank // self.tp_size) % self.dp_size
         pp = rank // (self.tp_size * self.dp_size)
-        return {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // self.dp_shard_size,
-                "dp_shard": dp % self.dp_shard_size}
+        shard = self._dp_sizes[1]
+        return {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // shard, "dp_shard": dp % shard}
 
     def dp_rank(self, rank: int) -> int:
         return self.coordinates(rank)["dp"]
