@@ -19,8 +19,9 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
@@ -479,7 +480,7 @@ class DataLoaderShard(DataLoader):
     @property
     def total_dataset_length(self) -> int:
         dataset = self.dataset.dataset if isinstance(self.dataset, IterableDatasetShard) else self.dataset
-        return len(dataset)
+        return len(cast(Sized, dataset))
 
     # -- epochs and resuming --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -490,7 +491,7 @@ class DataLoaderShard(DataLoader):
             self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        state = {"iteration": self.iteration, "seed": self.seed}
+        state: dict[str, Any] = {"iteration": self.iteration, "seed": self.seed}
         generator = followed_generator(self)
         if generator is not None:  # mid-epoch: the state the epoch's shuffle was drawn from
             started = self.__dict__.get("_epoch_start_state")
@@ -595,6 +596,7 @@ class DataLoaderShard(DataLoader):
     def _clone(self, **overrides) -> "DataLoaderShard":
         """A loader with the same sharding and settings but its own sampler state."""
         kwargs = _loader_kwargs(self)
+        dataset: Any
         if isinstance(self.dataset, IterableDatasetShard):
             dataset = copy.copy(self.dataset)
             kwargs.update(batch_size=self.batch_size, drop_last=self.drop_last)
@@ -655,12 +657,12 @@ class DataLoaderDispatcher(DataLoaderShard):
 
     @property
     def total_dataset_length(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # a map-style dataset here
 
     def set_epoch(self, epoch: int) -> None:
         self.iteration = int(epoch)
         sampler = getattr(self.batch_sampler, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         elif hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
@@ -704,7 +706,8 @@ class DataLoaderDispatcher(DataLoaderShard):
         per_round = 1 if self.split_batches else self.num_processes
         device = self.device if self.device is not None else torch.device("cpu")
         while True:
-            batch, info = None, [None]
+            batch: Any = None
+            info: list[Any] = [None]
             if iterator is not None:
                 self._round_position = self._base_position()
                 got = list(itertools.islice(iterator, per_round))
@@ -899,22 +902,21 @@ def prepare_data_loader(
     if dispatch_batches:
         return _dispatcher(dispatcher_class, dataloader, num_processes, process_index, split_batches,
                            slice_fn_for_dispatch, shuffle, settings, kwargs)
-    shard_args = dict(
+    shard_args: dict[str, Any] = dict(
         num_processes=num_processes,
         process_index=process_index,
         split_batches=split_batches,
         even_batches=even_batches,
     )
     if isinstance(dataset, IterableDataset):
-        shard = IterableDatasetShard(
-            dataset, batch_size=1 if unbatched else dataloader.batch_size, drop_last=dataloader.drop_last, **shard_args
-        )
-        batch_size = None if unbatched else shard.part
-        return shard_class(shard, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
+        per_batch = 1 if unbatched else cast(int, dataloader.batch_size)  # an iterable dataset: batched has a size
+        iterable = IterableDatasetShard(dataset, batch_size=per_batch, drop_last=dataloader.drop_last, **shard_args)
+        batch_size = None if unbatched else iterable.part
+        return shard_class(iterable, batch_size=batch_size, drop_last=dataloader.drop_last, **settings, **kwargs)
     if unbatched and isinstance(dataloader.sampler, BatchSampler):  # batches given as `sampler=`: shard them as
-        shard = BatchSamplerShard(_global_batches_of(dataloader.sampler, shuffle),
+        given = BatchSamplerShard(_global_batches_of(dataloader.sampler, shuffle),
                                   **shard_args)  # Accelerate does (even_batches pads the last one too)
-        return shard_class(dataset, sampler=shard, batch_size=None, **settings, **kwargs)
+        return shard_class(dataset, sampler=given, batch_size=None, **settings, **kwargs)
     shard = BatchSamplerShard(_global_batch_sampler(dataloader, shuffle), **shard_args)
     if unbatched:
         return shard_class(dataset, sampler=_PerSampleShard(shard), batch_size=None, **settings, **kwargs)
