@@ -9,6 +9,7 @@ model-state bytes, as benchmarks/bench_estimate.py counts them), plus the proces
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -17,7 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 STOP_ENV = "ACCEL_STOP_AFTER_STEPS"
 MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # read by accel.data.loading.prepare_data_loader
@@ -248,15 +251,15 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         shard = torch.ones(size // 4 // world, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed them
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        calls = {"all_reduce": lambda full=full: dist.all_reduce(full),
-                 "all_gather": lambda full=full, shard=shard, gather=gather: gather(full, shard),
-                 "reduce_scatter": lambda full=full, shard=shard, scatter=scatter: scatter(shard, full)}
+        calls = {"all_reduce": functools.partial(dist.all_reduce, full),
+                 "all_gather": functools.partial(gather, full, shard),
+                 "reduce_scatter": functools.partial(scatter, shard, full)}
         for name, call in calls.items():
             times[name].append((size, _median_call(call, backend, device)))
     situ = _median_fields([_in_situ(backend, device, times) for _ in range(3)])  # noisy: 3 runs
     situ.update(_backend_call_costs(backend, device, times))
     fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
-    best = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
+    best: dict[str, Any] = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
     latency = max(fits["all_reduce"][0], 0.0) / (2 * (world - 1))  # per ring hop, as accel.planning.plan counts it
     best["times"], best["in_situ"] = times, situ
@@ -441,7 +444,7 @@ def _synced_times(call, trials: int, warmup: bool = True) -> list[float]:
     return times
 
 
-def _least_squares(rows: list[tuple[float, ...]]) -> list[float]:
+def _least_squares(rows: Sequence[tuple[float, ...]]) -> list[float]:
     """Coefficients c minimizing sum (row[:-1] . c - row[-1])^2 (normal equations, Gaussian elimination)."""
     k = len(rows[0]) - 1
     a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * r[-1] for r in rows)] for i in range(k)]
@@ -496,8 +499,9 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     rates = {"fp32": matmul_tflops(device, torch.float32, 4096 if cuda else 1024, 20 if cuda else 4)}
     if cuda:
         rates["bf16"] = matmul_tflops(device, torch.bfloat16, 8192, 20)
-    data = {"version": CAL_VERSION, "time": time.time(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "matmul_tflops": rates, "flops": max(rates.values()) * 1e12, "intra_bandwidth": None}
+    data: dict[str, Any] = {"version": CAL_VERSION, "time": time.time(),
+                            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "matmul_tflops": rates,
+                            "flops": max(rates.values()) * 1e12, "intra_bandwidth": None}
     best = torch.bfloat16 if cuda else torch.float32
     data["tokens_half"] = half_rate_size(device, best, data["flops"])
     data["width_half"] = half_rate_size(device, best, data["flops"], width=True)
@@ -506,12 +510,12 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     data["run_ahead"] = cuda  # CUDA queues kernels ahead of the host: FSDP2's forward gathers overlap there
     procs = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
     if collectives and procs >= 2:
-        rates, data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
-        data["intra_bandwidth"] = rates["all_reduce"]
-        data["gather_factor"] = rates["all_gather"] / rates["all_reduce"]
-        data["scatter_factor"] = rates["reduce_scatter"] / rates["all_reduce"]
-        data["collectives"] = {"world": 2, **rates["times"]}  # what accel.planning.plan interpolates
-        data.update(rates["in_situ"])  # sync_fixed, sync_slowdown, overlap
+        collective, data["intra_latency"] = allreduce_bandwidth("nccl" if cuda else "gloo")
+        data["intra_bandwidth"] = collective["all_reduce"]
+        data["gather_factor"] = collective["all_gather"] / collective["all_reduce"]
+        data["scatter_factor"] = collective["reduce_scatter"] / collective["all_reduce"]
+        data["collectives"] = {"world": 2, **collective["times"]}  # what accel.planning.plan interpolates
+        data.update(collective["in_situ"])  # sync_fixed, sync_slowdown, overlap
         data["collective_backend"] = "nccl" if cuda else "gloo"
     path = Path(path or default_calibration_path())
     path.parent.mkdir(parents=True, exist_ok=True)
