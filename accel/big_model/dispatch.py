@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,16 +82,16 @@ def init_on_device(device: int | str | torch.device, include_buffers: bool = Fal
             else:
                 module._parameters[name] = type(param)(moved, requires_grad=param.requires_grad, **extra)
 
-    nn.Module.register_parameter = register_parameter
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign, assignment]  # undone below
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]  # torch's own, put back
 
 
 def _named_tensors(module: nn.Module, include_buffers: bool = True, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every parameter (and buffer) under ``module`` by full name, tied aliases included."""
-    found = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
+    found: dict[str, torch.Tensor] = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
     if include_buffers:
         found.update({prefix + n: b for n, b in module.named_buffers(remove_duplicate=False)})
     return found
@@ -209,7 +210,7 @@ def dispatch_model(
     distinct = set(resolved.values())
     if len(distinct) == 1 and not force_hooks and next(iter(distinct)) not in offloaded:
         model.to(next(iter(distinct)))
-        model.hf_device_map = dict(device_map)
+        model.hf_device_map = dict(device_map)  # type: ignore[assignment]  # a plain attribute (transformers')
         return model
 
     tensors_of = {key: _tensors_of_entry(model, key, offload_buffers) for key in resolved}
@@ -257,7 +258,7 @@ def dispatch_model(
                                     weights_map=PrefixedDataset(weights, prefix), tied_params_map=moved,
                                     tensor_names=[n[len(prefix):] for n in names])
             add_hook_to_module(model.get_submodule(parent), hook, append=True)
-    model.hf_device_map = dict(device_map)
+    model.hf_device_map = dict(device_map)  # type: ignore[assignment]  # a plain attribute (transformers')
     return model
 
 
@@ -276,8 +277,8 @@ def _tensors_of_entry(model: nn.Module, key: str, include_buffers: bool) -> dict
     path, _, attr = key.rpartition(".")
     owner = model.get_submodule(path)
     if attr in owner._parameters:
-        return {key: owner._parameters[attr]}
-    return {key: owner._buffers[attr]} if include_buffers else {}
+        return {key: cast(torch.Tensor, owner._parameters[attr])}  # a name in the dict: a tensor, not None
+    return {key: cast(torch.Tensor, owner._buffers[attr])} if include_buffers else {}
 
 
 def load_checkpoint_and_dispatch(
@@ -311,10 +312,11 @@ def load_checkpoint_and_dispatch(
                 f"device_map={device_map!r} is not a known strategy: use one of "
                 f"{', '.join(map(repr, DEVICE_MAP_STRATEGIES))} or a dict of module name to device."
             )
+        memory: Mapping[Any, int | str] | None = max_memory  # device -> bytes (Mapping's keys are invariant)
         if device_map != "sequential":
-            max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype=dtype,
-                                             low_zero=device_map == "balanced_low_0")
-        device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype=dtype,
+            memory = get_balanced_memory(model, memory, no_split_module_classes, dtype=dtype,
+                                         low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, memory, no_split_module_classes, dtype=dtype,
                                            offload_buffers=offload_buffers)
     if offload_state_dict is None:
         offload_state_dict = device_map is not None and "disk" in device_map.values()
@@ -362,7 +364,7 @@ def _refuse_recurrent_layers_under_sequence_parallelism(model: nn.Module) -> Non
     parallelism each rank would restart their recurrent state at its shard, giving wrong gradients silently.
     (Accelerate's private check, kept under its name since its test module imports it.)"""
     config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):
+    if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     recurrent = sorted({t for t in getattr(config, "layer_types", None) or [] if "linear_attention" in t})
     if recurrent:
