@@ -10,7 +10,8 @@ from a parent are hooked too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -80,27 +81,29 @@ class SequentialHook(ModelHook):
 
 
 def _hooked_forward(module: nn.Module, *args, **kwargs):
-    hook = module._hf_hook
+    hook = cast(ModelHook, module._hf_hook)  # plain attributes that add_hook_to_module set
+    forward = cast(Callable[..., Any], module._old_forward)
     args, kwargs = hook.pre_forward(module, *args, **kwargs)
     if hook.no_grad:
         with torch.no_grad():
-            output = module._old_forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
     else:
-        output = module._old_forward(*args, **kwargs)
+        output = forward(*args, **kwargs)
     return hook.post_forward(module, output)
 
 
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
     """Wrap ``module.forward`` with ``hook`` (replacing an existing hook, or chained after it with ``append``)."""
     if getattr(module, "_hf_hook", None) is not None:
-        old = module._hf_hook
+        old = cast(ModelHook, module._hf_hook)
         remove_hook_from_module(module)
         if append:
             hook = SequentialHook(old, hook)
     module = hook.init_hook(module)
-    module._hf_hook = hook
-    module._old_forward = module.forward
-    module.forward = functools.update_wrapper(functools.partial(_hooked_forward, module), module._old_forward)
+    original = module.forward
+    module._hf_hook = hook  # type: ignore[assignment]  # a plain attribute (Accelerate's name)
+    module._old_forward = original  # type: ignore[assignment]  # likewise
+    module.forward = functools.update_wrapper(functools.partial(_hooked_forward, module), original)
     return module
 
 
@@ -111,7 +114,7 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
         hook.detach_hook(module)
         del module._hf_hook
     if hasattr(module, "_old_forward"):
-        old = module._old_forward
+        old = cast(Callable[..., Any], module._old_forward)
         if getattr(old, "__self__", None) is module and getattr(old, "__func__", None) is type(module).forward:
             module.__dict__.pop("forward", None)  # the class's own forward again
         else:
@@ -251,8 +254,7 @@ class AlignDevicesHook(ModelHook):
         if self.offload:
             keep = [] if self.offload_buffers else [s for s in self._slots if not s[3]]
             offloaded = [s for s in self._slots if s not in keep]
-            current = {name: (owner._parameters if is_param else owner._buffers)[attr]
-                       for name, owner, attr, is_param in offloaded}
+            current = {name: _tensor_at(owner, attr, is_param) for name, owner, attr, is_param in offloaded}
             self._original_devices = {name: t.device for name, t in current.items()}
             if self.weights_map is None:
                 self.weights_map = {name: t.detach().to("cpu") for name, t in current.items()}
@@ -291,10 +293,11 @@ class AlignDevicesHook(ModelHook):
         return output
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
+        weights = cast(Mapping[str, torch.Tensor], self.weights_map)  # set by init_hook when it offloaded
         for name, owner, attr, is_param, placeholder in self._offloaded:
             device = self._original_devices.get(name)
             if device is not None and device.type != "meta":
-                value = self.weights_map[name].to(device)
+                value = weights[name].to(device)
                 _put(owner, attr, is_param, nn.Parameter(value, placeholder.requires_grad) if is_param else value)
         self._offloaded = []
         return module
@@ -318,13 +321,23 @@ def _tensor_slots(module: nn.Module, names: list[str] | None, recurse: bool):
         yield from ((dot + a, owner, a, False) for a, b in owner._buffers.items() if b is not None)
 
 
+def _store(owner: nn.Module, is_param: bool) -> dict[str, Any]:
+    """The module's own dict of parameters or of buffers."""
+    return owner._parameters if is_param else owner._buffers
+
+
+def _tensor_at(owner: nn.Module, attr: str, is_param: bool) -> torch.Tensor:
+    """A slot's tensor (slots are only made for entries that hold one, never None)."""
+    return _store(owner, is_param)[attr]
+
+
 def _put(owner: nn.Module, attr: str, is_param: bool, tensor: torch.Tensor) -> None:
-    (owner._parameters if is_param else owner._buffers)[attr] = tensor
+    _store(owner, is_param)[attr] = tensor
 
 
 def _move(owner: nn.Module, attr: str, is_param: bool, device: torch.device, moved: dict) -> None:
     """Put one resident tensor on ``device``; ``moved`` (id -> new tensor) keeps tied tensors tied."""
-    store = owner._parameters if is_param else owner._buffers
+    store = _store(owner, is_param)
     tensor = store[attr]
     if tensor.device == device:
         return
