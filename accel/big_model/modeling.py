@@ -16,6 +16,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -88,7 +89,7 @@ def named_module_tensors(
 
 
 def _non_persistent_buffers(module: nn.Module, recurse: bool) -> set[str]:
-    found = set()
+    found: set[str] = set()
     for prefix, sub in module.named_modules() if recurse else [("", module)]:
         found.update(f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set)
     return found
@@ -135,7 +136,7 @@ def set_module_tensor_to_device(
     """
     owner, attr = _owner(module, tensor_name)
     is_param = attr in owner._parameters
-    old = owner._parameters[attr] if is_param else owner._buffers[attr]
+    old = cast(torch.Tensor, owner._parameters[attr] if is_param else owner._buffers[attr])  # an entry, not None
     device = _torch_device(device)
     if value is None:
         if old.device.type == "meta" and device.type != "meta":
@@ -365,14 +366,14 @@ def get_balanced_memory(
     the mean leaf module), so layers are not pushed off the end; with no GPU ``max_memory`` is returned as is.
     """
     user_set = max_memory is not None
-    max_memory = get_max_memory(max_memory)
-    gpus = [k for k, v in max_memory.items() if isinstance(k, int) and v > 0]
+    memory = get_max_memory(max_memory)
+    gpus = [k for k, v in memory.items() if isinstance(k, int) and v > 0]
     if not gpus:
-        return max_memory
+        return memory
     if len(gpus) == 1:
         low_zero = False
         if not user_set:  # keep 10% free for activations when the budget was not chosen by the user
-            max_memory[gpus[0]] = int(max_memory[gpus[0]] * 0.9)
+            memory[gpus[0]] = int(memory[gpus[0]] * 0.9)
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     per_gpu = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
     no_split = set(no_split_module_classes or [])
@@ -383,10 +384,10 @@ def get_balanced_memory(
     mean_leaf = sum(sizes[n] for n in leaves) // max(len(leaves), 1)
     per_gpu += int(1.25 * max(block, mean_leaf))
     for index in gpus[:-1]:  # the last GPU keeps its whole budget, in case the margin was not enough
-        max_memory[index] = min(max_memory[index] if low_zero and index == gpus[0] else per_gpu, max_memory[index])
+        memory[index] = min(memory[index] if low_zero and index == gpus[0] else per_gpu, memory[index])
     if low_zero:
-        max_memory[gpus[0]] = min(max(0, sizes[""] - sum(max_memory[i] for i in gpus[1:])), max_memory[gpus[0]])
-    return max_memory
+        memory[gpus[0]] = min(max(0, sizes[""] - sum(memory[i] for i in gpus[1:])), memory[gpus[0]])
+    return memory
 
 
 # ------------------------------------------------------------------------------------------ device maps
@@ -449,7 +450,7 @@ def fallback_allocate(
         ancestor = ".".join(found.split(".")[:depth])
         at = next((i for i, (n, _) in enumerate(queue) if n == ancestor), None)
         if at is not None:
-            queue[at:at + 1] = _entries(queue[at][1], ancestor)
+            queue[at:at + 1] = _entries(cast(nn.Module, queue[at][1]), ancestor)  # an ancestor: a module
     at = next(i for i, (n, _) in enumerate(queue) if n == found)
     name, obj = queue.pop(at)
     return name, obj, queue
@@ -477,10 +478,10 @@ def infer_auto_device_map(
     rather than nothing. Without ``offload_buffers`` the buffers of offloaded modules stay on the execution device:
     a warning says so when they fit no GPU. GPU indices need not exist here: the map is only planned.
     """
-    max_memory = get_max_memory(max_memory)
+    memory = get_max_memory(max_memory)
     no_split = {no_split_module_classes} if isinstance(no_split_module_classes, str) else set(
         no_split_module_classes or ())
-    devices = list(max_memory) + ([] if "disk" in max_memory else ["disk"])
+    devices = list(memory) + ([] if "disk" in memory else ["disk"])
     gpus = [d for d in devices if isinstance(d, int)]
     main_devices = {gpus[0], "cpu"} if gpus else {"cpu"}
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
@@ -505,7 +506,7 @@ def infer_auto_device_map(
         ties = _outside_ties(name, tied)
         device = devices[current]
         reserved = layer_size if device in main_devices else 0
-        limit = None if device == "disk" else max_memory[device] - reserved
+        limit = None if device == "disk" else memory[device] - reserved
         size = sizes.get(name, 0)
         with_ties, tie_names, tie_objs = get_module_size_with_ties(ties, size, sizes, queue)
 
@@ -540,7 +541,7 @@ def infer_auto_device_map(
                 continue
 
         if fallback_allocation and used[device] == 0 and device != "disk":
-            room = max_memory[device] - max(layer_size, with_ties)
+            room = memory[device] - max(layer_size, with_ties)
             found, found_obj, rest = fallback_allocate(queue, sizes, room, no_split, tied)
             if found is not None:
                 say(f"Fallback: {found} goes on {device!r} before {name}.")
@@ -556,7 +557,7 @@ def infer_auto_device_map(
 
     if clean_result:
         device_map = clean_device_map(device_map)
-    _warn_offloaded_buffers(buffers_on, used, max_memory, gpus, offload_buffers)
+    _warn_offloaded_buffers(buffers_on, used, memory, gpus, offload_buffers)
     if too_small:
         needs = "\n".join(f"  - {device}: {need} bytes required" for device, need in too_small.items())
         logger.info("Based on the current allocation process, no modules could be assigned to the following devices "
