@@ -5,6 +5,7 @@ parallelism and their combinations): it decides the recipe once from the config 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -15,6 +16,12 @@ from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_o
 from accel.backends.ddp import apply_ddp, ddp_pipeline_stages, release_ddp
 from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
 from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
+
+
+def _release_wrapped(wrapped: list[weakref.ref]) -> None:
+    """Drop the reducers of the DDP wrappers in `wrapped` that are still alive, then forget them."""
+    release_ddp([ref() for ref in wrapped])
+    wrapped.clear()
 
 
 def data_parallel_kind(parallelism, topology) -> str | None:
@@ -41,7 +48,9 @@ class SpmdBackend(Backend):
         self.applied_plans: list[dict[str, str]] = []
         self.replacements = ParameterReplacements()
         self._wrapped: list[weakref.ref] = []
-        self.state.add_release_callback(self.release)  # DDP reducers go before the process group does
+        # DDP reducers go before the process group does; the state holds only the list of weak references, so an
+        # Accelerator that is dropped is freed with its backend (and its gradient state)
+        self.state.add_release_callback(functools.partial(_release_wrapped, self._wrapped))
 
     def __getstate__(self) -> dict:
         """A pickled copy (Accelerate's scripts pickle the Accelerator) owns no DDP wrappers to release."""
@@ -165,5 +174,4 @@ class SpmdBackend(Backend):
         self.replacements.clear()
 
     def release(self) -> None:
-        release_ddp([ref() for ref in self._wrapped])
-        self._wrapped.clear()
+        _release_wrapped(self._wrapped)

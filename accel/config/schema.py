@@ -284,7 +284,7 @@ class ParallelismConfig:
         for dims, flat in ((self.dp_dim_names, "dp"), (self.dp_shard_cp_dim_names, "dp_shard_cp"),
                            (self.dp_cp_dim_names, "dp_cp")):
             if dims:
-                device_mesh[tuple(dims)]._flatten(flat)
+                device_mesh[dims]._flatten(flat)  # type: ignore[index]  # a list, as Accelerate indexes it
         return device_mesh
 
     def get_device_mesh(self, device_type: str | None = None):
