@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sized
@@ -395,6 +394,8 @@ class DataLoaderShard(DataLoader):
     epoch = `iteration` (seeding the shuffle and the workers' base seed) and bumps it when it completes.
     """
 
+    _on_stateful_loader = False  # True on the StatefulDataLoader variants (accel.data.stateful's mix-in)
+
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         """Accelerate's `DataLoaderShard(..., use_stateful_dataloader=True)` (and the dispatcher's): the same loader
         on torchdata's StatefulDataLoader (accel.data.stateful's subclass)."""
@@ -417,7 +418,7 @@ class DataLoaderShard(DataLoader):
         **kwargs,
     ):
         super().__init__(dataset, **kwargs)
-        self.use_stateful_dataloader = type(self).__name__.startswith("Stateful")  # Accelerate's attribute
+        self.use_stateful_dataloader = self._on_stateful_loader  # Accelerate's attribute
         self.device = device
         self.seed = int(seed)
         self.gradient_state = gradient_state
@@ -923,28 +924,30 @@ def prepare_data_loader(
     return shard_class(dataset, batch_sampler=shard, **settings, **kwargs)
 
 
-@functools.cache
+_STATEFUL_BUILT: dict[str, type] = {}  # name -> class, made on first use by stateful_classes
+
+
 def stateful_classes() -> tuple[type, type, type]:
     """`StatefulDataLoaderShard`, `StatefulDataLoaderDispatcher` and `StatefulSkipDataLoader`: this module's loaders
-    on torchdata's StatefulDataLoader (an optional extra: a one-line ImportError naming it when missing) with
-    accel.data.stateful's mix-ins, built on first use and kept as this module's attributes (so they pickle)."""
+    on torchdata's StatefulDataLoader (an optional extra: a one-line ImportError naming it when missing, asked each
+    call) with accel.data.stateful's mix-ins, built once and kept as this module's attributes (so they pickle)."""
     try:
         from accel.data.stateful import DispatcherPosition, Position, SkipLoaderInit, StatefulDataLoader
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata (its StatefulDataLoader); install it with "
                           "`pip install 'accel[torchdata]'` or `pip install torchdata`") from error
-    made = []
-    for name, bases, doc in (
-            ("StatefulDataLoaderShard", (Position, DataLoaderShard, StatefulDataLoader),
-             "A `DataLoaderShard` whose base loader is a `StatefulDataLoader`."),
-            ("StatefulDataLoaderDispatcher", (DispatcherPosition, DataLoaderDispatcher, StatefulDataLoader),
-             "A `DataLoaderDispatcher` whose main process reads through a `StatefulDataLoader`."),
-            ("StatefulSkipDataLoader", (SkipLoaderInit, SkipDataLoader, StatefulDataLoader),
-             "A `SkipDataLoader` on torchdata's `StatefulDataLoader`.")):
-        cls = type(name, bases, {"__doc__": doc, "__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        made.append(cls)
-    return made[0], made[1], made[2]
+    if not _STATEFUL_BUILT:
+        for name, bases, doc in (
+                ("StatefulDataLoaderShard", (Position, DataLoaderShard, StatefulDataLoader),
+                 "A `DataLoaderShard` whose base loader is a `StatefulDataLoader`."),
+                ("StatefulDataLoaderDispatcher", (DispatcherPosition, DataLoaderDispatcher, StatefulDataLoader),
+                 "A `DataLoaderDispatcher` whose main process reads through a `StatefulDataLoader`."),
+                ("StatefulSkipDataLoader", (SkipLoaderInit, SkipDataLoader, StatefulDataLoader),
+                 "A `SkipDataLoader` on torchdata's `StatefulDataLoader`.")):
+            _STATEFUL_BUILT[name] = globals()[name] = type(
+                name, bases, {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+    built = _STATEFUL_BUILT
+    return built["StatefulDataLoaderShard"], built["StatefulDataLoaderDispatcher"], built["StatefulSkipDataLoader"]
 
 
 def __getattr__(name: str):

@@ -20,6 +20,7 @@ class Position:
     """The mix-in: the loader's epoch state (DataLoaderShard's) plus the base loader's position in the epoch."""
 
     _position = None
+    _on_stateful_loader = True
 
     def __init__(self, *args, **kwargs):
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which this torch deprecates
