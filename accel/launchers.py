@@ -76,9 +76,18 @@ def _in_fresh_state(function, *args):
     return function(*args)
 
 
+def _preload_for_workers() -> None:
+    """Import in this process what every worker imports anyway, once, before forking: torch's optimizers import
+    torch._dynamo when the first one is built (about 2 s of CPU), which each fork would otherwise repeat at every
+    launch (a notebook or a test suite launching many times pays it per launch and per process)."""
+    import torch._dynamo  # noqa: F401
+
+
 def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, run_id, max_restarts, monitor_interval,
             log_line_prefix_template) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _preload_for_workers()
 
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
                           rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=conf,

@@ -1,6 +1,9 @@
 """Pipeline parallelism on CPU processes against plain PyTorch on one process: per-step losses, clipped global
 norms, final weights and eval outputs within atol 1e-5 (fp32, AdamW lr 1e-2). Models: an nn.Sequential and a
-GPT-style toy whose head is tied to its embedding (the tie crosses the stages)."""
+GPT-style toy whose head is tied to its embedding (the tie crosses the stages).
+
+The runs that succeed share launches: one 2-process and one 4-process launch run their jobs one after another
+(pp_train.py --jobs), each job with its own Accelerator and output folder, checked as its own launch would be."""
 
 import json
 from pathlib import Path
@@ -47,6 +50,49 @@ def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int
     return {"weights": model.state_dict(), "losses": losses, "norms": norms, "outputs": outputs, "eval_loss": eval_loss}
 
 
+SCHEDULES = [(k, s) for s in ("GPipe", "1F1B", "Interleaved1F1B") for k in ("seq", "gpt")] + [
+    ("gpt", "LoopedBFS"), ("gpt", "InterleavedZeroBubble")]
+TWO_PROCESS_JOBS = {  # job -> pp_train.py arguments; run in this order, by one launch
+    **{f"{kind}-{schedule}": ["--model", kind, "--schedule", schedule] for kind, schedule in SCHEDULES},
+    "split_points": ["--model", "gpt", "--split_points", "layers.1", "--accum", 2, "--steps", 2, "--separate_prepare"],
+    "eval_dropout": ["--model", "gpt", "--dropout", 0.5, "--steps", 0],
+    "meta": ["--model", "gpt", "--meta"],
+    "save": ["--model", "gpt", "--save"],
+    "load_2_stages": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{save}/ckpt"],
+    "load_2_stages_meta": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{save}/ckpt", "--meta"],
+}
+FOUR_PROCESS_JOBS = {
+    **{f"dp-zero{stage}": ["--model", "gpt", "--zero_stage", stage] for stage in range(4)},
+    "accumulated": ["--model", "gpt", "--accum", 2, "--steps", 2, "--count_reductions"],
+    "every_step": ["--model", "gpt", "--steps", 4, "--count_reductions"],
+}
+
+
+def launch_jobs(tmp_path_factory, num_processes: int, jobs: dict) -> Path:
+    """One launch of pp_train.py running every job; returns the folder holding a subfolder per job."""
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp(f"pp_jobs_{num_processes}")
+    argv = []
+    for name, args in jobs.items():
+        (out / name).mkdir()
+        argv.append(["--out", str(out / name), *(str(a).format(save=out / "save") for a in args)])
+    (out / "jobs.json").write_text(json.dumps(argv))
+    accel_launch(make_isolated_env(out), "--cpu", "--num_processes", num_processes, SCRIPT, "--jobs",
+                 str(out / "jobs.json"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process_jobs(tmp_path_factory) -> Path:
+    return launch_jobs(tmp_path_factory, 2, TWO_PROCESS_JOBS)
+
+
+@pytest.fixture(scope="module")
+def four_process_jobs(tmp_path_factory) -> Path:
+    return launch_jobs(tmp_path_factory, 4, FOUR_PROCESS_JOBS)
+
+
 def run(isolated_env, tmp_path, num_processes: int, *args, expect: int = 0):
     return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, SCRIPT, "--out", str(tmp_path),
                         *map(str, args), expect=expect)
@@ -71,11 +117,9 @@ def check_against(tmp_path, ref, dp: int = 1, losses_per_rank=None) -> list:
     return records
 
 
-@pytest.mark.parametrize("kind,schedule", [(k, s) for s in ("GPipe", "1F1B", "Interleaved1F1B") for k in ("seq", "gpt")]
-                         + [("gpt", "LoopedBFS"), ("gpt", "InterleavedZeroBubble")])
-def test_schedules_match_one_process(isolated_env, tmp_path, kind, schedule):
-    run(isolated_env, tmp_path, 2, "--model", kind, "--schedule", schedule)
-    records = check_against(tmp_path, reference(kind))
+@pytest.mark.parametrize("kind,schedule", SCHEDULES)
+def test_schedules_match_one_process(two_process_jobs, kind, schedule):
+    records = check_against(two_process_jobs / f"{kind}-{schedule}", reference(kind))
     held = [set(r["param_names"]) for r in records]
     assert not (held[0] & held[1]) or kind == "gpt"  # disjoint stages (the GPT's tied weight is on both)
     if schedule != "GPipe" and schedule != "1F1B":  # 4 stages, 2 per process: process 0 holds stages 0 and 2
@@ -93,35 +137,30 @@ def test_bf16_autocast(isolated_env, tmp_path):
     assert load_file(str(tmp_path / "weights.safetensors"))["layers.0.up_proj.weight"].dtype == torch.float32
 
 
-def test_split_points_and_accumulation(isolated_env, tmp_path):
+def test_split_points_and_accumulation(two_process_jobs):
     """Also: the model and the optimizer prepared in two calls."""
-    run(isolated_env, tmp_path, 2, "--model", "gpt", "--split_points", "layers.1", "--accum", "2", "--steps", "2",
-        "--separate_prepare")
-    records = check_against(tmp_path, reference("gpt", steps=2, accum=2))
+    records = check_against(two_process_jobs / "split_points", reference("gpt", steps=2, accum=2))
     assert "layers.0.up_proj.weight" in records[0]["param_names"]
     assert "layers.1.up_proj.weight" in records[1]["param_names"]
 
 
-def test_eval_mode_turns_dropout_off(isolated_env, tmp_path):
-    run(isolated_env, tmp_path, 2, "--model", "gpt", "--dropout", "0.5", "--steps", "0")
-    check_against(tmp_path, reference("gpt", steps=0, dropout=0.5))
+def test_eval_mode_turns_dropout_off(two_process_jobs):
+    check_against(two_process_jobs / "eval_dropout", reference("gpt", steps=0, dropout=0.5))
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3], ids=["ddp", "zero1", "zero2", "zero3"])
-def test_pipeline_times_data_parallel(isolated_env, tmp_path, zero_stage):
+def test_pipeline_times_data_parallel(four_process_jobs, zero_stage):
     """4 processes: 2 stages x 2 replicas (DDP, DDP + ZeroRedundancyOptimizer, or FSDP2 for ZeRO 2/3)."""
-    run(isolated_env, tmp_path, 4, "--model", "gpt", "--zero_stage", zero_stage)
-    check_against(tmp_path, reference("gpt", dp=2), dp=2)
+    check_against(four_process_jobs / f"dp-zero{zero_stage}", reference("gpt", dp=2), dp=2)
 
 
-def test_pipeline_times_data_parallel_with_accumulation(isolated_env, tmp_path):
+def test_pipeline_times_data_parallel_with_accumulation(four_process_jobs):
     """Gradient accumulation 2 with 2 stages x 2 replicas: inside the window the DDP stages keep gradients
     local, and the accumulated gradients match one process. 4 micro-steps reduce fewer times accumulated
     (2 optimizer steps) than not (4)."""
-    run(isolated_env, tmp_path, 4, "--model", "gpt", "--accum", 2, "--steps", 2, "--count_reductions")
-    accumulated = [r["reductions"] for r in check_against(tmp_path, reference("gpt", dp=2, steps=2, accum=2), dp=2)]
-    run(isolated_env, tmp_path, 4, "--model", "gpt", "--steps", 4, "--count_reductions")
-    every_step = [r["reductions"] for r in json.loads((tmp_path / "record.json").read_text())]
+    accumulated = [r["reductions"] for r in check_against(four_process_jobs / "accumulated",
+                                                           reference("gpt", dp=2, steps=2, accum=2), dp=2)]
+    every_step = [r["reductions"] for r in json.loads((four_process_jobs / "every_step" / "record.json").read_text())]
     assert all(0 < a < e for a, e in zip(accumulated, every_step)), (accumulated, every_step)
 
 
@@ -131,22 +170,21 @@ def test_three_d(isolated_env, tmp_path):
     check_against(tmp_path, reference("gpt-untied", dp=2, steps=2), dp=2)
 
 
-def test_checkpoint_loads_unsplit(isolated_env, tmp_path):
+def test_checkpoint_loads_unsplit(two_process_jobs, isolated_env, tmp_path):
     """save_state on 2 stages, load_state on one process and on 2 stages (also into a model built on the meta
     device: each process allocates only its stage); save_model loads into the plain model."""
-    run(isolated_env, tmp_path, 2, "--model", "gpt", "--save")
-    trained = load_file(str(tmp_path / "weights.safetensors"))
-    for processes, meta in ((1, False), (2, False), (2, True)):  # unsplit; 2 stages (built normally, on meta)
-        run(isolated_env, tmp_path, processes, "--model", "gpt", "--pp_size", processes, "--load",
-            *(["--meta"] if meta else []))
-        loaded = load_file(str(tmp_path / "loaded.safetensors"))
+    saved = two_process_jobs / "save"
+    trained = load_file(str(saved / "weights.safetensors"))
+    run(isolated_env, tmp_path, 1, "--model", "gpt", "--pp_size", 1, "--load", "--ckpt", saved / "ckpt")  # unsplit
+    for folder in (tmp_path, two_process_jobs / "load_2_stages", two_process_jobs / "load_2_stages_meta"):
+        loaded = load_file(str(folder / "loaded.safetensors"))
         assert sorted(loaded) == sorted(trained)
         for name in trained:
             assert torch.equal(loaded[name], trained[name]), name
     from accel import load_checkpoint_in_model
 
     model = _worker_module().make_model("gpt")
-    load_checkpoint_in_model(model, str(tmp_path / "model"))
+    load_checkpoint_in_model(model, str(saved / "model"))
     for name, value in model.state_dict().items():
         assert torch.equal(value, trained[name]), name
 
@@ -171,11 +209,10 @@ def test_transformers_llama_splits_without_stage_code(isolated_env, tmp_path):
     assert result["names_match"] and result["max_weight_diff"] < ATOL
 
 
-def test_meta_device_model(isolated_env, tmp_path):
+def test_meta_device_model(two_process_jobs):
     """Built on the meta device, each process allocates and initialises only its stage; the weight tied
     across the stages gets one value (the first stage's) and stays one through training."""
-    run(isolated_env, tmp_path, 2, "--model", "gpt", "--meta")
-    weights = load_file(str(tmp_path / "weights.safetensors"))
+    weights = load_file(str(two_process_jobs / "meta" / "weights.safetensors"))
     assert torch.equal(weights["embed_tokens.weight"], weights["lm_head.weight"])
-    losses = [rec["losses"] for rec in json.loads((tmp_path / "record.json").read_text())]
+    losses = [rec["losses"] for rec in json.loads((two_process_jobs / "meta" / "record.json").read_text())]
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]

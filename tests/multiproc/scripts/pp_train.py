@@ -1,9 +1,13 @@
 """Worker for tests/multiproc/test_pipeline.py: an nn.Sequential or a GPT-style toy trained under pipeline
 parallelism (with DP, ZeRO-1 or TP per the flags). Writes weights.safetensors (full weights, original names),
-record.json (per-rank losses, norms, eval outputs) and, with --save, a save_state checkpoint."""
+record.json (per-rank losses, norms, eval outputs) and, with --save, a save_state checkpoint.
+
+`--jobs FILE` runs several of these in one launch, one after another (a JSON list of argument lists, each with its
+own --out): one Accelerator per job, the process group kept between them, as one launch of each would give."""
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -84,9 +88,10 @@ def counting_allreduce(counter: list, accelerator):
     return hook
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default=None, help="the save_state folder (default: OUT/ckpt)")
     parser.add_argument("--model", default="seq", choices=["seq", "gpt", "gpt-untied"])
     parser.add_argument("--pp_size", type=int, default=2)
     parser.add_argument("--schedule", default="1F1B")
@@ -104,8 +109,22 @@ def main() -> None:
     parser.add_argument("--count_reductions", action="store_true", help="count DDP gradient reductions")
     parser.add_argument("--separate_prepare", action="store_true", help="prepare(model), then prepare(optimizer, ...)")
     parser.add_argument("--outside_loss", action="store_true", help="misuse: backward of a loss computed outside")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main() -> None:
+    if sys.argv[1:2] == ["--jobs"]:
+        jobs = json.loads(Path(sys.argv[2]).read_text())
+        for i, argv in enumerate(jobs):
+            accelerator = run(parse(argv))
+            if i < len(jobs) - 1:
+                accelerator.free_memory()
+        accelerator.end_training()
+    else:
+        run(parse()).end_training()
+
+
+def run(args: argparse.Namespace) -> Accelerator:
     if args.meta:
         with torch.device("meta"):
             model = make_model(args.model, args.dropout)
@@ -128,11 +147,12 @@ def main() -> None:
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn_for(args.model))
     out = Path(args.out)
+    ckpt = Path(args.ckpt) if args.ckpt else out / "ckpt"
     if args.outside_loss:
         inputs, targets = next(iter(loader))
         accelerator.backward(loss_fn_for(args.model)(model(inputs), targets))
     if args.load:
-        accelerator.load_state(str(out / "ckpt"))
+        accelerator.load_state(str(ckpt))
     else:
         model.train()
         losses, norms = [], []
@@ -148,7 +168,7 @@ def main() -> None:
                 optimizer.zero_grad()
             losses.append(loss.item())
         if args.save:
-            accelerator.save_state(str(out / "ckpt"))
+            accelerator.save_state(str(ckpt))
             accelerator.save_model(model, str(out / "model"))
     model.eval()
     probe = x[:args.batch]
@@ -165,7 +185,7 @@ def main() -> None:
         save_file({k: v.clone().contiguous() for k, v in weights.items()},  # tied weights: one copy each
                   str(out / ("loaded.safetensors" if args.load else "weights.safetensors")))
         (out / ("loaded.json" if args.load else "record.json")).write_text(json.dumps(records))
-    accelerator.end_training()
+    return accelerator
 
 
 if __name__ == "__main__":
