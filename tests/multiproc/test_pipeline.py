@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import accel_launch, worker_module
+from _launch import accel_launch, launch_jobs, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -58,8 +58,8 @@ TWO_PROCESS_JOBS = {  # job -> pp_train.py arguments; run in this order, by one 
     "eval_dropout": ["--model", "gpt", "--dropout", 0.5, "--steps", 0],
     "meta": ["--model", "gpt", "--meta"],
     "save": ["--model", "gpt", "--save"],
-    "load_2_stages": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{save}/ckpt"],
-    "load_2_stages_meta": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{save}/ckpt", "--meta"],
+    "load_2_stages": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{root}/save/ckpt"],
+    "load_2_stages_meta": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{root}/save/ckpt", "--meta"],
 }
 FOUR_PROCESS_JOBS = {
     **{f"dp-zero{stage}": ["--model", "gpt", "--zero_stage", stage] for stage in range(4)},
@@ -68,29 +68,20 @@ FOUR_PROCESS_JOBS = {
 }
 
 
-def launch_jobs(tmp_path_factory, num_processes: int, jobs: dict) -> Path:
-    """One launch of pp_train.py running every job; returns the folder holding a subfolder per job."""
-    from conftest import make_isolated_env
-
-    out = tmp_path_factory.mktemp(f"pp_jobs_{num_processes}")
-    argv = []
-    for name, args in jobs.items():
-        (out / name).mkdir()
-        argv.append(["--out", str(out / name), *(str(a).format(save=out / "save") for a in args)])
-    (out / "jobs.json").write_text(json.dumps(argv))
-    accel_launch(make_isolated_env(out), "--cpu", "--num_processes", num_processes, SCRIPT, "--jobs",
-                 str(out / "jobs.json"))
-    return out
-
-
 @pytest.fixture(scope="module")
 def two_process_jobs(tmp_path_factory) -> Path:
-    return launch_jobs(tmp_path_factory, 2, TWO_PROCESS_JOBS)
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp("pp_jobs_2")
+    return launch_jobs(out, make_isolated_env(out), 2, SCRIPT, list(TWO_PROCESS_JOBS.items()))
 
 
 @pytest.fixture(scope="module")
 def four_process_jobs(tmp_path_factory) -> Path:
-    return launch_jobs(tmp_path_factory, 4, FOUR_PROCESS_JOBS)
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp("pp_jobs_4")
+    return launch_jobs(out, make_isolated_env(out), 4, SCRIPT, list(FOUR_PROCESS_JOBS.items()))
 
 
 def run(isolated_env, tmp_path, num_processes: int, *args, expect: int = 0):

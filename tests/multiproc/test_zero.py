@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import accel_launch, worker_module
+from _launch import accel_launch, launch_jobs, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -21,6 +21,31 @@ N = 2
 
 def launch(isolated_env, num_processes: int, *args: str, prefix: list[str] = ()) -> None:
     accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, *prefix, SCRIPT, *args)
+
+
+MATCH_CASES = [(1, False, 1, False), (2, False, 2, False), (3, False, 1, False), (3, True, 1, False),
+               (1, False, 1, True), (3, False, 1, True)]
+MATCH_IDS = ["stage1", "stage2-accum2", "stage3", "stage3-offload", "stage1-separate-prepare", "stage3-separate-prepare"]
+TWO_PROCESS_JOBS = [  # (folder, zero_train.py arguments), run in this order by one launch
+    *[(name, ["--stage", stage, "--accum", accum, *(["--offload"] if offload else []),
+              *(["--separate"] if separate else [])]) for name, (stage, offload, accum, separate) in zip(
+        MATCH_IDS, MATCH_CASES, strict=True)],
+    *[(f"ckpt{stage}", ["--stage", stage]) for stage in (1, 3)],
+    *[(f"ckpt{stage}", ["--stage", stage, "--mode", "load"]) for stage in (1, 3)],  # into the folder saved above
+    ("meta", ["--stage", 3, "--mode", "meta"]),
+    *[(f"fp16-{stage}", ["--stage", stage, "--mode", "fp16"]) for stage in (1, 3)],
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Path:
+    """The runs that succeed, in two launches: 2 processes (every job above), then 1 (the checkpoints loaded)."""
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp("zero_jobs")
+    env = make_isolated_env(out)
+    launch_jobs(out, env, N, SCRIPT, TWO_PROCESS_JOBS)
+    return launch_jobs(out, env, 1, SCRIPT, [(f"ckpt{stage}", ["--stage", stage, "--mode", "load"]) for stage in (1, 3)])
 
 
 def reference(accum: int):
@@ -52,15 +77,9 @@ def assert_weights_equal(weights, ref):
         assert torch.allclose(weights[key], value, atol=ATOL, rtol=0), f"{key}: {(weights[key] - value).abs().max()}"
 
 
-@pytest.mark.parametrize("stage,offload,accum,separate",
-                         [(1, False, 1, False), (2, False, 2, False), (3, False, 1, False), (3, True, 1, False),
-                          (1, False, 1, True), (3, False, 1, True)],
-                         ids=["stage1", "stage2-accum2", "stage3", "stage3-offload", "stage1-separate-prepare",
-                              "stage3-separate-prepare"])
-def test_zero_matches_single_process_reference(isolated_env, tmp_path, stage, offload, accum, separate):
-    args = ["--out", str(tmp_path), "--stage", str(stage), "--accum", str(accum)] + (["--offload"] if offload else [])
-    args += ["--separate"] if separate else []
-    launch(isolated_env, N, *args)
+@pytest.mark.parametrize("stage,offload,accum,separate", MATCH_CASES, ids=MATCH_IDS)
+def test_zero_matches_single_process_reference(jobs, request, stage, offload, accum, separate):
+    tmp_path = jobs / request.node.callspec.id
     records = json.loads((tmp_path / "record.json").read_text())
     ref_weights, ref_losses, ref_norms, total_params = reference(accum)
 
@@ -91,18 +110,16 @@ def test_zero_matches_single_process_reference(isolated_env, tmp_path, stage, of
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_zero_checkpoint_loads_on_one_and_two_processes(isolated_env, tmp_path, stage):
-    launch(isolated_env, N, "--out", str(tmp_path), "--stage", str(stage))
+def test_zero_checkpoint_loads_on_one_and_two_processes(jobs, stage):
+    tmp_path = jobs / f"ckpt{stage}"
     saved = load_file(str(tmp_path / "weights.safetensors"))
     for num_processes in (1, 2):
-        launch(isolated_env, num_processes, "--out", str(tmp_path), "--stage", str(stage), "--mode", "load")
         assert_weights_equal(load_file(str(tmp_path / f"loaded_{num_processes}.safetensors")), saved)
 
 
-def test_meta_device_model_is_materialized_after_sharding(isolated_env, tmp_path):
+def test_meta_device_model_is_materialized_after_sharding(jobs):
     """A model created on the meta device (no memory) is sharded, then each rank allocates only its shard."""
-    launch(isolated_env, N, "--out", str(tmp_path), "--stage", "3", "--mode", "meta")
-    reports = json.loads((tmp_path / "meta.json").read_text())
+    reports = json.loads((jobs / "meta" / "meta.json").read_text())
     total = 4 * reference(1)[3]
     assert [r["meta_after_prepare"] for r in reports] == [False, False]
     assert sum(r["param_bytes"] for r in reports) == pytest.approx(total, rel=0.02)
@@ -127,10 +144,9 @@ def test_deepspeed_json_config_trains(isolated_env, tmp_path):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_fp16_inf_step_is_skipped_on_every_rank(isolated_env, tmp_path, stage):
+def test_fp16_inf_step_is_skipped_on_every_rank(jobs, stage):
     """Only rank 1 sees an inf loss; the (sharded) grad scaler makes every rank skip that step together."""
-    launch(isolated_env, N, "--out", str(tmp_path), "--stage", str(stage), "--mode", "fp16")
-    reports = json.loads((tmp_path / "fp16.json").read_text())
+    reports = json.loads((jobs / f"fp16-{stage}" / "fp16.json").read_text())
     for report in reports:
         assert report["skipped"] == [False, True, False, False]
         assert report["changed"] == [True, False, True, True]

@@ -9,6 +9,7 @@
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +58,20 @@ def optimizer_state_tensors(optimizer):
 
 
 def main() -> None:
+    """`--jobs FILE`: several runs in one launch, one after another (a JSON list of argument lists, each with its own
+    --out), one Accelerator each, the process group kept between them."""
+    if sys.argv[1:2] == ["--jobs"]:
+        jobs = json.loads(Path(sys.argv[2]).read_text())
+        for i, argv in enumerate(jobs):
+            accelerator = run(argv)
+            if i < len(jobs) - 1:
+                accelerator.free_memory()
+        accelerator.end_training()
+    else:
+        run(None).end_training()
+
+
+def run(argv: list[str] | None) -> Accelerator:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=None, help="default: from the launched config")
@@ -65,7 +80,7 @@ def main() -> None:
     parser.add_argument("--no_clip", action="store_true", help="leave clipping to the config's gradient_clipping")
     parser.add_argument("--separate", action="store_true", help="prepare optimizer+scheduler first, the model after")
     parser.add_argument("--mode", choices=["train", "load", "meta", "fp16"], default="train")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
 
     x, y, model = make_problem()
@@ -95,8 +110,7 @@ def main() -> None:
         weights = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"loaded_{accelerator.num_processes}.safetensors"))
-        accelerator.end_training()
-        return
+        return accelerator
 
     if args.mode == "meta":
         report = {"meta_after_prepare": any(p.is_meta for p in model.parameters()),
@@ -110,8 +124,7 @@ def main() -> None:
         reports = accelerator.gather_for_metrics([report], use_gather_object=True)
         if accelerator.is_main_process:
             (out / "meta.json").write_text(json.dumps(reports))
-        accelerator.end_training()
-        return
+        return accelerator
 
     if args.mode == "fp16":
         report = {"skipped": [], "changed": [], "scaler": type(accelerator.scaler).__name__}
@@ -131,8 +144,7 @@ def main() -> None:
         reports = accelerator.gather_for_metrics([report], use_gather_object=True)
         if accelerator.is_main_process:
             (out / "fp16.json").write_text(json.dumps(reports))
-        accelerator.end_training()
-        return
+        return accelerator
 
     losses, norms = [], []
     for _ in range(2):
@@ -164,7 +176,7 @@ def main() -> None:
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "weights.safetensors"))
         (out / "record.json").write_text(json.dumps(all_records))
-    accelerator.end_training()
+    return accelerator
 
 
 if __name__ == "__main__":
