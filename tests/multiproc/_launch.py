@@ -30,13 +30,16 @@ def accel_launch(env: dict, *launch_args: str, timeout: int = 300, expect: int =
     return proc
 
 
-def launch_jobs(out: Path, env: dict, num_processes: int, script: Path, jobs: list[tuple[str, list]]) -> Path:
-    """One launch of a worker script that runs several jobs one after another (its `--jobs FILE`): each job is
-    (folder, arguments), passed as `--out OUT/folder ARGUMENTS`; "{root}" in an argument is OUT. Returns OUT."""
+def launch_jobs(out: Path, env: dict, num_processes: int, script: Path, jobs: list[tuple[str, list]]
+                ) -> tuple[Path, str]:
+    """One launch of a worker script that runs several jobs one after another (its `--jobs FILE`,
+    scripts/_jobs.py): each job is (folder, arguments), passed as `--out OUT/folder ARGUMENTS`; "{root}" in an
+    argument is OUT. Returns OUT and the launch's stdout."""
     argv = []
     for folder, args in jobs:
         (out / folder).mkdir(exist_ok=True)
         argv.append(["--out", str(out / folder), *(str(a).format(root=out) for a in args)])
     (out / f"jobs-{num_processes}.json").write_text(json.dumps(argv))
-    accel_launch(env, "--cpu", "--num_processes", num_processes, script, "--jobs", out / f"jobs-{num_processes}.json")
-    return out
+    proc = accel_launch(env, "--cpu", "--num_processes", num_processes, script, "--jobs",
+                        out / f"jobs-{num_processes}.json")
+    return out, proc.stdout

@@ -1,5 +1,6 @@
 """Tensor parallelism (tp_size 2 on 2 CPU processes) against plain PyTorch on one process: losses, clipped
-global norms and final weights within atol 1e-5 (fp32). Ranks of one TP group see the same batches."""
+global norms and final weights within atol 1e-5 (fp32). Ranks of one TP group see the same batches.
+The toy's runs share launches: 2 processes (both plans, then the checkpoint reloaded), 1 and 4 (tp_train.py --jobs)."""
 
 import json
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import accel_launch, worker_module
+from _launch import launch_jobs, worker_module
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
@@ -36,15 +37,29 @@ def reference(dp: int = 1):
     return model.state_dict(), losses, norms
 
 
-def launch(isolated_env, num_processes: int, *args: str) -> subprocess.CompletedProcess:
-    return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, SCRIPT, *args)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """{processes: stdout of the launch}, and the folder of the jobs' folders."""
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp("tp_jobs")
+    env = make_isolated_env(out)
+    runs = {2: [("automatic-plan", ["--tp_size", 2]), ("user-plan", ["--tp_size", 2, "--user_plan"]),
+                ("automatic-plan", ["--tp_size", 2, "--load"])],  # the sharded checkpoint, reloaded with tp_size 2
+            1: [("automatic-plan", ["--tp_size", 1, "--load"])],  # ... and with tp_size 1 on one process (resharded)
+            4: [(f"zero{stage}", ["--tp_size", 2, "--zero_stage", stage]) for stage in (0, 3)]}
+    logs = {}
+    for processes in (2, 1, 4):
+        logs[processes] = launch_jobs(out, env, processes, SCRIPT, runs[processes])[1]
+    return logs, out
 
 
 @pytest.mark.parametrize("user_plan", [False, True], ids=["automatic-plan", "user-plan"])
-def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
-    proc = launch(isolated_env, 2, "--out", str(tmp_path), "--tp_size", "2", *(["--user_plan"] if user_plan else []))
+def test_tp2_matches_single_process(jobs, user_plan):
+    logs, out = jobs
+    tmp_path = out / ("user-plan" if user_plan else "automatic-plan")
     source = "ParallelismConfig(tp_plan=...)" if user_plan else "accel's automatic plan"
-    assert f"tensor parallel plan ({source}, tp_size=2): 0: colwise, 2: rowwise" in proc.stdout
+    assert f"tensor parallel plan ({source}, tp_size=2): 0: colwise, 2: rowwise" in logs[2]
     records = json.loads((tmp_path / "record.json").read_text())
     ref_weights, ref_losses, ref_norms = reference()
     for rec in records:
@@ -63,17 +78,15 @@ def test_tp2_matches_single_process(isolated_env, tmp_path, user_plan):
     if user_plan:
         return
     # the sharded checkpoint reloads with tp_size 2, and with tp_size 1 on one process (resharded)
-    launch(isolated_env, 2, "--out", str(tmp_path), "--tp_size", "2", "--load")
-    launch(isolated_env, 1, "--out", str(tmp_path), "--tp_size", "1", "--load")
     for tp in (2, 1):
         loaded = load_file(str(tmp_path / f"loaded_tp{tp}.safetensors"))
         assert all(torch.equal(loaded[k], weights[k]) for k in weights), tp
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3], ids=["dp2xtp2", "zero3xtp2"])
-def test_2d_mesh_data_parallel_times_tensor_parallel(isolated_env, tmp_path, zero_stage):
+def test_2d_mesh_data_parallel_times_tensor_parallel(jobs, zero_stage):
     """4 processes: TP over pairs of ranks, then data parallelism (FSDP2 over dp) across the pairs."""
-    launch(isolated_env, 4, "--out", str(tmp_path), "--tp_size", "2", "--zero_stage", str(zero_stage))
+    tmp_path = jobs[1] / f"zero{zero_stage}"
     records = json.loads((tmp_path / "record.json").read_text())
     ref_weights, ref_losses, ref_norms = reference(dp=2)
     for rec in records:

@@ -1,13 +1,10 @@
 """Worker for tests/multiproc/test_pipeline.py: an nn.Sequential or a GPT-style toy trained under pipeline
 parallelism (with DP, ZeRO-1 or TP per the flags). Writes weights.safetensors (full weights, original names),
-record.json (per-rank losses, norms, eval outputs) and, with --save, a save_state checkpoint.
-
-`--jobs FILE` runs several of these in one launch, one after another (a JSON list of argument lists, each with its
-own --out): one Accelerator per job, the process group kept between them, as one launch of each would give."""
+record.json (per-rank losses, norms, eval outputs) and, with --save, a save_state checkpoint. `--jobs FILE`: several runs in
+one launch (scripts/_jobs.py)."""
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, DistributedDataParallelKwargs, ParallelismConfig
 from accel.utils import gather_object, set_seed
+
+from _jobs import main_with_jobs
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 
@@ -112,19 +111,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["--jobs"]:
-        jobs = json.loads(Path(sys.argv[2]).read_text())
-        for i, argv in enumerate(jobs):
-            accelerator = run(parse(argv))
-            if i < len(jobs) - 1:
-                accelerator.free_memory()
-        accelerator.end_training()
-    else:
-        run(parse()).end_training()
-
-
-def run(args: argparse.Namespace) -> Accelerator:
+def run(argv: list[str] | None) -> Accelerator:
+    args = parse(argv)
     if args.meta:
         with torch.device("meta"):
             model = make_model(args.model, args.dropout)
@@ -189,4 +177,4 @@ def run(args: argparse.Namespace) -> Accelerator:
 
 
 if __name__ == "__main__":
-    main()
+    main_with_jobs(run)

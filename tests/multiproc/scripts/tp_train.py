@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel import Accelerator, DataLoaderConfiguration, ParallelismConfig
 from accel.utils import gather_object, set_seed
 
+from _jobs import main_with_jobs
+
 # the order the test rebuilds: randperm(seed + epoch) (the default follows the global RNG, as Accelerate)
 SEEDED = DataLoaderConfiguration(use_seedable_sampler=True)
 
@@ -24,14 +26,14 @@ def make_problem():
     return x, y, model
 
 
-def main() -> None:
+def run(argv: list[str] | None) -> Accelerator:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp_size", type=int, required=True)
     parser.add_argument("--user_plan", action="store_true")
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--load", action="store_true", help="load_state(OUT/ckpt) and write loaded_tp<N>.safetensors")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     x, y, model = make_problem()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -46,8 +48,7 @@ def main() -> None:
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in weights.items()},
                       str(Path(args.out) / f"loaded_tp{args.tp_size}.safetensors"))
-        accelerator.end_training()
-        return
+        return accelerator
 
     losses, norms = [], []
     for _ in range(2):
@@ -68,8 +69,8 @@ def main() -> None:
         out = Path(args.out)
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "weights.safetensors"))
         (out / "record.json").write_text(json.dumps(records))
-    accelerator.end_training()
+    return accelerator
 
 
 if __name__ == "__main__":
-    main()
+    main_with_jobs(run)

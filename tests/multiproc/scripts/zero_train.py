@@ -9,7 +9,6 @@
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, DataLoaderConfiguration, GradScalerKwargs, ParallelismConfig
 from accel.utils import set_seed
+
+from _jobs import main_with_jobs
 
 # the order the test rebuilds: randperm(seed + epoch) (the default follows the global RNG, as Accelerate)
 SEEDED = DataLoaderConfiguration(use_seedable_sampler=True)
@@ -55,20 +56,6 @@ def local_bytes(tensors) -> int:
 def optimizer_state_tensors(optimizer):
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
     return [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
-
-
-def main() -> None:
-    """`--jobs FILE`: several runs in one launch, one after another (a JSON list of argument lists, each with its own
-    --out), one Accelerator each, the process group kept between them."""
-    if sys.argv[1:2] == ["--jobs"]:
-        jobs = json.loads(Path(sys.argv[2]).read_text())
-        for i, argv in enumerate(jobs):
-            accelerator = run(argv)
-            if i < len(jobs) - 1:
-                accelerator.free_memory()
-        accelerator.end_training()
-    else:
-        run(None).end_training()
 
 
 def run(argv: list[str] | None) -> Accelerator:
@@ -180,4 +167,4 @@ def run(argv: list[str] | None) -> Accelerator:
 
 
 if __name__ == "__main__":
-    main()
+    main_with_jobs(run)
