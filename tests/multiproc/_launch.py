@@ -30,11 +30,10 @@ def accel_launch(env: dict, *launch_args: str, timeout: int = 300, expect: int =
     return proc
 
 
-def launch_jobs(out: Path, env: dict, num_processes: int, script: Path, jobs: list[tuple[str, list]]
-                ) -> tuple[Path, str]:
+def launch_jobs(out: Path, env: dict, num_processes: int, script: Path, jobs: list[tuple[str, list]]) -> str:
     """One launch of a worker script that runs several jobs one after another (its `--jobs FILE`,
     scripts/_jobs.py): each job is (folder, arguments), passed as `--out OUT/folder ARGUMENTS`; "{root}" in an
-    argument is OUT. Returns OUT and the launch's stdout."""
+    argument is OUT. Returns the launch's stdout."""
     argv = []
     for folder, args in jobs:
         (out / folder).mkdir(exist_ok=True)
@@ -42,4 +41,4 @@ def launch_jobs(out: Path, env: dict, num_processes: int, script: Path, jobs: li
     (out / f"jobs-{num_processes}.json").write_text(json.dumps(argv))
     proc = accel_launch(env, "--cpu", "--num_processes", num_processes, script, "--jobs",
                         out / f"jobs-{num_processes}.json")
-    return out, proc.stdout
+    return proc.stdout

@@ -73,7 +73,8 @@ def two_process_jobs(tmp_path_factory) -> Path:
     from conftest import make_isolated_env
 
     out = tmp_path_factory.mktemp("pp_jobs_2")
-    return launch_jobs(out, make_isolated_env(out), 2, SCRIPT, list(TWO_PROCESS_JOBS.items()))[0]
+    launch_jobs(out, make_isolated_env(out), 2, SCRIPT, list(TWO_PROCESS_JOBS.items()))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,8 @@ def four_process_jobs(tmp_path_factory) -> Path:
     from conftest import make_isolated_env
 
     out = tmp_path_factory.mktemp("pp_jobs_4")
-    return launch_jobs(out, make_isolated_env(out), 4, SCRIPT, list(FOUR_PROCESS_JOBS.items()))[0]
+    launch_jobs(out, make_isolated_env(out), 4, SCRIPT, list(FOUR_PROCESS_JOBS.items()))
+    return out
 
 
 def run(isolated_env, tmp_path, num_processes: int, *args, expect: int = 0):

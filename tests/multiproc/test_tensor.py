@@ -50,7 +50,7 @@ def jobs(tmp_path_factory):
             4: [(f"zero{stage}", ["--tp_size", 2, "--zero_stage", stage]) for stage in (0, 3)]}
     logs = {}
     for processes in (2, 1, 4):
-        logs[processes] = launch_jobs(out, env, processes, SCRIPT, runs[processes])[1]
+        logs[processes] = launch_jobs(out, env, processes, SCRIPT, runs[processes])
     return logs, out
 
 

@@ -45,7 +45,8 @@ def jobs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero_jobs")
     env = make_isolated_env(out)
     launch_jobs(out, env, N, SCRIPT, TWO_PROCESS_JOBS)
-    return launch_jobs(out, env, 1, SCRIPT, [(f"ckpt{stage}", ["--stage", stage, "--mode", "load"]) for stage in (1, 3)])[0]
+    launch_jobs(out, env, 1, SCRIPT, [(f"ckpt{stage}", ["--stage", stage, "--mode", "load"]) for stage in (1, 3)])
+    return out
 
 
 def reference(accum: int):
