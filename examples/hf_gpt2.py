@@ -13,6 +13,7 @@ tied again by `from_pretrained`), and the example checks it. Needs transformers 
 """
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def main() -> None:
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=args.steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler, loss_fn=loss_fn)
 
-    out = Path(args.out or tempfile.mkdtemp(prefix="hf_gpt2_"))
+    out = args.out or (tempfile.mkdtemp(prefix="hf_gpt2_") if accelerator.is_main_process else "")
     out = Path(broadcast_object_list([str(out)])[0])  # every process uses the main process's folder
     step, checkpoint = 0, None
     model.train()
@@ -94,6 +95,8 @@ def main() -> None:
         print(f"from_pretrained: tied, logits match (max difference {diff:.1e})")
     accelerator.print(f"done on {accelerator.num_processes} process(es): {accelerator.distributed_type}")
     accelerator.end_training()
+    if args.out is None and accelerator.is_main_process:  # the temp dir was this run's own: leave nothing behind
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
