@@ -110,8 +110,36 @@ def _owner(objects: TrainingObjects, optimizer) -> int | None:
 def _owned_optimizer_state(objects: TrainingObjects, optimizer) -> dict:
     owner = _owner(objects, optimizer)
     if owner is None:  # tensors of no prepared model: torch's own (index-keyed) state dict
-        return {**optimizer.state_dict(), "accel_by_position": True}
-    return _optimizer_state(objects.backend, objects.models[owner], optimizer)
+        state = {**optimizer.state_dict(), "accel_by_position": True}
+    else:
+        state = _optimizer_state(objects.backend, objects.models[owner], optimizer)
+    return {**state, "accel_type": _type_name(optimizer)}
+
+
+def _type_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_optimizer_fits(manifest_path: Path, i: int, saved: dict, optimizer) -> None:
+    """An optimizer's saved state fits the prepared optimizer: the same type (when the checkpoint names it), as many
+    parameter groups (their parameters may be split otherwise: pipeline stages), and no hyper-parameter the prepared
+    one does not know (AdamW's state loaded into SGD would load, then fail at the first step with KeyError
+    'momentum')."""
+    where = f"{manifest_path}: optimizer {i}"
+    saved_type = saved.get("accel_type")
+    if saved_type is not None and saved_type != _type_name(optimizer):
+        raise CheckpointError(f"{where} was saved from a {saved_type}, the prepared one is a {_type_name(optimizer)}; "
+                              "prepare the optimizer type the checkpoint was saved with")
+    groups, live = saved.get("param_groups") or [], optimizer.param_groups
+    if len(groups) != len(live):
+        raise CheckpointError(f"{where} has {len(groups)} parameter group(s), the prepared one {len(live)}; prepare "
+                              "the same parameter groups the checkpoint was saved with")
+    for g, (group, mine) in enumerate(zip(groups, live, strict=True)):
+        unknown = sorted(set(group) - set(mine) - {"params"})
+        if unknown:
+            raise CheckpointError(f"{where}, parameter group {g} has hyper-parameters {unknown} the prepared "
+                                  f"{type(optimizer).__name__} does not know; prepare the optimizer type the "
+                                  "checkpoint was saved with")
 
 
 def _optimizer_state(backend, model, optimizer) -> dict:
@@ -441,6 +469,8 @@ def _check_against_objects(folder: Path, plan: _LoadPlan, objects: TrainingObjec
             hooks = " (after the pre-hooks)" if kind == "models" and (objects.save_hooks or objects.load_hooks) else ""
             raise CheckpointError(f"{folder / layout.MANIFEST}: holds {count} {kind} but {have[kind]} were prepared/"
                                   f"registered{hooks}; prepare the same objects, in the same order, before load_state")
+    for i, (saved, opt) in enumerate(zip(skeleton["optimizers"], objects.optimizers, strict=True)):
+        _check_optimizer_fits(folder / layout.MANIFEST, i, saved, opt.optimizer)
     _check_layouts(folder, plan.manifest.get("layouts") or [{} for _ in models], objects.backend, models)
     live: dict[str, torch.Tensor] = {}
     tree.split(_collect(objects, [objects.backend.checkpoint_model_state(m) for m in models]), "", live)
@@ -533,6 +563,7 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
         for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"], strict=False)):
             what = f"optimizer {i}"
             sd = dict(sd)
+            sd.pop("accel_type", None)
             fresh = sd.pop("accel_fresh", False)
             owner = None if sd.pop("accel_by_position", False) else _owner(objects, opt.optimizer)
             if owner is None:

@@ -363,3 +363,45 @@ def test_a_model_of_another_shape_is_refused_before_anything_changes(trained):
     with pytest.raises(CheckpointError, match="model 0: 0.weight has shape \\[4, 3\\], the prepared model \\[5, 3\\]"):
         accelerator.load_state(str(folder))
     assert_same(before, snapshot(*objects))
+
+
+def _prepared_with(make_optimizer):
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=256)])
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return (accelerator, *accelerator.prepare(model, optimizer, scheduler))
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """The same hyper-parameters as AdamW, another type."""
+
+
+@pytest.mark.parametrize("make_optimizer,message", [
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+     "optimizer 0 was saved from a torch.optim.adamw.AdamW, the prepared one is a torch.optim.sgd.SGD"),
+    (lambda m: _MyAdamW(m.parameters(), lr=0.1), "the prepared one is a test_checkpoint_failures._MyAdamW"),
+    (lambda m: torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[1].parameters()}], lr=0.1),
+     "optimizer 0 has 1 parameter group\\(s\\), the prepared one 2"),
+], ids=["sgd", "subclass", "two-groups"])
+def test_an_optimizer_state_that_does_not_fit_is_refused_before_anything_changes(trained, make_optimizer, message):
+    """AdamW's state into SGD used to load, then fail at the first step with KeyError 'momentum'."""
+    folder, _ = trained
+    objects = _prepared_with(make_optimizer)
+    train_step(*objects)
+    before = snapshot(*objects)
+    with pytest.raises(CheckpointError, match=message):
+        objects[0].load_state(str(folder))
+    assert_same(before, snapshot(*objects))
+
+
+def test_an_older_checkpoint_without_the_optimizer_type_is_checked_by_its_hyper_parameters(trained, tmp_path):
+    folder, _ = trained
+    manifest = json.loads((folder / layout.MANIFEST).read_text())
+    assert manifest["skeleton"]["optimizers"][0].pop("accel_type") == "torch.optim.adamw.AdamW"
+    layout.write_manifest(folder, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
+    objects = _prepared_with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match="parameter group 0 has hyper-parameters \\['amsgrad', 'betas'"):
+        objects[0].load_state(str(folder))
+    _prepared_with(lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))[0].load_state(str(folder))  # still loads
