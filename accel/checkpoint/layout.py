@@ -1,8 +1,8 @@
 """Checkpoint folders on disk: atomic publication, the manifest, numbering, rotation and validation.
 
-A checkpoint is written into a hidden temporary folder beside its target (`.tmp-<name>-<id>`), every file
-is fsynced, the manifest `accel_checkpoint.json` is written last, and only then is the folder renamed into
-place. A folder without a complete manifest is never a checkpoint, so a save killed at any moment leaves
+A checkpoint is written into a hidden temporary folder beside its target (`.tmp-<name>-<host>-<pid>-<id>`),
+every file is fsynced, the manifest `accel_checkpoint.json` is written last, and only then is the folder renamed
+into place. A folder without a complete manifest is never a checkpoint, so a save killed at any moment leaves
 the previous checkpoints intact and is never picked as the latest.
 """
 
@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -65,7 +66,9 @@ class ProjectConfiguration:
 # -- writing ----------------------------------------------------------------------------------------------
 
 def temporary_sibling(target: Path) -> Path:
-    return target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    """`.tmp-<name>-<host>-<pid>-<id>`: the owner is in the name, so a later clean-up can tell an abandoned one
+    (its process is gone) from one another job is still writing."""
+    return target.parent / f".tmp-{target.name}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def fsync_tree(folder: Path) -> None:
@@ -158,12 +161,53 @@ def publish(tmp: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", os.uname().nodename if hasattr(os, "uname") else "host") or "host"
+_OWNED_TEMPORARY = re.compile(r"^\.tmp-.+-(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+ABANDONED_AFTER = 600.0  # seconds without a write before a dead owner's temporary folder may be removed
+UNOWNED_AFTER = 86400.0  # a temporary folder of an older accel (no owner in its name): a day without a write
+
+
 def remove_stale_temporaries(parent: Path) -> None:
-    """Temporary folders left by interrupted saves (never checkpoints) are cleaned before the next save."""
-    if parent.is_dir():
-        for path in parent.iterdir():
-            if path.is_dir() and path.name.startswith(".tmp-"):
-                shutil.rmtree(path, ignore_errors=True)
+    """Remove the temporary folders of interrupted saves beside a new one, and only those provably abandoned:
+    written on this host by a process that no longer runs, nothing written for ABANDONED_AFTER seconds (a folder
+    of an accel before owners were named: UNOWNED_AFTER). Another job's save in progress (a sibling folder, or
+    the same one) is never touched; nor is a folder another host writes (its processes cannot be seen from here)."""
+    if not parent.is_dir():
+        return
+    for path in parent.iterdir():
+        if path.name.startswith(".tmp-") and path.is_dir() and _abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _abandoned(path: Path) -> bool:
+    match = _OWNED_TEMPORARY.match(path.name)
+    if match is None:
+        return _idle_for(path) > UNOWNED_AFTER
+    if match["host"] != _HOST or _process_runs(int(match["pid"])):
+        return False
+    return _idle_for(path) > ABANDONED_AFTER
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # it exists (another user's), or cannot be asked: assume it runs
+    return True
+
+
+def _idle_for(path: Path) -> float:
+    """Seconds since anything in the folder was last written (a save writing one large file keeps it fresh)."""
+    newest = 0.0
+    for root, _dirs, files in os.walk(path):
+        for name in [".", *files]:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return time.time() - newest
 
 
 # -- numbering --------------------------------------------------------------------------------------------

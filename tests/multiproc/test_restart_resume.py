@@ -3,6 +3,9 @@ which attempt it is (ACCEL_RESTART_COUNT), and `load_state()` continues from the
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +103,14 @@ def test_load_state_without_a_complete_checkpoint_is_a_file_not_found_error(tmp_
                                       "accel_checkpoint.json); to start fresh when there is none, catch "
                                       "FileNotFoundError")
         assert isinstance(missing.value, layout.CheckpointError)
-        (checkpoints / ".tmp-checkpoint_0-0123abcd" / "state").mkdir(parents=True)
+        # a save killed earlier on this host: its process is gone and it has been idle long enough
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        abandoned = checkpoints / f".tmp-checkpoint_0-{layout._HOST}-{dead.pid}-0123abcd"
+        (abandoned / "state").mkdir(parents=True)
+        long_ago = time.time() - layout.ABANDONED_AFTER - 60
+        for path in (abandoned / "state", abandoned):
+            os.utime(path, (long_ago, long_ago))
         (checkpoints / "checkpoint_1").mkdir()
         with pytest.raises(FileNotFoundError):
             accelerator.load_state()
@@ -108,7 +118,7 @@ def test_load_state_without_a_complete_checkpoint_is_a_file_not_found_error(tmp_
         with torch.no_grad():
             model.weight.fill_(1.0)
         project.iteration = 0
-        saved = accelerator.save_state()  # checkpoint_0; its save removed the .tmp folder
+        saved = accelerator.save_state()  # checkpoint_0; its save removed the abandoned .tmp folder
         assert Path(saved).name == "checkpoint_0" and not list(checkpoints.glob(".tmp-*"))
         (checkpoints / ".tmp-checkpoint_2-4567cdef").mkdir()
         with torch.no_grad():
