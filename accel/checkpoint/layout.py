@@ -8,6 +8,7 @@ the previous checkpoints intact and is never picked as the latest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -128,13 +129,44 @@ def write_json(path: Path, obj) -> None:
         f.flush()
 
 
+CHECKSUM = "sha256"  # hashlib's, hardware-accelerated on x86-64 (SHA-NI) and ARMv8: faster than zlib's crc32 here
+
+
+def file_checksum(path: Path) -> str:
+    """`sha256:<hex>` of a file's bytes, streamed (the whole file is never in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return f"{CHECKSUM}:{digest.hexdigest()}"
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """The checksum of the manifest's own content (every key but `checksum`), over its canonical JSON: a same-size
+    edit of any value (a seed, a scheduler's last_epoch) is found."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return f"{CHECKSUM}:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    """Checksums of several files, hashed in threads (hashlib releases the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, max(len(names), 1))) as pool:
+        return dict(zip(names, pool.map(lambda rel: file_checksum(folder / rel), names), strict=True))
+
+
 def write_manifest(folder: Path, content: dict) -> None:
-    """List every file with its size, then write the manifest atomically: it marks the folder complete."""
+    """List every file with its size and checksum, then write the manifest (with its own checksum) atomically: it
+    marks the folder complete."""
     files = {}
     for path in sorted(folder.rglob("*")):
         if path.is_file() and path.name != MANIFEST:
             files[path.relative_to(folder).as_posix()] = path.stat().st_size
-    manifest = {"format": FORMAT, "version": VERSION, **content, "files": files}
+    manifest = {"format": FORMAT, "version": VERSION, **content, "files": files,
+                "checksums": _checksums(folder, list(files))}
+    manifest["checksum"] = manifest_checksum(manifest)
     tmp = folder / f".{MANIFEST}.tmp"
     with open(tmp, "w") as fh:
         json.dump(manifest, fh)
@@ -242,8 +274,11 @@ def rotate(folder: Path, total_limit: int | None) -> None:
 
 # -- reading ----------------------------------------------------------------------------------------------
 
-def read_manifest(folder: Path) -> dict:
-    """The manifest of a complete checkpoint, after checking every listed file is there with its size."""
+def read_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """The manifest of a complete checkpoint, after checking every listed file is there with its size, the
+    manifest's own checksum, and the checksums of the files: of every `world`-th one from `rank` for
+    `share=(rank, world)` (the processes of a load verify a share each). A manifest written before checksums
+    (or by hand, without them) is checked by sizes only."""
     folder = Path(folder)
     if not folder.is_dir():
         interrupted = sorted(folder.parent.glob(f".old-{folder.name}-*")) if folder.parent.is_dir() else []
@@ -271,7 +306,25 @@ def read_manifest(folder: Path) -> dict:
         file, actual = regular_file(folder, rel, path)
         if type(size) is not int or actual != size:
             raise CheckpointError(f"{file}: damaged (size {actual} bytes, expected {size!r})")
+    _verify_checksums(folder, path, manifest, files, share)
     return manifest
+
+
+def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, share: tuple[int, int]) -> None:
+    saved = manifest.get("checksum")
+    if saved is not None and saved != manifest_checksum(manifest):
+        raise CheckpointError(f"{path}: damaged (its content does not match its checksum: edited or corrupted)")
+    checksums = manifest.get("checksums")
+    if checksums is None:
+        return
+    if not isinstance(checksums, dict) or set(checksums) != set(files):
+        raise CheckpointError(f"{path}: damaged ('checksums' does not list exactly the files of 'files')")
+    rank, world = share
+    mine = sorted(files)[rank::world]
+    for rel, actual in _checksums(folder, mine).items():
+        if actual != checksums[rel]:
+            raise CheckpointError(f"{folder / rel}: damaged (its bytes do not match the checksum in {path.name}: "
+                                  "corrupted or changed since the save)")
 
 
 def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:

@@ -446,7 +446,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
 def _checked_files(folder: Path, objects: TrainingObjects, rank: int) -> _LoadPlan:
     """The manifest and every file it names checked, this rank's RNG states read; then the load pre-hooks
     (Accelerate's `hook(models, input_dir)`: they take out the models they load themselves)."""
-    manifest = layout.read_manifest(folder)
+    manifest = layout.read_manifest(folder, share=(rank, _rank_world()[1]))
     specs, aliases = _checked_manifest(folder / layout.MANIFEST, manifest)
     _check_state_files(folder, manifest, specs, aliases)
     rng = _read_rng(folder, rank, manifest)

@@ -187,10 +187,18 @@ def test_a_failing_save_hook_keeps_its_traceback_as_the_cause(tmp_path):
 # -- loading ------------------------------------------------------------------------------------------------
 
 def edit_manifest(folder: Path, change) -> None:
+    """Change the manifest as a tool that writes no checksums would (the checks behind the checksums still hold
+    for such checkpoints; with the checksums kept, the manifest's own checksum finds any edit first)."""
     path = folder / layout.MANIFEST
     manifest = json.loads(path.read_text())
+    manifest.pop("checksum", None)
+    manifest.pop("checksums", None)
     change(manifest)
     path.write_text(json.dumps(manifest))
+
+
+def without_checksums(folder: Path) -> None:
+    edit_manifest(folder, lambda m: None)
 
 
 def same_size_garbage(path: Path, text: bytes) -> None:
@@ -256,6 +264,7 @@ def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
         edit_manifest(folder, lambda m: set_spec(m, "models", "shape", [-1, 3]))
         return f"{manifest_path}: tensor /models/0/0.weight: shape [-1, 3]; allowed: a list of sizes >= 0"
     if case == "shard header":
+        without_checksums(folder)
         same_size_garbage(shard(folder), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
         return f"{shard(folder)}: damaged (header: JSONDecodeError"
     if case == "optimizer dtype":
@@ -268,9 +277,11 @@ def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
         edit_manifest(folder, lambda m: m["skeleton"]["schedulers"][0].update({"x": {"__float__": "many"}}))
         return f"{manifest_path}: damaged (ValueError: could not convert string to float: 'many')"
     if case == "rng json":
+        without_checksums(folder)
         same_size_garbage(folder / "rng" / "rank_0.json", b'{"python": [3, [1, 2], null]}')
         return f"{folder / 'rng' / 'rank_0.json'}: damaged (TypeError: state vector must be a tuple)"
     if case == "rng tensors":
+        without_checksums(folder)
         same_size_garbage(folder / "rng" / "rank_0.safetensors", b"\x00" * 8)
         return f"{folder / 'rng' / 'rank_0.safetensors'}: damaged ("
     raise AssertionError(case)
@@ -405,3 +416,33 @@ def test_an_older_checkpoint_without_the_optimizer_type_is_checked_by_its_hyper_
     with pytest.raises(CheckpointError, match="parameter group 0 has hyper-parameters \\['amsgrad', 'betas'"):
         objects[0].load_state(str(folder))
     _prepared_with(lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))[0].load_state(str(folder))  # still loads
+
+
+@pytest.mark.parametrize("what", ["shard bit", "rng bit", "manifest value", "manifest step"])
+def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(trained, what):
+    """One flipped bit in a tensor shard, or a same-size edit of a value in the manifest, used to load silently."""
+    folder, objects = trained
+    before = snapshot(*objects)
+    manifest_path = folder / layout.MANIFEST
+    if what.startswith("manifest"):
+        text = manifest_path.read_text()
+        old = '"last_epoch": 1' if what == "manifest value" else '"step": 0'
+        assert old in text
+        manifest_path.write_text(text.replace(old, old[:-1] + "7", 1))  # the same size
+        expected = f"{manifest_path}: damaged (its content does not match its checksum"
+    else:
+        path = shard(folder) if what == "shard bit" else folder / "rng" / "rank_0.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x04  # one bit of the last tensor's data
+        path.write_bytes(bytes(data))
+        expected = f"{path}: damaged (its bytes do not match the checksum in {layout.MANIFEST}"
+    with pytest.raises(CheckpointError) as caught:
+        objects[0].load_state(str(folder))
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value), str(caught.value)
+    assert_same(before, snapshot(*objects))
+
+
+def test_a_checkpoint_without_checksums_still_loads(trained):
+    folder, objects = trained
+    without_checksums(folder)
+    objects[0].load_state(str(folder))

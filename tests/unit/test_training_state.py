@@ -116,8 +116,13 @@ def test_load_errors_name_the_bad_file(tmp_path):
     shard.write_bytes(data[:-8])
     with pytest.raises(CheckpointError, match=f"{shard.name}: damaged \\(size"):
         accelerator.load_state(str(folder))
-    shard.write_bytes(b"\xff" * len(data))  # same size, garbage inside
-    with pytest.raises(CheckpointError, match=f"{shard.name}: damaged \\(not a safetensors file"):
+    shard.write_bytes(b"\xff" * len(data))  # same size, garbage inside: its checksum differs
+    with pytest.raises(CheckpointError, match=f"{shard.name}: damaged \\(its bytes do not match the checksum"):
+        accelerator.load_state(str(folder))
+    manifest_file = folder / "accel_checkpoint.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_text(json.dumps({k: v for k, v in manifest.items() if k not in ("checksum", "checksums")}))
+    with pytest.raises(CheckpointError, match=f"{shard.name}: damaged \\(not a safetensors file"):  # no checksums
         accelerator.load_state(str(folder))
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"{shard.name}: missing from checkpoint"):
