@@ -113,11 +113,14 @@ def _owned_optimizer_state(objects: TrainingObjects, optimizer) -> dict:
         state = {**optimizer.state_dict(), "accel_by_position": True}
     else:
         state = _optimizer_state(objects.backend, objects.models[owner], optimizer)
-    return {**state, "accel_type": _type_name(optimizer)}
+    return {**state, "accel_type": _optimizer_type(optimizer)}
 
 
-def _type_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+def _optimizer_type(optimizer) -> str:
+    """The optimizer class the user prepared: ZeRO-1's `ZeroRedundancyOptimizer` names the one it wraps, so a
+    checkpoint saved on 2 processes under ZeRO-1 loads on 1 (plain AdamW) and the other way round."""
+    cls = getattr(optimizer, "_optim_constructor", None) or type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _check_optimizer_fits(manifest_path: Path, i: int, saved: dict, optimizer) -> None:
@@ -126,9 +129,9 @@ def _check_optimizer_fits(manifest_path: Path, i: int, saved: dict, optimizer) -
     one does not know (AdamW's state loaded into SGD would load, then fail at the first step with KeyError
     'momentum')."""
     where = f"{manifest_path}: optimizer {i}"
-    saved_type = saved.get("accel_type")
-    if saved_type is not None and saved_type != _type_name(optimizer):
-        raise CheckpointError(f"{where} was saved from a {saved_type}, the prepared one is a {_type_name(optimizer)}; "
+    saved_type, live_type = saved.get("accel_type"), _optimizer_type(optimizer)
+    if saved_type is not None and saved_type != live_type:
+        raise CheckpointError(f"{where} was saved from a {saved_type}, the prepared one is a {live_type}; "
                               "prepare the optimizer type the checkpoint was saved with")
     groups, live = saved.get("param_groups") or [], optimizer.param_groups
     if len(groups) != len(live):
@@ -138,7 +141,7 @@ def _check_optimizer_fits(manifest_path: Path, i: int, saved: dict, optimizer) -
         unknown = sorted(set(group) - set(mine) - {"params"})
         if unknown:
             raise CheckpointError(f"{where}, parameter group {g} has hyper-parameters {unknown} the prepared "
-                                  f"{type(optimizer).__name__} does not know; prepare the optimizer type the "
+                                  f"{live_type.rsplit('.', 1)[-1]} does not know; prepare the optimizer type the "
                                   "checkpoint was saved with")
 
 

@@ -1,9 +1,11 @@
 """save_state / load_state end to end in real processes: bit-exact resume, resharding, and SIGKILL."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,14 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, t
 
     assert latest_checkpoint(checkpoints).name == "checkpoint_0"
     read_manifest(checkpoints / "checkpoint_0")  # complete and intact
+    # the killed owner is gone; make its temporary "old enough" (layout.ABANDONED_AFTER without a write), so the
+    # next save may remove it as provably abandoned (a fresh one is kept: tests/unit/test_checkpoint_temporaries.py)
+    from accel.checkpoint.layout import ABANDONED_AFTER
+
+    stale = time.time() - ABANDONED_AFTER - 60
+    for temporary in checkpoints.glob(".tmp-checkpoint_1*"):
+        for path in [temporary, *temporary.rglob("*")]:
+            os.utime(path, (stale, stale))
     # a fresh process loads it: the weights are those of checkpoint_0
     check = (
         "import torch, sys\n"
@@ -92,7 +102,7 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, t
         "m, o = acc.prepare(m, o)\n"
         "acc.load_state()\n"
         "assert torch.all(m.weight == 1.0), m.weight\n"
-        "acc.save_state()\n"  # the next save cleans the temporary folder up and becomes checkpoint_1
+        "acc.save_state()\n"  # the next save removes the abandoned temporary folder and becomes checkpoint_1
         "print('loaded')\n"
     )
     proc = subprocess.run([sys.executable, "-c", check, str(tmp_path)], cwd=ROOT, env=isolated_env,
@@ -116,6 +126,7 @@ def test_a_failure_on_one_rank_is_one_line_everywhere(isolated_env, tmp_path):
         "ERR1": f"{full}; free space on that disk or save elsewhere; {unchanged}",
         "ERR2": f"{full} (writing rng/rank_1.safetensors); free space on that disk or save elsewhere; {unchanged}",
         "LOADED": "True",
-        "ERR3": f"{tmp_path / 'ckpt' / 'rng' / 'rank_1.json'}: damaged (TypeError: list indices must be integers or "
-                "slices, not str) (rank 1)",
+        # the checksums catch it before anything is parsed, on the rank whose share of the files holds it
+        "ERR3": f"{tmp_path / 'ckpt' / 'rng' / 'rank_1.json'}: damaged (its bytes do not match the checksum in "
+                "accel_checkpoint.json: corrupted or changed since the save) (rank 0)",
         "END": "unchanged=True leftovers=[] differs_from_saved=True"}
