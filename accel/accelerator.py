@@ -20,6 +20,7 @@ from accel.runtime import ops
 from accel.runtime.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
+from accel.checkpoint.async_save import AsyncCheckpointer
 from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
 from accel.config.kwargs import (
     AORecipeKwargs,
@@ -136,6 +137,8 @@ class Accelerator:
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         self.state = PartialState(cpu=self.config.use_cpu, **(init.to_kwargs() if init else {}))
+        self._checkpointer = AsyncCheckpointer()  # an asynchronous save_state in flight: waited for before teardown
+        self.state.add_release_callback(self._checkpointer.close)
         check_device_matches(self.config, self.state.device)
         self.topology = Topology.for_config(self.state.num_processes, self.config.parallelism)
         scaler = find_handler(self.kwargs_handlers, GradScalerKwargs)
@@ -731,11 +734,21 @@ class Accelerator:
     def end_training(self) -> None:
         """Finish: close the trackers, release the wrapped modules and destroy the process group (also done at
         exit)."""
+        self.wait_for_checkpoint()
         for tracker in self.trackers:
             tracker.finish()
         self.wait_for_everyone()
         self.free_memory()
         self.state.destroy()
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once the job was asked to stop (SIGTERM or `preemption_signal` to `accel launch`), on every process at
+        the same step. Read it once per step on every rank (it is a tiny all_reduce): `if
+        accelerator.preemption_requested: accelerator.save_state(); break`. See accel/runtime/preemption.py."""
+        from accel.runtime import preemption
+
+        return preemption.requested(self.state)
 
     # ------------------------------------------------------------------------------------------------------
     # checkpoints
@@ -775,14 +788,23 @@ class Accelerator:
                                load_hooks=list(self._load_model_state_pre_hook.values()),
                                trackers=tracker_record(self.trackers))
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   async_save: bool | None = None, **_: Any) -> str:
         """Save everything needed to continue (models, optimizers, schedulers, scaler, loaders, RNG, registered
-        objects) atomically; with automatic naming, to `project_dir/checkpoints/checkpoint_<i>`."""
+        objects) atomically; with automatic naming, to `project_dir/checkpoints/checkpoint_<i>`.
+
+        `async_save=True` (or the config's `checkpoint_async: thread | process`) returns once the tensors are
+        copied off the live ones and writes them in the background; the folder appears, complete, when the write
+        is done (`wait_for_checkpoint()` waits for it; so do the next save, load_state and end_training)."""
         from accel.checkpoint import layout
         from accel.checkpoint.training_state import save_training_state
 
         if not safe_serialization:
             _warn_safetensors_only()
+        mode = self.config.checkpoint_async
+        if async_save is not None:
+            mode = ("thread" if mode == "no" else mode) if async_save else "no"
+        self.wait_for_checkpoint()
         project = self.project_configuration
         target: str | os.PathLike
         if project.automatic_checkpoint_naming:
@@ -797,13 +819,23 @@ class Accelerator:
                              "project_dir=..., automatic_checkpoint_naming=True))")
         else:
             target = output_dir
-        path = save_training_state(target, self._training_objects())
+        rotate = None
+        if project.automatic_checkpoint_naming:
+            folder, limit = project.checkpoints_dir(), project.total_limit
+            rotate = lambda: layout.rotate(folder, limit)  # noqa: E731 (run by the main process once published)
+        path = save_training_state(target, self._training_objects(), mode, self._checkpointer, rotate)
         if project.automatic_checkpoint_naming:
             project.iteration += 1
-            if self.is_main_process:
-                layout.rotate(project.checkpoints_dir(), project.total_limit)
-            self.wait_for_everyone()
         return str(path)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for an asynchronous `save_state` in flight (every process calls this); returns the folder it
+        published, None when none was pending. A failure in the background is raised here, the same one-line
+        CheckpointError on every process (the previous checkpoint stays the latest)."""
+        from accel.checkpoint.training_state import wait_for_save
+
+        published = wait_for_save(self._checkpointer)
+        return None if published is None else str(published)
 
     def load_state(self, input_dir: str | None = None, **_: Any) -> None:
         """Restore what save_state wrote (RNG states last). With no path, the latest complete automatic checkpoint
@@ -814,6 +846,7 @@ class Accelerator:
         from accel.checkpoint import layout
         from accel.checkpoint.training_state import load_training_state
 
+        self.wait_for_checkpoint()
         project = self.project_configuration
         source: str | os.PathLike
         if input_dir is None:
@@ -864,19 +897,19 @@ class Accelerator:
                    safe_serialization: bool = True) -> None:
         """Save the full weights in Hugging Face's layout (sharded safetensors + index) from the main process;
         tied weights once, with the record that restores the tie. A transformers model's `config.json` is written
-        beside them, so `from_pretrained(save_directory)` loads the trained model."""
-        from pathlib import Path
-
+        beside them, so `from_pretrained(save_directory)` loads the trained model. Every file gets a checksum that
+        `load_checkpoint_in_model` verifies; the folder's model (config.json included) is replaced in one step, its
+        other files kept (model_io.save_state_dict_sharded)."""
         from accel.checkpoint.model_io import save_state_dict_sharded
 
         state = self.get_state_dict(model)
         if self.is_main_process:
-            save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
-                                    safe_serialization=safe_serialization)
             config = getattr(self.unwrap_model(model), "config", None)
-            # a transformers model: from_pretrained(save_directory) works
-            if config is not None and hasattr(config, "to_json_file"):
-                config.to_json_file(str(Path(save_directory) / "config.json"))
+            # a transformers model: from_pretrained(save_directory) works; config.json is published with the weights
+            extra = ({"config.json": lambda path: config.to_json_file(str(path))}
+                     if config is not None and hasattr(config, "to_json_file") else None)
+            save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
+                                    safe_serialization=safe_serialization, extra_files=extra)
         self.wait_for_everyone()
 
     # -- experiment trackers (accel/tracking.py): started, fed and finished on the main process only ----------

@@ -32,7 +32,12 @@ Memory, two measures of what the operation needs on top of the live model and op
   sampled every 5 ms by the driver from /proc/<pid>/status (a sampling thread inside the worker would be
   starved of the GIL while a big buffer is being copied). A spike shorter than 5 ms can be missed.
 
-Runs alternate (accel first in even rounds, plain first in odd ones); the table shows median, min and max seconds, MB/s
+Checksums: save_state and load_state also run with the crc32 checksums switched off in the worker (the writer's
+inline crc32 and the manifest's hashing replaced by constants; load_state's verification skipped), so their cost is
+the difference of the medians, stated as a share of the save time; the load worker also times crc32 and sha256 over
+the checkpoint's files (from the page cache, one thread) for their throughput.
+
+Runs alternate (each operation of a group first in turn); the table shows median, min and max seconds, MB/s
 (tensor bytes / median seconds; MB = 10**6 bytes), memory and the size on disk, with accel/plain ratios. Each
 load checks that it restored a parameter (and, for training state, its exp_avg) disturbed just before it.
 Everything is written under a temporary folder in the system temp dir (/tmp), removed at the end.
@@ -59,13 +64,17 @@ MARKER = "BENCH_CHECKPOINT_RESULT "
 SAMPLE_S = 0.005  # RssAnon sampling interval
 # (blocks, width, hidden): blocks x [Linear(width, hidden), GELU, Linear(hidden, width)]
 SIZES = {"full": (12, 1024, 4096), "quick": (6, 512, 2048)}
-# pairs (accel, plain); saves first, since each round's loads read what round 0 saved
-SAVE_PAIRS = [("accel_save_state", "torch_save"), ("accel_save_model", "st_save_file")]
-LOAD_PAIRS = [("accel_load_state", "torch_load"), ("accel_load_model", "st_load_file")]
+# groups (accel, plain[, accel without checksums]); saves first, since each round's loads read what round 0 saved
+SAVE_PAIRS = [("accel_save_state", "torch_save", "accel_save_state_nocrc", "accel_save_state_async"),
+              ("accel_save_model", "st_save_file")]
+LOAD_PAIRS = [("accel_load_state", "torch_load", "accel_load_state_nocrc"), ("accel_load_model", "st_load_file")]
 LABELS = {
     "accel_save_state": "accel save_state",
+    "accel_save_state_nocrc": "accel save_state, no checksums",
+    "accel_save_state_async": "accel save_state(async_save=True) x2",
     "torch_save": "torch.save",
     "accel_load_state": "accel load_state",
+    "accel_load_state_nocrc": "accel load_state, no checksums",
     "torch_load": "torch.load + load_state_dict",
     "accel_save_model": "accel save_model (500MB shards)",
     "st_save_file": "safetensors save_file",
@@ -74,9 +83,10 @@ LABELS = {
 }
 # where each save writes (relative to its run folder); loads read round 0's
 OUTPUT = {"accel_save_state": "state", "torch_save": "state.pt", "accel_save_model": "model",
-          "st_save_file": "model.safetensors"}
+          "st_save_file": "model.safetensors", "accel_save_state_nocrc": "state_nocrc",
+          "accel_save_state_async": "state_async"}
 SOURCE = {"accel_load_state": "accel_save_state", "torch_load": "torch_save", "accel_load_model": "accel_save_model",
-          "st_load_file": "st_save_file"}
+          "st_load_file": "st_save_file", "accel_load_state_nocrc": "accel_save_state"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -173,6 +183,43 @@ def fsync_path(path: Path) -> None:
         os.close(fsync_dir)
 
 
+def without_checksums() -> None:
+    """Switch save_state's and load_state's checksums off in this worker: the writer's inline crc32 and the
+    manifest's hashing give a constant, load_state verifies nothing (the manifest still lists every file)."""
+    from accel.checkpoint import layout, streaming_writer
+
+    class NoCrc32:
+        def feed(self, part) -> None:
+            pass
+
+        def drain(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+        def finish(self) -> str:
+            return "crc32:00000000"
+
+    streaming_writer._Crc32 = NoCrc32  # type: ignore[misc,assignment]
+    layout._checksums = lambda folder, names, algorithms=None: dict.fromkeys(names, "crc32:00000000")
+    layout._verify_checksums = lambda *args, **kwargs: None
+
+
+def checksum_speed(folder: Path) -> dict:
+    """Seconds to crc32 and to sha256 every file of a checkpoint, one thread, from the page cache."""
+    from accel.checkpoint import layout
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    speed = {"checksum_bytes": sum(p.stat().st_size for p in files)}
+    for algorithm in ("crc32", "sha256"):
+        t0 = time.perf_counter()
+        for p in files:
+            layout.file_checksum(p, algorithm)
+        speed[f"{algorithm}_s"] = time.perf_counter() - t0
+    return speed
+
+
 def worker(op: str, path: Path, size: str) -> None:
     import torch
 
@@ -209,10 +256,23 @@ def worker(op: str, path: Path, size: str) -> None:
             raw_opt.state[first]["exp_avg"].add_(1.0)
         gc.collect()
 
+    if op.endswith("_nocrc"):
+        without_checksums()
+        op = op.removesuffix("_nocrc")
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         if op == "accel_save_state":
             accelerator.save_state(str(path))
+        elif op == "accel_save_state_async":  # two saves, a training step's worth of work between them
+            for i in (1, 2):
+                t1 = time.perf_counter()
+                accelerator.save_state(f"{path}_{i}" if i == 1 else str(path), async_save=True)
+                result[f"blocked{i}_s"] = time.perf_counter() - t1
+                with torch.no_grad():  # the live state changes while the background write runs
+                    first.mul_(1.0001)
+                t1 = time.perf_counter()
+                accelerator.wait_for_checkpoint()
+                result[f"wait{i}_s"] = time.perf_counter() - t1
         elif op == "torch_save":
             torch.save({"model": inner.state_dict(), "optimizer": raw_opt.state_dict()}, path)
         elif op == "accel_save_model":
@@ -245,6 +305,8 @@ def worker(op: str, path: Path, size: str) -> None:
         t0 = time.perf_counter()
         fsync_path(path)
         result["fsync_s"] = time.perf_counter() - t0
+    if op == "accel_load_state" and result["op"] == op:  # the checksums' throughput, over what was loaded
+        result.update(checksum_speed(path))
     if expect is not None:
         first = next(inner.parameters())  # load_state_dict copies in place; this is the same object
         restored = torch.equal(first, expect[0])
@@ -311,12 +373,12 @@ def main(args: argparse.Namespace) -> None:
             folder = root / f"run{rnd}"
             folder.mkdir()
             for pair in SAVE_PAIRS:
-                for op in (pair if rnd % 2 == 0 else pair[::-1]):
+                for op in pair[rnd % len(pair):] + pair[:rnd % len(pair)]:
                     results[op].append(run_worker(op, folder / OUTPUT[op], size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
                           flush=True)
             for pair in LOAD_PAIRS:
-                for op in (pair if rnd % 2 == 0 else pair[::-1]):
+                for op in pair[rnd % len(pair):] + pair[:rnd % len(pair)]:
                     source = root / "run0" / OUTPUT[SOURCE[op]]
                     results[op].append(run_worker(op, source, size, root))
                     print(f"  round {rnd + 1}/{runs}  {LABELS[op]:<40} {results[op][-1]['seconds']:7.2f} s",
@@ -356,9 +418,9 @@ def main(args: argparse.Namespace) -> None:
         print(f"{title}: {payload / MB:.1f} MB of tensors")
         print(header)
         print("-" * len(header))
-        for accel_op, plain_op in pairs:
+        for accel_op, plain_op, *others in pairs:
             rows = {}
-            for op in (accel_op, plain_op):
+            for op in (accel_op, plain_op, *others):
                 runs_ = results[op]
                 secs = [r["seconds"] for r in runs_]
                 rows[op] = (median(secs), median([r["peak_mb"] for r in runs_]), median([r["anon_mb"] for r in runs_]))
@@ -376,8 +438,36 @@ def main(args: argparse.Namespace) -> None:
                 print(f"{LABELS[plain_op] + ' + fsync':<42}{synced:>9.2f}{min(synced_all):>7.2f}"
                       f"{max(synced_all):>7.2f}{payload / MB / synced:>7.0f}")
                 ratio_line += f"; time against the fsynced save {t_a / synced:.2f}x"
+                if accel_op == "accel_save_state":
+                    ratio_line += f" (target <= 1.10); anon +{round(n_a)} MB (target <= one file, 268 MB)"
             print(ratio_line)
         print()
+    save = median([r["seconds"] for r in results["accel_save_state"]])
+    runs_async = results["accel_save_state_async"]
+    print("asynchronous save_state (two saves per worker: the first allocates the staging buffers, the second reuses "
+          "them), the loop's blocked time against the synchronous save_state's median:")
+    for i, what in ((1, "first save "), (2, "second save")):
+        blocked, wait = median([r[f"blocked{i}_s"] for r in runs_async]), median([r[f"wait{i}_s"] for r in runs_async])
+        print(f"  {what}: blocked {blocked:.2f} s = {blocked / save:.2f}x the synchronous save (target <= 0.2), then "
+              f"written in the background in {wait:.2f} s more")
+    extra = median([r["anon_mb"] for r in runs_async])
+    print(f"  extra memory: anon +{round(extra)} MB over both saves (the staging copy, kept for the next save), "
+          f"{extra * MB / state_bytes:.2f}x the training state")
+    print()
+    print("checksums (crc32) of the training state, their cost as the difference of the medians:")
+    for what, op in (("save", "accel_save_state"), ("load", "accel_load_state")):
+        on = median([r["seconds"] for r in results[op]])
+        off = median([r["seconds"] for r in results[op + "_nocrc"]])
+        print(f"  {what}_state {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
+              f"{(on - off) / save * 100:+.1f}% of the save time ({(on - off) / off * 100:+.1f}% of this {what})"
+              f"  (target <= 5% of the save time)")
+    timed = [r for r in results["accel_load_state"] if "crc32_s" in r]
+    if timed:
+        nbytes = timed[0]["checksum_bytes"]
+        for algorithm in ("crc32", "sha256"):
+            secs = median([r[f"{algorithm}_s"] for r in timed])
+            print(f"  {algorithm} of the checkpoint's {nbytes / MB:.0f} MB, one thread, from the page cache: "
+                  f"{secs:.2f} s, {nbytes / secs / 1e9:.2f} GB/s")
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

@@ -54,6 +54,7 @@ import socket
 import sys
 
 from accel.cli import accelerate_flags, checks, multinode, output
+from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli.hang_report import HangWatch
 from accel.config import (
@@ -91,6 +92,10 @@ _FLAG_KEYS = {
     "dynamo_use_regional_compilation": "dynamo_use_regional_compilation",
     "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
     "collective_timeout": "collective_timeout",
+    "preemption_signal": "preemption_signal",
+    "grace_period": "grace_period",
+    "requeue": "requeue",
+    "checkpoint_async": "checkpoint_async",
 }
 # the flags that feed the config (`accel env` takes them too), Accelerate's among them
 CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
@@ -130,8 +135,19 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(dist, "collective_timeout", type=_seconds, metavar="SECONDS", default=None,
              help="how long a collective may wait for every process; then the job stops and names the processes "
                   "that never came (default 600)")
+    stop = parser.add_argument_group("preemption (SIGTERM asks the workers to save and stop: "
+                                      "accelerator.preemption_requested)")
+    add_flag(stop, "preemption_signal", metavar="{SIGUSR1,SIGUSR2,SIGTERM}", default=None,
+             help="one more signal that asks the workers to save and stop, e.g. SLURM's --signal=B:USR1@120")
+    add_flag(stop, "grace_period", type=_seconds, metavar="SECONDS", default=None,
+             help="how long the workers get to save and stop after the request before they are stopped (default 300)")
+    add_flag(stop, "requeue", action="store_true", default=None,
+             help=f"after the workers stopped for a preemption request, `scontrol requeue` the SLURM job (exit code "
+                  f"{preempt.preemption.EXIT_CODE} either way)")
     train = parser.add_argument_group("training")
     add_flag(train, "gradient_accumulation_steps", type=int, metavar="N", default=None)
+    add_flag(train, "checkpoint_async", metavar="{no,thread,process}", default=None,
+             help="save_state writes in the background (thread or process); the loop waits only for the copy")
     add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
     add_flag(train, "tp_size", type=int, metavar="N", default=None)
     add_flag(train, "pp_size", type=int, metavar="N", default=None)
@@ -318,6 +334,7 @@ def run_command(args: argparse.Namespace) -> int:
     accelerate_flags.prepare(args)  # refused flags, the DeepSpeed multi-node flags onto --hostfile/--include/...
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    preemptible = os.environ.get(multinode.HEAD_WATCH_ENV) != "1"  # a --hostfile head stops its launchers by SIGTERM
     multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
     script_argv = _script_argv(args)
     if args.hostfile:
@@ -334,7 +351,8 @@ def run_command(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs
 
     one = cfg.num_processes == 1 and cfg.num_machines == 1
-    if one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg) and not args.max_restarts:
+    if (one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg) and not args.max_restarts
+            and not cfg.requeue):  # --requeue: the launcher requeues after the script stopped
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
         if args.dry_run:
@@ -351,12 +369,13 @@ def run_command(args: argparse.Namespace) -> int:
         raise UsageError(f"port {port} (--main_process_port / config main_process_port) is already in use on this "
                          f"machine (or cannot be bound); pick another port{hint}")
     torchrun_argv = (output.torchrun_flags(args) + accelerate_flags.torchrun_flags(args, cfg)
+                     + preempt.torchrun_flags(cfg.preemption_signal, preemptible)
                      + build_torchrun_args(cfg, script_argv, args.max_restarts, port, accelerate_flags.rdzv_conf(args)))
     if args.dry_run:
         return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
     os.environ.update(accelerate_flags.worker_env(args))  # before the thread default: a given count wins
     output.set_worker_threads(nproc_per_node(cfg), on_cpu=cfg.distributed_type == "MULTI_CPU")
-    return _run_torchrun(cfg, torchrun_argv)
+    return _run_torchrun(cfg, torchrun_argv, preemptible)
 
 
 def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> int:
@@ -413,16 +432,20 @@ def _announcing_restarts():
         SimpleElasticAgent._restart_workers = original
 
 
-def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
+def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool = True) -> int:
     os.environ.update(worker_env(cfg))
     watch = HangWatch(cfg.collective_timeout)  # a collective that times out is reported by its stuck rank
     os.environ.update(watch.worker_env())
+    # SIGTERM (and preemption_signal) ask the workers to save and stop: cli/preemption.py
+    stop = preempt.PreemptionWatch(watch.run_dir, cfg.preemption_signal, cfg.grace_period, cfg.requeue,
+                                   enabled=preemptible, machine_rank=cfg.machine_rank)
+    os.environ.update(stop.worker_env())
     hang = None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with watch.around_agent(), _announcing_restarts():
+        with watch.around_agent(), _announcing_restarts(), stop.around_agent():
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
@@ -439,6 +462,10 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
                              f"{how}{note}\n")
         return _exit_code(first.exitcode)
     except SignalException as exc:
+        stopped = stop.stopped_message()
+        if stopped is not None:  # a preemption request's second signal or grace period, or no worker listened
+            sys.stderr.write(stopped + "\n")
+            return stop.stopped_code()
         sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
         return 128 + int(exc.sigval)
     except SystemExit as exc:  # torchrun's own argument errors
@@ -451,6 +478,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str]) -> int:
         message = " ".join(str(exc).split()) or "(no message)"
         sys.stderr.write(f"accel launch: error: torchrun failed: {type(exc).__name__}: {message}\n")
         return 1
+    else:
+        return stop.finish()  # 0, or preempt.preemption.EXIT_CODE when the workers stopped at a preemption request
     finally:
         watch.cleanup(keep=hang is not None)
-    return 0

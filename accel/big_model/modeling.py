@@ -1106,7 +1106,9 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
     """The tensors of one checkpoint file: safetensors (each tensor read straight onto the device ``device_map``
     gives its module, the rest on the CPU) or a torch file (``torch.load(weights_only=True)`` on the CPU). A
     safetensors file saved by TensorFlow/Flax is refused; one without metadata is read as PyTorch's, with a
-    warning."""
+    warning. A file of a ``save_model`` folder is first checked against its checksum (``CheckpointError`` when
+    damaged; ``model_io.verify_saved_file``)."""
+    model_io.verify_saved_file(checkpoint_file)
     checkpoint_file = str(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
         return torch.load(checkpoint_file, map_location=torch.device("cpu"), weights_only=True)

@@ -18,15 +18,44 @@ restores them. Legacy ``.bin`` shards store the alias as a second key referring 
 
 Loading never unpickles arbitrary objects: ``.bin``/``.pt``/``.pth`` files go through
 ``torch.load(weights_only=True)`` only.
+
+Checksums. Every file of a save (the shards, and extra files such as the ``config.json`` of ``Accelerator.save_model``)
+gets ``layout.file_checksum`` (crc32, ``crc32:<8 hex>``), verified by :func:`load_checkpoint_in_model` before any
+tensor is read, so a flipped bit or a same-size edit is a one-line ``CheckpointError`` naming the file, and the model
+is left unchanged. Where they live:
+
+* a sharded save: in its index, ``metadata.accel_checksums`` ({file: checksum}) and ``metadata.accel_index_checksum``
+  (the index's own content, every key but that one, as ``layout.manifest_checksum`` computes it). Hugging Face's
+  index format allows extra metadata keys (transformers and safetensors readers use ``weight_map`` only), the
+  checksums travel with the index wherever the model is copied, and a later save by another tool rewrites the index,
+  so they never describe files that tool wrote;
+* a single-file save has no index, and the checksum cannot go into the safetensors header (it is part of the bytes
+  checksummed; a ``.bin`` file has none), so a small sidecar ``accel_checksums.json`` is written last
+  (``{"format": "accel-model-checksums", "version": 1, "files": {...}, "checksum": ...}``): Hugging Face loaders
+  look for weights and configs by name and never open it.
+
+Files written by other tools (no checksum anywhere) load as before, unchecked. A single-file save's header and sidecar
+carry the same random ``accel_save_id``, so a ``model.safetensors`` another tool later writes into the folder
+(``save_pretrained``) is not checked against the stale sidecar. A load verifies the files it reads (the weights);
+``config.json`` is checksummed too, for tools that check a whole folder, but editing it does not stop a weights load.
+
+A save is built in a temporary folder beside its target and replaces the model there in one step, keeping the
+folder's other files (see :func:`save_state_dict_sharded`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
+import shutil
+import stat
+import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
 from pathlib import Path, PurePath
 from typing import cast
@@ -34,13 +63,26 @@ from typing import cast
 import torch
 from torch import nn
 
-from accel.checkpoint.layout import atomic_write, fsync_dir, write_json
+from accel.checkpoint.layout import (
+    CheckpointError,
+    PublishLock,
+    atomic_write,
+    file_checksum,
+    fsync_dir,
+    manifest_checksum,
+    remove_stale_temporaries,
+    swap_in,
+    temporary_sibling,
+    verify_file_checksum,
+    write_json,
+)
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "WEIGHTS_INDEX_NAME",
+    "CHECKSUMS_NAME",
     "parse_size",
     "save_state_dict_sharded",
     "load_checkpoint_in_model",
@@ -51,6 +93,11 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+CHECKSUMS_NAME = "accel_checksums.json"  # the checksums of a single-file save (a sharded one: in its index)
+_CHECKSUMS_FORMAT = "accel-model-checksums"
+_CHECKSUMS_KEY = "accel_checksums"  # index metadata: {file name: checksum} for every file of the save
+_SAVE_ID_KEY = "accel_save_id"  # a single-file save: in its safetensors header and its sidecar, the same random id
+_INDEX_CHECKSUM_KEY = "accel_index_checksum"  # index metadata: the checksum of the index's own content
 
 # Looked for in a checkpoint folder, in this order.
 _FOLDER_CANDIDATES = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
@@ -60,7 +107,8 @@ _OWNED_FILE_RE = re.compile(
     r"^(?:model(?:-\d{5,}-of-\d{5,})?\.safetensors"
     r"|model\.safetensors\.index\.json"
     r"|pytorch_model(?:-\d{5,}-of-\d{5,})?\.bin"
-    r"|pytorch_model\.bin\.index\.json)$"
+    r"|pytorch_model\.bin\.index\.json"
+    r"|accel_checksums\.json)$"
 )
 
 _TIED_KEY = "accel_tied"
@@ -242,8 +290,10 @@ def save_state_dict_sharded(
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
     metadata: dict[str, str] | None = None,
+    *,
+    extra_files: Mapping[str, Callable[[Path], object]] | None = None,
 ) -> list[Path]:
-    """Write ``state_dict`` into ``save_directory`` in Hugging Face's (sharded) layout.
+    """Write ``state_dict`` into ``save_directory`` in Hugging Face's (sharded) layout, replacing the model there.
 
     Shards are filled in state-dict order, each holding at most ``max_shard_size`` bytes of tensor data
     (a single larger tensor gets a shard of its own). One shard is written as ``model.safetensors``
@@ -251,9 +301,18 @@ def save_state_dict_sharded(
     plus ``model.safetensors.index.json``. Tied tensors (same storage, offset, shape, stride and dtype) are
     saved once under their first name; see the module docstring for how the aliases are recorded.
 
-    Every file is written to a temporary name in the folder, fsynced and renamed into place; the folder
-    is fsynced at the end. Weight files of an earlier save that this save did not write (other shard
-    counts, the other format, a stale index) are removed only after the new files are complete.
+    ``extra_files`` (file name -> ``write(path)``) are more files of the save, such as a transformers model's
+    ``config.json``: written, checksummed and published with the weights. Every file of the save gets a checksum
+    (the index's metadata, or ``accel_checksums.json`` for a single file: see the module docstring), which
+    :func:`load_checkpoint_in_model` verifies.
+
+    The save is built in a temporary folder beside the target (every file fsynced) and replaces the model
+    there in one step (:func:`accel.checkpoint.layout.swap_in`, under the folder's publish lock): a save that
+    fails or is killed at any moment leaves the previous model complete and loadable, never a mix. Files in the
+    folder that are not the model's (a tokenizer, a README, a user's subfolder) are kept, as hard links in the new
+    folder (no byte is copied). Where the folder cannot be replaced whole (a mount point, the working directory,
+    a parent folder that cannot be written, hard links refused) the files are moved in one by one; a save killed
+    then leaves a folder whose checksums no longer match, refused at load instead of loading as a mix.
 
     ``metadata`` (str -> str) is added to every safetensors header (``"format": "pt"`` and the tie record
     take precedence); it is not stored by the legacy ``.bin`` format.
@@ -270,10 +329,15 @@ def save_state_dict_sharded(
             raise TypeError("metadata must be a dict of str to str (safetensors header metadata).")
         if _TIED_KEY in metadata:
             raise ValueError(f"metadata key {_TIED_KEY!r} is reserved for the record of tied tensors.")
+    extra = dict(extra_files or {})
+    for name in extra:
+        if (not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in "/\\\0")
+                or _OWNED_FILE_RE.match(name)):
+            raise ValueError(f"extra_files: {name!r} is not a plain file name other than the weights' and their "
+                             "index's.")
     directory = Path(save_directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(f"save_directory {str(directory)!r} exists and is not a directory.")
-    directory.mkdir(parents=True, exist_ok=True)
 
     kept, aliases, needs_copy = _plan_saved_tensors(state_dict)
 
@@ -302,64 +366,269 @@ def save_state_dict_sharded(
 
     from accel.runtime.progress import progress
 
-    written: list[Path] = []
-    weight_map: dict[str, str] = {}
-    pairs = zip(shards, names, strict=True)
-    for shard, file_name in progress(pairs, total, "Saving checkpoint shards") if total > 1 else pairs:
-        tensors: dict[str, torch.Tensor] = {}
-        for name in shard:
-            tensor = state_dict[name].detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.to("cpu")
-                if not tensor.is_contiguous():
-                    tensor = tensor.contiguous()
-            elif name in needs_copy:
-                tensor = tensor.clone(memory_format=torch.contiguous_format)
-            tensors[name] = tensor
-            weight_map[name] = file_name
-        shard_tied = {alias: name for name in shard for alias in aliases_of.get(name, ())}
+    folder = Path(os.path.realpath(directory))  # a link to a folder: the folder it names is replaced
+    save_id = secrets.token_hex(8)
+    staging, in_place = _staging_folder(folder)
+    published = False
+    try:
+        weight_map: dict[str, str] = {}
+        pairs = zip(shards, names, strict=True)
+        for shard, file_name in progress(pairs, total, "Saving checkpoint shards") if total > 1 else pairs:
+            tensors: dict[str, torch.Tensor] = {}
+            for name in shard:
+                tensor = state_dict[name].detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.to("cpu")
+                    if not tensor.is_contiguous():
+                        tensor = tensor.contiguous()
+                elif name in needs_copy:
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
+                tensors[name] = tensor
+                weight_map[name] = file_name
+            shard_tied = {alias: name for name in shard for alias in aliases_of.get(name, ())}
 
-        if safe_serialization:
-            from safetensors.torch import save_file
+            if safe_serialization:
+                from safetensors.torch import save_file
 
-            header = {**(metadata or {}), "format": "pt"}
-            if shard_tied:
-                header[_TIED_KEY] = json.dumps(shard_tied, sort_keys=True)
+                header = {**(metadata or {}), "format": "pt"}
+                if total == 1:  # ties the sidecar to this file: another tool's later file is not checked against it
+                    header[_SAVE_ID_KEY] = save_id
+                if shard_tied:
+                    header[_TIED_KEY] = json.dumps(shard_tied, sort_keys=True)
 
-            def write(tmp, tensors=tensors, header=header):
-                save_file(tensors, str(tmp), metadata=header)
+                def write(tmp, tensors=tensors, header=header):
+                    save_file(tensors, str(tmp), metadata=header)
 
+            else:
+                for alias, target in shard_tied.items():
+                    tensors[alias] = tensors[target]  # torch.save stores the shared storage once
+                    weight_map[alias] = file_name
+
+                def write(tmp, tensors=tensors):  # type: ignore[misc]  # torch.save's file has no header
+                    with open(tmp, "wb") as f:
+                        torch.save(tensors, f)
+                        f.flush()
+
+            atomic_write(staging, file_name, write)
+            del tensors
+
+        for name, write_extra in extra.items():
+            atomic_write(staging, name, lambda tmp, write_extra=write_extra: write_extra(Path(tmp)))
+        checksums = _file_checksums(staging, [*names, *extra])
+        if total > 1:
+            index_meta: dict = {"total_size": sum(_nbytes(state_dict[n]) for n in kept)}
+            if aliases:
+                index_meta[_TIED_KEY] = dict(aliases)
+            index_meta[_CHECKSUMS_KEY] = checksums
+            index: dict = {"metadata": index_meta, "weight_map": weight_map}
+            index_meta[_INDEX_CHECKSUM_KEY] = manifest_checksum(_index_body(index))
+            record, content = index_name, index
         else:
-            for alias, target in shard_tied.items():
-                tensors[alias] = tensors[target]  # torch.save stores the shared storage once
-                weight_map[alias] = file_name
+            sidecar: dict = {"format": _CHECKSUMS_FORMAT, "version": 1, "save_id": save_id, "files": checksums}
+            sidecar["checksum"] = manifest_checksum(sidecar)
+            record, content = CHECKSUMS_NAME, sidecar
+        atomic_write(staging, record, lambda tmp: write_json(tmp, content))  # last: it completes the save
+        fsync_dir(staging)
+        published = True  # from here on _publish owns the staging folder (and removes it on failure)
+        _publish(staging, folder, in_place, [*names, *extra, record])
+    except BaseException:
+        if not published:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [directory / name for name in names] + ([directory / index_name] if total > 1 else [])
 
-            def write(tmp, tensors=tensors):  # type: ignore[misc]  # torch.save's file has no header
-                with open(tmp, "wb") as f:
-                    torch.save(tensors, f)
-                    f.flush()
 
-        written.append(atomic_write(directory, file_name, write))
-        del tensors
+def _file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    """``layout.file_checksum`` of each file, several at a time (zlib releases the GIL on large buffers)."""
+    if len(names) < 2:
+        return {name: file_checksum(folder / name) for name in names}
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(names))) as pool:
+        return dict(zip(names, pool.map(lambda name: file_checksum(folder / name), names), strict=True))
 
-    if total > 1:
-        index_meta: dict = {"total_size": sum(_nbytes(state_dict[n]) for n in kept)}
-        if aliases:
-            index_meta[_TIED_KEY] = dict(aliases)
-        index = {"metadata": index_meta, "weight_map": weight_map}
-        written.append(atomic_write(directory, index_name, lambda tmp: write_json(tmp, index)))
-    fsync_dir(directory)
 
-    # Only now that the new checkpoint is complete: remove what an earlier save left behind.
-    written_names = {p.name for p in written}
+def _index_body(index: dict) -> dict:
+    """What an index's own checksum covers: all of it but that checksum (``manifest_checksum`` skips only a
+    top-level ``checksum``)."""
+    meta = {k: v for k, v in (index.get("metadata") or {}).items() if k != _INDEX_CHECKSUM_KEY}
+    return {k: v for k, v in index.items() if k not in ("metadata", "checksum")} | {"metadata": meta}
+
+
+def _in_place_reason(folder: Path) -> str | None:
+    """Why an existing folder cannot be replaced whole, or None."""
+    if os.path.ismount(folder):
+        return "is a mount point"
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except OSError:
+        return None
+    if cwd == folder or folder in cwd.parents:
+        return "holds the working directory"
+    return None
+
+
+def _staging_folder(folder: Path) -> tuple[Path, bool]:
+    """Where a save writes its files, and whether they are then moved into ``folder`` one by one (in place)
+    instead of the folder being replaced whole: a temporary folder beside it, else one inside it. Abandoned
+    temporaries of earlier saves to ``folder`` are removed (only those: see ``layout.remove_stale_temporaries``)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder.parent, folder.name)
+    exists = folder.is_dir()
+    if exists:
+        remove_stale_temporaries(folder, folder.name)
+    sibling = temporary_sibling(folder)
+    reason = _in_place_reason(folder) if exists else None
+    if reason is None:
+        try:
+            sibling.mkdir()
+            return sibling, False
+        except OSError as exc:
+            if not exists:
+                raise
+            reason = f"cannot have a folder beside it ({exc.strerror or exc})"
+    _warn_in_place(folder, reason)
+    inside = folder / sibling.name
+    inside.mkdir()
+    return inside, True
+
+
+def _warn_in_place(folder: Path, reason: str) -> None:
+    warnings.warn(f"{folder} {reason}: the model's files are replaced there one by one (a save interrupted midway "
+                  "leaves files whose checksums do not match, refused at load), not the folder in one step.",
+                  stacklevel=4)
+
+
+def _is_model_file(name: str, new: set[str]) -> bool:
+    """A file of the model saved in a folder (this save's, or an earlier one's weights, index, checksums)."""
+    return name in new or _OWNED_FILE_RE.match(name) is not None
+
+
+def _publish(staging: Path, folder: Path, in_place: bool, names: list[str]) -> None:
+    """Make the complete save in ``staging`` the model in ``folder``, holding the folder's publish lock.
+
+    Whole: every entry of ``folder`` that is not the model's is hard-linked into ``staging`` (subfolders
+    rebuilt, their files linked), then ``staging`` replaces ``folder`` in one step; files another process added
+    or replaced in the old folder meanwhile are moved over, and the old folder (old model files and links) is
+    removed. In place (or when a link is refused): the files move in one by one, the checksum record last, and
+    the earlier model's files this save did not write are removed."""
+    new = set(names)
+    old: Path | None = None
+    complete = True
+    try:
+        with PublishLock(folder):
+            if not in_place and folder.is_dir():
+                try:
+                    _link_tree(folder, staging, lambda name: _is_model_file(name, new))
+                    shutil.copymode(folder, staging)
+                except (OSError, NotImplementedError) as exc:  # another user's file under fs.protected_hardlinks,
+                    in_place = True  # a filesystem without links, Windows' os.link of a symbolic link
+                    _warn_in_place(folder, f"keeps files that cannot be linked ({getattr(exc, 'strerror', 0) or exc})")
+            if not in_place:
+                _fsync_folders(staging)
+                try:
+                    old = swap_in(staging, folder)
+                except OSError as exc:  # a bind mount (same device, so not found before) cannot be renamed
+                    if exc.errno not in (errno.EBUSY, errno.EXDEV) or not folder.is_dir():
+                        raise
+                    in_place = True
+                    _warn_in_place(folder, f"cannot be renamed ({exc.strerror or exc})")
+                fsync_dir(folder.parent)
+                if old is not None:
+                    complete = _sweep(old, folder, lambda name: _is_model_file(name, new))
+            if in_place:
+                _move_into(staging, folder, names)
+    except BaseException:
+        if old is None:  # not swapped: the staging folder is still this save's (else it is the old folder)
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if in_place:
+        shutil.rmtree(staging, ignore_errors=True)
+    elif old is not None and complete:
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        kept = folder.parent / f".old-{folder.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(old, kept)
+        warnings.warn(f"{folder}: the previous folder is kept at {kept}: some of its files could not be moved into "
+                      "the new one (compare them and remove it).", stacklevel=3)
+
+
+def _link_tree(source: Path, dest: Path, skip: Callable[[str], bool] | None) -> None:
+    """Rebuild ``source`` in ``dest``: subfolders made (with their mode), everything else hard-linked (a symbolic
+    link as itself); top-level names for which ``skip`` is true are left out."""
+    with os.scandir(source) as entries:
+        for entry in entries:
+            if skip is not None and skip(entry.name):
+                continue
+            target = dest / entry.name
+            if entry.is_dir(follow_symlinks=False):
+                os.mkdir(target)
+                _link_tree(Path(entry.path), target, None)
+                shutil.copymode(entry.path, target, follow_symlinks=False)
+            else:
+                os.link(entry.path, target, follow_symlinks=False)
+
+
+def _fsync_folders(folder: Path) -> None:
+    """Flush the entries of ``folder`` and its subfolders (their files are flushed, or links to flushed files)."""
+    for root, _dirs, _files in os.walk(folder):
+        fsync_dir(Path(root))
+
+
+def _sweep(old: Path, new: Path, skip: Callable[[str], bool] | None) -> bool:
+    """Move into ``new`` what another process wrote into ``old`` after it was linked: a name ``new`` lacks, or a
+    file replaced by a newer one. False when something could not be moved (the caller then keeps ``old``)."""
+    complete = True
+    with os.scandir(old) as entries:
+        for entry in entries:
+            if skip is not None and skip(entry.name):
+                continue
+            target = new / entry.name
+            try:
+                there = os.lstat(target)
+            except FileNotFoundError:
+                there = None
+            try:
+                here = entry.stat(follow_symlinks=False)
+                if there is None:
+                    os.rename(entry.path, target)
+                elif stat.S_ISDIR(here.st_mode) and stat.S_ISDIR(there.st_mode):
+                    complete = _sweep(Path(entry.path), target, None) and complete
+                elif (here.st_ino, here.st_dev) != (there.st_ino, there.st_dev):
+                    if stat.S_ISDIR(here.st_mode) or stat.S_ISDIR(there.st_mode):
+                        complete = False
+                    elif here.st_mtime_ns > there.st_mtime_ns:
+                        os.replace(entry.path, target)
+            except OSError:
+                complete = False
+    return complete
+
+
+def _move_into(staging: Path, folder: Path, names: list[str]) -> None:
+    """The in-place publication: an index of the earlier model without checksums is removed first (its shards
+    are about to change, and nothing could tell), then the new files move in, the checksum record last, then the
+    earlier model's files this save did not write go."""
+    for record in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        path = folder / record
+        if path.is_file() and not _has_checksums(path):
+            path.unlink()
+    fsync_dir(folder)
+    for name in names:
+        os.replace(staging / name, folder / name)
+    fsync_dir(folder)
     removed = False
-    for entry in directory.iterdir():
-        if entry.name not in written_names and _OWNED_FILE_RE.match(entry.name) and entry.is_file():
+    for entry in folder.iterdir():
+        if entry.name not in names and _OWNED_FILE_RE.match(entry.name) and entry.is_file():
             entry.unlink()
             removed = True
     if removed:
-        fsync_dir(directory)
-    return written
+        fsync_dir(folder)
+
+
+def _has_checksums(index_path: Path) -> bool:
+    try:
+        meta = json.loads(index_path.read_text(encoding="utf-8")).get("metadata") or {}
+        return isinstance(meta, dict) and _CHECKSUMS_KEY in meta
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -435,11 +704,124 @@ def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str] | None]], 
             paths[entry] = _checked_shard_path(folder, entry, index_path)
             files[entry] = []
         files[entry].append(key)
+    if _CHECKSUMS_KEY in meta or _INDEX_CHECKSUM_KEY in meta:  # else written by another tool: nothing to verify
+        _check_own_checksum(index_path, meta.get(_INDEX_CHECKSUM_KEY), _index_body(index))
+        checksums = meta.get(_CHECKSUMS_KEY)
+        if not isinstance(checksums, dict) or not set(paths) <= set(checksums):
+            raise CheckpointError(f"{index_path}: damaged ('{_CHECKSUMS_KEY}' does not list every shard file)")
+        _verify_files(index_path, {name: checksums[name] for name in paths})  # the files this load reads
     return [(paths[entry], keys) for entry, keys in files.items()], tied
 
 
+# ------------------------------------------------------------------------------------------ checksums
+
+
+def _check_own_checksum(record: Path, saved, body: dict) -> None:
+    """A checksum record's checksum of its own content: a same-size edit of the record is found too."""
+    algorithm = saved.partition(":")[0] if isinstance(saved, str) else None
+    try:
+        ok = algorithm is not None and saved == manifest_checksum(body, algorithm)
+    except ValueError:  # an unknown algorithm
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{record}: damaged (its content does not match its checksum: edited or corrupted)")
+
+
+def _verify_files(record: Path, checksums: dict) -> None:
+    """Every file ``checksums`` lists (plain names in ``record``'s folder) against its checksum, several at a time;
+    the first mismatch (in name order) is one line naming the file."""
+    folder = record.parent
+    for name, expected in checksums.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "/\\\0") or name in (".", ".."):
+            raise CheckpointError(f"{record}: damaged (it lists {str(name)[:80]!r}, not a file name)")
+        if not isinstance(expected, str):
+            raise CheckpointError(f"{record}: damaged (the checksum of {name} is {str(expected)[:80]!r})")
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name}: missing (listed in {record.name})")
+
+    def matches(name: str) -> bool | None:
+        try:
+            return verify_file_checksum(folder / name, checksums[name])
+        except ValueError:  # not a checksum accel knows
+            return None
+
+    names = sorted(checksums)
+    if len(names) < 2:
+        results = [matches(name) for name in names]
+    else:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(names))) as pool:
+            results = list(pool.map(matches, names))
+    for name, ok in zip(names, results, strict=True):
+        if ok is None:
+            raise CheckpointError(f"{record}: damaged (the checksum of {name} is {checksums[name][:80]!r}; allowed: "
+                                  "crc32:<8 hex digits> or sha256:<64 hex digits>)")
+        if not ok:
+            raise CheckpointError(f"{folder / name}: damaged (its bytes do not match the checksum in {record.name}: "
+                                  "corrupted or changed since the save)")
+
+
+def _load_record(path: Path) -> dict:
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: damaged (not valid JSON: {exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path}: damaged (not a JSON object)")
+    return content
+
+
+def verify_saved_file(path: str | os.PathLike) -> None:
+    """Verify one weights file against the checksums of the save it belongs to, when one beside it lists it:
+    ``accel_checksums.json`` (a single-file save: every file it lists is verified, ``config.json`` too) or the
+    index (that shard). Raises a one-line :class:`CheckpointError` naming a damaged file; a file no record lists
+    (written by another tool) passes unchecked."""
+    path = Path(path)
+    folder = path.parent
+    sidecar = folder / CHECKSUMS_NAME
+    if sidecar.is_file():
+        content = _load_record(sidecar)
+        if content.get("format") != _CHECKSUMS_FORMAT or not isinstance(content.get("files"), dict):
+            raise CheckpointError(f"{sidecar}: damaged (not accel's checksums of a saved model)")
+        version = content.get("version")
+        if not isinstance(version, int) or version > 1:
+            raise CheckpointError(f"{sidecar}: written by a newer accel (format version {version!r})")
+        if path.name in content["files"] and _described_by(path, content.get("save_id")):
+            _check_own_checksum(sidecar, content.get("checksum"), content)
+            _verify_files(sidecar, {path.name: content["files"][path.name]})  # the file this load reads
+            return
+    for index_name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        index_path = folder / index_name
+        if path.name == index_name or not index_path.is_file():
+            continue
+        index = _load_record(index_path)
+        meta = index.get("metadata")
+        checksums = meta.get(_CHECKSUMS_KEY) if isinstance(meta, dict) else None
+        if isinstance(meta, dict) and isinstance(checksums, dict) and path.name in checksums:
+            _check_own_checksum(index_path, meta.get(_INDEX_CHECKSUM_KEY), _index_body(index))
+            _verify_files(index_path, {path.name: checksums[path.name]})
+            return
+
+
+def _described_by(path: Path, save_id) -> bool:
+    """Whether a sidecar with `save_id` describes this weights file: a safetensors file another tool wrote over the
+    save (transformers' save_pretrained into the same folder) lacks the id in its header, and loads unchecked. A
+    header that cannot be read is checked (its checksum then names the damage)."""
+    if path.suffix != ".safetensors" or not isinstance(save_id, str):
+        return True
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(length, 100_000_000)))
+        return (header.get("__metadata__") or {}).get(_SAVE_ID_KEY) == save_id
+    except (OSError, ValueError, AttributeError, TypeError):
+        return True
+
+
 def _resolve_checkpoint(checkpoint) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
-    """[(file, keys from the index or None)], tied aliases from the index."""
+    """[(file, keys from the index or None)], tied aliases from the index. The checksums of a save_model folder
+    (the index's, or ``accel_checksums.json``'s) are verified here, before anything reads a tensor."""
     path = Path(checkpoint)
     if path.is_dir():
         for candidate in _FOLDER_CANDIDATES:
@@ -451,10 +833,13 @@ def _resolve_checkpoint(checkpoint) -> tuple[list[tuple[Path, list[str] | None]]
                 f"No checkpoint found in folder {str(path)!r}: looked for {', '.join(_FOLDER_CANDIDATES)}."
             )
     elif not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+        aside = sorted(path.parent.glob(f".old-{path.name}-*")) if path.parent.is_dir() else []
+        hint = f"; an interrupted save left the previous one at {str(aside[-1])!r}" if aside else ""
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist{hint}.")
     if path.name.endswith(".json"):
         return _read_index(path)
     if path.suffix == ".safetensors" or path.suffix in _TORCH_LOAD_SUFFIXES:
+        verify_saved_file(path)
         return [(path, None)], {}
     raise ValueError(
         f"Unsupported checkpoint file {str(path)!r}: expected .safetensors, .bin, .pt, .pth or an index .json."

@@ -26,6 +26,8 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from accel.checkpoint import layout, tree
+from accel.checkpoint.async_save import AsyncCheckpointer
 from accel.checkpoint.layout import CheckpointError
 from accel.runtime.progress import stages
 
@@ -181,13 +184,13 @@ def first_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
 
 
-FILE_BYTES = 256 * 2**20  # DCP's safetensors writer builds each file in memory: bound the peak by the file size
+FILE_BYTES = 256 * 2**20  # per file; the writer streams each file (no copy of it in memory): files of bounded size
+# still let a load and merge-weights read several at once, and each is fsynced as soon as it is written
 
 
 def _file_buckets(specs: dict[str, tuple[list[int], str]]) -> dict[str, int]:
     """Key -> file number (1-based): consecutive tensors in files of at most FILE_BYTES (one larger tensor
-    gets a file of its own), so a save never holds more than about one file's bytes extra. Sizes are the
-    whole tensors' (a rank writing a shard writes less)."""
+    gets a file of its own). Sizes are the whole tensors' (a rank writing a shard writes less)."""
     mapping, index, used = {}, 1, 0
     for key, (shape, dtype) in specs.items():
         size = math.prod(shape) * getattr(torch, dtype).itemsize
@@ -302,8 +305,12 @@ def _load_failure(folder: Path, exc: BaseException) -> str:
 
 # -- save -------------------------------------------------------------------------------------------------
 
-def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects) -> Path:
-    """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this).
+def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects, mode: str = "no",
+                        checkpointer: AsyncCheckpointer | None = None,
+                        on_published: Callable[[], None] | None = None) -> Path:
+    """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this); `on_published` runs on the
+    main process once it is in place (rotation). With `mode` "thread" or "process" (and a `checkpointer`), return as
+    soon as the tensors are staged and write them in the background (accel/checkpoint/async_save.py).
 
     The ranks agree after each step whether it worked everywhere. A failure on any rank (full disk, read-only
     or forbidden folder, a value that cannot be saved) removes the temporary folder and raises the same
@@ -317,6 +324,10 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         return _agreed(step, lambda exc: _save_failure(target, tmp, rank, world, exc),
                        lambda: _remove_temporary(tmp, rank, world))
 
+    background = mode != "no" and checkpointer is not None
+    if mode == "process" and world == 1:  # torch's checkpoint process needs a process group: one process writes
+        mode = "thread"                   # in a thread instead
+    group = checkpointer.group() if background else None  # type: ignore[union-attr]  # made by every rank
     with stages("save_state", 3) as begin:  # DCP writes in one call: the bar names the step, with elapsed time
         begin("collecting state")
         run(lambda: _make_temporary(target, tmp) if rank == 0 else None)
@@ -324,10 +335,53 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects)
         tensors, meta = run(lambda: _split_state(objects, weights, owners))
         if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
             meta = run(lambda: _merged_over_stages(meta, world))
+        publish = _publisher(tmp, target, meta, world, objects, on_published) if rank == 0 else (lambda: None)
+        if background:
+            begin("staging tensors")
+            run(lambda: _start_background_write(cast(AsyncCheckpointer, checkpointer), mode, group, tensors, meta,
+                                                publish, tmp, target, rank, world))
+            return target
         begin("writing tensors")
         run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
         begin("publishing")
-        run(lambda: _publish(tmp, target, meta, world, objects) if rank == 0 else None)
+        run(publish)
+    return target
+
+
+def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, tensors: dict, meta: dict,
+                            publish: Callable[[], None], tmp: Path, target: Path, rank: int, world: int) -> None:
+    """Write the RNG states now, stage the tensors (copied off the live ones) and hand them to torch's async_save;
+    the checkpointer follows the write and then publishes (main process)."""
+    from torch.distributed.checkpoint import async_save
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    _save_rng(tmp / "rng", rank)
+    if world == 1:  # the background write warns, outside _quiet_single_process, that it assumes one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    with _quiet_single_process():
+        upload = async_save(tensors, storage_writer=_storage_writer(meta, tmp), process_group=group,
+                            async_checkpointer_type=kind, async_stager=checkpointer.stager(mode, tensors),
+                            no_dist=world == 1)
+    if not isinstance(upload, Future):  # an AsyncSaveResponse (staging in the background): not asked for here
+        upload = upload.upload_completion
+    checkpointer.start(target, tmp, upload, publish, lambda exc: _save_failure(target, tmp, rank, world, exc))
+
+
+def wait_for_save(checkpointer: AsyncCheckpointer) -> Path | None:
+    """Wait for the asynchronous save in flight (all ranks call this); the ranks agree on its outcome, and a
+    failure anywhere is the same one-line CheckpointError on every rank, its temporary folder removed. Returns the
+    folder it published (None when none was pending)."""
+    if not checkpointer.pending:
+        return None
+    rank, world = _rank_world()
+    outcome = checkpointer.wait()
+    target, tmp, error = outcome if outcome is not None else (None, None, None)
+    failure = _first_failure(error)  # the message names the rank that failed (_save_failure)
+    if failure:
+        if tmp is not None:
+            _remove_temporary(tmp, rank, world)
+        raise CheckpointError(failure)
     return target
 
 
@@ -369,23 +423,38 @@ def _merged_over_stages(meta: dict, world: int) -> dict:
             "aliases": {k: v for m in everyone for k, v in m["aliases"].items()}, "layouts": layouts}
 
 
+def _storage_writer(meta: dict, tmp: Path):
+    """The DCP writer of a checkpoint's state/ files (the synchronous and the asynchronous save use the same)."""
+    from accel.checkpoint.streaming_writer import StreamingSafetensorsWriter
+
+    files = _file_buckets(tree.tensor_specs(meta["skeleton"]))  # the checksums reach write_manifest in a file
+    return StreamingSafetensorsWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True,
+                                      checksums_file=str(tmp / layout.INLINE_CHECKSUMS))
+
+
 def _write_tensors_and_rng(tensors: dict, meta: dict, tmp: Path, rank: int, world: int) -> None:
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    files = _file_buckets(tree.tensor_specs(meta["skeleton"]))
-    writer = HuggingFaceStorageWriter(str(tmp / "state"), fqn_to_index_mapping=files, save_distributed=True)
     with _quiet_single_process():
-        dcp_save(tensors, storage_writer=writer, no_dist=world == 1)
+        dcp_save(tensors, storage_writer=_storage_writer(meta, tmp), no_dist=world == 1)
     _save_rng(tmp / "rng", rank)
 
 
-def _publish(tmp: Path, target: Path, meta: dict, world: int, objects: TrainingObjects) -> None:
-    layout.fsync_tree(tmp)
-    trackers = {} if objects.trackers is None else {"trackers": objects.trackers}
-    layout.write_manifest(tmp, {"world_size": world, "step": objects.step, "aliases": meta["aliases"],
-                                "layouts": meta["layouts"], "skeleton": meta["skeleton"], **trackers})
-    layout.publish(tmp, target)
+def _publisher(tmp: Path, target: Path, meta: dict, world: int, objects: TrainingObjects,
+               on_published: Callable[[], None] | None) -> Callable[[], None]:
+    """What the main process does once every rank's files are written: fsync, the manifest (last), the rename
+    into place, then `on_published`. The values it needs are taken now (a background save publishes later)."""
+    content = {"world_size": world, "step": objects.step, "aliases": meta["aliases"], "layouts": meta["layouts"],
+               "skeleton": meta["skeleton"], **({} if objects.trackers is None else {"trackers": objects.trackers})}
+
+    def publish() -> None:
+        layout.fsync_tree(tmp)
+        layout.write_manifest(tmp, content)
+        layout.publish(tmp, target)
+        if on_published is not None:
+            on_published()
+
+    return publish
 
 
 def _saved_weights(objects: TrainingObjects, folder: Path) -> tuple[list, list]:

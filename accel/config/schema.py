@@ -52,6 +52,11 @@ DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-c
 # purpose (saving a checkpoint, compiling, evaluating on the main process) while a hung CPU job is named after 10
 # minutes, not 30. Longer deliberate waits (a dataset prepared under main_process_first) need a larger value.
 DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+# Preemption (accel/runtime/preemption.py): SIGTERM always asks the workers to save and stop; one more signal may
+# (SLURM's `--signal=B:USR1@120`). How long they get before they are stopped: the scheduler's own deadline usually
+# comes first; this one only ends a job whose workers never reach their check.
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+DEFAULT_GRACE_PERIOD = 300.0
 
 
 @dataclass
@@ -328,6 +333,17 @@ class AccelConfig:
     collective_timeout: float = _spec(
         DEFAULT_COLLECTIVE_TIMEOUT, float, lo=1,
         help="seconds a collective may wait for every process; then the job stops and names the ones that never came")
+    checkpoint_async: str = _spec(
+        "no", str, choices=("no", "thread", "process"),
+        help="save_state writes in the background: no (the loop waits), thread, or process (torch's own process)")
+    preemption_signal: str | None = _spec(
+        None, str, choices=PREEMPTION_SIGNALS, optional=True,
+        help="a signal that, like SIGTERM, asks the workers to save and stop (accelerator.preemption_requested)")
+    grace_period: float = _spec(
+        DEFAULT_GRACE_PERIOD, float, lo=1,
+        help="seconds the workers get to save and stop after a preemption request; then they are stopped")
+    requeue: bool = _spec(False, bool, help="after the workers stopped for a preemption request, `scontrol requeue` "
+                                            "the SLURM job")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and
     # the path it was read from) so every worker's Accelerator exposes it as Accelerate's automatic DeepSpeedPlugin

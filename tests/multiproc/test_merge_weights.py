@@ -74,6 +74,6 @@ def test_unsafe_serialization_still_writes_safetensors_and_remove_checkpoint_dir
     proc = _merge_cli(env, copy, tmp_path / "merged", "--unsafe_serialization", "--remove_checkpoint_dir")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("never writes pickle files") == 1
-    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == ["accel_checksums.json", "model.safetensors"]
     assert not copy.exists()
     _assert_equal_to_full(out, tmp_path / "merged" / "model.safetensors")

@@ -110,14 +110,13 @@ def fail_at(where: str, monkeypatch, folder: Path) -> str:
     if where == "manifest":
         monkeypatch.setattr(layout, "write_manifest", no_space)
         return "No space left on device (rank_0.safetensors)"
-    real_replace = os.replace  # "publish": the rename into place fails after the old one was moved aside
+    real_swap = layout.swap_in  # "publish": the swap into place fails (the rename, or renameat2's exchange)
 
-    def failing_replace(src, dst):
-        if Path(src).name.startswith(".tmp-"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO), str(src))
-        return real_replace(src, dst)
+    def failing_swap(tmp, target):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(tmp))
 
-    monkeypatch.setattr(os, "replace", failing_replace)
+    monkeypatch.setattr(layout, "swap_in", failing_swap)
+    assert real_swap is not failing_swap
     return "Input/output error"
 
 

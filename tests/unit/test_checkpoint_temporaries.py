@@ -52,3 +52,31 @@ def test_a_save_keeps_a_sibling_jobs_save_in_progress(tmp_path):
     accelerator.save_state(str(tmp_path / "job_a"))
     assert other.is_dir() and (other / "state" / "shard.safetensors").read_bytes() == b"x"
     assert (tmp_path / "job_a" / layout.MANIFEST).is_file()
+
+
+def test_swap_in_without_exchange_puts_the_old_folder_back_when_the_second_rename_fails(tmp_path, monkeypatch):
+    """Where renameat2's exchange is unavailable (NFS, not Linux), the old folder is renamed aside first; if the new
+    one then cannot be renamed into place, the old one goes back under its name and nothing is lost."""
+    target, tmp = tmp_path / "ckpt", tmp_path / ".tmp-ckpt-x"
+    (target / "old").mkdir(parents=True)
+    (tmp / "new").mkdir(parents=True)
+    monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if os.path.basename(src).startswith(".tmp-"):
+            raise OSError(5, "Input/output error", str(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    try:
+        layout.swap_in(tmp, target)
+    except OSError as exc:
+        assert exc.errno == 5
+    else:
+        raise AssertionError("the failing rename did not raise")
+    assert (target / "old").is_dir() and (tmp / "new").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-x", "ckpt"]  # no .old- folder left
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert layout.swap_in(tmp, target).name.startswith(".old-ckpt-")  # and a working rename replaces it
+    assert (target / "new").is_dir()

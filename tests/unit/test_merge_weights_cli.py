@@ -100,4 +100,4 @@ def test_function_raises_a_value_error_and_unsafe_still_writes_safetensors(dcp_f
     assert isinstance(exc.value, ValueError)
     written = merge_fsdp_weights(folder, tmp_path / "out", safe_serialization=False, remove_checkpoint_dir=True)
     assert written.name == "model.safetensors" and not folder.exists()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["accel_checksums.json", "model.safetensors"]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from accel.checkpoint import model_io
+from accel.checkpoint.layout import CheckpointError
 from accel.checkpoint.model_io import (
     get_full_state_dict,
     load_checkpoint_in_model,
@@ -110,13 +111,13 @@ def test_single_file_save_is_plain_safetensors(tmp_path):
     sd = get_full_state_dict(model)
     paths = save_state_dict_sharded(sd, tmp_path / "out")
     assert paths == [tmp_path / "out" / "model.safetensors"]
-    assert listing(tmp_path / "out") == ["model.safetensors"]
+    assert listing(tmp_path / "out") == ["accel_checksums.json", "model.safetensors"]  # + the file's checksum
     loaded = load_file(paths[0])
     assert loaded.keys() == sd.keys()
     for k in sd:
         assert torch.equal(loaded[k], sd[k]), k
     with safe_open(paths[0], framework="pt") as f:
-        assert f.metadata() == {"format": "pt"}
+        assert f.metadata() == {"format": "pt", "accel_save_id": f.metadata()["accel_save_id"]}  # the sidecar's
 
 
 def test_sharded_save_respects_limit_and_writes_index(tmp_path):
@@ -133,6 +134,8 @@ def test_sharded_save_respects_limit_and_writes_index(tmp_path):
 
     index = json.loads(index_path.read_text())
     sizes = {k: v.numel() * v.element_size() for k, v in sd.items()}
+    checksums = index["metadata"].pop("accel_checksums")  # every shard's checksum, and the index's own
+    assert sorted(checksums) == [p.name for p in shards] and index["metadata"].pop("accel_index_checksum")
     assert index["metadata"] == {"total_size": sum(sizes.values())}
     assert index["weight_map"].keys() == sd.keys()
 
@@ -171,11 +174,11 @@ def test_resave_with_bigger_limit_removes_stale_shards(tmp_path):
     assert listing(out) == sorted([p.name for p in second] + ["notes.txt", "model_ema.safetensors"])
     assert not any(p.exists() for p in first if p not in second)
     third = save_state_dict_sharded(sd, out)
-    assert listing(out) == sorted(["model.safetensors", "notes.txt", "model_ema.safetensors"])
+    assert listing(out) == sorted(["model.safetensors", "accel_checksums.json", "notes.txt", "model_ema.safetensors"])
     assert third == [out / "model.safetensors"]
     # switching format removes the other format's files too (a folder load would otherwise pick them)
     fourth = save_state_dict_sharded(sd, out, safe_serialization=False)
-    assert listing(out) == sorted(["pytorch_model.bin", "notes.txt", "model_ema.safetensors"])
+    assert listing(out) == sorted(["pytorch_model.bin", "accel_checksums.json", "notes.txt", "model_ema.safetensors"])
     assert fourth == [out / "pytorch_model.bin"]
 
 
@@ -202,12 +205,12 @@ def test_atomic_write_leaves_no_temp_files_even_on_failure(tmp_path, monkeypatch
     sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
     with pytest.raises(OSError, match="disk full"):
         save_state_dict_sharded(sd2, out, max_shard_size="1KB")
-    # Writes went to temp names in the folder; none remain and the old index/shards are intact.
-    assert all(Path(c).parent == out and Path(c).name not in before for c in calls)
+    # Writes went to temp names in a temporary folder beside it; none remain and the old index/shards are intact.
+    assert all(Path(c).parent.parent == tmp_path and Path(c).parent.name.startswith(".tmp-out-") for c in calls)
+    assert listing(tmp_path) == ["out"]
     assert set(listing(out)) == set(before)
     for name, data in before.items():
-        if name != "model-00001-of-00004.safetensors":  # the first shard was replaced atomically
-            assert (out / name).read_bytes() == data, name
+        assert (out / name).read_bytes() == data, name
 
 
 def test_fsync_and_replace_used(tmp_path, monkeypatch):
@@ -217,9 +220,11 @@ def test_fsync_and_replace_used(tmp_path, monkeypatch):
     monkeypatch.setattr(
         model_io.os, "replace", lambda a, b: (replaced.append((Path(a), Path(b))), real_replace(a, b))[1]
     )
-    paths = save_state_dict_sharded(get_full_state_dict(Tiny()), tmp_path, max_shard_size="2KB")
-    assert [dst for _, dst in replaced] == paths
-    assert all(src.parent == tmp_path and src != dst for src, dst in replaced)
+    paths = save_state_dict_sharded(get_full_state_dict(Tiny()), tmp_path / "out", max_shard_size="2KB")
+    # each file written to a temporary name, then renamed, in a temporary folder that then became the model's
+    assert [dst.name for _, dst in replaced] == [p.name for p in paths]
+    assert all(src.parent == dst.parent != tmp_path / "out" and src != dst for src, dst in replaced)
+    assert all(p.is_file() for p in paths) and listing(tmp_path) == ["out"]
     assert len(synced) >= len(paths) + 1  # every file and the folder
 
 
@@ -521,6 +526,12 @@ def test_truncated_shard_named(tmp_path):
     save_state_dict_sharded(get_full_state_dict(Tiny()), tmp_path, max_shard_size="1KB")
     victim = tmp_path / "model-00002-of-00004.safetensors"
     victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=re.escape(victim.name)):  # found by its checksum
+        load_checkpoint_in_model(Tiny(), tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"  # a folder of another tool: no checksums
+    index = json.loads(index_path.read_text())
+    del index["metadata"]["accel_checksums"], index["metadata"]["accel_index_checksum"]
+    index_path.write_text(json.dumps(index))
     with pytest.raises(Exception) as info:
         load_checkpoint_in_model(Tiny(), tmp_path)
     assert victim.name in str(info.value)

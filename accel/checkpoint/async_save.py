@@ -1,0 +1,146 @@
+"""Asynchronous `save_state`: the loop waits only while the state is copied off the live tensors.
+
+`save_state(dir, async_save=True)` collects the state and agrees on it with the other ranks as a synchronous save
+does, writes the (small) RNG files, then copies every tensor into staging memory with torch's stager (pinned memory
+when the tensors are on a GPU, shared memory for the `process` mode, plain CPU memory otherwise; the buffers are
+kept and reused by the next save) and hands the copy to torch.distributed.checkpoint's `async_save`, which writes it
+in a background thread (`thread`) or a checkpoint process of torch's (`process`), with a gloo process group of its own
+for its collectives, so training's collectives are never mixed with them. When the write is complete everywhere, the
+main process fsyncs, writes the manifest (checksums included) and renames the folder into place (rotation with
+`total_limit` after that): until then the previous checkpoint stays the latest, also if the job is killed.
+
+One save is pending at a time: the next save, `load_state`, `wait_for_checkpoint()`, `end_training` and interpreter
+exit wait for it. A failure in the background is raised at that wait as a one-line `CheckpointError`, the same on
+every rank (the ranks agree, as in a synchronous save), and the temporary folder is removed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODES = ("no", "thread", "process")
+
+
+@dataclass
+class _Pending:
+    """One save in the background: this rank's write, then (main process) the publication."""
+
+    target: Path
+    tmp: Path  # the temporary folder it writes (removed after a failure)
+    done: threading.Event
+    error: str | None = None
+
+
+class AsyncCheckpointer:
+    """The staging buffers, the checkpoint process group and the save in flight of one process."""
+
+    def __init__(self) -> None:
+        self._pending: _Pending | None = None
+        self._stagers: dict[str, object] = {}
+        self._group: tuple[object, object] | None = None  # (default group it was made under, its gloo group)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    # -- starting -----------------------------------------------------------------------------------------
+    def group(self):
+        """The gloo group of the background collectives, made once per default group (every rank calls this)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        default = dist.distributed_c10d._get_default_group()
+        if self._group is None or self._group[0] is not default:
+            self._group = (default, dist.new_group(backend="gloo"))
+        return self._group[1]
+
+    def stager(self, mode: str, tensors: dict):
+        """torch's stager for `mode`: pinned memory for GPU tensors, shared memory for the checkpoint process."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        on_gpu = any(getattr(t, "device", torch.device("cpu")).type == "cuda" for t in tensors.values())
+        key = f"{mode}-{'gpu' if on_gpu else 'cpu'}"
+        if key not in self._stagers:
+            self._stagers[key] = DefaultStager(StagingOptions(use_pinned_memory=on_gpu,
+                                                              use_shared_memory=mode == "process",
+                                                              use_async_staging=False, use_non_blocking_copy=False))
+        return self._stagers[key]
+
+    def start(self, target: Path, tmp: Path, upload: Future, finish: Callable[[], None],
+              describe: Callable[[BaseException], str]) -> None:
+        """Follow `upload` (this rank's background write) in a thread; then run `finish` (the main process
+        publishes); a failure of either is kept, as one line, for the next wait."""
+        pending = _Pending(target, tmp, threading.Event())
+
+        def follow() -> None:
+            try:
+                upload.result()
+                finish()
+            except BaseException as exc:  # noqa: BLE001 (kept and raised, as one line, at the next wait)
+                pending.error = " ".join(describe(exc).splitlines())
+            finally:
+                pending.done.set()
+
+        threading.Thread(target=follow, name=f"accel-save-{target.name}", daemon=False).start()
+        self._pending = pending
+        _wait_at_exit(self)
+
+    # -- waiting ------------------------------------------------------------------------------------------
+    def wait(self) -> tuple[Path, Path, str | None] | None:
+        """Wait for this rank's save in flight, if any: (its folder, its temporary folder, this rank's failure as
+        one line or None). The ranks' agreement on the outcome is the caller's (training_state.wait_for_save)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.done.wait()
+        return pending.target, pending.tmp, pending.error
+
+    def wait_quietly(self) -> None:
+        """At exit (the other ranks may be gone): wait for this rank's part, print a failure, raise nothing."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.done.wait()
+        if pending.error:
+            sys.stderr.write(f"accel: save_state (asynchronous) failed: {pending.error}\n")
+
+    def close(self) -> None:
+        self.wait_quietly()
+        for stager in self._stagers.values():
+            stager.close()  # type: ignore[attr-defined]
+        self._stagers.clear()
+        self._group = None
+
+
+_registered: list[bool] = []
+_AT_EXIT: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()  # those with a save started (weak: its buffers)
+
+
+def _wait_at_exit(checkpointer: AsyncCheckpointer) -> None:
+    """Interpreter exit waits for a save in flight. It must wait before the thread pools shut down (torch's
+    background write submits to them: after their shutdown it fails with 'cannot schedule new futures after
+    interpreter shutdown'), so the wait is a threading exit hook registered after theirs (those run last first)."""
+    import concurrent.futures.thread  # noqa: F401 (its exit hook is registered first, so it runs after ours)
+
+    if not _registered:
+        _registered.append(True)
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # not CPython's threading: the atexit module runs after the pools stopped
+            import atexit
+
+            register = atexit.register
+        register(_wait_for_all)
+    _AT_EXIT.add(checkpointer)
+
+
+def _wait_for_all() -> None:
+    for checkpointer in list(_AT_EXIT):
+        checkpointer.wait_quietly()

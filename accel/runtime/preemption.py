@@ -1,0 +1,192 @@
+"""Preemption: a scheduler's "stop soon" signal becomes `accelerator.preemption_requested`, the same step on every rank.
+
+SLURM and Kubernetes send SIGTERM (or the signal `#SBATCH --signal` names) some time before they kill a job. Under a
+multi-process `accel launch` the launcher receives it and, instead of stopping the workers, asks them to stop: it
+writes a request file into the folder `ACCEL_PREEMPTION_DIR` names (see accel/cli/preemption.py). A file rather than
+a signal to the workers because torchrun's agent stops workers with SIGTERM (a worker that caught SIGTERM could no
+longer be stopped at once), the workers already use SIGUSR1 for their stack dumps (accel/core/diagnostics.py), and a
+signal whose default action kills (SIGUSR2) would kill a worker that has not installed its handler yet; a file is
+seen whenever the worker looks, even by a worker (re)started after the request.
+
+`requested(state)` (the `Accelerator.preemption_requested` property) is read once per step on every rank:
+
+* its local answer: the request file exists, or (without a launcher's agent, see below) a signal arrived;
+* agreed through one all_reduce (MAX of a one-element tensor) over the default process group, so every rank turns
+  True at the same step even when the request arrived while the ranks were between their reads; one process: no
+  collective. Once True it stays True without further collectives.
+
+The worker leaves two marks in the folder for the launcher: `listening_rank<R>` at its first read (a launcher whose
+workers never read the property stops them at once on SIGTERM, as before) and `seen_rank<R>` once the answer is True
+(the launcher then knows the workers stopped for the request, not because training was over).
+
+Without a launcher's agent (`accel launch` of one process, which replaces itself with the script, or `python
+script.py`), the process receives the signal itself: at its first read, handlers that only set a flag are installed
+for SIGTERM and the config's `preemption_signal` (only for signals still at their default action). A second signal,
+or `grace_period` seconds after the first, ends the process by that signal, as it would have without them. Under
+plain `torchrun` nothing is installed (torchrun stops its workers with SIGTERM): name the signals to catch in
+`ACCEL_PREEMPTION_SIGNALS` (e.g. `SIGTERM`; torchrun then waits 30 s for the workers before killing them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from accel.config.schema import DEFAULT_GRACE_PERIOD
+from accel.config.schema import PREEMPTION_SIGNALS as SIGNALS
+
+DIR_ENV = "ACCEL_PREEMPTION_DIR"  # set by a multi-process `accel launch`: where the request file appears
+SIGNALS_ENV = "ACCEL_PREEMPTION_SIGNALS"  # comma-separated signals the process itself turns into a request
+REQUEST_FILE = "request"
+# `accel launch`'s exit code when the workers stopped for a preemption request: sysexits.h's EX_TEMPFAIL, "a
+# temporary failure; the user is invited to retry" (SLURM's RequeueExit, a Kubernetes podFailurePolicy can name it)
+EXIT_CODE = 75
+
+_local: dict[str, Any] = {"signal": None, "agreed": False, "listening": False, "installed": False, "timer": None}
+
+
+def listening_path(folder: str | os.PathLike, rank: int) -> Path:
+    return Path(folder) / f"listening_rank{rank}"
+
+
+def seen_path(folder: str | os.PathLike, rank: int) -> Path:
+    return Path(folder) / f"seen_rank{rank}"
+
+
+def request_path(folder: str | os.PathLike) -> Path:
+    return Path(folder) / REQUEST_FILE
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------------
+
+def requested(state) -> bool:
+    """Whether the job was asked to stop, agreed by every process (`state`: the PartialState). Call it at the same
+    point of every step on every rank: it is a collective when there are several processes."""
+    if _local["agreed"]:
+        return True
+    rank = state.process_index
+    folder = os.environ.get(DIR_ENV)
+    if not _local["listening"]:
+        _local["listening"] = True
+        _mark(folder, listening_path, rank)
+        _install_handlers()
+    local = _local["signal"] is not None or (folder is not None and request_path(folder).exists())
+    agreed = _agree(state, local)
+    if agreed:
+        _local["agreed"] = True
+        _mark(folder, seen_path, rank)
+    return agreed
+
+
+def _agree(state, local: bool) -> bool:
+    """The MAX of every rank's `local` (one tiny all_reduce on the default group); `local` itself on one process."""
+    import torch
+    import torch.distributed as dist
+
+    if state.num_processes <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return local
+    device = state.device
+    if device.type == "cpu" or "gloo" in str(dist.get_backend()).lower():
+        device = torch.device("cpu")
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _mark(folder: str | None, path_of, rank: int) -> None:
+    if folder is None:
+        return
+    try:
+        path_of(folder, rank).touch()
+    except OSError:  # the launcher's folder is gone (it is being stopped): nothing to tell it
+        pass
+
+
+# -- handlers in the process itself ------------------------------------------------------------------------
+
+def signals_to_handle(environ=os.environ) -> list[signal.Signals]:
+    """The signals this process turns into a request itself: `ACCEL_PREEMPTION_SIGNALS` when set, else SIGTERM and
+    the config's `preemption_signal` unless a launcher's agent runs this process (it handles them)."""
+    given = environ.get(SIGNALS_ENV)
+    if given is not None:
+        return [parse_signal(name, SIGNALS_ENV) for name in given.split(",") if name.strip()]
+    if DIR_ENV in environ or "TORCHELASTIC_RUN_ID" in environ:  # accel launch's agent, or torchrun's
+        return []
+    names = ["SIGTERM"]
+    extra = _config_value("preemption_signal")
+    if extra and extra not in names:
+        names.append(extra)
+    return [getattr(signal, name) for name in names]
+
+
+def parse_signal(name: str, source: str) -> signal.Signals:
+    """`SIGTERM`, `SIGUSR1` or `SIGUSR2` (case-insensitive) as a signal; ValueError in one line otherwise."""
+    text = name.strip().upper()
+    if text not in SIGNALS:
+        raise ValueError(f"{source}: bad value {name.strip()!r}; allowed: one of {', '.join(SIGNALS)}")
+    return getattr(signal, text)
+
+
+def _config_value(key: str) -> Any:
+    try:
+        from accel.config import worker_config
+
+        return getattr(worker_config(), key)
+    except Exception:  # no readable config: the defaults (SIGTERM only, the default grace period)
+        return None
+
+
+def _install_handlers() -> None:
+    if _local["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    _local["installed"] = True
+    for sig in signals_to_handle():
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):  # a script's own handler stays
+            signal.signal(sig, _on_signal)
+
+
+def _on_signal(signum: int, frame) -> None:
+    """The first signal only sets the flag; a second one (the timer sends it when the grace period runs out) ends
+    the process as the signal would have."""
+    if _local["signal"] is not None:
+        _stop(signum)
+        return
+    _local["signal"] = signum
+    grace = _config_value("grace_period") or DEFAULT_GRACE_PERIOD
+    name = signal.Signals(signum).name
+    say(f"accel: got {name}: preemption_requested turns true at the next step; save and stop within {grace:g} s (a "
+        f"second {name} stops the process now)")
+    timer = threading.Timer(grace, signal.pthread_kill, args=(threading.get_ident(), signum))  # runs in main
+    timer.daemon = True
+    timer.start()
+    _local["timer"] = timer
+
+
+def say(line: str) -> None:
+    """One line on stderr from a signal handler: the handler may run inside a write to sys.stderr, where writing to it
+    again raises ("reentrant call"); then straight to the descriptor."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except RuntimeError:
+        os.write(2, (line + "\n").encode(errors="replace"))
+
+
+def _stop(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _reset_for_tests() -> None:
+    for sig in SIGNALS:
+        if signal.getsignal(getattr(signal, sig)) is _on_signal:
+            signal.signal(getattr(signal, sig), signal.SIG_DFL)
+    if _local["timer"] is not None:
+        _local["timer"].cancel()
+    _local.update(signal=None, agreed=False, listening=False, installed=False, timer=None)
