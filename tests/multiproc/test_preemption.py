@@ -53,19 +53,20 @@ def markers(out: Path) -> bool:
     return all((out / f"marker_rank{rank}").exists() for rank in (0, 1))
 
 
-def run_to_end(env: dict, out: Path) -> str:
-    proc, err = start(env, out)
+def run_to_end(env: dict, out: Path, launch_args: tuple[str, ...] = ()) -> str:
+    proc, err = start(env, out, launch_args=launch_args)
     rc, stderr = finish(proc, err)
     assert rc == 0, stderr
     return stderr
 
 
 @pytest.mark.multiproc
-def test_sigterm_mid_epoch_saves_and_the_next_launch_resumes_bit_exactly(isolated_env, tmp_path):
-    run_to_end(isolated_env, tmp_path / "full")
+@pytest.mark.parametrize("backend", [(), ("--zero_stage", "3")], ids=["ddp", "zero3"])
+def test_sigterm_mid_epoch_saves_and_the_next_launch_resumes_bit_exactly(isolated_env, tmp_path, backend):
+    run_to_end(isolated_env, tmp_path / "full", backend)
 
     out = tmp_path / "preempted"
-    proc, err = start(isolated_env, out, "--marker_step", str(MARKER_STEP))
+    proc, err = start(isolated_env, out, "--marker_step", str(MARKER_STEP), launch_args=backend)
     wait_for(lambda: markers(out), proc, err)
     proc.send_signal(signal.SIGTERM)
     rc, stderr = finish(proc, err)
@@ -79,7 +80,7 @@ def test_sigterm_mid_epoch_saves_and_the_next_launch_resumes_bit_exactly(isolate
 
     for rank in (0, 1):
         (out / f"preempted_rank{rank}.json").unlink()
-    run_to_end(isolated_env, out)  # load_state of the grace save, skip_first_batches, to the end
+    run_to_end(isolated_env, out, backend)  # load_state of the grace save, skip_first_batches, to the end
     assert not (out / "preempted_rank0.json").exists()
     full, resumed = load_file(str(tmp_path / "full" / "final.safetensors")), load_file(str(out / "final.safetensors"))
     assert full.keys() == resumed.keys()
