@@ -24,18 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel import Accelerator, ProjectConfiguration
 from accel.utils import set_seed
 
-
-class Progress:
-    """Registered for checkpointing: how many optimizer steps were done."""
-
-    def __init__(self):
-        self.steps = 0
-
-    def state_dict(self):
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state):
-        self.steps = state["steps"]
+from resume_train import Progress  # registered for checkpointing: how many optimizer steps were done
 
 
 def main() -> None:

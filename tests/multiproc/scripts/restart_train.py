@@ -24,18 +24,7 @@ from accel import Accelerator, ProjectConfiguration
 from accel.checkpoint import training_state
 from accel.utils import set_seed
 
-
-class Progress:
-    """Registered for checkpointing: optimizer steps done, so a restart knows where it is."""
-
-    def __init__(self):
-        self.steps = 0
-
-    def state_dict(self):
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state):
-        self.steps = state["steps"]
+from resume_train import Progress  # registered for checkpointing: optimizer steps done, so a restart knows where it is
 
 
 def die_inside_the_next_save() -> None:
