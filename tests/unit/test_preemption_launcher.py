@@ -46,7 +46,7 @@ def test_flags_reach_the_config_and_keys_are_checked():
     assert (cfg.preemption_signal, cfg.grace_period, cfg.requeue) == ("SIGUSR1", 90.0, True)
     defaults = config_from_dict({}, "test")
     assert (defaults.preemption_signal, defaults.grace_period, defaults.requeue) == (None, 300.0, False)
-    with pytest.raises(ConfigError, match=r"key 'grace_period': bad value 0; allowed: a number >= 1"):
+    with pytest.raises(ConfigError, match=r"key 'grace_period': bad value 0; allowed: a finite number of seconds from 1 to 31536000"):
         config_from_dict({"grace_period": 0}, "test")
     with pytest.raises(ConfigError, match=r"key 'requeue': bad value 'yes'; allowed: true or false"):
         config_from_dict({"requeue": "yes"}, "test")
@@ -56,9 +56,9 @@ def test_bad_values_are_one_line_errors(run_accel, script):
     assert_one_line_error(run_accel("launch", "--cpu", "--preemption_signal", "SIGKILL", script),
                           "key 'preemption_signal': bad value 'SIGKILL'", "allowed: one of SIGTERM, SIGUSR1, SIGUSR2")
     assert_one_line_error(run_accel("launch", "--cpu", "--grace_period", "-5", script),
-                          "key 'grace_period': bad value -5", "allowed: a number >= 1")
+                          "key 'grace_period': bad value -5", "allowed: a finite number of seconds from 1 to 31536000")
     assert_one_line_error(run_accel("launch", "--cpu", "--grace_period", "soon", script),
-                          "--grace_period", "'soon'", "allowed: a number of seconds >= 1")
+                          "--grace_period", "'soon'", "allowed: a finite number of seconds from 1 to 31536000")
 
 
 def test_torchrun_keeps_the_signals_we_do_not_take():
@@ -67,6 +67,17 @@ def test_torchrun_keeps_the_signals_we_do_not_take():
     assert preempt.torchrun_flags("SIGTERM", preemptible=False) == []  # --hostfile's launchers: as before
     assert preempt.handled_signals("SIGUSR2") == [signal.SIGTERM, signal.SIGUSR2]
     assert preempt.handled_signals("SIGTERM") == [signal.SIGTERM]
+
+
+@pytest.fixture(autouse=True)
+def default_signal_handlers():
+    """Each test starts from the default handlers (an earlier test in this process may have run torchrun's agent,
+    which leaves its own SIGTERM handler installed) and leaves the previous ones as they were."""
+    names = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {sig: signal.signal(sig, signal.SIG_DFL) for sig in names}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 # -- the launcher's handler ------------------------------------------------------------------------------------
