@@ -22,6 +22,7 @@ each does, is in docs/accelerate_compat.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from typing import Any, Callable
 
 from accel.cli._common import UsageError
 from accel.config import ConfigError
+from accel.config.errors import shown
+from accel.config.schema import C_INT_MAX, INT64_MAX, MAX_SECONDS
 
 FLAGS_SOURCE = "accel launch flags"  # cli/launch.py's name for the flags' layer (errors are rewritten to the flag)
 
@@ -59,7 +62,8 @@ def _boolean(value: str) -> bool:
     raise _BadValue("true or false")
 
 
-def _integer(lo: int) -> Callable[[str], int]:
+def _integer(lo: int, hi: int = C_INT_MAX) -> Callable[[str], int]:
+    """An integer from `lo` to `hi` (by default a C int's largest, what torch and the OpenMP runtime take)."""
     def parse(value: str) -> int:
         try:
             number = int(value)
@@ -67,20 +71,24 @@ def _integer(lo: int) -> Callable[[str], int]:
             raise _BadValue(f"an integer >= {lo}") from None
         if number < lo:
             raise _BadValue(f"an integer >= {lo}")
+        if number > hi:
+            raise _BadValue(f"an integer from {lo} to {hi}")
         return number
 
     return parse
 
 
-def _number(lo: float, above: bool = False) -> Callable[[str], float]:
-    allowed = f"a number {'>' if above else '>='} {lo:g}"
+def _number(lo: float, above: bool = False, hi: float | None = None, unit: str = "") -> Callable[[str], float]:
+    """A finite number >= `lo` (> with `above`), at most `hi` when given; `unit` names what it counts."""
+    noun = f"a number of {unit}" if unit else "a number"
+    allowed = f"{noun} {'>' if above else '>='} {lo:g}" + (f", at most {hi:.15g}" if hi is not None else "")
 
     def parse(value: str) -> float:
         try:
             number = float(value)
         except ValueError:
             raise _BadValue(allowed) from None
-        if number != number or number < lo or (above and number == lo):
+        if not math.isfinite(number) or number < lo or (above and number == lo) or (hi is not None and number > hi):
             raise _BadValue(allowed)
         return number
 
@@ -144,7 +152,7 @@ ACCEPTED: dict[str, Flag] = {
     "fsdp_activation_checkpointing": Flag(_boolean, "fsdp_config"),
     "fsdp_auto_wrap_policy": Flag(_text, "fsdp_config"),
     "fsdp_transformer_layer_cls_to_wrap": Flag(_text, "fsdp_config"),
-    "fsdp_min_num_params": Flag(_integer(0), "fsdp_config"),
+    "fsdp_min_num_params": Flag(_integer(0, INT64_MAX), "fsdp_config"),
     "fsdp_activation_checkpointing_offload": Flag(_boolean, "fsdp_config"),  # true: refused below
     "fsdp_version": Flag(_choice("1", "2"), "accepted"),  # accel's ZeRO 2/3 is FSDP2 either way
     "fsdp_backward_prefetch": Flag(_choice(*_PREFETCH), "accepted"),
@@ -168,7 +176,7 @@ ACCEPTED: dict[str, Flag] = {
     "debug": Flag(_SWITCH, "launch"),
     "no_python": Flag(_SWITCH, "launch"),
     "tee": Flag(_text, "launch"),
-    "monitor_interval": Flag(_number(0, above=True), "launch"),
+    "monitor_interval": Flag(_number(0, above=True, hi=MAX_SECONDS, unit="seconds"), "launch"),
     "rdzv_conf": Flag(_text, "launch"),
     "role": Flag(_text, "launch"),
     "same_network": Flag(_SWITCH, "launch"),
@@ -280,7 +288,7 @@ def value_of(args: argparse.Namespace, name: str) -> Any:
     try:
         return flag.parse(raw)
     except _BadValue as exc:
-        raise UsageError(f"--{name}: bad value {raw!r}; allowed: {exc}") from None
+        raise UsageError(f"--{name}: bad value {shown(raw)}; allowed: {exc}") from None
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -337,7 +345,30 @@ def _map_multinode(args: argparse.Namespace) -> None:
 
 
 _TEE = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
-_RDZV_PAIR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[^,=]*")
+_RDZV_PAIR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[^,=]*[^,=\s][^,=]*")  # torchrun refuses an empty value
+
+
+# the rendezvous options torchrun reads as numbers (seconds, attempts) or from a list, only once the agent runs: a bad
+# one would fail after the launch began (exit 1), so they are refused with the other flags
+_RDZV_INTEGERS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt", "read_timeout", "timeout")
+_RDZV_CHOICES = {"store_type": ("tcp", "file")}
+
+
+def _rdzv_typed(pairs: list[str]) -> None:
+    for pair in pairs:
+        key, value = (part.strip() for part in pair.split("=", 1))
+        if key in _RDZV_INTEGERS:
+            try:
+                number = int(value)
+            except ValueError:
+                number = 0
+            if not 1 <= number <= C_INT_MAX:
+                raise UsageError(f"--rdzv_conf: {key}={shown(value)}: bad value; allowed: an integer from 1 to "
+                                 f"{C_INT_MAX}")
+        if key in _RDZV_CHOICES and value.lower() not in _RDZV_CHOICES[key]:
+            raise UsageError(f"--rdzv_conf: {key}={shown(value)}: bad value; allowed: "
+                             f"{', '.join(_RDZV_CHOICES[key])}")
 
 
 def _torchrun_values(args: argparse.Namespace) -> None:
@@ -354,6 +385,7 @@ def _torchrun_values(args: argparse.Namespace) -> None:
         if any(pair.split("=")[0] == "is_host" for pair in pairs):
             raise UsageError("--rdzv_conf: is_host is set by accel launch (the machine with machine_rank 0 hosts the "
                              "rendezvous); allowed: the other rendezvous options")
+        _rdzv_typed(pairs)
     if given(args, "role") == "":
         raise UsageError("--role: empty; allowed: a name for the workers' role, e.g. trainer")
 
@@ -483,7 +515,7 @@ def _file_stage(config_file: str | None, route: str) -> int:
     from accel.config.yaml_file import load_yaml_file
 
     path = user_config_path(config_file)
-    if path is not None and path.is_file():
+    if path is not None and os.path.isfile(path):  # (os.path's: False for a path the OS refuses, as too long)
         data = load_yaml_file(path)
         file_route = str(data.get("distributed_type") or "").upper() if isinstance(data, dict) else ""
         if file_route in ("DEEPSPEED", "FSDP") and file_route != route:

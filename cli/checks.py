@@ -5,8 +5,11 @@ Each check raises UsageError/ConfigError, which `accel` prints as one line with 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import io
+import logging
 import os
 import shlex
 import sys
@@ -19,7 +22,9 @@ from accel.config import (
     PACKAGED_DEFAULT,
     AccelConfig,
     ConfigError,
+    LAUNCH_ENV,
     DeepSpeedConfigWarning,
+    encode_for_workers,
     parse_layer,
     read_config_file,
     read_deepspeed_config,
@@ -46,18 +51,83 @@ def config_source(config_file: str | None, overrides: dict, flags_source: str) -
     return f"{source} + {flags_source}" if overrides else source
 
 
-def resolve_checked(config_file: str | None, overrides: dict, prog: str, flags_source: str) -> AccelConfig:
+_held: list[str] = []  # warning lines held back until every check passed (release_warnings)
+
+
+def resolve_checked(config_file: str | None, overrides: dict, prog: str, flags_source: str,
+                    hold_warnings: bool = False) -> AccelConfig:
     """The config a launch would run with, through `check_launchable` (the rules `accel launch`, `accel env` and
-    `accel config` share). A DeepSpeed JSON's ignored keys are one warning line each, like our errors."""
+    `accel config` share). A DeepSpeed JSON's ignored keys are one warning line each, like our errors, printed once the
+    config passed; with `hold_warnings` only at `release_warnings()` (after the caller's own checks: a refusal stays
+    the one line)."""
+    _held.clear()  # an earlier refused command's (accel run in one process, as by tests)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeepSpeedConfigWarning)
         cfg = resolve_launch_config(config_file, overrides, flags_source)
-    for warning in caught:
+    cfg = check_launchable(cfg, config_source(config_file, overrides, flags_source))
+    check_worker_env_size(cfg)
+    for warning in caught:  # only for a config that passed: an error is the one line
         if issubclass(warning.category, DeepSpeedConfigWarning):
-            sys.stderr.write(f"{prog}: warning: {warning.message}\n")
+            _held.append(f"{prog}: warning: {warning.message}\n")
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-    return check_launchable(cfg, config_source(config_file, overrides, flags_source))
+    if not hold_warnings:
+        release_warnings()
+    return cfg
+
+
+def release_warnings() -> None:
+    """Print the warning lines `resolve_checked` held back."""
+    sys.stderr.writelines(_held)
+    sys.stderr.flush()
+    _held.clear()
+
+
+# Linux's limit for one environment variable ("NAME=value", MAX_ARG_STRLEN): a longer ACCEL_LAUNCH_CONFIG (a huge
+# DeepSpeed JSON, a string of megabytes in a config file) would make starting the workers fail (E2BIG)
+ENV_VALUE_MAX = 128 * 1024 - 1
+
+
+def check_worker_env_size(cfg: AccelConfig) -> None:
+    """The resolved config must fit in the one variable that carries it to the workers."""
+    size = len(LAUNCH_ENV) + 1 + len(encode_for_workers(cfg).encode())
+    if size > ENV_VALUE_MAX:
+        carried = f" (with the DeepSpeed JSON {cfg.deepspeed_json_path})" if cfg.deepspeed_json_path else ""
+        raise ConfigError(f"the resolved config{carried} is {size} bytes as JSON, too long for the one environment "
+                          f"variable ({LAUNCH_ENV}) that carries it to the workers; allowed: up to {ENV_VALUE_MAX} "
+                          "bytes (shorten its longest values)")
+
+
+# -------------------------------------------------------------------------------------------------------
+# torchrun
+# -------------------------------------------------------------------------------------------------------
+
+def check_torchrun_argv(argv: list[str]) -> None:
+    """What torchrun itself would refuse in `argv` (its argument parser, then the checks of its launch config),
+    refused now as one UsageError, before any process starts: `accel launch` and its --dry_run check the same.
+    Nothing is started; torchrun's warnings and its OMP_NUM_THREADS default are not kept."""
+    from torch.distributed import run as torchrun
+
+    said = io.StringIO()
+    threads = os.environ.get("OMP_NUM_THREADS")  # config_from_args sets it when unset
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # its notes (the OMP_NUM_THREADS banner) belong to a real launch
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            torchrun.config_from_args(torchrun.parse_args(list(argv)))
+    except SystemExit:  # its argument parser: usage, then `torchrun: error: ...` as the last line
+        lines = [line for line in said.getvalue().splitlines() if line.strip()]
+        message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"  # without its `prog: error:`
+        raise UsageError(f"torchrun refused its arguments: {message}") from None
+    except (ValueError, AssertionError, TypeError, KeyError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise UsageError(f"torchrun refused its arguments: {message}") from None
+    finally:
+        logging.disable(quiet)
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -67,7 +137,7 @@ def resolve_checked(config_file: str | None, overrides: dict, prog: str, flags_s
 def check_script(script: str) -> None:
     """`script` must be something `python script` runs: a readable file, or a folder/zip with __main__.py."""
     path = Path(script)
-    if not path.exists():
+    if not os.path.exists(script):  # (os.path's: False for a path the OS refuses, as too long)
         raise UsageError(f"script not found: {script} (relative to {os.getcwd()}); allowed: the path of a Python "
                          "file, or -m for a module")
     if path.is_dir():

@@ -18,6 +18,7 @@ with that error. fp8 is offered only when torchao is installed. The file is save
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import os
 import re
@@ -44,6 +45,7 @@ from accel.config import (
     read_config_file,
 )
 from accel.backends.launchable import check_launchable
+from accel.config.errors import shown
 
 ANSWERS_SOURCE = "accel config answers"
 REQUIRED = object()  # a question without a default
@@ -421,7 +423,19 @@ def run_default(args: argparse.Namespace) -> int:
 
 
 def check_save_target(path: Path) -> None:
-    """Refuse, before any question, a target that cannot be a file."""
+    """Refuse, before any question, a target that cannot be a file (a folder, a path the OS refuses)."""
+    if "\x00" in str(path):
+        raise UsageError(f"config file {shown(str(path))}: a path cannot hold a NUL byte; allowed: the path of a YAML "
+                         "file to write (--config_file)")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES):
+            raise UsageError(f"config file {path}: {exc.strerror}; allowed: the path of a YAML file to write "
+                             "(--config_file)") from None
+        return  # e.g. a parent that is a file: saving says so
     if path.is_dir():
         raise UsageError(f"config file {path} is a directory; allowed: the path of a YAML file to write "
                          "(--config_file)")
@@ -431,5 +445,5 @@ def save(cfg: AccelConfig, path: Path) -> Path:
     """`cfg.save`, with a file system refusal (permissions, a file where a folder should be) as one line."""
     try:
         return cfg.save(path)
-    except OSError as exc:
-        raise UsageError(f"cannot write the config file {path}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot write the config file {path}: {getattr(exc, 'strerror', None) or exc}") from None

@@ -30,17 +30,34 @@ def register(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
     add_flag(parser, "dtypes", default="float32,bfloat16", help="comma-separated weight dtypes (default %(default)s)")
-    add_flag(parser, "num_processes", type=int, default=1, help="ranks in all (default 1)")
-    add_flag(parser, "tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")
-    add_flag(parser, "pp_size", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    add_flag(parser, "batch_size", type=int, default=None,
+    add_flag(parser, "num_processes", default=1, help="ranks in all (default 1)")
+    add_flag(parser, "tp_size", default=1, help="tensor-parallel degree (default 1)")
+    add_flag(parser, "pp_size", default=1, help="pipeline-parallel degree (default 1)")
+    add_flag(parser, "batch_size", default=None,
              help="per-process micro-batch: also measure the activation memory of one training step (fake tensors)")
-    add_flag(parser, "seq_len", type=int, default=None, help="tokens per sample, with --batch_size")
+    add_flag(parser, "seq_len", default=None, help="tokens per sample, with --batch_size")
     add_flag(parser, "mixed_precision", default="no", choices=["no", "bf16", "fp16"],
              help="autocast dtype for the activation measurement (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
     return parser
+
+
+MAX_RANKS = 2 ** 20  # --num_processes, --tp_size, --pp_size
+
+
+def check_flags(args) -> list[str]:
+    """Every value flag, checked before the model is read (accel.planning.inputs): `args` gets the parsed
+    integers; the dtypes to report."""
+    from accel.planning import inputs
+    from accel.planning.estimate import DTYPE_BYTES
+
+    for name in ("num_processes", "tp_size", "pp_size"):
+        setattr(args, name, inputs.integer(f"--{name}", getattr(args, name), hi=MAX_RANKS))
+    for name in ("batch_size", "seq_len"):
+        if getattr(args, name) is not None:
+            setattr(args, name, inputs.integer(f"--{name}", getattr(args, name)))
+    return inputs.names("--dtypes", args.dtypes, tuple(DTYPE_BYTES))
 
 
 def run(args) -> int:
@@ -51,8 +68,8 @@ def run(args) -> int:
                          "sample) to measure activations, or neither")
     start = time.perf_counter()
     try:
-        result = estimate(load_spec(args.model), [d.strip() for d in args.dtypes.split(",") if d.strip()],
-                          args.num_processes, args.tp_size, args.pp_size)
+        dtypes = check_flags(args)
+        result = estimate(load_spec(args.model), dtypes, args.num_processes, args.tp_size, args.pp_size)
         if args.batch_size is not None:
             result["activations"] = activations(args.model, args.batch_size, args.seq_len, args.mixed_precision)
     except EstimateError as exc:

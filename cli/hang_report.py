@@ -6,12 +6,17 @@ merely stopped, so torchrun names the healthy rank as the first failure. `HangWa
 1. Before the agent starts the workers, `worker_env()` gives them the run folder (`ACCEL_DIAGNOSTICS_DIR`, where
    `accel.core.diagnostics` writes each rank's failed-collective record and its stack on demand) and NCCL's settings:
    dump the flight recorder of a rank whose collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`) into that folder.
-2. When the agent is about to stop the workers after a failure (the one hook: torchrun's
-   `SubprocessContext._close`), and the failure was a collective's, the workers still running are asked for
-   their Python stacks (SIGUSR1, answered by faulthandler), then stopped as usual.
-3. After torchrun's `ChildFailedError`, `report()` sorts the ranks: waiting (a record, a flight recorder entry
-   still pending, or a stack blocked in torch.distributed) and stuck (still running elsewhere), and returns the
-   lines printed last, the stuck rank named as the first failure.
+2. While the workers run, each worker's end is noted as the agent sees it (torchrun's
+   `SubprocessContext._capture_process_failures`, which polls them): rank, exit code and when. torchrun forgets a
+   worker that exited 0, and names a first failure by the second: the report needs both to name a rank that left.
+3. When the agent is about to stop the workers after a failure (torchrun's `SubprocessContext._close`), and a
+   collective failed or a worker already ended, the workers still running are asked for their Python stacks
+   (SIGUSR1, answered by faulthandler), then stopped as usual.
+4. After torchrun's `ChildFailedError`, `report()` sorts the ranks: waiting (a record, a flight recorder entry
+   still pending, or a stack blocked in torch.distributed), left (it ended on its own, outside any collective,
+   while or before the others waited: its script returned, called sys.exit, or crashed), and stuck (still running
+   elsewhere), and returns the lines printed last, the rank that left or else the stuck one named as the first
+   failure.
 
 Each machine's launcher reports its own ranks only.
 """
@@ -36,8 +41,11 @@ from pathlib import Path
 from accel.core import diagnostics as diag
 from accel.core.diagnostics import Frame
 
-ROLE_ORDER = ("stuck", "failed", "waiting")  # the report's order, its first failure first
+# the report's order, its first failure first; "stopped": stopped by the launcher outside any collective after a
+# rank left (not stuck: nobody waited for it)
+ROLE_ORDER = ("left", "stuck", "failed", "waiting", "stopped")
 STACK_WAIT_S = 2.0  # how long a worker gets to write its stack after SIGUSR1 (faulthandler takes milliseconds)
+ENDING_WAIT_S = 5.0  # how long a worker whose script ended gets to finish exiting before the launcher stops it
 FLIGHT_RECORDER_FILE_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch's new and old name
 _PATHS = sysconfig.get_paths()
 # where library code lives (the stdlib, installed packages, accel itself): stacks show the script's frames in full
@@ -53,16 +61,30 @@ class RankOutcome:
     local_rank: int
     pid: int
     exitcode: int
-    role: str  # "stuck", "waiting" or "failed"
+    role: str  # one of ROLE_ORDER
     op: str = ""
     detail: str = ""
     frames: list[Frame] = field(default_factory=list)
+    started: float | None = None  # a waiting rank: when its collective started (time.time()), when known
+    ended_at: float | None = None  # a rank that left: when its script ended, else when the agent saw it end
+
+
+@dataclass
+class WorkerEnd:
+    """A worker's end as torchrun's agent saw it."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    at: float  # time.time() when the agent saw it (it polls every --monitor_interval, 0.1 s)
+    stopped: bool  # it was still running when the launcher stopped the workers
 
 
 @dataclass
 class HangReport:
     lines: list[str]
     first_rank: int
+    exitcode: int | None = None  # the worker exit code `accel launch` exits with (None: the first rank's failure's)
 
 
 class HangWatch:
@@ -73,6 +95,8 @@ class HangWatch:
         self.run_dir = Path(tempfile.mkdtemp(prefix="accel-run-"))
         self.folder: Path | None = None  # the attempt whose running workers were asked for their stacks
         self.stopped: dict[int, int | None] = {}  # rank -> where its new stack starts in its file (None: no file)
+        self.ends: dict[Path, dict[int, WorkerEnd]] = {}  # attempt folder -> rank -> how its worker ended
+        self.running_at_stop: dict[Path, set[int]] = {}  # attempt folder -> ranks the launcher stopped
 
     # -- before and while the workers run ---------------------------------------------------------------------
     def worker_env(self) -> dict[str, str]:
@@ -88,10 +112,12 @@ class HangWatch:
 
     @contextlib.contextmanager
     def around_agent(self):
-        """Ask for the stacks whenever torchrun's agent stops its workers, for as long as the block runs."""
+        """Note each worker's end, and ask for the stacks whenever torchrun's agent stops its workers, for as long as
+        the block runs."""
         from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
         original = SubprocessContext._close
+        capture = SubprocessContext._capture_process_failures
 
         def close(pcontext, death_sig, timeout: int = 30):
             try:
@@ -100,23 +126,54 @@ class HangWatch:
                 sys.stderr.write(f"accel launch: warning: could not collect the workers' stacks: {exc}\n")
             return original(pcontext, death_sig, timeout)
 
+        def capture_and_note(pcontext, done_local_ranks: set[int]) -> None:
+            capture(pcontext, done_local_ranks)
+            with contextlib.suppress(Exception):  # a diagnostic: the agent's bookkeeping goes on regardless
+                self.note_ends(pcontext, done_local_ranks)
+
         SubprocessContext._close = close
+        SubprocessContext._capture_process_failures = capture_and_note
         try:
             yield self
         finally:
             SubprocessContext._close = original
+            SubprocessContext._capture_process_failures = capture
+
+    @staticmethod
+    def _ranks(pcontext) -> tuple[str, dict[int, int]]:
+        return (pcontext.envs[0].get("TORCHELASTIC_RESTART_COUNT", "0"),
+                {local: int(env["RANK"]) for local, env in pcontext.envs.items()})
+
+    def note_ends(self, pcontext, done_local_ranks: set[int]) -> None:
+        """Note the workers the agent just found ended (the first time each is seen)."""
+        attempt, ranks = self._ranks(pcontext)
+        folder = diag.attempt_folder(self.run_dir, attempt)
+        ends = self.ends.setdefault(folder, {})
+        stopped = self.running_at_stop.get(folder, set())
+        now = time.time()
+        for local in done_local_ranks:
+            proc = pcontext.subprocess_handlers[local].proc
+            if ranks[local] not in ends and proc.returncode is not None:
+                ends[ranks[local]] = WorkerEnd(local, proc.pid, proc.returncode, now, ranks[local] in stopped)
 
     def before_stop(self, pcontext) -> None:
-        """After a failed collective, ask the workers still running for their stacks (the agent stops them next)."""
-        ranks = {local: int(env["RANK"]) for local, env in pcontext.envs.items()}
-        folder = diag.attempt_folder(self.run_dir, pcontext.envs[0].get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if not any(self._timed_out(folder, rank) for rank in ranks.values()):
-            return
+        """After a failed collective, or once a worker ended, ask the workers still running for their stacks (the
+        agent stops them next)."""
+        attempt, ranks = self._ranks(pcontext)
+        folder = diag.attempt_folder(self.run_dir, attempt)
         running = {ranks[local]: handler.proc for local, handler in pcontext.subprocess_handlers.items()
                    if handler.proc.poll() is None}
-        if running:  # the agent closes again once they are stopped: keep what the first close found
-            self.folder = folder
-            self.stopped = ask_for_stacks(folder, running)
+        # a worker whose script ended is on its way out (its end made the others fail): let it exit on its own
+        wait_for_exit([proc for rank, proc in running.items() if diag.ended_path(folder, rank).exists()],
+                      ENDING_WAIT_S)
+        running = {rank: proc for rank, proc in running.items() if proc.poll() is None}
+        if not running:  # the agent closes again once they are stopped: keep what the first close found
+            return
+        self.running_at_stop.setdefault(folder, set()).update(running)
+        if not self.ends.get(folder) and not any(self._timed_out(folder, rank) for rank in ranks.values()):
+            return
+        self.folder = folder
+        self.stopped = ask_for_stacks(folder, running)
 
     def _timed_out(self, folder: Path, rank: int) -> bool:
         """A collective of `rank` timed out (a peer that died makes the others' collectives fail too, but sooner and
@@ -128,15 +185,47 @@ class HangWatch:
 
     # -- after the agent returned -----------------------------------------------------------------------------
     def report(self, failures: dict) -> HangReport | None:
-        """The report for torchrun's failures (global rank -> ProcessFailure), or None when no collective failed."""
+        """The report for torchrun's failures (global rank -> ProcessFailure), or None when no collective timed out
+        and no rank left while others waited in one (torchrun's usual summary then says what failed)."""
         folder = self.folder or self._last_attempt()
         if folder is None:
             return None
-        outcomes = [self._outcome(folder, rank, failure) for rank, failure in sorted(failures.items())]
-        if not any(self._timed_out(folder, o.rank) for o in outcomes):
+        outcomes = self._with_leavers(folder, [self._outcome(folder, rank, failure)
+                                               for rank, failure in sorted(failures.items())])
+        if not any(o.role == "left" for o in outcomes) and not any(self._timed_out(folder, o.rank) for o in outcomes):
             return None
+        first = first_failure(outcomes)
+        # a rank that left with exit code 0 is named first, but the job failed: exit with the first failure's code
+        code = first.exitcode if first.exitcode != 0 else next(o.exitcode for o in outcomes if o.rank in failures)
         return HangReport(report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps()),
-                          first_rank=first_failure(outcomes).rank)
+                          first_rank=first.rank, exitcode=code)
+
+    def _with_leavers(self, folder: Path, outcomes: list[RankOutcome]) -> list[RankOutcome]:
+        """`outcomes`, the ranks that left early marked "left": they ended on their own (the launcher did not stop
+        them) outside any collective, while others waited in one (a failed collective makes torchrun stop the rest
+        at once: a rank that ended on its own was gone before); their script returned, called sys.exit or crashed.
+        Those that exited 0 (torchrun forgets them) are added. Unchanged when no rank waited in a collective."""
+        ends = self.ends.get(folder, {})
+        waiting = [o for o in outcomes if o.role == "waiting"]
+        if not ends or not waiting:
+            return outcomes
+        by_rank = {o.rank: o for o in outcomes}
+        leavers = []
+        for rank, end in sorted(ends.items()):
+            outcome = by_rank.get(rank)
+            if end.stopped or (outcome is not None and outcome.role != "failed"):
+                continue
+            outcome = outcome or RankOutcome(rank, end.local_rank, end.pid, end.exitcode, "failed")
+            outcome.role, outcome.ended_at = "left", diag.read_ended(folder, rank) or end.at
+            leavers.append(outcome)
+        if not leavers:
+            return outcomes
+        for outcome in outcomes:
+            if outcome.role == "stuck":  # stopped at once after a rank left: nobody waited for it
+                outcome.role, outcome.detail = "stopped", ""
+            elif outcome.role == "waiting" and outcome.detail.startswith("failed ("):  # gloo: connection closed
+                outcome.detail = f"failed without {names(leavers)}"
+        return sorted(outcomes + [o for o in leavers if o.rank not in by_rank], key=lambda o: o.rank)
 
     def cleanup(self, keep: bool) -> None:
         """Remove the run folder unless a report points to it."""
@@ -169,9 +258,12 @@ class HangWatch:
             outcome.role, outcome.op = "waiting", record["op"] + (" in backward" if record.get("in_backward") else "")
             outcome.detail = "timed out" if record["kind"] == "timeout" else f"failed ({record['message'][:160]})"
             outcome.frames = [Frame(*frame) for frame in record["frames"]]
+            outcome.started = record["started_ns"] / 1e9 if record.get("started_ns") else None
         elif pending is not None:
             outcome.role, outcome.op, outcome.detail = "waiting", diag.collective_name([], pending), "timed out"
             outcome.frames = [Frame(f["filename"], f["line"], f["name"]) for f in reversed(pending.get("frames", []))]
+            started = diag.started_ns(pending)
+            outcome.started = started / 1e9 if started else None
         elif rank in self.stopped:
             self._from_stack(outcome, folder, self.stopped[rank])
         return outcome
@@ -219,6 +311,13 @@ def ask_for_stacks(folder: Path, running: dict[int, subprocess.Popen]) -> dict[i
     return offsets
 
 
+def wait_for_exit(procs: list[subprocess.Popen], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+
+
 def read_record(folder: Path, rank: int) -> dict | None:
     try:
         return json.loads(diag.record_path(folder, rank).read_text())
@@ -259,15 +358,25 @@ def first_failure(outcomes: list[RankOutcome]) -> RankOutcome:
 
 
 def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, dumps: Path | None) -> list[str]:
-    stuck, failed, waiting = ([o for o in outcomes if o.role == role] for role in ROLE_ORDER)
+    left, stuck, failed, waiting, _ = ([o for o in outcomes if o.role == role] for role in ROLE_ORDER)
     first = first_failure(outcomes)
-    lines = [headline(stuck, failed, waiting, timeout_s)]
+    lines = [left_headline(left, waiting, timeout_s) if left else headline(stuck, failed, waiting, timeout_s)]
     for outcome in sorted(outcomes, key=lambda o: ROLE_ORDER.index(o.role)):
         lines.append(rank_line(outcome, outcome is first))
         lines += stack_lines(outcome.frames)
     where = f"every thread's stack: {folder}" + (f"; NCCL flight recorder dumps: {dumps} (read them with "
                                                   f"`torchfrtrace {dumps}`)" if dumps else "")
-    lines.append(f"accel launch: {where}")
+    if not left or dumps or any(path.stat().st_size for path in folder.glob("stack_rank*.txt")):
+        lines.append(f"accel launch: {where}")  # (when a rank left, the others may all have ended: no stacks)
+    if left and all(o.exitcode == 0 for o in left):
+        lines.append(f"accel launch: {names(left)} ended without reaching the collective that {names(waiting)} waited "
+                     "in: every rank must run the same collectives in the same order (the same number of batches and "
+                     "steps, no collective that only some ranks reach, no rank returning early)")
+        return lines
+    if left:
+        lines.append(f"accel launch: the job failed because {names([o for o in left if o.exitcode])} ended (see its "
+                     "output above); the others only waited for it")
+        return lines
     busy = names(stuck) if stuck else "a rank"
     lines.append(f"accel launch: if {busy} was busy on purpose (e.g. preparing data under main_process_first), raise "
                  "collective_timeout (config key, --collective_timeout SECONDS, or InitProcessGroupKwargs(timeout=))")
@@ -292,9 +401,48 @@ def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[
             "failed; the job was stopped")
 
 
+def left_headline(left: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float) -> str:
+    """A rank ended while (or before) the others waited in a collective. Exit code 0 is a hang (the others wait until
+    they time out, or until their backend sees the connection close); another code is a failure, whose rank torchrun
+    stopped the others for at once."""
+    codes = sorted({how_it_left(o.exitcode) for o in left})
+    who = (f"{names(left)} {codes[0]}" if len(codes) == 1
+           else " and ".join(f"rank {o.rank} {how_it_left(o.exitcode)}" for o in left))
+    ops = ", ".join(sorted({o.op for o in waiting}))
+    gone = max(o.ended_at or 0.0 for o in left)
+    before = all(o.started is not None and o.started > gone for o in waiting)  # they started after it was gone
+    limit = f"collective_timeout={timeout_s:g}s"
+    timed_out = any(o.detail == "timed out" for o in waiting)
+    failed = any(o.detail.startswith("failed") for o in waiting)  # gloo sees the connection close at once
+    without = f"failed without {'it' if len(left) == 1 else 'them'}"
+    if before:
+        when = (f"before {names(waiting)} reached {ops}, which then "
+                + (f"waited for {limit}" if timed_out else without if failed else "waited"))
+    else:
+        when = f"while {names(waiting)} waited in {ops}" + (f" for {limit}" if timed_out else f", which {without}"
+                                                           if failed else "")
+    hang = "hang: " if all(o.exitcode == 0 for o in left) else ""
+    return f"accel launch: {hang}{who} {when}; the job was stopped"
+
+
+def how_it_left(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exited (exit code {exitcode})"
+    return f"was killed by signal {-exitcode}{signal_name(-exitcode)}"
+
+
 def rank_line(outcome: RankOutcome, first: bool) -> str:
     label = f"rank {outcome.rank} (local rank {outcome.local_rank}, pid {outcome.pid})"
     ended = how_it_ended(outcome.exitcode) + (", first failure" if first else "")
+    if outcome.role == "left":
+        how = f"exited with code {outcome.exitcode}" if outcome.exitcode >= 0 else how_it_left(outcome.exitcode)
+        why = (": its script returned or called sys.exit(0)" if outcome.exitcode == 0
+               else ": see its output above for why" if outcome.exitcode > 0
+               else ", by another process than accel launch")
+        return f"accel launch: {label} {how}{' (first failure)' if first else ''} outside any collective{why}"
+    if outcome.role == "stopped":
+        return (f"accel launch: {label} was stopped outside any collective ({ended})"
+                + ("; its stack, most recent call last:" if outcome.frames else ""))
     if outcome.role == "stuck":
         said = f"is stuck outside the collective ({ended})"
     elif outcome.role == "waiting":
@@ -309,10 +457,15 @@ def rank_line(outcome: RankOutcome, first: bool) -> str:
 def how_it_ended(exitcode: int) -> str:
     if exitcode >= 0:
         return f"exit code {exitcode}"
+    return f"ended by signal {-exitcode}{signal_name(-exitcode)}"
+
+
+def signal_name(signum: int) -> str:
+    """" (SIGTERM)", or "" for a number that names no signal."""
     try:
-        return f"ended by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        return f" ({signal.Signals(signum).name})"
     except ValueError:
-        return f"ended by signal {-exitcode}"
+        return ""
 
 
 def names(outcomes: list[RankOutcome]) -> str:

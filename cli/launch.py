@@ -57,6 +57,8 @@ from accel.cli import accelerate_flags, checks, multinode, output
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli.hang_report import HangWatch
+from accel.config.errors import shown
+from accel.config.schema import C_INT_MAX, MAX_SECONDS
 from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
@@ -332,16 +334,19 @@ def _check_hardware(cfg: AccelConfig) -> AccelConfig:
 def run_command(args: argparse.Namespace) -> int:
     checks.check_flag_conflicts(args)
     accelerate_flags.prepare(args)  # refused flags, the DeepSpeed multi-node flags onto --hostfile/--include/...
-    if args.max_restarts < 0:
-        raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if not 0 <= args.max_restarts <= C_INT_MAX:
+        raise UsageError(f"--max_restarts: bad value {args.max_restarts}; allowed: an integer from 0 to {C_INT_MAX}")
     preemptible = os.environ.get(multinode.HEAD_WATCH_ENV) != "1"  # a --hostfile head stops its launchers by SIGTERM
     multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
     script_argv = _script_argv(args)
     if args.hostfile:
         return multinode.run_on_hosts(args, script_argv, lambda more: checks.resolve_checked(
-            args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE), launch_parser())
-    # every config rule (shared with accel env and accel config), before starting any process
-    cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE)
+            args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE, hold_warnings=True),
+            launch_parser())
+    # every config rule (shared with accel env and accel config), before starting any process; its warnings are
+    # printed once every check below passed (a refusal is the one line)
+    cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE,
+                                 hold_warnings=True)
     if args.accelerate_shim:
         from accel.shim import PATH
 
@@ -355,6 +360,7 @@ def run_command(args: argparse.Namespace) -> int:
             and not cfg.requeue):  # --requeue: the launcher requeues after the script stopped
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
+        checks.release_warnings()
         if args.dry_run:
             return _dry_run(args, cfg, accelerate_flags.command(args, sys.executable, script_argv))
         os.environ.update(accelerate_flags.worker_env(args))  # the process is replaced: its environment is theirs
@@ -371,6 +377,8 @@ def run_command(args: argparse.Namespace) -> int:
     torchrun_argv = (output.torchrun_flags(args) + accelerate_flags.torchrun_flags(args, cfg)
                      + preempt.torchrun_flags(cfg.preemption_signal, preemptible)
                      + build_torchrun_args(cfg, script_argv, args.max_restarts, port, accelerate_flags.rdzv_conf(args)))
+    checks.check_torchrun_argv(torchrun_argv)  # what torchrun itself would refuse, refused now (dry run too)
+    checks.release_warnings()
     if args.dry_run:
         return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
     os.environ.update(accelerate_flags.worker_env(args))  # before the thread default: a given count wins
@@ -400,8 +408,9 @@ def _seconds(text: str) -> float | int:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad value {text!r}; allowed: a number of seconds >= 1") from None
-    return int(value) if value.is_integer() else value
+        raise argparse.ArgumentTypeError(f"bad value {shown(text)}; allowed: a finite number of seconds from 1 to "
+                                         f"{MAX_SECONDS}") from None
+    return int(value) if value.is_integer() and abs(value) <= 2**53 else value
 
 
 def _exit_code(code: int | None) -> int:
@@ -450,9 +459,9 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
     except ChildFailedError as exc:
         sys.stdout.flush()
         hang = watch.report(exc.failures)
-        if hang is not None:  # printed last: which rank never came, what the others waited in, every stack
+        if hang is not None:  # printed last: which rank never came (or left), what the others waited in, stacks
             sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
-            return _exit_code(exc.failures[hang.first_rank].exitcode)
+            return _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
         first_rank, first = exc.get_first_failure()
         for rank, failure in sorted(exc.failures.items()):
             how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
@@ -468,10 +477,11 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
             return stop.stopped_code()
         sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
         return 128 + int(exc.sigval)
-    except SystemExit as exc:  # torchrun's own argument errors
+    except SystemExit as exc:  # torchrun's own argument errors (checks.check_torchrun_argv refuses them first)
         if exc.code in (None, 0):
             return 0
-        return exc.code if isinstance(exc.code, int) else 1
+        sys.stderr.write(f"accel launch: error: torchrun refused its arguments (exit code {exc.code})\n")
+        return 2
     except ConfigError:
         raise
     except Exception as exc:  # rendezvous failures and the like: one line, no traceback

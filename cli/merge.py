@@ -8,6 +8,11 @@ work is accel/checkpoint/merge.py's. One process, no GPU; it needs the memory of
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
 
 from accel.cli._common import UsageError, add_flag
 
@@ -30,15 +35,84 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def check_manifest(checkpoint_dir: str) -> None:
+    """An accel save_state folder's manifest holds what a merge reads in the shapes save_state writes it: the
+    skeleton's models (parameter name -> {"__tensor__": key}), aliases (key -> key) and layouts. Its files, sizes
+    and checksums are the merge's to check; this is for a manifest written by hand or by another tool, which would
+    otherwise stop the merge with a traceback."""
+    from accel.checkpoint.layout import MANIFEST
+    from accel.checkpoint.merge import DCP_METADATA
+
+    folder = Path(checkpoint_dir)
+    try:
+        if (folder / DCP_METADATA).is_file():
+            return
+        if (folder / MANIFEST).is_file():
+            path = folder / MANIFEST
+        elif folder.name == "state" and (folder.parent / MANIFEST).is_file():
+            path = folder.parent / MANIFEST
+        else:
+            return
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # missing or unreadable: the merge says so
+        return
+    except RecursionError:
+        raise UsageError(f"{path}: damaged (JSON nested too deeply); allowed: the manifest save_state writes") from None
+    if not isinstance(manifest, dict):
+        return  # the merge: "not an accel checkpoint manifest"
+    allowed = "; allowed: the manifest accel's save_state writes (save the checkpoint again)"
+    skeleton, aliases, layouts = manifest.get("skeleton", {}), manifest.get("aliases"), manifest.get("layouts")
+    if not isinstance(skeleton, dict):
+        raise UsageError(f"{path}: key 'skeleton': a {type(skeleton).__name__}, not an object{allowed}")
+    models = skeleton.get("models")
+    for index, spec in enumerate(models if isinstance(models, list) else []):
+        if spec is not None and not isinstance(spec, dict):
+            raise UsageError(f"{path}: key 'skeleton.models[{index}]': a {type(spec).__name__}, not an object{allowed}")
+        for name, entry in (spec or {}).items():
+            if isinstance(entry, dict) and "__tensor__" in entry and not isinstance(entry["__tensor__"], str):
+                kind = type(entry["__tensor__"]).__name__
+                raise UsageError(f"{path}: parameter {name!r}: its __tensor__ is a {kind}, not a tensor key{allowed}")
+    if aliases is not None and not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
+        raise UsageError(f"{path}: key 'aliases': not an object of tensor keys{allowed}")
+    if layouts is not None and not (isinstance(layouts, list) and all(isinstance(e, (dict, type(None)))
+                                                                        for e in layouts)):
+        raise UsageError(f"{path}: key 'layouts': not a list of objects{allowed}")
+
+
+def check_path(name: str, text: str) -> None:
+    """CHECKPOINT_DIR / OUTPUT_DIR names something the OS can look up (missing is fine: the merge says so, or
+    creates the output): not empty, no NUL character, not too long, not behind a folder it may not read."""
+    allowed = "allowed: a folder name"
+    shown = repr(text if len(text) <= 60 else text[:57] + "...")
+    if not text or "\x00" in text:
+        raise UsageError(f"{name} {shown}: bad value; {allowed} (not empty, no NUL character)")
+    try:
+        os.stat(text)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        raise UsageError(f"{name} {shown}: cannot be used ({exc.strerror or exc}); {allowed} the OS can open") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from accel.checkpoint.merge import MergeError, describe, merge_fsdp_weights
 
-    try:
-        path = merge_fsdp_weights(args.checkpoint_directory, args.output_path,
-                                  safe_serialization=not args.unsafe_serialization,
-                                  remove_checkpoint_dir=args.remove_checkpoint_dir)
-    except MergeError as exc:
-        raise UsageError(str(exc)) from None
+    check_path("CHECKPOINT_DIR", args.checkpoint_directory)
+    check_path("OUTPUT_DIR", args.output_path)
+    check_manifest(args.checkpoint_directory)
+    # safetensors either way; the note on --unsafe_serialization, and torch's warnings while reading (a damaged
+    # file's unpickling notes), come after a merge, never before its one error line
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            path = merge_fsdp_weights(args.checkpoint_directory, args.output_path,
+                                      remove_checkpoint_dir=args.remove_checkpoint_dir)
+        except MergeError as exc:
+            raise UsageError(str(exc)) from None
+    for note in caught:
+        warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    if args.unsafe_serialization:
+        sys.stderr.write("accel merge-weights: --unsafe_serialization: accel never writes pickle files; "
+                         "model.safetensors was written instead of pytorch_model.bin\n")
     if path is not None:  # None on the ranks that waited for rank 0's merge
         print(describe(path))
     return 0

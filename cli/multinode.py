@@ -43,9 +43,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
+from accel.config.errors import shown
+from accel.config.schema import MAX_PROCESSES_PER_MACHINE
+from accel.config.text_file import read_text
 
 SSH_COMMAND_ENV = "ACCEL_SSH_COMMAND"
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes"
@@ -80,7 +84,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 # hostfile, --include/--exclude, --num_machines/--num_processes
 # -------------------------------------------------------------------------------------------------------
 
-_SLOTS = re.compile(r"slots=(\d+)")
+_SLOTS = re.compile(r"slots=([0-9]+)")
+MAX_SLOTS = MAX_PROCESSES_PER_MACHINE  # processes (GPUs) on one host
+# a host name or address as ssh and torchrun take it; not starting with "-" (ssh would read an option)
+_HOST = re.compile(r"(?!-)[\w.:\[\]%-]{1,253}")
 
 
 def parse_hostfile(text: str, path: str) -> dict[str, int]:
@@ -95,12 +102,18 @@ def parse_hostfile(text: str, path: str) -> dict[str, int]:
         fields = line.split()
         match = _SLOTS.fullmatch(fields[1]) if len(fields) == 2 else None
         if match is None:
-            raise UsageError(f"{where}: {line!r} is not a host line; allowed: 'HOST slots=N', e.g. 'worker-0 slots=4'")
-        host, slots = fields[0], int(match.group(1))
-        if slots < 1:
-            raise UsageError(f"{where}: host {host!r} has slots={slots}; allowed: slots=1 or more")
+            raise UsageError(f"{where}: {shown(line)} is not a host line; allowed: 'HOST slots=N', e.g. 'worker-0 "
+                             "slots=4'")
+        host, slots = fields[0], int(match.group(1)[:12])
+        if not 1 <= slots <= MAX_SLOTS:
+            given = match.group(1) if len(match.group(1)) <= 20 else match.group(1)[:20] + "..."
+            raise UsageError(f"{where}: host {shown(host)} has slots={given}; allowed: slots=1 or more (at most "
+                             f"{MAX_SLOTS})")
         if "@" in host or "," in host:
             raise UsageError(f"{where}: host name {host!r} contains '@' or ','; allowed: a host name or address")
+        if not _HOST.fullmatch(host):
+            raise UsageError(f"{where}: host name {shown(host)} is not a host name or address; allowed: letters, "
+                             "digits and . _ - : (not starting with -), e.g. 'worker-0 slots=4'")
         if host in hosts:
             raise UsageError(f"{where}: host {host!r} is listed twice; allowed: one line per host")
         hosts[host] = slots
@@ -111,10 +124,14 @@ def parse_hostfile(text: str, path: str) -> dict[str, int]:
 
 def read_hostfile(path: str) -> dict[str, int]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"--hostfile {path}: cannot read it ({exc.strerror or exc})") from None
+        data = Path(path).read_bytes()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise UsageError(f"--hostfile {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        text = data.decode("utf-8-sig")  # a BOM must not become part of the first host name
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--hostfile {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                         "allowed: a hostfile of 'HOST slots=N' lines saved as UTF-8") from None
     return parse_hostfile(text, path)
 
 
@@ -325,19 +342,29 @@ def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
 # -------------------------------------------------------------------------------------------------------
 
 def read_env_file(path: str) -> dict[str, str]:
-    """`KEY=VALUE` lines (blank lines and `#` comments skipped); a bad line is a one-line error."""
+    """`KEY=VALUE` lines (blank lines and `#` comments skipped); a bad line, a NUL byte (no environment can hold it)
+    or a file that is not UTF-8 text is a one-line error."""
     found = {}
-    with open(path, encoding="utf-8") as fh:
-        for number, raw in enumerate(fh, start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            key = key.strip()
-            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise UsageError(f"{path}:{number}: {line!r} is not a variable; allowed: KEY=VALUE")
-            found[key] = value.strip()
+    text = read_text(Path(path), "env file", "an env file of KEY=VALUE lines")
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise UsageError(f"{path}:{number}: {shown(line)} is not a variable; allowed: KEY=VALUE")
+        if "\x00" in value:
+            raise UsageError(f"{path}:{number}: the value of {key} holds a NUL byte; allowed: text without NUL bytes")
+        found[key] = value.strip()
     return found
+
+
+MAX_ARG_BYTES = 128 * 1024 - 1  # Linux's MAX_ARG_STRLEN: the longest one argument (the remote command) may be
+
+
+def environ_file_name(environ: Mapping[str, str] = os.environ) -> str:
+    return environ.get(ENV_FILE_ENV, DEFAULT_ENV_FILE)
 
 
 def forwarded_env(environ: dict, cwd: str, home: str) -> dict[str, str]:
@@ -494,6 +521,15 @@ def run_on_hosts(args: argparse.Namespace, script_argv: list[str], resolve,
     commands = [ssh + [m.host, remote_command(machine_argv(machines, rank, port, main_ip, shared, config_file,
                                                            script_argv), env, cwd)]
                 for rank, m in enumerate(machines)]
+    for machine, command in zip(machines, commands, strict=True):  # what exec refuses (E2BIG), before any starts
+        longest = max(len(os.fsencode(word)) for word in command)
+        if longest > MAX_ARG_BYTES:
+            raise UsageError(f"the command for host {machine.host} is {longest} bytes long, over Linux's limit of "
+                             f"{MAX_ARG_BYTES} for one argument; allowed: shorter values in the forwarded variables "
+                             f"and {environ_file_name()} files")
+    from accel.cli.checks import release_warnings
+
+    release_warnings()  # the config's warnings, now that every check passed
     if getattr(args, "dry_run", False):  # the commands the hosts would run, nothing started
         for command in commands:
             print(shlex.join(command))

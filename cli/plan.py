@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -22,18 +23,54 @@ from accel.cli.estimate import add_model_argument
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
           "TIB": 2 ** 40}
+MAX_MEMORY = 1e18  # bytes of one device or machine: an exabyte
+MAX_PROCESSES = 1024  # devices per machine
+MAX_MACHINES = 1024
 
 
-def memory_size(text: str, flag: str) -> float:
-    """'80GB', '80GiB', '16e9' or a number of GB."""
+def memory_size(text: str, flag: str, zero_ok: bool = False) -> float:
+    """'80GB', '80GiB', '16e9' (bytes) or a number of GB, as bytes: finite, > 0 (>= 0 with `zero_ok`) and at most
+    MAX_MEMORY."""
+    from accel.planning.inputs import show
+
+    allowed = (f"a size like 80GB or 80GiB (a bare number: GB), from {0 if zero_ok else 1} to {MAX_MEMORY:g} "
+               "bytes")
     match = _SIZE.match(text)
-    if not match:
-        try:
-            return float(text)
-        except ValueError:
-            raise UsageError(f"{flag}: bad value {text!r}; allowed: a size like 80GB or 80GiB") from None
-    value, unit = float(match.group(1)), (match.group(2) or "GB").upper()
-    return value * _UNITS[unit]
+    try:
+        value = float(match.group(1)) * _UNITS[(match.group(2) or "GB").upper()] if match else float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {show(text)}: not a size; allowed: {allowed}") from None
+    if not (math.isfinite(value) and (0 if zero_ok else 1) <= value <= MAX_MEMORY):
+        raise UsageError(f"{flag} {show(text)}: bad value; allowed: {allowed}")
+    return value
+
+
+def check_flags(args) -> None:
+    """Every value flag, checked before anything is read or built (accel.planning.inputs): integers and
+    numbers finite and in range, file names nameable; `args` gets the parsed values."""
+    from accel.planning import inputs
+
+    args.batch_size = inputs.integer("--batch_size", args.batch_size)
+    args.seq_len = inputs.integer("--seq_len", args.seq_len)
+    args.num_machines = inputs.integer("--num_machines", args.num_machines, hi=MAX_MACHINES)
+    args.steps = inputs.integer("--steps", args.steps, lo=2)
+    if args.num_processes is not None:
+        args.num_processes = inputs.integer("--num_processes", args.num_processes, hi=MAX_PROCESSES)
+    if args.top is not None:
+        args.top = inputs.integer("--top", args.top)
+    if args.device_memory is not None:  # bytes from here on
+        args.device_memory = memory_size(args.device_memory, "--device_memory")
+    if args.host_memory is not None:
+        args.host_memory = memory_size(args.host_memory, "--host_memory", zero_ok=True)
+    for name, lo in (("intra_bandwidth", 1e-9), ("inter_bandwidth", 1e-9), ("flops", 1e-9)):  # GB/s, TFLOP/s
+        if getattr(args, name) is not None:
+            setattr(args, name, inputs.number(f"--{name}", getattr(args, name), lo, 1e9))
+    for name in ("write", "calibration"):
+        if getattr(args, name) is not None:
+            inputs.path_text(f"--{name}", getattr(args, name))
+    if args.write is not None and inputs.kind_of(Path(args.write).expanduser()) == "dir":
+        raise inputs.EstimateError(f"--write {inputs.show(args.write)}: a folder; allowed: the path of the config "
+                                   "file to write")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -43,29 +80,29 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_model_argument(parser)
     model_arg = next(a for a in parser._actions if a.dest == "model")
     model_arg.nargs, model_arg.required = "?", False  # `accel plan --calibrate` needs no model
-    add_flag(parser, "batch_size", type=int, default=8,
+    add_flag(parser, "batch_size", default=8,
              help="GLOBAL batch: samples per optimizer step over all processes (default %(default)s)")
-    add_flag(parser, "seq_len", type=int, default=1024, help="tokens per sample (default %(default)s)")
-    add_flag(parser, "num_processes", type=int, default=None, help="processes (devices) per machine (default 1)")
-    add_flag(parser, "num_machines", type=int, default=1, help="machines (default 1)")
+    add_flag(parser, "seq_len", default=1024, help="tokens per sample (default %(default)s)")
+    add_flag(parser, "num_processes", default=None, help="processes (devices) per machine (default 1)")
+    add_flag(parser, "num_machines", default=1, help="machines (default 1)")
     add_flag(parser, "device_memory", default=None, help="memory per device, e.g. 80GB (default 80GB)")
     add_flag(parser, "host_memory", default=None, help="host memory per machine for offload (default 1024GB)")
-    add_flag(parser, "intra_bandwidth", type=float, default=None,
+    add_flag(parser, "intra_bandwidth", default=None,
              help="GB/s per device within a machine (default 150)")
-    add_flag(parser, "inter_bandwidth", type=float, default=None,
+    add_flag(parser, "inter_bandwidth", default=None,
              help="GB/s per device between machines (default 25)")
-    add_flag(parser, "flops", type=float, default=None, help="peak TFLOP/s per device (default 312, A100 bf16)")
+    add_flag(parser, "flops", default=None, help="peak TFLOP/s per device (default 312, A100 bf16)")
     add_flag(parser, "mixed_precision", default="bf16", choices=("no", "fp16", "bf16"),
              help="the run's mixed precision (default %(default)s)")
     add_flag(parser, "detect", action="store_true", help="read this machine's GPUs (else CPU cores and RAM)")
-    add_flag(parser, "top", type=int, default=None,
+    add_flag(parser, "top", default=None,
              help="layouts to print (default 10); with --measure: layouts to run (default 3)")
     add_flag(parser, "write", default=None, help="save the recommended layout as an accel config file")
     add_flag(parser, "main_process_ip", default=None, help="with --write on several machines: machine 0's address")
     add_flag(parser, "activations", default="formula", choices=("formula", "measured"),
              help="formula: Korthikanti et al.'s per-layer formula (default); measured: scale it to accel "
                   "estimate-memory's fake-tensor run of the model (not for safetensors checkpoints)")
-    add_flag(parser, "steps", type=int, default=5, help="with --measure: optimizer steps per layout (default 5)")
+    add_flag(parser, "steps", default=5, help="with --measure: optimizer steps per layout (default 5)")
     add_flag(parser, "calibrate", action="store_true",
              help="measure this machine's matmul rate and all_reduce bandwidth and store them for later plans")
     add_flag(parser, "calibration", default=None,
@@ -79,6 +116,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def hardware(args):
+    """The hardware a plan is for, from the flags `check_flags` parsed (memory sizes in bytes)."""
     from accel.planning.plan import GB, Hardware, detect
 
     hw = detect() if args.detect else Hardware()
@@ -86,9 +124,9 @@ def hardware(args):
         hw.num_processes = args.num_processes
     hw.num_machines = args.num_machines
     if args.device_memory is not None:
-        hw.device_memory = memory_size(args.device_memory, "--device_memory")
+        hw.device_memory = args.device_memory
     if args.host_memory is not None:
-        hw.host_memory = memory_size(args.host_memory, "--host_memory")
+        hw.host_memory = args.host_memory
     if args.intra_bandwidth is not None:
         hw.intra_bw = args.intra_bandwidth * GB
     if args.inter_bandwidth is not None:
@@ -116,6 +154,10 @@ def run(args) -> int:
     from accel.planning.plan import plan, write_config
 
     start = time.perf_counter()
+    try:
+        check_flags(args)
+    except EstimateError as exc:
+        raise UsageError(str(exc)) from None
     if args.calibrate:
         return calibrate(args)
     if args.model is None:
@@ -150,10 +192,7 @@ def model(name: str):
     measured."""
     from accel.planning import estimate
 
-    path = Path(name)
-    headers_only = path.suffix == ".safetensors" or name.endswith(".index.json") or (
-        path.is_dir() and not (path / "config.json").is_file())
-    if headers_only:
+    if estimate.is_checkpoint(Path(name)):
         return estimate.load_spec(name), None
     module = estimate.load_module(name)
     return estimate.spec_from_module(module, name), module
@@ -215,10 +254,7 @@ def measure(args, result: dict) -> dict:
         raise UsageError(f"--measure: script {str(script)!r} not found")
     if result["hardware"]["num_machines"] != 1:
         raise PlanError("--measure runs on this machine only; allowed: --num_machines 1")
-    top = 3 if args.top is None else args.top
-    for flag, value in (("--steps", args.steps), ("--top", top)):
-        if value < 1 or (flag == "--steps" and value < 2):
-            raise PlanError(f"{flag}: bad value {value}; allowed: an integer >= {2 if flag == '--steps' else 1}")
+    top = 3 if args.top is None else args.top  # --top and --steps: checked with the other flags (check_flags)
     return run_measure(result, str(script), args.measure[1:], top, args.steps)
 
 

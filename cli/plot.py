@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.cli._common import UsageError
-from accel.cli.plot_style import COLORS, RAW_ALPHA, smooth
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth
 
 FORMATS = ("png", "svg", "pdf", "html")
 JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
@@ -110,14 +111,25 @@ def _run_order(path: Path) -> tuple:
     return (path.name, -1) if number is None else (RUN_PREFIX, number)
 
 
+def _is_dir(path: Path) -> bool:
+    """A folder; False for a name the OS refuses (a NUL byte, too long) too."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def find_runs(run_dirs: list[str]) -> list[Run]:
     """Each RUN_DIR is a run folder, a project folder of run folders, or a folder of those."""
     runs, seen = [], set()
     for arg in run_dirs:
         folder = Path(arg)
-        if not folder.is_dir():
+        if not arg or not _is_dir(folder):
             raise UsageError(f"RUN_DIR {arg}: no such folder")
-        found = _runs_in(folder)
+        try:
+            found = _runs_in(folder)
+        except OSError as exc:  # a folder below it that cannot be listed
+            raise UsageError(f"RUN_DIR {arg}: cannot read {exc.filename or 'it'} ({exc.strerror or exc})") from None
         if not found:
             raise UsageError(f"RUN_DIR {arg}: no {JSONL}, {CSV} or {EVENTS} in it nor in its subfolders")
         for path, kind in found:
@@ -146,24 +158,58 @@ def _label(runs: list[Run]) -> None:
 
 
 NON_FINITE = {"nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
+MAX_STEP = 2 ** 63 - 1  # TensorBoard's int64 step
 
 
 def _number(value) -> float | None:
     """A loggable scalar as a float; None for strings, booleans and anything else not drawable. The jsonl
-    tracker writes NaN and infinities as strings (JSON has no literal for them): those are numbers."""
+    tracker writes NaN and infinities as strings (JSON has no literal for them): those are numbers; so is an
+    integer beyond a float's range (an infinity, drawn as a gap like them)."""
     if isinstance(value, str) and value.strip().lower() in NON_FINITE:
         return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _step(text_or_int, where: str) -> float:
+    """A logged step as the x value: an integer within TensorBoard's int64 steps."""
+    if isinstance(text_or_int, str):
+        try:
+            text_or_int = int(text_or_int)
+        except ValueError:
+            raise UsageError(f"{where}: step {text_or_int[:40]!r} is not an integer (or empty)") from None
+    if not -MAX_STEP - 1 <= text_or_int <= MAX_STEP:
+        raise UsageError(f"{where}: step {str(text_or_int)[:40]}: out of range; allowed: an integer from "
+                         f"{-MAX_STEP - 1} to {MAX_STEP} (or null)")
+    return float(text_or_int)
 
 
 def _flatten(values: dict, prefix: str = ""):
-    for name, value in values.items():
+    """(name, value) of every leaf of a nested dict, `a/b` for {"a": {"b": ...}}; without recursion, so any
+    depth json could read is fine."""
+    stack = [(prefix, iter(values.items()))]
+    while stack:
+        base, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        name, value = item
         if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{name}/")
+            stack.append((f"{base}{name}/", iter(value.items())))
         else:
-            yield f"{prefix}{name}", value
+            yield f"{base}{name}", value
+
+
+def _decoded(raw: bytes, where: str, expected: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{where}: not UTF-8 (byte {exc.start}); expected {expected} in UTF-8") from None
 
 
 def _add(metrics: dict, name: str, x: float, value) -> None:
@@ -177,33 +223,42 @@ def _add(metrics: dict, name: str, x: float, value) -> None:
 def read_jsonl(path: Path) -> dict:
     """metrics.jsonl: one `{"step", "time", "values"}` object per log() call; x = step, else the call's index."""
     metrics: dict = {}
-    with open(path, encoding="utf-8") as handle:
-        for index, line in enumerate(handle):
+    expected = '{"step": int|null, "time": float, "values": {...}} per line'
+    with open(path, "rb") as handle:
+        for index, raw in enumerate(handle):
+            where = f"{path}:{index + 1}"
+            line = _decoded(raw, where, expected)
             if not line.strip():
                 continue
-            where = f"{path}:{index + 1}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UsageError(f"{where}: not a JSON line ({exc.msg}); expected "
-                                 '{"step": int|null, "time": float, "values": {...}}') from None
+                raise UsageError(f"{where}: not a JSON line ({exc.msg}); expected {expected}") from None
+            except RecursionError:
+                raise UsageError(f"{where}: JSON nested too deeply; expected {expected}") from None
             step = record.get("step") if isinstance(record, dict) else None
             if (not isinstance(record, dict) or not isinstance(record.get("values"), dict)
                     or not (step is None or (isinstance(step, int) and not isinstance(step, bool)))):
                 raise UsageError(f"{where}: expected an object with \"step\" (int or null) and \"values\" (object)")
+            x = float(index) if step is None else _step(step, where)
             for name, value in _flatten(record["values"]):
-                _add(metrics, name, float(index if step is None else step), value)
+                _add(metrics, name, x, value)
     return metrics
 
 
 def read_csv(path: Path) -> dict:
     """metrics.csv, long format `step,time,name,value`; rows of one log() call share step and time."""
     metrics: dict = {}
-    with open(path, encoding="utf-8", newline="") as handle:
-        reader = csv.reader(handle)
+    try:
+        text = _decoded(path.read_bytes(), str(path), f"a csv file with the header {','.join(CSV_HEADER)}")
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
         header = next(reader, None)
         if header != CSV_HEADER:
-            raise UsageError(f"{path}:1: header {','.join(header or [])!r}; expected {','.join(CSV_HEADER)!r}")
+            shown = ",".join(header or [])
+            raise UsageError(f"{path}:1: header {shown[:80]!r}; expected {','.join(CSV_HEADER)!r}")
         call, last_key = -1, None
         for row in reader:
             if not row:
@@ -214,18 +269,15 @@ def read_csv(path: Path) -> dict:
             step, time, name, value = row
             if (step, time) != last_key:
                 call, last_key = call + 1, (step, time)
-            if step.strip():
-                try:
-                    x = float(int(step))
-                except ValueError:
-                    raise UsageError(f"{where}: step {step!r} is not an integer (or empty)") from None
-            else:
-                x = float(call)
+            x = _step(step, where) if step.strip() else float(call)
             try:
                 number = float(value)
             except ValueError:
                 continue  # a string value: not drawable
             _add(metrics, name, x, number)
+    except csv.Error as exc:
+        raise UsageError(f"{path}:{reader.line_num}: not csv ({exc}); expected the header "
+                         f"{','.join(CSV_HEADER)} and rows of 4 fields") from None
     return metrics
 
 
@@ -319,6 +371,12 @@ def choose_metrics(runs: list[Run], wanted: str | None) -> list[str]:
 
 # ---------------------------------------------------------------- matplotlib figure
 
+def _literal(text: str) -> str:
+    """A metric or run name as matplotlib draws it literally: `$` would start its math mode (a name like
+    `loss$x^` cannot be parsed)."""
+    return text.replace("$", r"\$")
+
+
 def _grid(count: int) -> tuple[int, int]:
     cols = min(3, count)
     return math.ceil(count / cols), cols
@@ -339,27 +397,27 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     handles: dict[str, Any] = {}  # run label -> its first line (matplotlib's Line2D)
     for ax, metric in zip(axes, metrics, strict=False):  # the grid may have more axes than metrics
-        ax.set_title(metric)
+        ax.set_title(_literal(metric))
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         for index, run in enumerate(runs):
             series = run.metrics.get(metric)
             if series is None:
                 continue
-            color = COLORS[index % len(COLORS)]
+            color, ys = COLORS[index % len(COLORS)], drawable(series.y)
             if smoothing > 0:
-                ax.plot(series.x, series.y, color=color, alpha=RAW_ALPHA, linewidth=1,
+                ax.plot(series.x, ys, color=color, alpha=RAW_ALPHA, linewidth=1,
                         label=f"_raw {run.label}", gid=f"raw:{run.label}")
-                (line,) = ax.plot(series.x, smooth(series.y, smoothing), color=color, linewidth=1.6,
-                                  label=run.label, gid=f"smoothed:{run.label}")
+                (line,) = ax.plot(series.x, smooth(ys, smoothing), color=color, linewidth=1.6,
+                                  label=_literal(run.label), gid=f"smoothed:{run.label}")
             else:
-                (line,) = ax.plot(series.x, series.y, color=color, linewidth=1.4,
-                                  label=run.label, gid=f"raw:{run.label}")
+                (line,) = ax.plot(series.x, ys, color=color, linewidth=1.4,
+                                  label=_literal(run.label), gid=f"raw:{run.label}")
             handles.setdefault(run.label, line)
     for ax in axes[len(metrics):]:
         ax.remove()
     order = [run.label for run in runs if run.label in handles]
-    fig.legend([handles[label] for label in order], order, loc="outside upper center",
+    fig.legend([handles[label] for label in order], [_literal(label) for label in order], loc="outside upper center",
                ncols=min(len(handles), 4), frameon=False)
     return fig
 
@@ -380,12 +438,17 @@ def output_format(output: Path, chosen: str | None) -> str:
 
 def check_output(output: Path) -> None:
     parent = output.parent if str(output.parent) else Path(".")
-    if output.is_dir():
-        raise UsageError(f"-o {output}: is a folder; expected a file path")
-    if not parent.is_dir():
-        raise UsageError(f"-o {output}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
-        raise UsageError(f"-o {output}: not writable")
+    if "\x00" in str(output):
+        raise UsageError(f"-o {str(output)!r}: a NUL character; expected a file path")
+    try:
+        if output.is_dir():
+            raise UsageError(f"-o {output}: is a folder; expected a file path")
+        if not parent.is_dir():
+            raise UsageError(f"-o {output}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+            raise UsageError(f"-o {output}: not writable")
+    except OSError as exc:  # a name the OS refuses (too long, ...)
+        raise UsageError(f"-o {str(output)[:80]}: not a usable file path ({exc.strerror or exc})") from None
 
 
 def write_plot(runs: list[Run], metrics: list[str], smoothing: float, output: Path, fmt: str) -> None:

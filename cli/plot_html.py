@@ -6,31 +6,43 @@ No external resources (no scripts, fonts, stylesheets or links), so the page can
 from __future__ import annotations
 
 import math
+import sys
 from html import escape
 
-from accel.cli.plot_style import COLORS, RAW_ALPHA, smooth
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth
 
 WIDTH, HEIGHT = 440, 290
 LEFT, RIGHT, TOP, BOTTOM = 64, 14, 30, 40
 
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round tick values (steps of 1, 2, 2.5 or 5 times a power of ten) covering [lo, hi]."""
-    raw = (hi - lo) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
+    """About `count` round tick values (steps of 1, 2, 2.5 or 5 times a power of ten) covering [lo, hi]; any
+    finite lo < hi, the whole float range included (differences are taken of halves: they never overflow)."""
+    raw = (hi / 2 - lo / 2) / count * 2
+    if not (math.isfinite(raw) and raw > 0):
+        return [lo, hi]
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    if not magnitude:  # below the smallest float
+        return [lo, hi]
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if raw <= m * magnitude)
     first = math.ceil(lo / step - 1e-9)
-    return [(first + i) * step for i in range(int((hi - lo) / step + 1e-9) + 2)
-            if (first + i) * step <= hi + step * 1e-9]
+    ticks = [(first + i) * step for i in range(int(hi / step - lo / step + 1e-9) + 2)]
+    return [t for t in ticks if math.isfinite(t) and t <= hi + step * 1e-9]
 
 
 def _extent(values: list[float]) -> tuple[float, float]:
+    """The axis range: the finite values with a margin (as matplotlib leaves one), within the float range."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return 0.0, 1.0
     lo, hi = min(finite), max(finite)
-    pad = (hi - lo) * 0.04 if hi > lo else abs(lo) * 0.1 or 1.0  # a margin, as matplotlib leaves one
-    return lo - pad, hi + pad
+    half = hi / 2 - lo / 2  # half the span: never overflows
+    if half < 1e-300 or half <= max(abs(lo), abs(hi)) * 1e-13:  # one value, to a float's precision
+        pad = max(abs(lo), abs(hi)) * 0.1
+        pad = pad if pad >= 1e-300 else 1.0
+    else:
+        pad = half * 0.08
+    return max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
 
 
 class _Frame:
@@ -41,10 +53,15 @@ class _Frame:
         self.y0, self.y1 = _extent(ys)
 
     def px(self, x: float) -> float:
-        return LEFT + (x - self.x0) / (self.x1 - self.x0) * (WIDTH - LEFT - RIGHT)
+        return LEFT + _share(x, self.x0, self.x1) * (WIDTH - LEFT - RIGHT)
 
     def py(self, y: float) -> float:
-        return HEIGHT - BOTTOM - (y - self.y0) / (self.y1 - self.y0) * (HEIGHT - TOP - BOTTOM)
+        return HEIGHT - BOTTOM - _share(y, self.y0, self.y1) * (HEIGHT - TOP - BOTTOM)
+
+
+def _share(v: float, lo: float, hi: float) -> float:
+    """Where v lies between lo and hi (0 to 1), in halves: no overflow across the whole float range."""
+    return (v / 2 - lo / 2) / (hi / 2 - lo / 2)
 
 
 def _path(frame: _Frame, xs: list[float], ys: list[float]) -> str:
@@ -77,20 +94,20 @@ def _axes(frame: _Frame, metric: str) -> list[str]:
 
 def render_panel(runs: list, metric: str, smoothing: float) -> str:
     """One metric's inline SVG: per run a faint raw path and, when smoothing, a smoothed path over it."""
-    present = [(i, run, run.metrics[metric]) for i, run in enumerate(runs) if metric in run.metrics]
-    frame = _Frame([x for _, _, s in present for x in s.x], [y for _, _, s in present for y in s.y])
+    present = [(i, run, run.metrics[metric].x, drawable(run.metrics[metric].y)) for i, run in enumerate(runs)
+               if metric in run.metrics]
+    frame = _Frame([x for _, _, xs, _ in present for x in xs], [y for _, _, _, ys in present for y in ys])
     body = _axes(frame, metric)
-    for index, run, series in present:
+    for index, run, xs, ys in present:
         color, label = COLORS[index % len(COLORS)], escape(run.label)
         if smoothing > 0:
-            body.append(f'<path d="{_path(frame, series.x, series.y)}" stroke="{color}" '
+            body.append(f'<path d="{_path(frame, xs, ys)}" stroke="{color}" '
                         f'stroke-opacity="{RAW_ALPHA}" class="raw" data-run="{label}"><title>{label} (raw)</title>'
                         "</path>")
-            ys = smooth(series.y, smoothing)
-            body.append(f'<path d="{_path(frame, series.x, ys)}" stroke="{color}" class="smoothed" '
+            body.append(f'<path d="{_path(frame, xs, smooth(ys, smoothing))}" stroke="{color}" class="smoothed" '
                         f'data-run="{label}"><title>{label} (smoothed {smoothing:g})</title></path>')
         else:
-            body.append(f'<path d="{_path(frame, series.x, series.y)}" stroke="{color}" class="smoothed" '
+            body.append(f'<path d="{_path(frame, xs, ys)}" stroke="{color}" class="smoothed" '
                         f'data-run="{label}"><title>{label}</title></path>')
     return (f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" role="img" '
             f'aria-label="{escape(metric)}">' + "".join(body) + "</svg>")

@@ -8,6 +8,12 @@ import math
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 RAW_ALPHA = 0.25
+MAX_DRAWN = 1e300  # larger magnitudes are drawn as gaps, like nan and infinities: no axis scales to the float's end
+
+
+def drawable(values: list) -> list:
+    """The values as both renderers draw them: a magnitude beyond MAX_DRAWN becomes nan (a gap)."""
+    return [v if -MAX_DRAWN <= v <= MAX_DRAWN else math.nan for v in values]
 
 
 def smooth(values: list, weight: float) -> list:

@@ -21,11 +21,16 @@ from accel.config.schema import (
 def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
     """Every rule, each a one-line ConfigError naming the key: the cross-field rules (fp8 needs torchao
     included), the parallel layout on exactly `num_processes` processes, the combinations accel has
-    (`accel.backends.check_available`: offload, TP/PP with ZeRO, pipeline schedules) and, when a torch.compile
+    (`accel.backends.check_available`: offload, TP/PP with ZeRO, pipeline schedules), the styles of a given
+    tensor-parallel plan (`parallelism.tp_plan`; a bad one would fail in every worker) and, when a torch.compile
     backend is asked for, that this torch has it. Returns `cfg`."""
     check_consistency(cfg, source)
     check_world_layout(cfg, source)
     check_available(cfg.parallelism, cfg.num_processes)
+    if cfg.parallelism.tp_plan:  # the styles (its names need the model: the workers check those); imports torch
+        from accel.backends.tensor_plan import check_plan_styles
+
+        check_plan_styles(cfg.parallelism.tp_plan, f"{source}: key 'parallelism.tp_plan'")
     if cfg.dynamo_backend != "no":  # imports torch, only then
         from accel.backends.compilation import compile_options
 

@@ -243,6 +243,19 @@ def _origin(source: str | dict | None, key: str) -> str:
     return source or "parallelism.tp_plan"
 
 
+def check_style(pattern: Any, style: Any, where: str) -> None:
+    """One plan entry's style is one accel has (its pattern may name nothing yet: only a model says)."""
+    if not isinstance(style, str) or style not in STYLES:
+        raise ConfigError(f"{where}: '{pattern}': bad style {style!r}; allowed: {', '.join(STYLES)}")
+
+
+def check_plan_styles(plan: dict, where: str = "parallelism.tp_plan") -> None:
+    """Every entry of a given plan (`parallelism.tp_plan`) names a style accel has: the check before any process
+    starts (accel.backends.launchable), as the workers would refuse it once they have the model."""
+    for pattern, style in plan.items():
+        check_style(pattern, style, where)
+
+
 def _closest(pattern: str, names: list[str]) -> str:
     """', closest: ...' for a pattern that matched nothing (names with layer indices folded into '*')."""
     folded = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
@@ -260,9 +273,7 @@ def expand_plan(model: nn.Module, plan: dict[str, str], source: str | dict | Non
     layers = peft_layers(model)
     concrete: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ConfigError(f"{_origin(source, pattern)}: '{pattern}': bad style {style!r}; allowed: "
-                              f"{', '.join(STYLES)}")
+        check_style(pattern, style, _origin(source, pattern))
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(bare_name(n, prefix),
                                                                                             pattern)]
         if not hits:

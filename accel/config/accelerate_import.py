@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from accel.config.errors import MAX_NESTING, nesting_depth, shown
 from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS, ConfigError, check_value, unknown_key
+from accel.config.text_file import read_text
 
 # ---------------------------------------------------------------------------------------------------------
 # Accelerate's config sections
@@ -52,7 +54,7 @@ def from_deepspeed_section(section: dict, source: str) -> tuple[dict, dict]:
         if src_key in section:
             device = str(section[src_key]).lower()
             if device not in ("none", "cpu", "nvme"):
-                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {section[src_key]!r}; "
+                raise ConfigError(f"{source}: key '{where}{src_key}': bad value {shown(section[src_key])}; "
                                   "allowed: none, cpu, nvme")
             if device == "nvme":
                 raise ConfigError(f"{source}: key '{where}{src_key}': 'nvme' offload is not supported by accel; "
@@ -78,7 +80,7 @@ def from_fsdp_section(section: dict, source: str) -> dict:
         value = section[key]
         stage = _FSDP_STRATEGY_TO_STAGE.get(str(value).upper())
         if stage is None:
-            raise ConfigError(f"{source}: key '{where}{key}': bad value {value!r}; allowed: {allowed}")
+            raise ConfigError(f"{source}: key '{where}{key}': bad value {shown(value)}; allowed: {allowed}")
         return stage
 
     if section.get("fsdp_sharding_strategy") is not None:
@@ -114,7 +116,7 @@ def _fsdp_wrapping(section: dict, source: str) -> dict:
     where = "fsdp_config."
     policy = section.get("fsdp_auto_wrap_policy")
     if policy is not None and str(policy).upper() not in _FSDP_WRAP_POLICIES:
-        raise ConfigError(f"{source}: key '{where}fsdp_auto_wrap_policy': bad value {policy!r}; allowed: "
+        raise ConfigError(f"{source}: key '{where}fsdp_auto_wrap_policy': bad value {shown(policy)}; allowed: "
                           f"{', '.join(_FSDP_WRAP_POLICIES)}")
     policy = str(policy or "TRANSFORMER_BASED_WRAP").upper()
     out: dict = {}
@@ -202,8 +204,8 @@ def check_fp8_section(section: dict, source: str) -> None:
     for key, value in section.items():
         if key == "backend":
             if str(value).upper() != "AO":
-                raise ConfigError(f"{source}: key 'fp8_config.backend': {value!r} is not supported by accel; allowed: "
-                                  "AO (torchao's float8 training)")
+                raise ConfigError(f"{source}: key 'fp8_config.backend': {shown(value)} is not supported by accel; "
+                                  "allowed: AO (torchao's float8 training)")
         elif key not in _FP8_OTHER_BACKENDS_KEYS:
             raise unknown_key(key, ("backend",) + _FP8_OTHER_BACKENDS_KEYS, source, "fp8_config.")
 
@@ -250,15 +252,29 @@ def read_deepspeed_json(path: str | os.PathLike, referenced_by: str | None = Non
     `referenced_by` is where the path was given (e.g. "my.yaml: key 'deepspeed_config.deepspeed_config_file'"),
     named when the file is missing."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        where = f"{referenced_by}: " if referenced_by else ""
-        raise ConfigError(f"{where}{path}: DeepSpeed config file not found")
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys(str(path)))
+        text = read_text(path, "DeepSpeed config file", "a DeepSpeed JSON file")
+    except ConfigError as exc:
+        if referenced_by and str(exc).endswith("not found"):
+            raise ConfigError(f"{referenced_by}: {exc}") from None
+        raise
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys(str(path)))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text (UTF-8) JSON file: {exc.reason}") from None
+    except RecursionError:
+        data = None  # nested too deeply even to read: refused below
+        depth = MAX_NESTING + 1
+    except ValueError as exc:  # ConfigError (a duplicate key), or an integer of thousands of digits
+        if isinstance(exc, ConfigError):
+            raise
+        problem = " ".join(str(exc).split(";")[0].split())[:160]
+        raise ConfigError(f"{path}: not valid JSON: {problem}; allowed: a DeepSpeed JSON object") from None
+    else:
+        depth = nesting_depth(data)
+    if depth > MAX_NESTING:
+        raise ConfigError(f"{path}: nested more than {MAX_NESTING} levels deep; allowed: a DeepSpeed JSON object of at "
+                          f"most {MAX_NESTING} levels")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of DeepSpeed keys at the top level, "
                           f"got {type(data).__name__}")
@@ -284,7 +300,7 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
 
     def mapping(value: Any, key: str) -> dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: key '{key}': expected a JSON object, got {value!r}")
+            raise ConfigError(f"{source}: key '{key}': expected a JSON object, got {shown(value)}")
         return value
 
     precision: dict[str, bool] = {}
@@ -306,7 +322,7 @@ def deepspeed_json_layer(data: Any, source: str, builds_optimizer: bool = False)
             if enabled is None or enabled == _AUTO:
                 continue
             if not isinstance(enabled, bool):
-                raise ConfigError(f"{source}: key '{key}.enabled': bad value {enabled!r}; "
+                raise ConfigError(f"{source}: key '{key}.enabled': bad value {shown(enabled)}; "
                                   "allowed: true, false or \"auto\"")
             precision[_DS_PRECISION_SECTIONS[key]] = precision.get(_DS_PRECISION_SECTIONS[key], False) or enabled
         elif key == "zero_optimization":
@@ -353,7 +369,7 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
             if value is None:
                 continue
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key '{where}': expected a JSON object, got {value!r}")
+                raise ConfigError(f"{source}: key '{where}': expected a JSON object, got {shown(value)}")
             for sub in value:
                 if sub != "device":
                     ignored.append(f"{where}.{sub}")
@@ -361,7 +377,8 @@ def _from_deepspeed_zero(zero: dict, source: str, ignored: list[str]) -> dict:
             if device is None or device == _AUTO:
                 continue
             if not isinstance(device, str) or device.lower() not in OFFLOAD_DEVICES:
-                raise ConfigError(f"{source}: key '{where}.device': bad value {device!r}; allowed: none, cpu, nvme")
+                raise ConfigError(f"{source}: key '{where}.device': bad value {shown(device)}; allowed: none, cpu, "
+                                  "nvme")
             if device.lower() == "nvme":
                 raise ConfigError(f"{source}: key '{where}.device': 'nvme' offload is not supported by accel; "
                                   "allowed: none, cpu")
@@ -397,7 +414,8 @@ def deepspeed_path(value: Any, key: str, source: str, base_dir: Path | None) -> 
     if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{source}: key '{key}': bad value {value!r}; allowed: the path of a DeepSpeed JSON file")
+        raise ConfigError(f"{source}: key '{key}': bad value {shown(value)}; allowed: the path of a DeepSpeed JSON "
+                          "file")
     path = Path(value).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path

@@ -34,7 +34,7 @@ from accel.config.accelerate_import import (
     deepspeed_json_layer,
     read_deepspeed_json,
 )
-from accel.config.errors import ConfigError
+from accel.config.errors import ConfigError, shown
 from accel.config.resolve import merge_layers
 from accel.config.schema import DYNAMO_BACKENDS, PARALLEL_FIELDS, TOP_FIELDS, AccelConfig, allowed_values, check_value
 
@@ -62,7 +62,8 @@ def _argument(owner: str, name: str, value: Any, meta: Mapping) -> Any:
     try:
         return check_value(value, meta, name, owner)
     except ConfigError:
-        raise ConfigError(f"{owner}: argument '{name}': bad value {value!r}; allowed: {allowed_values(meta)}") from None
+        raise ConfigError(f"{owner}: argument '{name}': bad value {shown(value)}; allowed: "
+                          f"{allowed_values(meta, value)}") from None
 
 
 def _stage_unset_default(layer: dict, stage: int, base: AccelConfig | None) -> dict:

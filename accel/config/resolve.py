@@ -30,6 +30,7 @@ from accel.config.accelerate_import import (
     from_parallelism_config_section,
     read_deepspeed_config,
 )
+from accel.config.errors import shown
 from accel.config.schema import (
     CARRIED_KEYS,
     DISTRIBUTED_TYPES,
@@ -86,14 +87,14 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                 accelerate_type = value.upper()
                 continue
             if key == "distributed_type" and isinstance(value, str) and value.upper() not in DISTRIBUTED_TYPES:
-                raise ConfigError(f"{source}: key 'distributed_type': bad value {value!r}; allowed: "
+                raise ConfigError(f"{source}: key 'distributed_type': bad value {shown(value)}; allowed: "
                                   f"{', '.join(DISTRIBUTED_TYPES)} (Accelerate's DEEPSPEED and FSDP also load)")
             out[key] = check_value(value, TOP_FIELDS[key], key, source)
         elif key == "parallelism":
             if value is None:
                 continue
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key 'parallelism': expected a mapping, got {value!r}")
+                raise ConfigError(f"{source}: key 'parallelism': expected a mapping, got {shown(value)}")
             for pkey, pvalue in value.items():
                 if pkey not in PARALLEL_FIELDS:
                     raise unknown_key(pkey, tuple(PARALLEL_FIELDS), source, "parallelism.")
@@ -102,7 +103,7 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
             if not value:
                 continue
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
+                raise ConfigError(f"{source}: key '{key}': expected a mapping, got {shown(value)}")
             if key == "deepspeed_config":
                 if str(raw.get("distributed_type") or "DEEPSPEED").upper() != "DEEPSPEED":
                     continue  # Accelerate keeps inactive sections around; only the active one counts
@@ -201,7 +202,7 @@ def user_config_path(config_file: str | os.PathLike | None = None) -> Path | Non
     path = config_save_path(config_file)
     if config_file or os.environ.get(USER_CONFIG_ENV):
         return path
-    return path if path.is_file() else None
+    return path if os.path.isfile(path) else None
 
 
 def file_layers(config_file: str | os.PathLike | None = None) -> list[dict]:

@@ -11,6 +11,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
@@ -24,13 +25,34 @@ from accel.config.degrees import (  # noqa: F401 (re-exported: accel.config's na
     model_parallel_size,
     shards_data_parallel,
 )
-from accel.config.errors import ConfigError
+from accel.config.errors import ConfigError, shown
 from accel.config.topology import Topology
 
 
+# The ranges every config value is checked against, where it enters (a file, a flag, an answer, an argument), so a
+# value no consumer can take never reaches a worker or torchrun:
+C_INT_MAX = 2**31 - 1  # a C int: what torch and torchrun take for sizes, ranks, counts (every int key's default bound)
+INT64_MAX = 2**63 - 1  # counts of parameters
+# processes `accel launch` starts on one machine: more than the largest machines have cores (a typo such as 1000000
+# would fork that many processes before anything could fail)
+MAX_PROCESSES_PER_MACHINE = 4096
+# Seconds: a year. timedelta, threading.Timer (at most threading.TIMEOUT_MAX), time.sleep and torch's millisecond
+# timeouts (int64) all take it; beyond it a value is a mistake (1e308, a duration in milliseconds, ...).
+MAX_SECONDS = 365 * 24 * 3600
+# a host name, IPv4 or IPv6 address as torchrun's rendezvous endpoint takes it ([\w.:-]+, brackets for IPv6); not
+# starting with "-" (it would read as an option of torchrun or ssh)
+HOST_PATTERN = r"(?!-)[\w.:-]{1,253}|\[[0-9A-Fa-f:.%\w]{1,251}\]"
+
+
 def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
-          optional: bool = False, help: str = "") -> Any:
-    meta = {"kind": kind, "choices": choices, "lo": lo, "hi": hi, "optional": optional, "help": help}
+          optional: bool = False, help: str = "", unit: str = "", pattern: str = "", what: str = "") -> Any:
+    """A config field: its kind and allowed values. An int without `hi` is bounded by C_INT_MAX (named in a message
+    only to a value above it); `unit` names what a number counts ("seconds"); a string with `pattern` must match it
+    whole, and `what` says in words what it must be."""
+    meta = {"kind": kind, "choices": choices, "lo": lo, "hi": hi, "optional": optional, "help": help, "unit": unit,
+            "pattern": pattern, "what": what}
+    if kind is int and hi is None:
+        meta.update(hi=C_INT_MAX, hi_implicit=True)
     return field(default=default, metadata=meta)
 
 
@@ -101,7 +123,7 @@ class ParallelismConfig:
         None, str, optional=True,
         help="comma-separated module class names that ZeRO 2/3 shard one by one (default: nn.ModuleList members)")
     zero_min_params: int | None = _spec(
-        None, int, lo=1, optional=True,
+        None, int, lo=1, hi=INT64_MAX, optional=True,
         help="without repeated blocks, ZeRO 2/3 shards submodules with at least this many parameters (default 1e8)")
     # Batch sizes and clipping as a DeepSpeed JSON states them (train_micro_batch_size_per_gpu, train_batch_size,
     # gradient_clipping), so the Accelerator and the ZeRO backend can read them.
@@ -315,7 +337,8 @@ class AccelConfig:
     num_processes: int = _spec(1, int, lo=1, help="total processes over all machines")
     num_machines: int = _spec(1, int, lo=1)
     machine_rank: int = _spec(0, int, lo=0)
-    main_process_ip: str | None = _spec(None, str, optional=True)
+    main_process_ip: str | None = _spec(None, str, optional=True, pattern=HOST_PATTERN,
+                                        what="a host name or IP address")
     main_process_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True)
     use_cpu: bool = _spec(False, bool)
     gpu_ids: str = _spec("all", str, help='"all" or a comma-separated list like "0,1"')
@@ -331,7 +354,7 @@ class AccelConfig:
     dynamo_use_regional_compilation: bool = _spec(False, bool,
                                                   help="compile each repeated block instead of the whole model")
     collective_timeout: float = _spec(
-        DEFAULT_COLLECTIVE_TIMEOUT, float, lo=1,
+        DEFAULT_COLLECTIVE_TIMEOUT, float, lo=1, hi=MAX_SECONDS, unit="seconds",
         help="seconds a collective may wait for every process; then the job stops and names the ones that never came")
     checkpoint_async: str = _spec(
         "no", str, choices=("no", "thread", "process"),
@@ -340,7 +363,7 @@ class AccelConfig:
         None, str, choices=PREEMPTION_SIGNALS, optional=True,
         help="a signal that, like SIGTERM, asks the workers to save and stop (accelerator.preemption_requested)")
     grace_period: float = _spec(
-        DEFAULT_GRACE_PERIOD, float, lo=1,
+        DEFAULT_GRACE_PERIOD, float, lo=1, hi=MAX_SECONDS, unit="seconds",
         help="seconds the workers get to save and stop after a preemption request; then they are stopped")
     requeue: bool = _spec(False, bool, help="after the workers stopped for a preemption request, `scontrol requeue` "
                                             "the SLURM job")
@@ -408,8 +431,11 @@ class AccelConfig:
 # field validation
 # ---------------------------------------------------------------------------------------------------------
 
-def allowed_values(meta: Mapping) -> str:
+def allowed_values(meta: Mapping, value: Any = None) -> str:
+    """What a field allows, in words. An int's implicit bound (C_INT_MAX) is named only when `value` is above it."""
     kind, choices, lo, hi = meta["kind"], meta["choices"], meta["lo"], meta["hi"]
+    if meta.get("hi_implicit") and not (isinstance(value, int) and not isinstance(value, bool) and value > hi):
+        hi = None
     if choices:
         text = "one of " + ", ".join(choices)
     elif kind is bool:
@@ -420,6 +446,8 @@ def allowed_values(meta: Mapping) -> str:
         text = "a list of module names"
     elif kind in (int, float):
         noun = "an integer" if kind is int else "a number"
+        if meta.get("unit"):
+            noun = f"a finite number of {meta['unit']}" if kind is float else f"a number of {meta['unit']}"
         if lo is not None and hi is not None:
             text = f"{noun} from {lo} to {hi}"
         elif lo is not None:
@@ -427,7 +455,7 @@ def allowed_values(meta: Mapping) -> str:
         else:
             text = noun
     else:
-        text = "a string"
+        text = meta.get("what") or "a string"
     if meta.get("auto"):
         text += ' or "auto"'
     return text + (" (or null)" if meta["optional"] else "")
@@ -437,7 +465,7 @@ def check_value(value: Any, meta: Mapping, key: str, source: str) -> Any:
     """Return `value` in canonical form, or raise ConfigError naming source/key/value/allowed."""
 
     def fail() -> None:
-        raise ConfigError(f"{source}: key '{key}': bad value {value!r}; allowed: {allowed_values(meta)}")
+        raise ConfigError(f"{source}: key '{key}': bad value {shown(value)}; allowed: {allowed_values(meta, value)}")
 
     kind = meta["kind"]
     if value is None:
@@ -475,6 +503,8 @@ def check_value(value: Any, meta: Mapping, key: str, source: str) -> Any:
         value = str(value)
     if not isinstance(value, str):
         fail()
+    if meta.get("pattern") and not re.fullmatch(meta["pattern"], value):
+        fail()
     if meta["choices"]:
         for choice in meta["choices"]:
             if value.lower() == choice.lower():
@@ -504,13 +534,14 @@ def check_carried_deepspeed_json(data: Any, path: Any, source: str) -> None:
         raise ConfigError(f"{source}: key 'deepspeed_json': bad value of type {type(data).__name__}; allowed: a "
                           "DeepSpeed JSON object (or null)")
     if path is not None and not isinstance(path, str):
-        raise ConfigError(f"{source}: key 'deepspeed_json_path': bad value {path!r}; allowed: a path (or null)")
+        raise ConfigError(f"{source}: key 'deepspeed_json_path': bad value {shown(path)}; allowed: a path (or null)")
 
 
 def unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> ConfigError:
-    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    name = str(key) if isinstance(key, str) and len(key) <= 60 and key.isprintable() else shown(key).strip("'\"")
+    close = difflib.get_close_matches(str(key)[:100], list(known), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"{source}: unknown key '{where}{key}'{hint}")
+    return ConfigError(f"{source}: unknown key '{where}{name}'{hint}")
 
 
 def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
@@ -519,6 +550,13 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by num_machines="
                           f"{cfg.num_machines}; allowed: a multiple of num_machines (it is the total over all "
                           "machines)")
+    if cfg.processes_per_machine > MAX_PROCESSES_PER_MACHINE:
+        if cfg.num_machines == 1:
+            raise ConfigError(f"{source}: key 'num_processes': bad value {cfg.num_processes}; allowed: at most "
+                              f"{MAX_PROCESSES_PER_MACHINE} processes on one machine")
+        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} over num_machines={cfg.num_machines} "
+                          f"is {cfg.processes_per_machine} processes per machine; allowed: at most "
+                          f"{MAX_PROCESSES_PER_MACHINE} per machine (num_processes is the total over all machines)")
     if cfg.machine_rank >= cfg.num_machines:
         raise ConfigError(f"{source}: key 'machine_rank': {cfg.machine_rank} is out of range for num_machines="
                           f"{cfg.num_machines}; allowed: 0 to {cfg.num_machines - 1}")
@@ -538,9 +576,14 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     if cfg.num_processes > 1:
         data_parallel_sizes(cfg.parallelism, cfg.num_processes, f"{source}: parallelism")
     gpu_ids = compact_gpu_ids(cfg.gpu_ids)
-    if gpu_ids.lower() != "all" and not all(part.isdigit() for part in gpu_ids.split(",")):
-        raise ConfigError(f"{source}: key 'gpu_ids': bad value {cfg.gpu_ids!r}; allowed: \"all\" or a comma-separated "
-                          "list of GPU indices like \"0,1\"")
+    if gpu_ids.lower() != "all":
+        parts = gpu_ids.split(",")
+        if not all(part.isascii() and part.isdigit() and int(part) <= C_INT_MAX for part in parts):
+            raise ConfigError(f"{source}: key 'gpu_ids': bad value {shown(cfg.gpu_ids)}; allowed: \"all\" or a "
+                              "comma-separated list of GPU indices like \"0,1\"")
+        if len({int(part) for part in parts}) < len(parts):
+            raise ConfigError(f"{source}: key 'gpu_ids': bad value {shown(cfg.gpu_ids)}: a GPU is listed twice; "
+                              "allowed: each GPU index once, like \"0,1\"")
     if cfg.mixed_precision == "fp8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it "
                           "with pip install 'accel[fp8]', or allowed now: no, bf16, fp16")

@@ -9,10 +9,16 @@ So, in every worker `accel launch` started (it sets `ACCEL_DIAGNOSTICS_DIR`), `P
 * `faulthandler` is registered on SIGUSR1, writing every thread's Python stack to `stack_rank<R>.txt`: the launcher
   asks the workers still running for their stacks before it stops them (faulthandler answers even while the main
   thread is blocked in C++, where a Python signal handler would never run). The file exists only once the hook is
-  in place, and the launcher signals only ranks that have it (SIGUSR1's default action would kill the others).
+  in place, and the launcher signals only ranks that have it (SIGUSR1's default action would kill the others); from
+  then on SIGUSR1 never kills the worker, even while it shuts down.
 * `sys.excepthook` writes `collective_rank<R>.json` when the uncaught exception is a failed collective: which one
   (from the traceback, else torch's flight recorder, which records every collective's name), whether it ran in
-  backward, the message and the traceback's frames.
+  backward, when it started (the flight recorder's wall-clock time: the launcher tells a peer that exited before
+  it from one that exited while it waited), the message and the traceback's frames.
+* When the script ends (it returned, called sys.exit, or raised), `ended_rank<R>.txt` gets the time, written at
+  the start of the interpreter's shutdown, before `PartialState` destroys the process group (which is what makes
+  the peers' collectives fail). The launcher then names a rank that left while the others waited in a collective,
+  and lets it finish exiting instead of stopping it with the rest.
 
 The launcher side (reading these and printing the report) is `accel/cli/hang_report.py`; the parsing helpers both
 sides share are at the end of this module.
@@ -27,6 +33,8 @@ import pickle
 import re
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -62,6 +70,18 @@ def record_path(folder: Path, rank: int) -> Path:
     return folder / f"collective_rank{rank}.json"
 
 
+def ended_path(folder: Path, rank: int) -> Path:
+    return folder / f"ended_rank{rank}.txt"
+
+
+def read_ended(folder: Path, rank: int) -> float | None:
+    """When rank `rank`'s script ended (time.time()), or None (it did not, or was killed)."""
+    try:
+        return int(ended_path(folder, rank).read_text()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def flight_recorder_path(run_dir: str | os.PathLike, rank: int | str) -> Path:
     """Rank `rank`'s flight-recorder dump; rank "": the prefix torch appends each rank to."""
     return Path(run_dir) / FLIGHT_RECORDER_DIR / f"{FLIGHT_RECORDER_PREFIX}{rank}"
@@ -87,6 +107,9 @@ def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | No
     _hooks["folder"] = folder
     if signal.getsignal(STACK_SIGNAL) in (signal.SIG_DFL, None):
         _hooks["stack_file"] = open(stack_path(folder, rank), "w")  # noqa: SIM115 (faulthandler writes to it later)
+        # faulthandler puts back the handler it found when the interpreter shuts down: ignore, so that a request
+        # reaching a worker on its way out (the launcher asks as soon as a peer failed) cannot kill it
+        signal.signal(STACK_SIGNAL, signal.SIG_IGN)
         faulthandler.register(STACK_SIGNAL, file=_hooks["stack_file"], all_threads=True, chain=False)
     previous = sys.excepthook
 
@@ -98,6 +121,21 @@ def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | No
         previous(exc_type, exc, tb)
 
     sys.excepthook = record_then_report
+
+    pid = os.getpid()
+
+    def note_the_end() -> None:
+        if os.getpid() == pid:  # not a forked child's end
+            with open(ended_path(folder, rank), "w") as fh:
+                fh.write(str(time.time_ns()))
+
+    # threading's exit hooks run first at shutdown, before the atexit module's (PartialState's destroy among them)
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython's threading
+        import atexit
+
+        register = atexit.register
+    register(note_the_end)
     return folder
 
 
@@ -114,9 +152,10 @@ def write_record(path: Path, exc: BaseException) -> dict | None:
 
 
 def collective_failure(exc: BaseException, recorded: list[dict] | None = None) -> dict | None:
-    """{kind, op, in_backward, message, frames} when `exc` (or an exception it was raised from) is a failed
-    collective, else None. `recorded`: this process's flight recorder entries, to name an op the traceback
-    does not show (DDP's and FSDP's gradient collectives run inside backward, below any Python frame)."""
+    """{kind, op, in_backward, started_ns, message, frames} when `exc` (or an exception it was raised from) is a
+    failed collective, else None. `recorded`: this process's flight recorder entries, to name an op the traceback
+    does not show (DDP's and FSDP's gradient collectives run inside backward, below any Python frame) and to say
+    when it started (`started_ns`: time.time_ns() when it was issued, None when unknown)."""
     failed = _failed_collective(exc)
     if failed is None:
         return None
@@ -127,6 +166,7 @@ def collective_failure(exc: BaseException, recorded: list[dict] | None = None) -
         "kind": "timeout" if re.search(r"timed? ?out|timeout", message, re.I) else "error",
         "op": collective_name(frames, entry),
         "in_backward": any(_in_package(f.filename, "torch/autograd") for f in frames),
+        "started_ns": started_ns(entry),
         "message": message[:300],
         "frames": [list(f) for f in frames],
     }
@@ -204,6 +244,12 @@ def pending_collective(entries: list[dict]) -> dict | None:
     if str(entries[-1].get("profiling_name", "")).startswith("nccl:"):
         return next((e for e in entries if e.get("state") != "completed"), None)
     return entries[-1]
+
+
+def started_ns(entry: dict | None) -> int | None:
+    """When a flight recorder entry's collective was issued (wall clock, ns), or None."""
+    value = (entry or {}).get("time_created_ns")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 _FAULTHANDLER_LINE = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>.*)$')

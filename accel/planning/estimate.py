@@ -20,18 +20,20 @@ Measured to the byte against real gloo runs by benchmarks/bench_estimate.py.
 
 from __future__ import annotations
 
-import json
+import heapq
 import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from accel.planning import inputs
+from accel.planning.inputs import EstimateError
+
+__all__ = ["EstimateError"]  # defined with the input checks (accel.planning.inputs), raised from here too
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "float8_e4m3fn": 1}
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 STATE_BYTES = 4  # float32 parameters, gradients and each Adam moment
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
 ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every mixed-precision mode (accel's "
@@ -51,10 +53,6 @@ ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every m
                "largest stage's rank reported; the model states exclude activations (measured apart with "
                "--batch_size/--seq_len), gathered parameters and communication buffers (e.g. DDP's gradient "
                "buckets)")
-
-
-class EstimateError(ValueError):
-    """A model that cannot be read or degrees that do not fit: one line for the user."""
 
 
 @dataclass
@@ -167,69 +165,89 @@ _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
 def spec_from_safetensors(path: Path) -> ModelSpec:
-    """Headers only: a `.safetensors` file, a sharded index, or a folder holding either."""
-    if path.is_dir():
+    """Headers only: a `.safetensors` file, a sharded index, or a folder holding either (each header and index
+    checked by accel.planning.inputs)."""
+    if inputs.kind_of(path) == "dir":
         index = path / "model.safetensors.index.json"
-        files = [index] if index.is_file() else sorted(path.glob("*.safetensors"))
+        files = [index] if inputs.kind_of(index) == "file" else sorted(path.glob("*.safetensors"))
         if not files:
             raise EstimateError(f"{path}: no model.safetensors.index.json or *.safetensors in the folder")
     else:
         files = [path]
     if files[0].name.endswith(".index.json"):
-        index = files[0]
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise EstimateError(f"{index}: not a safetensors index ({exc})") from None
-        files = [index.parent / f for f in sorted(set(weight_map.values()))]
+        files = inputs.safetensors_index(files[0])
     params = []
     for file in files:
-        for name, info in _safetensors_header(file).items():
-            if name == "__metadata__":
-                continue
+        for name, (dtype, shape) in inputs.safetensors_header(file).items():
             match = _BLOCK.match(name)
-            shape = tuple(info["shape"])
-            params.append(Param(name, shape, SAFETENSORS_BYTES.get(info["dtype"], 4),
+            params.append(Param(name, shape, max(1, inputs.SAFETENSORS_BITS[dtype] // 8),
                                 match.group(1) if match else None, *_tp_split_by_name(name, shape)))
     if all(p.tp_dim is None for p in params):
         _tp_split_blocks(params)
     return ModelSpec(str(path), params)
 
 
-def _safetensors_header(file: Path) -> dict:
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            return json.loads(f.read(length))
-    except FileNotFoundError:
-        raise EstimateError(f"{file}: no such file") from None
-    except (OSError, ValueError, struct.error) as exc:
-        raise EstimateError(f"{file}: not a safetensors file ({exc})") from None
+def _quiet_transformers():
+    """Warnings logged while accel reads and builds a transformers model held back: transformers' about the config
+    (token ids outside the vocabulary, ...) and those of the libraries its model code imports (torchao's notes on
+    its kernels, torch's on registered types). An `accel` command prints its result or one error line."""
+    import contextlib
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet():
+        level, disabled = hf_logging.get_verbosity(), logging.root.manager.disable
+        hf_logging.set_verbosity_error()
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(disabled)
+            hf_logging.set_verbosity(level)
+    return quiet()
 
 
-def build_from_config(config) -> torch.nn.Module:
-    """A transformers causal LM (or base model) from `config`, on the meta device."""
+def build_from_config(config, source: str = "the config") -> torch.nn.Module:
+    """A transformers causal LM (or base model) from `config`, on the meta device; what transformers refuses
+    in it is one EstimateError naming `source`."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with _quiet_transformers(), torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return AutoModel.from_config(config)
+            try:
+                return AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                return AutoModel.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - any value transformers cannot build a model from
+            raise EstimateError(f"{source}: transformers cannot build a model from it ({_summary(exc)}); "
+                                "allowed: a config transformers builds (sizes, types and options as its model "
+                                "expects)") from None
+
+
+def _summary(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message[:200]}" if message else type(exc).__name__
+
+
+def is_checkpoint(path: Path) -> bool:
+    """MODEL names a safetensors checkpoint (file, index, or a folder without config.json): headers only."""
+    return path.suffix == ".safetensors" or path.name.endswith(".index.json") or (
+        inputs.kind_of(path) == "dir" and inputs.kind_of(path / "config.json") != "file")
 
 
 def load_spec(model: str) -> ModelSpec:
     """MODEL as the CLI takes it: a safetensors file/index/folder, a transformers config (file, folder or model
     type), or `module:callable` returning an nn.Module."""
-    path = Path(model)
-    if path.suffix == ".safetensors" or path.name.endswith(".index.json") or (
-            path.is_dir() and not (path / "config.json").is_file()):
-        if not path.exists():
+    path = Path(inputs.path_text("MODEL", model))
+    if is_checkpoint(path):
+        if inputs.kind_of(path) is None:
             raise EstimateError(f"{model}: no such file or folder")
         return spec_from_safetensors(path)
-    if ":" in model and not path.exists():
+    if ":" in model and inputs.kind_of(path) is None:
         return spec_from_module(_call(model), model)
-    return spec_from_module(build_from_config(_config(model)), model)
+    return spec_from_module(build_from_config(*_config(model)), model)
 
 
 def _call(target: str) -> torch.nn.Module:
@@ -243,36 +261,49 @@ def _call(target: str) -> torch.nn.Module:
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise EstimateError(f"{target}: cannot load the callable ({exc}); expected module:callable") from None
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:  # a missing or malformed name
+        raise EstimateError(f"{target}: cannot load the callable ({_summary(exc)}); allowed: module:callable "
+                            "returning an nn.Module") from None
+    if not callable(fn):
+        raise EstimateError(f"{target}: a {type(fn).__name__}, not a callable; allowed: module:callable returning "
+                            "an nn.Module")
     with torch.device("meta"):
-        model = fn()
+        try:
+            model = fn()
+        except Exception as exc:  # noqa: BLE001 - the user's function failed: its error in one line
+            raise EstimateError(f"{target}: calling it failed ({_summary(exc)}); allowed: module:callable "
+                                "returning an nn.Module, called with no arguments") from None
     if not isinstance(model, torch.nn.Module):
         raise EstimateError(f"{target}: returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def _config(model: str):
+def _config(model: str) -> tuple:
+    """(a transformers config for MODEL, where it came from): a config.json (checked by
+    accel.planning.inputs.model_config), a folder holding one, or a model type."""
     try:
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:
         raise EstimateError("reading a transformers config needs transformers; install it with "
                             "pip install 'accel[transformers]'") from None
     path = Path(model)
-    if path.is_file() or path.is_dir():
-        file = path / "config.json" if path.is_dir() else path
+    kind = inputs.kind_of(path)
+    if kind is not None:
+        file = path / "config.json" if kind == "dir" else path
+        data = inputs.model_config(file, CONFIG_MAPPING)
         try:
-            data = json.loads(file.read_text())
-            return AutoConfig.for_model(data.pop("model_type"), **data)
-        except (OSError, ValueError, KeyError) as exc:
-            raise EstimateError(f"{file}: not a transformers config ({exc!s:.200})") from None
+            with _quiet_transformers():
+                return AutoConfig.for_model(data.pop("model_type"), **data), str(file)
+        except Exception as exc:  # noqa: BLE001 - any value transformers' config class refuses
+            raise EstimateError(f"{file}: not a transformers config ({_summary(exc)}); allowed: "
+                                f"{inputs.CONFIG_FORMAT}") from None
     if "/" in model or model.endswith(".json"):
         raise EstimateError(f"{model}: no such file or folder")
-    try:
-        return AutoConfig.for_model(model)
-    except ValueError:
-        raise EstimateError(f"{model}: unknown transformers model type; give a config.json, a folder, a "
-                            "safetensors checkpoint or module:callable") from None
+    if model not in CONFIG_MAPPING:
+        raise EstimateError(f"{inputs.show(model)}: unknown transformers model type; give a config.json, a "
+                            "folder, a safetensors checkpoint or module:callable")
+    with _quiet_transformers():
+        return AutoConfig.for_model(model), model
 
 
 # -- the estimates ----------------------------------------------------------------------------------------------
@@ -299,12 +330,16 @@ def _shard_numel(shape: tuple, n: int) -> int:
 
 def _zero1_max(numels: list[int], n: int) -> tuple[int, int]:
     """The largest rank's share (elements, tensors) under ZeroRedundancyOptimizer's greedy partition (largest
-    first, to the least loaded rank)."""
-    loads, counts = [0] * n, [0] * n
+    first, to the least loaded rank, the lowest of those tied); a heap of the loaded ranks, so thousands of
+    ranks cost nothing."""
+    loads, counts = [0] * min(n, len(numels)), [0] * min(n, len(numels))  # ranks past the tensors hold none
+    heap = [(0, rank) for rank in range(len(loads))]
     for numel in sorted(numels, reverse=True):
-        rank = loads.index(min(loads))
-        loads[rank] += numel
-        counts[rank] += 1
+        load, rank = heapq.heappop(heap)
+        loads[rank], counts[rank] = load + numel, counts[rank] + 1
+        heapq.heappush(heap, (loads[rank], rank))
+    if not loads:
+        return 0, 0
     rank = loads.index(max(loads))
     return loads[rank], counts[rank]
 
@@ -421,13 +456,12 @@ ACTIVATION_METHOD = ("forward and backward of the whole model on fake tensors (F
 def load_module(model: str) -> torch.nn.Module:
     """MODEL as an nn.Module on the meta device: a transformers config or `module:callable` (a safetensors
     checkpoint has no code to run)."""
-    path = Path(model)
-    if path.suffix == ".safetensors" or path.name.endswith(".index.json") or (
-            path.is_dir() and not (path / "config.json").is_file()):
+    path = Path(inputs.path_text("MODEL", model))
+    if is_checkpoint(path):
         raise EstimateError(f"{model}: activations need the model's code; give its config.json or module:callable")
-    if ":" in model and not path.exists():
+    if ":" in model and inputs.kind_of(path) is None:
         return _call(model)
-    return build_from_config(_config(model))
+    return build_from_config(*_config(model))
 
 
 def _peak_tracker():
@@ -506,13 +540,19 @@ def activation_bytes(model, batch_size: int, seq_len: int, mixed_precision: str 
     module = _meta_copy(module) if fake else copy.deepcopy(module)
     apply_activation_checkpointing(module, SimpleNamespace(activation_checkpointing=checkpointing,
                                                            zero_wrap_classes=None, zero_min_params=None))
-    if not fake:
-        module.train()
-        return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        module.to_empty(device="cpu")
-        module.train()
-        return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
+    try:
+        if not fake:
+            module.train()
+            return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            module.to_empty(device="cpu")
+            module.train()
+            return measure_step(module, _inputs(module, batch_size, seq_len), mixed_precision)
+    except EstimateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own forward/backward (sizes it cannot take, its bugs)
+        raise EstimateError(f"--batch_size {batch_size} --seq_len {seq_len}: one training step of the model failed "
+                            f"on fake tensors ({_summary(exc)}); allowed: sizes the model's forward takes") from None
 
 
 def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -523,11 +523,19 @@ def calibrate(path: Path | None = None, collectives: bool = True) -> dict:
     return {**data, "path": str(path)}
 
 
-def load_calibration(path: Path | None = None) -> dict | None:
-    """The stored calibration, or None when there is none (or it cannot be read)."""
-    path = Path(path or default_calibration_path())
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+def load_calibration(path: Path | str | None = None) -> dict | None:
+    """The stored calibration, or None when there is none at the default place. A file named by `path`
+    (`--calibration`) must be there; a file that is there must be one `calibrate` writes (figures checked by
+    accel.planning.inputs.calibration): anything else is an EstimateError naming the file and key."""
+    from accel.planning import inputs
+
+    given = path is not None
+    path = Path(inputs.path_text("--calibration", str(path)) if given else default_calibration_path())
+    kind = inputs.kind_of(path)
+    if kind is None and not given:
         return None
-    return {**data, "path": str(path)} if isinstance(data, dict) and data.get("flops") else None
+    if kind != "file":
+        raise inputs.EstimateError(f"--calibration {inputs.show(str(path))}: no such file; allowed: a file written by "
+                                   "accel plan --calibrate (run it with the same --calibration first)")
+    data = inputs.calibration(inputs.read_json(path, inputs.CALIBRATION_FORMAT), path)
+    return {**data, "path": str(path)}

@@ -221,7 +221,7 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
     for p in spec.params:
         if p.block:
             blocks[p.block] = blocks.get(p.block, 0) + p.numel
-            if len(p.shape) == 2:
+            if len(p.shape) == 2 and min(p.shape) > 0:  # an empty tensor says nothing of the width
                 dims[min(p.shape)] = dims.get(min(p.shape), 0) + 1
         else:
             root += p.numel
@@ -230,6 +230,7 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
     if hidden is None:
         hidden = max(dims, key=lambda d: dims[d]) if dims else max(
             (min(p.shape) for p in spec.params if len(p.shape) == 2), default=1)
+    hidden = max(1, hidden)
     heads = heads or max(1, hidden // HEAD_DIM)
     vocab_tables = [p for p in spec.params if not p.block and len(p.shape) == 2 and max(p.shape) == vocab]
     looked_up = vocab_tables[:1] if len(vocab_tables) > 1 else []  # untied: the embedding is looked up
@@ -344,7 +345,9 @@ def _link(hw: Hardware, span: int) -> tuple[float, float]:
 
 # -- layouts --------------------------------------------------------------------------------------------------
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending (pairs up to its square root: a world of a million ranks costs a thousand steps)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _pointless(zero: int, offload: bool, dp: int, tp: int) -> bool:
@@ -497,10 +500,15 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                         ("--num_machines", hw.num_machines)):
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}: bad value {value!r}; allowed: a positive integer")
-    if hw.device_memory <= 0 or hw.flops <= 0 or hw.intra_bw <= 0 or hw.inter_bw <= 0:
-        raise PlanError("--device_memory, --flops and the bandwidths must be positive")
-    if not spec.params:
-        raise PlanError(f"{spec.source}: the model has no parameters")
+    for name, rate in (("--device_memory", hw.device_memory), ("--flops", hw.flops),
+                       ("--intra_bandwidth", hw.intra_bw), ("--inter_bandwidth", hw.inter_bw),
+                       ("memory bandwidth", hw.memory_bw)):
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+            raise PlanError(f"{name}: bad value {rate!r}; allowed: a finite number > 0")
+    if not (isinstance(hw.host_memory, (int, float)) and math.isfinite(hw.host_memory) and hw.host_memory >= 0):
+        raise PlanError(f"--host_memory: bad value {hw.host_memory!r}; allowed: a finite number >= 0")
+    if not spec.numel:
+        raise PlanError(f"{spec.source}: the model has no parameters (or only empty ones)")
     dims = config_dims(module)
     shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"))
     cache: dict = {}

@@ -46,7 +46,8 @@ def test_flags_reach_the_config_and_keys_are_checked():
     assert (cfg.preemption_signal, cfg.grace_period, cfg.requeue) == ("SIGUSR1", 90.0, True)
     defaults = config_from_dict({}, "test")
     assert (defaults.preemption_signal, defaults.grace_period, defaults.requeue) == (None, 300.0, False)
-    with pytest.raises(ConfigError, match=r"key 'grace_period': bad value 0; allowed: a finite number of seconds from 1 to 31536000"):
+    with pytest.raises(ConfigError, match=r"key 'grace_period': bad value 0; allowed: a finite number of seconds "
+                                          r"from 1 to 31536000"):
         config_from_dict({"grace_period": 0}, "test")
     with pytest.raises(ConfigError, match=r"key 'requeue': bad value 'yes'; allowed: true or false"):
         config_from_dict({"requeue": "yes"}, "test")
