@@ -276,5 +276,9 @@ def select_backend(parallelism: ParallelismConfig) -> type[Backend]:
     import importlib
 
     name = check_available(parallelism)
+    if parallelism.tp_plan:  # a plan given in the script (ParallelismConfig(tp_plan=...)): refused here, on every
+        from accel.backends.tensor_plan import check_plan_styles  # rank alike, not at prepare() with the model
+
+        check_plan_styles(parallelism.tp_plan)
     importlib.import_module(BACKEND_MODULES[name])  # registers itself
     return _REGISTRY[name]

@@ -223,3 +223,13 @@ def test_plan_errors_name_where_the_plan_came_from():
         plan_for(bare, SimpleNamespace(tp_plan=None), 3, False)
     with pytest.raises(ConfigError, match="the entry is from accel's built-in plan for Net\\)"):
         plan_for(Net(), SimpleNamespace(tp_plan=None), 3, False)
+
+
+def test_a_bad_style_in_a_scripts_parallelism_config_is_refused_when_the_accelerator_is_built():
+    """A plan given in the script (not the config file, which the pre-launch check reads) is refused by
+    Accelerator(), on every rank alike, in one line, before prepare() meets the model."""
+    from accel import Accelerator, ParallelismConfig
+    from accel.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parallelism.tp_plan: '0': bad style 'diagonal'; allowed: colwise"):
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_plan={"0": "diagonal"}))
