@@ -6,6 +6,7 @@ value, or name what is allowed, without pulling in YAML or file handling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -404,9 +405,16 @@ class AccelConfig:
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yaml", dir=path.parent)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(self.to_yaml())
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.to_yaml())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a failed write or rename (the target is a folder, say) leaves no temporary behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
     # -- derived values --------------------------------------------------------------------------------

@@ -219,3 +219,12 @@ def test_accelerate_sections_are_validated(tmp_path):
 def test_read_config_file_returns_only_given_keys(tmp_path):
     layer = read_config_file(write(tmp_path / "c.yaml", "num_processes: 4\nparallelism:\n  tp_size: 2\n"))
     assert layer == {"num_processes": 4, "parallelism": {"tp_size": 2}}
+
+
+def test_a_failed_save_leaves_no_temporary_file(tmp_path):
+    from accel.config import config_from_dict
+
+    (tmp_path / "cfg.yaml").mkdir()  # the rename onto a folder fails
+    with pytest.raises(OSError):
+        config_from_dict({}).save(tmp_path / "cfg.yaml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
