@@ -8,11 +8,9 @@ work is accel/checkpoint/merge.py's. One process, no GPU; it needs the memory of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
-from pathlib import Path
 
 from accel.cli._common import UsageError, add_flag
 
@@ -35,50 +33,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def check_manifest(checkpoint_dir: str) -> None:
-    """An accel save_state folder's manifest holds what a merge reads in the shapes save_state writes it: the
-    skeleton's models (parameter name -> {"__tensor__": key}), aliases (key -> key) and layouts. Its files, sizes
-    and checksums are the merge's to check; this is for a manifest written by hand or by another tool, which would
-    otherwise stop the merge with a traceback."""
-    from accel.checkpoint.layout import MANIFEST
-    from accel.checkpoint.merge import DCP_METADATA
-
-    folder = Path(checkpoint_dir)
-    try:
-        if (folder / DCP_METADATA).is_file():
-            return
-        if (folder / MANIFEST).is_file():
-            path = folder / MANIFEST
-        elif folder.name == "state" and (folder.parent / MANIFEST).is_file():
-            path = folder.parent / MANIFEST
-        else:
-            return
-        manifest = json.loads(path.read_bytes())
-    except (OSError, ValueError):  # missing or unreadable: the merge says so
-        return
-    except RecursionError:
-        raise UsageError(f"{path}: damaged (JSON nested too deeply); allowed: the manifest save_state writes") from None
-    if not isinstance(manifest, dict):
-        return  # the merge: "not an accel checkpoint manifest"
-    allowed = "; allowed: the manifest accel's save_state writes (save the checkpoint again)"
-    skeleton, aliases, layouts = manifest.get("skeleton", {}), manifest.get("aliases"), manifest.get("layouts")
-    if not isinstance(skeleton, dict):
-        raise UsageError(f"{path}: key 'skeleton': a {type(skeleton).__name__}, not an object{allowed}")
-    models = skeleton.get("models")
-    for index, spec in enumerate(models if isinstance(models, list) else []):
-        if spec is not None and not isinstance(spec, dict):
-            raise UsageError(f"{path}: key 'skeleton.models[{index}]': a {type(spec).__name__}, not an object{allowed}")
-        for name, entry in (spec or {}).items():
-            if isinstance(entry, dict) and "__tensor__" in entry and not isinstance(entry["__tensor__"], str):
-                kind = type(entry["__tensor__"]).__name__
-                raise UsageError(f"{path}: parameter {name!r}: its __tensor__ is a {kind}, not a tensor key{allowed}")
-    if aliases is not None and not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
-        raise UsageError(f"{path}: key 'aliases': not an object of tensor keys{allowed}")
-    if layouts is not None and not (isinstance(layouts, list) and all(isinstance(e, (dict, type(None)))
-                                                                        for e in layouts)):
-        raise UsageError(f"{path}: key 'layouts': not a list of objects{allowed}")
-
-
 def check_path(name: str, text: str) -> None:
     """CHECKPOINT_DIR / OUTPUT_DIR names something the OS can look up (missing is fine: the merge says so, or
     creates the output): not empty, no NUL character, not too long, not behind a folder it may not read."""
@@ -99,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
 
     check_path("CHECKPOINT_DIR", args.checkpoint_directory)
     check_path("OUTPUT_DIR", args.output_path)
-    check_manifest(args.checkpoint_directory)
     # safetensors either way; the note on --unsafe_serialization, and torch's warnings while reading (a damaged
     # file's unpickling notes), come after a merge, never before its one error line
     with warnings.catch_warnings(record=True) as caught:

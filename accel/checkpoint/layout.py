@@ -487,6 +487,8 @@ def read_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: damaged ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: damaged (JSON nested too deeply)") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -190,16 +190,40 @@ def _models_only_planner():
     return ModelsOnly()
 
 
+def _check_manifest_shape(path: Path, manifest: dict) -> None:
+    """The manifest holds what a merge reads in the shapes save_state writes it: the skeleton's models (parameter
+    name -> {"__tensor__": key}), aliases (key -> key) and layouts; a manifest written by hand or by another tool is
+    refused in one line instead of stopping the merge with a traceback."""
+    allowed = "; allowed: the manifest accel's save_state writes (save the checkpoint again)"
+    skeleton, aliases, layouts = manifest.get("skeleton", {}), manifest.get("aliases"), manifest.get("layouts")
+    if not isinstance(skeleton, dict):
+        raise MergeError(f"{path}: key 'skeleton': a {type(skeleton).__name__}, not an object{allowed}")
+    models = skeleton.get("models")
+    for index, spec in enumerate(models if isinstance(models, list) else []):
+        if spec is not None and not isinstance(spec, dict):
+            raise MergeError(f"{path}: key 'skeleton.models[{index}]': a {type(spec).__name__}, not an object{allowed}")
+        for name, entry in (spec or {}).items():
+            if isinstance(entry, dict) and "__tensor__" in entry and not isinstance(entry["__tensor__"], str):
+                kind = type(entry["__tensor__"]).__name__
+                raise MergeError(f"{path}: parameter {name!r}: its __tensor__ is a {kind}, not a tensor key{allowed}")
+    if aliases is not None and not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
+        raise MergeError(f"{path}: key 'aliases': not an object of tensor keys{allowed}")
+    if layouts is not None and not (isinstance(layouts, list)
+                                    and all(isinstance(e, (dict, type(None))) for e in layouts)):
+        raise MergeError(f"{path}: key 'layouts': not a list of objects{allowed}")
+
+
 def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
     """Every model of an accel save_state checkpoint, by its parameter names, tied names sharing one tensor."""
     import torch.distributed.checkpoint as dcp
 
-    from accel.checkpoint.layout import CheckpointError, read_manifest
+    from accel.checkpoint.layout import MANIFEST, CheckpointError, read_manifest
 
     try:
         manifest = read_manifest(folder)
     except CheckpointError as exc:
         raise MergeError(str(exc)) from None
+    _check_manifest_shape(folder / MANIFEST, manifest)
     specs = manifest.get("skeleton", {}).get("models")
     if not isinstance(specs, list) or not specs:
         raise MergeError(f"{folder}: the checkpoint holds no model (nothing was prepared before save_state)")

@@ -101,3 +101,23 @@ def test_function_raises_a_value_error_and_unsafe_still_writes_safetensors(dcp_f
     written = merge_fsdp_weights(folder, tmp_path / "out", safe_serialization=False, remove_checkpoint_dir=True)
     assert written.name == "model.safetensors" and not folder.exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["accel_checksums.json", "model.safetensors"]
+
+
+def test_a_hand_written_manifest_of_the_wrong_shape_is_one_line_from_python_too(tmp_path):
+    """merge_fsdp_weights (the Python API, not only the CLI) refuses a manifest whose shapes save_state never writes
+    (one written by hand or another tool, without checksums) with a MergeError naming the key, not a traceback."""
+    import json
+
+    from accel import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    manifest_path = tmp_path / "ckpt" / "accel_checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    for key in ("checksum", "checksums"):
+        manifest.pop(key, None)
+    manifest["skeleton"]["models"][0] = ["not", "an", "object"]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(MergeError, match=r"key 'skeleton.models\[0\]': a list, not an object; allowed: the manifest"):
+        merge_fsdp_weights(str(tmp_path / "ckpt"), str(tmp_path / "out"))
