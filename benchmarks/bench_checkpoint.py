@@ -202,7 +202,7 @@ def without_checksums() -> None:
             return "crc32:00000000"
 
     streaming_writer._Crc32 = NoCrc32  # type: ignore[misc,assignment]
-    layout._checksums = lambda folder, names, algorithms=None: dict.fromkeys(names, "crc32:00000000")
+    layout.file_checksums = lambda folder, names, algorithms=None: dict.fromkeys(names, "crc32:00000000")
     layout._verify_checksums = lambda *args, **kwargs: None
 
 

@@ -11,11 +11,20 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 from dataclasses import dataclass
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 # edge numbers: what overflows a C int, a timedelta, a platform's time, or is no number at all
+# the fuzzers' settings: derandomized (CI runs the same examples every time), no example database, no deadline (a
+# busy machine); ACCEL_FUZZ_SCALE=10 runs ten times the examples, by hand
+FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                       HealthCheck.data_too_large])
+SCALE = float(os.environ.get("ACCEL_FUZZ_SCALE", "1"))
+
 EDGE_NUMBERS = [0, -1, 1, 2, 2**31, 2**63, -(2**63), 10**30, 1e308, -1e308, math.inf, -math.inf, math.nan, 0.5, -0.0,
                 1e-320]
 EDGE_TEXTS = ["", " ", "\t", "-1", "nan", "inf", "1e308", "9" * 40, "x" * 10_000, "yes", "null", "~", "[]", "{}",

@@ -210,7 +210,7 @@ def manifest_checksum(manifest: dict, algorithm: str = CHECKSUM) -> str:
     raise ValueError(f"checksum algorithm {algorithm!r}; known: crc32, sha256")
 
 
-def _checksums(folder: Path, names: list[str], algorithms: dict[str, str] | None = None) -> dict[str, str]:
+def file_checksums(folder: Path, names: list[str], algorithms: dict[str, str] | None = None) -> dict[str, str]:
     """Checksums of several files (each with its algorithm in `algorithms`, default CHECKSUM), in threads (zlib and
     hashlib release the GIL on large buffers)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -256,7 +256,7 @@ def write_manifest(folder: Path, content: dict) -> None:
         if path.is_file() and path.name != MANIFEST:
             files[path.relative_to(folder).as_posix()] = path.stat().st_size
     known = {rel: inline[rel][1] for rel, size in files.items() if rel in inline and inline[rel][0] == size}
-    hashed = _checksums(folder, [rel for rel in files if rel not in known])
+    hashed = file_checksums(folder, [rel for rel in files if rel not in known])
     manifest = {"format": FORMAT, "version": VERSION, **content, "files": files,
                 "checksums": {rel: known.get(rel) or hashed[rel] for rel in files}}
     manifest["checksum"] = manifest_checksum(manifest)
@@ -529,7 +529,7 @@ def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, sha
     rank, world = share
     mine = sorted(files)[rank::world]
     algorithms = {rel: checksums[rel].partition(":")[0] for rel in mine}
-    for rel, actual in _checksums(folder, mine, algorithms).items():
+    for rel, actual in file_checksums(folder, mine, algorithms).items():
         if actual != checksums[rel]:
             raise CheckpointError(f"{folder / rel}: damaged (its bytes do not match the checksum in {path.name}: "
                                   "corrupted or changed since the save)")

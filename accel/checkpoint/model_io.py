@@ -67,7 +67,7 @@ from accel.checkpoint.layout import (
     CheckpointError,
     PublishLock,
     atomic_write,
-    file_checksum,
+    file_checksums,
     fsync_dir,
     manifest_checksum,
     remove_stale_temporaries,
@@ -414,7 +414,7 @@ def save_state_dict_sharded(
 
         for name, write_extra in extra.items():
             atomic_write(staging, name, lambda tmp, write_extra=write_extra: write_extra(Path(tmp)))
-        checksums = _file_checksums(staging, [*names, *extra])
+        checksums = file_checksums(staging, [*names, *extra])
         if total > 1:
             index_meta: dict = {"total_size": sum(_nbytes(state_dict[n]) for n in kept)}
             if aliases:
@@ -436,14 +436,6 @@ def save_state_dict_sharded(
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return [directory / name for name in names] + ([directory / index_name] if total > 1 else [])
-
-
-def _file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
-    """``layout.file_checksum`` of each file, several at a time (zlib releases the GIL on large buffers)."""
-    if len(names) < 2:
-        return {name: file_checksum(folder / name) for name in names}
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(names))) as pool:
-        return dict(zip(names, pool.map(lambda name: file_checksum(folder / name), names), strict=True))
 
 
 def _index_body(index: dict) -> dict:

@@ -18,10 +18,12 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cli_fuzz import (  # tests/cli_fuzz.py, the shared harness (tests/ is on the path, as for conftest)
+    FUZZ,
+    SCALE,
     EDGE_TEXTS,
     dump_text,
     flag_values,
@@ -32,13 +34,7 @@ from cli_fuzz import (  # tests/cli_fuzz.py, the shared harness (tests/ is on th
 
 from accel.config import AccelConfig, ParallelismConfig
 
-FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
-
-# A longer hunt, by hand: ACCEL_FUZZ_SCALE=10 runs ten times the examples, ACCEL_FUZZ_RANDOM=1 new ones on every run
-# (CI runs the fixed, derandomized default)
-SCALE = float(os.environ.get("ACCEL_FUZZ_SCALE", "1"))
+# A longer hunt, by hand: ACCEL_FUZZ_SCALE=10 (cli_fuzz.SCALE), ACCEL_FUZZ_RANDOM=1 new examples on every run
 RANDOM = os.environ.get("ACCEL_FUZZ_RANDOM") == "1"
 
 

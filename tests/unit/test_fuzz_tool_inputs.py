@@ -21,10 +21,12 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from cli_fuzz import (  # tests/cli_fuzz.py, the shared harness (tests/ is on the path, as for conftest)
+    FUZZ,
+    SCALE,
     EDGE_NUMBERS,
     EDGE_TEXTS,
     bad_encodings,
@@ -36,10 +38,6 @@ from cli_fuzz import (  # tests/cli_fuzz.py, the shared harness (tests/ is on th
 from cli_fuzz import run_accel as run_accel_quietly
 
 
-FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
-SCALE = float(os.environ.get("ACCEL_FUZZ_SCALE", "1"))  # ACCEL_FUZZ_SCALE=10: a longer hunt, by hand
 if os.environ.get("ACCEL_FUZZ_SHRINK") == "0":  # by hand: report the first failing example as found, unshrunk
     FUZZ = settings(FUZZ, phases=[Phase.explicit, Phase.generate])
 
