@@ -420,6 +420,7 @@ class Accelerator:
             slice_fn_for_dispatch=slice_fn_for_dispatch,
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
+        prepared.batch_transform = self.backend.batch_transform
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu
         if expected and prepared.batch_size not in (None, expected):

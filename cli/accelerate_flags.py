@@ -398,6 +398,9 @@ def _torchrun_values(args: argparse.Namespace) -> None:
 _SHARED_KEYS = {
     "zero_stage": ("fsdp_reshard_after_forward", "fsdp_sharding_strategy"),
     "tp_size": ("parallelism_config_tp_size",),
+    "sp_size": ("parallelism_config_sp_size",),
+    "cp_size": ("parallelism_config_cp_size",),
+    "cp_comm_strategy": ("parallelism_config_cp_comm_strategy",),
     "activation_checkpointing": ("fsdp_activation_checkpointing",),
 }
 _NO_NVME = ("", "none")

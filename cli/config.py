@@ -106,6 +106,7 @@ class Question:
     applies: Callable[[dict], bool] = lambda answers: True
     choices: tuple = ()
     default_label: str | None = None           # shown instead of the default value (e.g. for None)
+    saved: bool = True                         # False: an answer that only decides later questions (no config key)
 
 
 def _get(cfg: AccelConfig, key: str) -> Any:
@@ -129,6 +130,25 @@ def offered_mixed_precisions() -> tuple[str, ...]:
     if importlib.util.find_spec("torchao") is None:
         return tuple(mode for mode in MIXED_PRECISIONS if mode != "fp8")
     return MIXED_PRECISIONS
+
+
+# "Sequence length parallelism" answers: which degree question follows (sp_size, cp_size; none: neither). The
+# answer itself is no config key (Question.saved False).
+SEQUENCE_CHOICES = ("none", "sp", "cp")
+
+
+def _sequence_default(answers: dict, defaults: AccelConfig) -> str:
+    par = defaults.parallelism
+    return "sp" if par.sp_size > 1 else "cp" if par.cp_size > 1 else "none"
+
+
+def _sequence_is(kind: str) -> Callable[[dict], bool]:
+    return lambda answers: answers.get("sequence_parallelism", "none") == kind
+
+
+def _degree_default(key: str) -> Callable[[dict, AccelConfig], Any]:
+    """The packaged degree when above 1, else 2 (the question is asked only once sp or cp was chosen)."""
+    return lambda answers, defaults: max(_get(defaults, key), 2)
 
 
 QUESTIONS: list[Question] = [
@@ -163,8 +183,16 @@ QUESTIONS: list[Question] = [
     Question("parallelism.pp_microbatches", "How many micro-batches per step?", "int",
              _from_defaults("parallelism.pp_microbatches"),
              lambda answers: answers.get("parallelism.pp_size", 1) > 1, default_label="pp_size"),
+    Question("sequence_parallelism", "Sequence length parallelism for long sequences (sp: Ulysses, all-to-all over "
+             "the heads; cp: context parallel, K/V all-gathered)?", "choice", _sequence_default,
+             choices=SEQUENCE_CHOICES, saved=False),
+    Question("parallelism.sp_size", "Sequence-parallel size (each process holds 1/N of every sequence)?", "int",
+             _degree_default("parallelism.sp_size"), _sequence_is("sp")),
+    Question("parallelism.cp_size", "Context-parallel size (each process holds 2 of 2N chunks of every sequence)?",
+             "int", _degree_default("parallelism.cp_size"), _sequence_is("cp")),
 ]
 QUESTION_BY_KEY = {q.key: q for q in QUESTIONS}
+UNSAVED = frozenset(q.key for q in QUESTIONS if not q.saved)
 
 
 def nest(answers: dict) -> dict:
@@ -180,8 +208,10 @@ def nest(answers: dict) -> dict:
 
 
 def build_from_answers(answers: dict, source: str = ANSWERS_SOURCE) -> AccelConfig:
-    """Validate the answers as one config layer over the packaged default, cross-field rules included."""
-    layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(nest(answers), source)]
+    """Validate the answers as one config layer over the packaged default, cross-field rules included (the
+    answers that only decide later questions are not config keys: left out)."""
+    saved = {key: value for key, value in answers.items() if key not in UNSAVED}
+    layers = [read_config_file(PACKAGED_DEFAULT), parse_layer(nest(saved), source)]
     return build_config(layers, source)
 
 
@@ -282,6 +312,11 @@ def _convert(question: Question, text: str) -> Any:
         if lowered in ("n", "no", "false", "0"):
             return False
         raise ValueError(f"{text!r}: please answer yes or no")
+    if not question.saved and question.choices:  # no config key to check it: checked here
+        for choice in question.choices:
+            if text.lower() == choice.lower():
+                return choice
+        raise ValueError(f"{text!r}: please answer one of {', '.join(question.choices)}")
     return text  # choices are checked (case-insensitively) by parse_layer
 
 
@@ -338,7 +373,7 @@ def ask(question: Question, answers: dict, defaults: AccelConfig, asker: Asker) 
         trial = dict(answers)
         trial[question.key] = value
         try:
-            parse_layer(nest({question.key: value}), "your answer")
+            parse_layer(nest({question.key: value} if question.saved else {}), "your answer")
             tentative = _tentative(trial, defaults, question)
             cfg = build_from_answers(tentative, "your answer")
         except ConfigError as exc:

@@ -2,11 +2,13 @@
 rank (parameters, gradients, AdamW state) for DDP, ZeRO 1/2/3 and offload, built on the meta device.
 
 `--json` prints one object: {"model", "params", "weights": [{"dtype", "total_bytes", "largest_layer": {"name",
-"params", "bytes"}, "largest_param": {...}}], "training": {"num_processes", "tp_size", "pp_size", "dp_size",
-"layouts": {"ddp"|"zero1"|"zero2"|"zero3"|"zero3_offload": {"params_bytes", "grads_bytes", "optimizer_bytes",
-"master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}, and with --batch_size/--seq_len
+"params", "bytes"}, "largest_param": {...}}], "training": {"num_processes", "tp_size", "pp_size", "sp_size",
+"cp_size", "dp_size", "layouts": {"ddp"|"zero1"|"zero2"|"zero3"|"zero3_offload": {"params_bytes", "grads_bytes",
+"optimizer_bytes", "master_bytes", "device_bytes", "host_bytes"}}}, "assumptions"}, and with --batch_size/--seq_len
 "activations": {"batch_size", "seq_len", "mixed_precision", "no_checkpointing_bytes", "full_checkpointing_bytes",
-"method"}: forward + backward on fake tensors under torch's MemTracker (accel/planning/estimate.py).
+"method"}: forward + backward on fake tensors under torch's MemTracker (accel/planning/estimate.py); per process, so
+with --sp_size/--cp_size divided by the degree (plus context parallelism's gathered K/V), with "sp_size",
+"cp_size" and the whole sequence's "one_process_no_checkpointing_bytes" / "one_process_full_checkpointing_bytes".
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "num_processes", default=1, help="ranks in all (default 1)")
     add_flag(parser, "tp_size", default=1, help="tensor-parallel degree (default 1)")
     add_flag(parser, "pp_size", default=1, help="pipeline-parallel degree (default 1)")
+    add_flag(parser, "sp_size", default=1,
+             help="sequence-parallel degree (Ulysses; default 1): ZeRO shards over dp x sp, activations / sp_size")
+    add_flag(parser, "cp_size", default=1,
+             help="context-parallel degree (default 1): ZeRO shards over dp x cp, activations / cp_size plus the "
+                  "all-gathered K/V")
     add_flag(parser, "batch_size", default=None,
              help="per-process micro-batch: also measure the activation memory of one training step (fake tensors)")
     add_flag(parser, "seq_len", default=None, help="tokens per sample, with --batch_size")
@@ -43,7 +50,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-MAX_RANKS = 2 ** 20  # --num_processes, --tp_size, --pp_size
+MAX_RANKS = 2 ** 20  # --num_processes, --tp_size, --pp_size, --sp_size, --cp_size
 
 
 def check_flags(args) -> list[str]:
@@ -52,7 +59,7 @@ def check_flags(args) -> list[str]:
     from accel.planning import inputs
     from accel.planning.estimate import DTYPE_BYTES
 
-    for name in ("num_processes", "tp_size", "pp_size"):
+    for name in ("num_processes", "tp_size", "pp_size", "sp_size", "cp_size"):
         setattr(args, name, inputs.integer(f"--{name}", getattr(args, name), hi=MAX_RANKS))
     for name in ("batch_size", "seq_len"):
         if getattr(args, name) is not None:
@@ -69,9 +76,11 @@ def run(args) -> int:
     start = time.perf_counter()
     try:
         dtypes = check_flags(args)
-        result = estimate(load_spec(args.model), dtypes, args.num_processes, args.tp_size, args.pp_size)
+        result = estimate(load_spec(args.model), dtypes, args.num_processes, args.tp_size, args.pp_size,
+                          args.sp_size, args.cp_size)
         if args.batch_size is not None:
-            result["activations"] = activations(args.model, args.batch_size, args.seq_len, args.mixed_precision)
+            result["activations"] = activations(args.model, args.batch_size, args.seq_len, args.mixed_precision,
+                                                args.sp_size, args.cp_size)
     except EstimateError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -100,8 +109,10 @@ def render(result: dict, seconds: float) -> str:
     unit = "<root> (the parameters outside the repeated blocks: FSDP2's root unit)" if unit == "<root>" else unit
     lines.append(f"largest layer: {unit}; largest parameter: {w['largest_param']['name']}")
     t = result["training"]
+    sequence = "".join(f" x {name} {t[f'{name}_size']}" for name in ("sp", "cp") if t.get(f"{name}_size", 1) > 1)
     lines += ["", f"Training with AdamW, per rank: {t['num_processes']} processes = dp {t['dp_size']} x "
-                  f"tp {t['tp_size']} x pp {t['pp_size']}",
+                  f"tp {t['tp_size']} x pp {t['pp_size']}{sequence}" + (
+                      " (ZeRO shards over dp x the sequence degree)" if sequence else ""),
               f"{'layout':<14} {'params':>11} {'grads':>11} {'optimizer':>11} {'master':>8} {'device':>11} "
               f"{'host':>11}"]
     for name, e in t["layouts"].items():
@@ -110,10 +121,13 @@ def render(result: dict, seconds: float) -> str:
                      f"{_size(e['device_bytes']):>11} {_size(e['host_bytes']):>11}")
     a = result.get("activations")
     if a:
+        degree = "".join(f", {name}_size {a[f'{name}_size']}" for name in ("sp", "cp") if a.get(f"{name}_size", 1) > 1)
         lines += ["", f"Activations of one training step, per process: micro-batch {a['batch_size']} x "
-                      f"{a['seq_len']} tokens, mixed precision {a['mixed_precision']}",
-                  f"  no checkpointing:   {_size(a['no_checkpointing_bytes']):>11}",
-                  f"  full checkpointing: {_size(a['full_checkpointing_bytes']):>11}",
-                  f"  measured by {a['method']}"]
+                      f"{a['seq_len']} tokens{degree}, mixed precision {a['mixed_precision']}"]
+        for name in ("no", "full"):
+            whole = a.get(f"one_process_{name}_checkpointing_bytes")
+            lines.append(f"  {name + ' checkpointing:':<20}{_size(a[f'{name}_checkpointing_bytes']):>11}"
+                         + (f"  (one process, whole sequence: {_size(whole)})" if whole is not None else ""))
+        lines.append(f"  measured by {a['method']}")
     lines += ["", "Assumed: " + result["assumptions"] + "."]
     return "\n".join(lines)

@@ -84,6 +84,9 @@ _FLAG_KEYS = {
     "zero_stage": "parallelism.zero_stage",
     "tp_size": "parallelism.tp_size",
     "pp_size": "parallelism.pp_size",
+    "sp_size": "parallelism.sp_size",
+    "cp_size": "parallelism.cp_size",
+    "cp_comm_strategy": "parallelism.cp_comm_strategy",
     "pp_schedule": "parallelism.pp_schedule",
     "pp_microbatches": "parallelism.pp_microbatches",
     "activation_checkpointing": "parallelism.activation_checkpointing",
@@ -153,6 +156,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
     add_flag(train, "tp_size", type=int, metavar="N", default=None)
     add_flag(train, "pp_size", type=int, metavar="N", default=None)
+    add_flag(train, "sp_size", type=int, metavar="N", default=None,
+             help="sequence parallelism (Ulysses): each process holds 1/N of every sequence; attention all-to-alls "
+                  "to whole sequences over 1/N of the heads")
+    add_flag(train, "cp_size", type=int, metavar="N", default=None,
+             help="context parallelism: each process holds 2 of 2N chunks of every sequence (balanced for causal "
+                  "attention); attention all-gathers K and V")
+    add_flag(train, "cp_comm_strategy", metavar="{allgather,ring}", default=None,
+             help="context parallelism's K/V exchange: allgather (any mask, gloo and NCCL) or ring (torch's ring "
+                  "attention on CUDA where it applies; elsewhere allgather)")
     add_flag(train, "pp_schedule", metavar="NAME", default=None, help="GPipe, 1F1B, Interleaved1F1B, ...")
     add_flag(train, "pp_microbatches", type=int, metavar="M", default=None, help="micro-batches per pipeline step")
     add_flag(train, "activation_checkpointing", metavar="{no,full,selective}", default=None,

@@ -1,8 +1,10 @@
-"""`accel plan MODEL`: enumerate data-parallel x ZeRO x TP x PP x offload x activation-checkpointing layouts for
-a model, a global batch and sequence length on the given hardware, drop those that do not fit, rank the rest by
-estimated step time and explain the choice in the seed's decision-tree terms.
+"""`accel plan MODEL`: enumerate data-parallel x ZeRO x TP x PP x sequence/context-parallel x offload x
+activation-checkpointing layouts for a model, a global batch and sequence length on the given hardware, drop those
+that do not fit, rank the rest by estimated step time and explain the choice in the seed's decision-tree terms.
+Sequence (--sp_size, Ulysses) and context (--cp_size) parallelism are planned at the degree given, or, left out,
+for long sequences (--seq_len 16384 and more).
 
-`--json` prints {"layouts": [{"zero_stage", "tp_size", "pp_size", "dp_size", "offload",
+`--json` prints {"layouts": [{"zero_stage", "tp_size", "pp_size", "sp_size", "cp_size", "dp_size", "offload",
 "activation_checkpointing", "micro_batches", "model_state_bytes_per_rank", "memory_per_rank_bytes", "fits",
 "step_time_s", ...}], "recommended": <index or null>, "explanation": [...], ...}. `--write cfg.yaml` saves the
 winner as an accel config for `accel launch --config_file cfg.yaml train.py`.
@@ -56,6 +58,9 @@ def check_flags(args) -> None:
     args.steps = inputs.integer("--steps", args.steps, lo=2)
     if args.num_processes is not None:
         args.num_processes = inputs.integer("--num_processes", args.num_processes, hi=MAX_PROCESSES)
+    for name in ("sp_size", "cp_size"):
+        if getattr(args, name) is not None:
+            setattr(args, name, inputs.integer(f"--{name}", getattr(args, name), hi=MAX_PROCESSES * MAX_MACHINES))
     if args.top is not None:
         args.top = inputs.integer("--top", args.top)
     if args.device_memory is not None:  # bytes from here on
@@ -82,7 +87,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     model_arg.nargs, model_arg.required = "?", False  # `accel plan --calibrate` needs no model
     add_flag(parser, "batch_size", default=8,
              help="GLOBAL batch: samples per optimizer step over all processes (default %(default)s)")
-    add_flag(parser, "seq_len", default=1024, help="tokens per sample (default %(default)s)")
+    add_flag(parser, "seq_len", default=1024,
+             help="tokens per sample (default %(default)s; from 16384, sequence/context parallelism are planned too)")
+    add_flag(parser, "sp_size", default=None,
+             help="plan every layout with this sequence-parallel degree (Ulysses; 1: none)")
+    add_flag(parser, "cp_size", default=None,
+             help="plan every layout with this context-parallel degree (1: none)")
     add_flag(parser, "num_processes", default=None, help="processes (devices) per machine (default 1)")
     add_flag(parser, "num_machines", default=1, help="machines (default 1)")
     add_flag(parser, "device_memory", default=None, help="memory per device, e.g. 80GB (default 80GB)")
@@ -168,7 +178,8 @@ def run(args) -> int:
         calibration = apply_calibration(args, hw)
         spec, module = model(args.model)
         result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module,
-                      measure_activations=args.activations == "measured")
+                      measure_activations=args.activations == "measured", sp_size=args.sp_size,
+                      cp_size=args.cp_size)
         if calibration:
             result["calibration"] = calibration
         if args.measure is not None:
@@ -207,11 +218,12 @@ def render(result: dict, top: int, seconds: float) -> str:
     lines = [f"{result['model']}: {result['params']:,} parameters; batch {result['batch_size']} x seq "
              f"{result['seq_len']} on {hw['num_machines']} machine(s) x {hw['num_processes']} device(s) of "
              f"{hw['device_memory'] / 2 ** 30:.3g} GiB (planned in {seconds:.1f} s)", "",
-             f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'offl':>4} {'ckpt':>4} {'mb':>3} "
+             f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'seq':>4} {'dp':>4} {'offl':>4} {'ckpt':>4} {'mb':>3} "
              f"{'states GiB':>10} {'peak GiB':>9} {'fits':>4} {'step s':>9}"]
     for i, r in enumerate(result["layouts"][:top]):
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
-        lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {r['dp_size']:>4} "
+        seq = next((f"{name}{r[name + '_size']}" for name in ("sp", "cp") if r.get(name + "_size", 1) > 1), "-")
+        lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {seq:>4} {r['dp_size']:>4} "
                      f"{'yes' if r['offload'] else 'no':>4} {r['activation_checkpointing']:>4} "
                      f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
                      f"{_gib(r['memory_per_rank_bytes']):>9} {'yes' if r['fits'] else 'no':>4} {step:>9}")

@@ -88,10 +88,20 @@ class Backend:
 
         def forward(*args, target=None, **kwargs):
             outputs = inner(*args, **kwargs)
-            return outputs if target is None else loss_fn(loss_input(outputs), target)
+            return outputs if target is None else self.finish_loss(loss_fn(loss_input(outputs), target), target)
 
         model.forward = forward
         model._accel_loss_forward = inner  # type: ignore[assignment]  # a plain attribute: the model's own forward
+
+    def finish_loss(self, loss: torch.Tensor, target) -> torch.Tensor:
+        """The loss `loss_fn` computed on this rank's part of the data, as the step needs it (the loss of the whole
+        sequence under sequence parallelism)."""
+        return loss
+
+    @property
+    def batch_transform(self):
+        """A function the prepared DataLoaders apply to each batch last (None: batches as they are)."""
+        return None
 
     # -- the step --------------------------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module):

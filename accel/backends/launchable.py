@@ -16,6 +16,7 @@ from accel.config.schema import (
     divides_world,
     model_parallel_size,
 )
+from accel.config.degrees import sequence_parallel_size
 
 
 def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
@@ -25,8 +26,8 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
     tensor-parallel plan (`parallelism.tp_plan`; a bad one would fail in every worker) and, when a torch.compile
     backend is asked for, that this torch has it. Returns `cfg`."""
     check_consistency(cfg, source)
+    check_available(cfg.parallelism, cfg.num_processes)  # first: a refused combination is named as such
     check_world_layout(cfg, source)
-    check_available(cfg.parallelism, cfg.num_processes)
     if cfg.parallelism.tp_plan:  # the styles (its names need the model: the workers check those); imports torch
         from accel.backends.tensor_plan import check_plan_styles
 
@@ -39,11 +40,14 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
 
 
 def check_world_layout(cfg: AccelConfig, source: str = "config") -> None:
-    """tp x pp (x the data-parallel sizes) must fit `num_processes`, one process included: a config file alone
-    (no launch) may leave num_processes at 1 for a world torchrun sets, but a launch starts exactly that many."""
+    """tp x pp x sp/cp (x the data-parallel sizes) must fit `num_processes`, one process included: a config file
+    alone (no launch) may leave num_processes at 1 for a world torchrun sets, but a launch starts exactly that many."""
     par = cfg.parallelism
-    if not divides_world(cfg.num_processes, par.tp_size, par.pp_size):
-        needed = model_parallel_size(par.tp_size, par.pp_size)
-        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by tp_size x pp_size "
-                          f"= {needed}; allowed: num_processes a multiple of {needed}, or a smaller tp_size/pp_size")
+    seq = sequence_parallel_size(par)
+    if not divides_world(cfg.num_processes, par.tp_size, par.pp_size, seq):
+        needed = model_parallel_size(par.tp_size, par.pp_size, seq)
+        names = "tp_size x pp_size" + ("" if seq == 1 else " x cp_size" if par.cp_size > 1 else " x sp_size")
+        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by {names} = "
+                          f"{needed}; allowed: num_processes a multiple of {needed}, or a smaller "
+                          f"{names.replace(' x ', '/')}")
     data_parallel_sizes(par, cfg.num_processes, f"{source}: parallelism")

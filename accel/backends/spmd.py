@@ -28,7 +28,7 @@ def data_parallel_kind(parallelism, topology) -> str | None:
     """How the data-parallel ranks are run: FSDP2 when gradients (ZeRO 2/3) or split DTensor parameters (TP) are
     sharded, since DDP does not take DTensors, over the topology's dp_shard (x dp_replicate: HSDP) ranks; DDP
     when parameters stay whole (zero_stage 0/1, dp_shard_size 1); None alone."""
-    if topology.dp_size <= 1:
+    if topology.dp_size * topology.seq_size <= 1:  # the sequence ranks reduce gradients like data-parallel ones
         return None
     sharded = topology.dp_shard_size > 1 or parallelism.zero_stage >= 2 or parallelism.tp_size > 1
     return "fsdp" if sharded else "ddp"
@@ -51,10 +51,35 @@ class SpmdBackend(Backend):
         # DDP reducers go before the process group does; the state holds only the list of weak references, so an
         # Accelerator that is dropped is freed with its backend (and its gradient state)
         self.state.add_release_callback(functools.partial(_release_wrapped, self._wrapped))
+        self._sequence = None  # the sequence group (sequence_parallel), built on first use by every rank
+
+    @property
+    def sequence_parallel(self):
+        """The sp/cp group's attention, batch cut and loss (None without a sequence degree)."""
+        if self._sequence is None and self.topology.seq_size > 1:
+            from accel.backends.sequence import SequenceParallel
+
+            self._sequence = SequenceParallel(self.topology, self.state, self.parallelism)
+        return self._sequence
+
+    @property
+    def batch_transform(self):
+        sequence = self.sequence_parallel
+        return None if sequence is None else sequence.cut_batch
+
+    def finish_loss(self, loss: torch.Tensor, target) -> torch.Tensor:
+        sequence = self.sequence_parallel
+        if sequence is None:
+            return loss
+        from accel.backends.sequence_layout import IGNORE_INDEX
+
+        counted = isinstance(target, torch.Tensor) and not target.is_floating_point()
+        return sequence.reduce_loss(loss, (target != IGNORE_INDEX).sum() if counted else None)
 
     def __getstate__(self) -> dict:
-        """A pickled copy (Accelerate's scripts pickle the Accelerator) owns no DDP wrappers to release."""
-        return {**self.__dict__, "_wrapped": []}
+        """A pickled copy (Accelerate's scripts pickle the Accelerator) owns no DDP wrappers to release, nor process
+        groups."""
+        return {**self.__dict__, "_wrapped": [], "_sequence": None}
 
     @property
     def partial_gradients(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
@@ -99,6 +124,8 @@ class SpmdBackend(Backend):
         originals = self.replacements.snapshot(model)
         prepared = parallelize(model, recipe)
         inner = self.unwrap_model(prepared)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.install(inner)
         if self.data_parallel == "fsdp" or self.parallelism.tp_size > 1:
             # sharded or split: once only (a DDP model is wrapped again)
             inner._accel_parallelized = True  # type: ignore[assignment]  # a plain attribute
@@ -107,7 +134,8 @@ class SpmdBackend(Backend):
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs)
-        wrapped = apply_ddp(model, self.topology.group("dp", self.state.device.type), self.state.device, handler)
+        wrapped = apply_ddp(model, self.topology.group(self.topology.gradient_dim, self.state.device.type),
+                            self.state.device, handler)
         if wrapped is not model:
             self._wrapped.append(weakref.ref(wrapped))
         return wrapped

@@ -23,7 +23,7 @@ class ZeroBackend(SpmdBackend):
     @property
     def sharded(self) -> bool:
         """Whether there is anything to shard with (one process keeps everything)."""
-        return self.data_parallel_size > 1
+        return self.topology.sizes[self.topology.gradient_dim] > 1
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
@@ -41,8 +41,8 @@ class ZeroBackend(SpmdBackend):
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. AdamW lacks one of Adam's
         self.replacements.repoint(optimizer)  # a meta-device model's parameters -> the allocated ones
         groups = [dict(group) for group in optimizer.param_groups]
-        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                       process_group=self.topology.group("dp", self.state.device.type), **defaults)
+        group = self.topology.group(self.topology.gradient_dim, self.state.device.type)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from accel.config.errors import MAX_NESTING, nesting_depth, shown
-from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS, ConfigError, check_value, unknown_key
+from accel.config.schema import (
+    ACCELERATE_CP_COMM_STRATEGIES,
+    PARALLEL_FIELDS,
+    TOP_FIELDS,
+    ConfigError,
+    check_value,
+    unknown_key,
+)
 from accel.config.text_file import read_text
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,11 +144,12 @@ def _fsdp_wrapping(section: dict, source: str) -> dict:
 
 # Accelerate's `parallelism_config:` keys (what `accelerate config` writes, and `accelerate launch`'s
 # --parallelism_config_* flags): short name -> accel's ParallelismConfig field (the same names), or None for the
-# context/sequence-parallel handlers' options, accepted and unused (cp_size/sp_size above 1 are refused).
+# options of DeepSpeed's Ulysses that accel's needs not (it takes any sequence length, whatever the attention
+# kernel), accepted and unused.
 _PARALLELISM_CONFIG_KEYS = {
     "dp_replicate_size": "dp_replicate_size", "dp_shard_size": "dp_shard_size", "tp_size": "tp_size",
     "cp_size": "cp_size", "cp_backend": "cp_backend", "sp_size": "sp_size", "sp_backend": "sp_backend",
-    "cp_comm_strategy": None, "sp_seq_length": None, "sp_seq_length_is_variable": None,
+    "cp_comm_strategy": "cp_comm_strategy", "sp_seq_length": None, "sp_seq_length_is_variable": None,
     "sp_attn_implementation": None,
 }
 _PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
@@ -154,7 +162,8 @@ def from_parallelism_config_section(section: dict, source: str) -> dict:
 
     Every size 1 (what `accelerate config` writes by default) describes no layout (Accelerate then replicates over
     every process): the data-parallel sizes are left out, so accel's fields decide. cp_size/sp_size above 1 are
-    refused ("not available yet"); the context/sequence-parallel options are accepted and unused."""
+    accel's context/sequence parallelism (which combinations run: accel.backends.check_available), with
+    cp_comm_strategy; DeepSpeed's Ulysses options (sp_seq_length, ...) are accepted and unused."""
     where = "parallelism_config."
     par: dict = {}
     for key, value in section.items():
@@ -167,11 +176,11 @@ def from_parallelism_config_section(section: dict, source: str) -> dict:
         meta = PARALLEL_FIELDS[field]
         if field in _PARALLELISM_SIZES:
             meta = {**meta, "optional": False}
+        if field == "cp_comm_strategy":  # Accelerate's names too: allgather, alltoall (torch's ring rotation)
+            meta = {**meta, "choices": tuple(dict.fromkeys((*meta["choices"], *ACCELERATE_CP_COMM_STRATEGIES)))}
         par[field] = check_value(value, meta, where + key, source)
-        if field in ("cp_size", "sp_size") and par[field] > 1:
-            what = "context" if field == "cp_size" else "sequence"
-            raise ConfigError(f"{source}: key '{where}{key}': {par[field]}: {what} parallelism is not available yet "
-                              "in accel; allowed: 1")
+        if field == "cp_comm_strategy":
+            par[field] = ACCELERATE_CP_COMM_STRATEGIES.get(par[field], par[field])
     if all(par.get(name, 1) == 1 for name in _PARALLELISM_SIZES):
         par.pop("dp_replicate_size", None)
         par.pop("dp_shard_size", None)

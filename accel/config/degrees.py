@@ -12,14 +12,21 @@ if TYPE_CHECKING:
     from accel.config.schema import ParallelismConfig
 
 
-def model_parallel_size(tp_size: int, pp_size: int) -> int:
-    """Processes one model copy spans (tp x pp); the data-parallel degree is the world size over this."""
-    return tp_size * pp_size
+def model_parallel_size(tp_size: int, pp_size: int, seq_size: int = 1) -> int:
+    """Processes that share one batch (tp x pp x the sequence degree); the data-parallel degree is the world size
+    over this."""
+    return tp_size * pp_size * seq_size
 
 
-def divides_world(world_size: int, tp_size: int, pp_size: int) -> bool:
-    """Whether tp x pp divides the world size: every data-parallel replica needs a whole model-parallel group."""
-    return world_size % model_parallel_size(tp_size, pp_size) == 0
+def divides_world(world_size: int, tp_size: int, pp_size: int, seq_size: int = 1) -> bool:
+    """Whether tp x pp (x sp/cp) divides the world size: every data-parallel replica needs a whole group."""
+    return world_size % model_parallel_size(tp_size, pp_size, seq_size) == 0
+
+
+def sequence_parallel_size(parallelism: ParallelismConfig) -> int:
+    """The sequence degree: ranks that hold one slice each of every sequence (sp_size for Ulysses, cp_size for
+    context parallelism; at most one of them is above 1)."""
+    return getattr(parallelism, "sp_size", 1) * getattr(parallelism, "cp_size", 1)
 
 
 def shards_data_parallel(parallelism: ParallelismConfig) -> bool:
@@ -38,7 +45,8 @@ def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
     (Accelerate's default) and dp_shard_size is 1, or, with zero_stage 2/3 or TP, the ranks dp_replicate_size
     leaves. dp_replicate x dp_shard x tp x pp must be the world size."""
     par = parallelism
-    dp = world_size // model_parallel_size(par.tp_size, par.pp_size)
+    seq = sequence_parallel_size(par)
+    dp = world_size // model_parallel_size(par.tp_size, par.pp_size, seq)
     replicate, shard = par.dp_replicate_size, par.dp_shard_size
     if replicate is None and shard is None:
         return (1, dp) if shards_data_parallel(par) else (dp, 1)
@@ -46,12 +54,13 @@ def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
     derived = shard is None
     if shard is None:
         shard = max(dp // replicate, 1) if shards_data_parallel(par) else 1
-    if replicate * shard * par.tp_size * par.pp_size != world_size:
+    if replicate * shard * par.tp_size * par.pp_size * seq != world_size:
         shown = f"{shard} (left out: {'derived' if shards_data_parallel(par) else '1'})" if derived else str(shard)
+        seq_text = f" x sp_size/cp_size={seq}" if seq > 1 else ""
         raise ConfigError(
             f"{source}: dp_replicate_size={replicate} x dp_shard_size={shown} x tp_size={par.tp_size} x pp_size="
-            f"{par.pp_size} = {replicate * shard * par.tp_size * par.pp_size}, but {world_size} processes run; "
-            f"allowed: sizes whose product is {world_size}")
+            f"{par.pp_size}{seq_text} = {replicate * shard * par.tp_size * par.pp_size * seq}, but {world_size} "
+            f"processes run; allowed: sizes whose product is {world_size}")
     check_data_parallel_layout(par, replicate, shard, source)
     return replicate, shard
 

@@ -69,6 +69,10 @@ ACTIVATION_CHECKPOINTING = ("no", "full", "selective")
 DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
                    "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm",
                    "hpu_backend")
+# how context parallelism's attention exchanges keys and values (accel/backends/sequence.py)
+CP_COMM_STRATEGIES = ("allgather", "ring")
+# Accelerate's names (torch's ring attention's rotate methods: `alltoall` passes K/V shards around the ring) -> accel's
+ACCELERATE_CP_COMM_STRATEGIES = {"allgather": "allgather", "alltoall": "ring"}
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Seconds a collective may wait for the slowest process before the job stops and names the stuck one. 600 is torch's own
 # NCCL default (every GPU job lives with it already) and a third of its gloo default: room for a process that is late on
@@ -92,8 +96,16 @@ class ParallelismConfig:
     runs unchanged. How they map onto accel's fields: dp_shard_size > 1 is FSDP2 sharding (zero_stage 3 when
     zero_stage is left out; 2 keeps parameters gathered between forward and backward); dp_replicate_size > 1
     alone is DDP (zero_stage 0, or 1 for ZeRO-1's optimizer); both > 1 is HSDP (a 2-D data-parallel mesh:
-    shards within a dp_shard group, all-reduce across the dp_replicate groups). Context and sequence parallelism
-    (cp_size, sp_size > 1) are refused. See `data_parallel_sizes` for the sizes left out.
+    shards within a dp_shard group, all-reduce across the dp_replicate groups). See `data_parallel_sizes` for the
+    sizes left out.
+
+    Long sequences: sp_size > 1 is sequence parallelism (Ulysses: each rank holds a contiguous slice of every
+    sequence; attention all-to-alls to head-sharded full sequences), cp_size > 1 context parallelism (sequences cut
+    into 2 x cp_size chunks, rank i holding chunks i and 2*cp_size-1-i; attention all-gathers K and V, or torch's
+    ring attention with cp_comm_strategy ring). At most one of them is above 1. Their ranks share one batch, like
+    tp's (Accelerate's `non_dp_dim_names`), and reduce gradients with the data-parallel ranks: ZeRO 2/3 shard over
+    dp x cp/sp (FSDP2, as torchtitan does). `sp_backend: deepspeed` (Accelerate's only value) is accel's own Ulysses,
+    without DeepSpeed. Which combinations run: `accel.backends.check_available`.
     """
 
     zero_stage: int = _spec(
@@ -148,15 +160,27 @@ class ParallelismConfig:
         None, int, lo=1, optional=True,
         help="ranks each replica's parameters are sharded over (FSDP2; Accelerate's name); null: 1, or with "
              "zero_stage 2/3 or TP the data-parallel ranks dp_replicate_size leaves")
-    cp_size: int = _spec(1, int, lo=1, help="context-parallel degree (Accelerate's name): only 1, not available yet")
+    cp_size: int = _spec(
+        1, int, lo=1,
+        help="context-parallel degree: sequences cut into 2 x cp_size chunks, rank i holds chunks i and "
+             "2*cp_size-1-i; attention all-gathers K/V (1: none)")
     cp_backend: str | None = _spec(None, str, choices=("torch",), optional=True,
-                                   help="Accelerate's context-parallel backend; unused while cp_size is 1")
-    sp_size: int = _spec(1, int, lo=1, help="sequence-parallel degree (Accelerate's name): only 1, not available yet")
+                                   help="Accelerate's context-parallel backend name; accel's own runs either way")
+    cp_comm_strategy: str = _spec(
+        "allgather", str, choices=CP_COMM_STRATEGIES,
+        help="how context parallelism's attention gets the other ranks' keys and values: allgather (each rank "
+             "all-gathers K and V over the cp ranks; gloo and NCCL, any mask) or ring (torch's ring attention on "
+             "CUDA where it applies: SDPA with a causal mask or none; elsewhere allgather)")
+    sp_size: int = _spec(
+        1, int, lo=1,
+        help="sequence-parallel degree (Ulysses): each rank holds a contiguous slice of every sequence; attention "
+             "all-to-alls to head-sharded full sequences (1: none)")
     sp_backend: str | None = _spec(None, str, choices=("deepspeed",), optional=True,
-                                   help="Accelerate's sequence-parallel backend; unused while sp_size is 1")
+                                   help="Accelerate's sequence-parallel backend name: deepspeed (ALST/Ulysses) is "
+                                        "accel's own Ulysses; DeepSpeed is not needed")
     # Accelerate's handlers: Python-only options of TP/CP/SP, taken and kept on the object (not config keys, so
-    # not fields: the Accelerator's layer of this object, dataclasses.asdict, leaves them out). accel's TP has no
-    # options; CP/SP are refused, so their handlers are ignored (Accelerate ignores them with size 1 too).
+    # not fields: the Accelerator's layer of this object, dataclasses.asdict, leaves them out). accel's TP, CP and
+    # SP take their options from the fields above, so the handlers are kept but not read.
     tp_handler: InitVar[Any] = None
     cp_handler: InitVar[Any] = None
     sp_handler: InitVar[Any] = None
@@ -171,27 +195,30 @@ class ParallelismConfig:
         derive_stage = self.zero_stage is None
         if derive_stage:
             self.zero_stage = 0
+        strategy = getattr(cp_handler, "cp_comm_strategy", None)  # Accelerate's TorchContextParallelConfig
+        if isinstance(strategy, str) and self.cp_comm_strategy == "allgather":
+            self.cp_comm_strategy = strategy
+        if isinstance(self.cp_comm_strategy, str):
+            self.cp_comm_strategy = ACCELERATE_CP_COMM_STRATEGIES.get(self.cp_comm_strategy, self.cp_comm_strategy)
         _validate_fields(self, "ParallelismConfig")
         if derive_stage and self.dp_shard_size is not None and self.dp_shard_size > 1:
             self.zero_stage = 3  # sharded data parallelism is FSDP2's full sharding unless a stage says otherwise
         # Accelerate's attributes, kept from the InitVars (which mypy takes for no attribute)
         self.tp_handler, self.cp_handler, self.sp_handler = tp_handler, cp_handler, sp_handler  # type: ignore[attr-defined]
         self._resolved: tuple[int, int] | None = None  # (dp_replicate, dp_shard) of the run, set by the Topology
-        for name, what in (("cp_size", "context"), ("sp_size", "sequence")):
-            if getattr(self, name) > 1:
-                raise ConfigError(f"parallelism: {name}={getattr(self, name)}: {what} parallelism is not available "
-                                  f"yet in accel; allowed: {name} 1")
         if self.dp_shard_size is not None:  # what needs no world size is checked now; the rest at start-up
             check_data_parallel_layout(self, self.dp_replicate_size or 1, self.dp_shard_size)
 
     def _sizes_from_env(self) -> None:
         """Accelerate's PARALLELISM_CONFIG_* variables (what `accelerate launch --parallelism_config_*` exports) for
-        the sizes and backends left out (a size at its default 1 counts as left out)."""
-        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "sp_backend"):
+        the sizes, backends and cp_comm_strategy left out (a size at its default 1, the strategy at its default
+        allgather count as left out)."""
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "sp_backend",
+                     "cp_comm_strategy"):
             text = os.environ.get("PARALLELISM_CONFIG_" + name.upper())
-            if text is None or getattr(self, name) not in (None, 1):
+            if text is None or getattr(self, name) not in (None, 1, "allgather"):
                 continue
-            if name.endswith("_backend"):
+            if name.endswith(("_backend", "_strategy")):
                 setattr(self, name, text)
                 continue
             try:
@@ -211,6 +238,10 @@ class ParallelismConfig:
             wanted.append(f"tensor parallelism (tp_size={self.tp_size})")
         if self.pp_size > 1:
             wanted.append(f"pipeline parallelism (pp_size={self.pp_size})")
+        if self.cp_size > 1:
+            wanted.append(f"context parallelism (cp_size={self.cp_size})")
+        if self.sp_size > 1:
+            wanted.append(f"sequence parallelism (sp_size={self.sp_size})")
         return wanted
 
     # -- Accelerate's read-only members -----------------------------------------------------------------------
@@ -250,16 +281,20 @@ class ParallelismConfig:
 
     @property
     def non_dp_dim_names(self) -> list[str]:
-        """The enabled dimensions whose ranks get the same batch (tp; cp and sp are never enabled)."""
-        return ["tp"] if self.tp_enabled else []
+        """The enabled dimensions whose ranks get the same batch, in Accelerate's order: tp, cp, sp (the sequence
+        ranks each keep their slice of it)."""
+        return [name for name, on in (("tp", self.tp_enabled), ("cp", self.cp_enabled), ("sp", self.sp_enabled))
+                if on]
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
-        return ["dp_shard"] if self.dp_shard_enabled else []
+        """The enabled dimensions flattened into `dp_shard_cp`, which FSDP2 shards the model over: dp_shard, cp."""
+        return [name for name, on in (("dp_shard", self.dp_shard_enabled), ("cp", self.cp_enabled)) if on]
 
     @property
     def dp_cp_dim_names(self) -> list[str]:
-        return self.dp_dim_names
+        """The enabled dimensions the loss is averaged over: the data-parallel ones and cp."""
+        return self.dp_dim_names + (["cp"] if self.cp_enabled else [])
 
     @property
     def fsdp_dim_names(self) -> list[str]:
@@ -273,12 +308,12 @@ class ParallelismConfig:
 
     @property
     def total_size(self) -> int:
-        """Processes the layout spans: dp_replicate x dp_shard x tp (x pp, accel's; x cp x sp, always 1)."""
+        """Processes the layout spans: dp_replicate x dp_shard x tp x cp x sp (x pp, accel's)."""
         return self.data_parallel_size * self.non_data_parallel_size
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that share one data shard: tp x pp (x cp x sp, always 1)."""
+        """Ranks that share one data shard: tp x cp x sp (x pp, accel's)."""
         return self.tp_size * self.pp_size * self.cp_size * self.sp_size
 
     @property
@@ -287,7 +322,7 @@ class ParallelismConfig:
 
     def _get_mesh(self) -> tuple:
         """Accelerate's `(mesh_dim_names, mesh_shape)` of the enabled dimensions, in its order (dp_replicate,
-        dp_shard, cp, sp, tp; cp and sp are never enabled here); () when none is."""
+        dp_shard, cp, sp, tp); () when none is."""
         dims = [(name, self._size(name)) for name in ("dp_replicate", "dp_shard", "cp", "sp", "tp")
                 if self._size(name) > 1]
         return tuple(zip(*dims, strict=True))

@@ -1,14 +1,18 @@
 """Parallel degrees -> one validated `DeviceMesh` with named dimensions.
 
-Rank layout is row-major over (pp, dp, tp), as `init_device_mesh` lays it out: tp ranks are neighbours
-(they talk most), pp is outermost. The data-parallel degree dp may be split as Accelerate names it, into
-dp_replicate (outer) x dp_shard (inner): HSDP shards within a dp_shard group and all-reduces across replicas.
+Rank layout is row-major over (pp, dp, seq, tp), as `init_device_mesh` lays it out: tp ranks are neighbours
+(they talk most), then the sequence ranks (sp for Ulysses, cp for context parallelism: they share one batch, each
+holding a slice of every sequence), pp is outermost, as torchtitan orders its mesh. The data-parallel degree dp may
+be split as Accelerate names it, into dp_replicate (outer) x dp_shard (inner): HSDP shards within a dp_shard group
+and all-reduces across replicas.
 
 Dimension names: with accel's own fields the data-parallel dimension is one `dp`, as it always was. When the
 config uses Accelerate's fields (dp_replicate_size / dp_shard_size), the mesh has Accelerate's dimensions
 (dp_replicate, dp_shard: those above 1) and, flattened from them as Accelerate's `build_device_mesh` does,
 `dp` (the whole data-parallel group: data loading, DDP, metrics), `dp_shard_cp` and `dp_cp`. Size-1 dimensions
-are left out. accel's code asks `submesh`/`group` by name, which answers `dp` the same way in both cases.
+are left out. With a sequence degree, `dp_cp` (the data-parallel ranks and the sequence ranks together) is where
+gradients are reduced and FSDP2 shards, as torchtitan does: each sequence rank computes part of every gradient.
+accel's code asks `submesh`/`group` by name, which answers `dp` the same way in both cases.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from accel.config.degrees import data_parallel_sizes, divides_world, model_parallel_size
+from accel.config.degrees import data_parallel_sizes, divides_world, model_parallel_size, sequence_parallel_size
 from accel.config.errors import ConfigError
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
@@ -30,15 +34,19 @@ class Topology:
     dp_replicate_size: int | None = None  # None (both): every data-parallel rank replicates
     dp_shard_size: int | None = None
     accelerate_names: bool = False  # name the data-parallel dims as Accelerate does (always when both are > 1)
+    seq_size: int = 1  # the sequence degree (sp_size or cp_size)
+    seq_name: str = "sp"  # its dimension's name: "sp" (Ulysses) or "cp" (context parallelism)
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        model_parallel = model_parallel_size(self.tp_size, self.pp_size)
-        if not divides_world(self.world_size, self.tp_size, self.pp_size):
+        model_parallel = model_parallel_size(self.tp_size, self.pp_size, self.seq_size)
+        if not divides_world(self.world_size, self.tp_size, self.pp_size, self.seq_size):
+            seq = f" x {self.seq_name}_size={self.seq_size}" if self.seq_size > 1 else ""
             raise ConfigError(
-                f"parallelism: tp_size={self.tp_size} x pp_size={self.pp_size} = {model_parallel} does not divide "
-                f"the world size {self.world_size}; allowed: degrees whose product divides the number of processes"
+                f"parallelism: tp_size={self.tp_size} x pp_size={self.pp_size}{seq} = {model_parallel} does not "
+                f"divide the world size {self.world_size}; allowed: degrees whose product divides the number of "
+                "processes"
             )
         dp = self.dp_size
         replicate, shard = self.dp_replicate_size, self.dp_shard_size
@@ -64,13 +72,14 @@ class Topology:
         """The topology a ParallelismConfig asks for on `world_size` processes (sizes left out are derived:
         `accel.config.schema.data_parallel_sizes`); the resolved sizes are recorded on the config, whose
         Accelerate members (data_parallel_size, dp_shard_enabled, ...) then describe this run."""
-        tp, pp = parallelism.tp_size, parallelism.pp_size
+        tp, pp, seq = parallelism.tp_size, parallelism.pp_size, sequence_parallel_size(parallelism)
         replicate = shard = None
-        if divides_world(world_size, tp, pp):  # else the constructor names tp x pp
+        if divides_world(world_size, tp, pp, seq):  # else the constructor names tp x pp
             replicate, shard = data_parallel_sizes(parallelism, world_size)
         if accelerate_names is None:
             accelerate_names = parallelism.dp_replicate_size is not None or parallelism.dp_shard_size is not None
-        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names)
+        seq_name = "cp" if getattr(parallelism, "cp_size", 1) > 1 else "sp"
+        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names, seq_size=seq, seq_name=seq_name)
         parallelism._resolved = (topology.dp_replicate_size, topology.dp_shard_size)
         return topology
 
@@ -78,26 +87,40 @@ class Topology:
     def dp_size(self) -> int:
         """Data-parallel degree (dp_replicate x dp_shard): what is left of the world after the model-parallel
         degrees. Data loading, the scheduler and gradient averaging count these ranks."""
-        return self.world_size // model_parallel_size(self.tp_size, self.pp_size)
+        return self.world_size // model_parallel_size(self.tp_size, self.pp_size, self.seq_size)
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}
+        degrees = {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}
+        return {**degrees, self.seq_name: self.seq_size} if self.seq_size > 1 else degrees
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Every named dimension's size (dp is dp_replicate x dp_shard)."""
+        """Every named dimension's size (dp is dp_replicate x dp_shard; dp_cp is dp x the sequence degree)."""
         replicate, shard = self._dp_sizes
-        return {**self.degrees, "dp_replicate": replicate, "dp_shard": shard}
+        sizes = {**self.degrees, "dp_replicate": replicate, "dp_shard": shard}
+        return {**sizes, "dp_cp": self.dp_size * self.seq_size} if self.seq_size > 1 else sizes
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each named dimension (pure arithmetic: no process group needed). Its `dp`
         coordinate is dp_replicate x dp_shard + dp_shard: its rank in the flattened data-parallel group."""
         tp = rank % self.tp_size
-        dp = (rank // self.tp_size) % self.dp_size
-        pp = rank // (self.tp_size * self.dp_size)
+        seq = (rank // self.tp_size) % self.seq_size
+        dp = (rank // (self.tp_size * self.seq_size)) % self.dp_size
+        pp = rank // (self.tp_size * self.seq_size * self.dp_size)
         shard = self._dp_sizes[1]
-        return {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // shard, "dp_shard": dp % shard}
+        coords = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // shard, "dp_shard": dp % shard}
+        return {**coords, self.seq_name: seq, "dp_cp": dp * self.seq_size + seq} if self.seq_size > 1 else coords
+
+    @property
+    def gradient_dim(self) -> str:
+        """The dimension whose ranks reduce gradients (DDP) and share optimizer state (ZeRO-1): dp, or with a
+        sequence degree dp_cp (each sequence rank computes part of every gradient)."""
+        return "dp_cp" if self.seq_size > 1 else "dp"
+
+    def seq_rank(self, rank: int) -> int:
+        """Which slice of every sequence this rank holds (0 without a sequence degree)."""
+        return self.coordinates(rank).get(self.seq_name, 0)
 
     def dp_rank(self, rank: int) -> int:
         return self.coordinates(rank)["dp"]
@@ -107,7 +130,8 @@ class Topology:
             data = [(name, self.sizes[name]) for name in DATA_PARALLEL_DIMS]
         else:
             data = [("dp", self.dp_size)]
-        dims = [(name, size) for name, size in [("pp", self.pp_size), *data, ("tp", self.tp_size)] if size > 1]
+        dims = [(name, size) for name, size in [("pp", self.pp_size), *data, (self.seq_name, self.seq_size),
+                                                ("tp", self.tp_size)] if size > 1]
         return dims or [("dp", 1)]
 
     def mesh(self, device_type: str):
@@ -120,11 +144,16 @@ class Topology:
             names = tuple(n for n, _ in dims)
             mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
             data = tuple(n for n in DATA_PARALLEL_DIMS if n in names)
+            seq = (self.seq_name,) if self.seq_name in names else ()
             if self.accelerate_names and data:
                 self._flat["dp"] = mesh[data]._flatten("dp")
                 if "dp_shard" in names:
-                    self._flat["dp_shard_cp"] = mesh["dp_shard"]._flatten("dp_shard_cp")
-                self._flat["dp_cp"] = mesh[data]._flatten("dp_cp")
+                    self._flat["dp_shard_cp"] = mesh[("dp_shard",) + seq]._flatten("dp_shard_cp")
+                self._flat["dp_cp"] = mesh[data + seq]._flatten("dp_cp")
+            elif seq and "dp" in names:  # the data-parallel and the sequence ranks: where gradients are reduced
+                self._flat["dp_cp"] = mesh[("dp",) + seq]._flatten("dp_cp")
+            elif seq:
+                self._flat["dp_cp"] = mesh[seq[0]]
             self._mesh = mesh
         return self._mesh
 
@@ -140,8 +169,10 @@ class Topology:
 
     def fsdp_mesh(self, device_type: str):
         """The mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP (shards within a row, all-reduces
-        across rows), else the 1-D data-parallel dimension."""
+        across rows), else the 1-D data-parallel dimension (with the sequence ranks: dp_cp)."""
         mesh = self.mesh(device_type)
+        if self.seq_size > 1:  # the sequence ranks compute parts of the same gradients: sharded with dp, as torchtitan
+            return self.submesh("dp_cp", device_type)
         if self.accelerate_names:
             data = tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1)
             return mesh[data] if data else self.submesh("dp", device_type)

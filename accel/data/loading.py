@@ -395,6 +395,8 @@ class DataLoaderShard(DataLoader):
     """
 
     _on_stateful_loader = False  # True on the StatefulDataLoader variants (accel.data.stateful's mix-in)
+    # the backend's last step on each batch, after device placement (sequence parallelism: this rank's slice)
+    batch_transform = None
 
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         """Accelerate's `DataLoaderShard(..., use_stateful_dataloader=True)` (and the dispatcher's): the same loader
@@ -584,7 +586,9 @@ class DataLoaderShard(DataLoader):
         return getattr(getattr(self._shard, "batch_sampler", None), "sampler", None)
 
     def _to_device(self, batch):
-        return batch if self.device is None else send_to_device(batch, self.device, non_blocking=self.non_blocking)
+        if self.device is not None:
+            batch = send_to_device(batch, self.device, non_blocking=self.non_blocking)
+        return batch if self.batch_transform is None else self.batch_transform(batch)
 
     def _finish_epoch(self, epoch: int) -> None:
         self.iteration = epoch + 1
@@ -618,7 +622,9 @@ class DataLoaderShard(DataLoader):
             skip_batches=self.skip_batches,
         )
         settings.update(overrides)
-        return type(self)(dataset, **settings, **kwargs)
+        clone = type(self)(dataset, **settings, **kwargs)
+        clone.batch_transform = self.batch_transform
+        return clone
 
 
 class DataLoaderDispatcher(DataLoaderShard):
@@ -727,8 +733,10 @@ class DataLoaderDispatcher(DataLoaderShard):
         if "batch_sampler" in kwargs:
             kwargs["batch_sampler"] = copy.copy(kwargs["batch_sampler"])
         kwargs.update(overrides)
-        return type(self)(self.dataset, self.num_processes, self.process_index, self.split_batches,
-                                    self.slice_fn, self._global_drop_last, self._global_batch_size, **kwargs)
+        clone = type(self)(self.dataset, self.num_processes, self.process_index, self.split_batches,
+                           self.slice_fn, self._global_drop_last, self._global_batch_size, **kwargs)
+        clone.batch_transform = self.batch_transform
+        return clone
 
 
 def _join(batches: list):

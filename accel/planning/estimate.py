@@ -15,6 +15,9 @@ Tensor parallelism splits each parameter as accel's plan does (tensor_plan.py: t
 automatic one; a vocabulary-split embedding's gradient comes back whole); with data parallelism next to it,
 every zero stage is FSDP2 over the TP shards (DDP takes no DTensors). Pipeline parallelism cuts the blocks as
 accel's balanced split does (pipeline_split.py); each stage then runs the same data-parallel layout on its own.
+Sequence (sp, Ulysses) and context (cp) parallelism keep whole parameters on each of their ranks, which compute
+parts of the same gradients: gradients are reduced, and ZeRO shards, over dp x sp/cp (FSDP2 over the `dp_cp`
+mesh dimension, as torchtitan does); the activations of one step are divided by the degree.
 Measured to the byte against real gloo runs by benchmarks/bench_estimate.py.
 """
 
@@ -50,7 +53,9 @@ ASSUMPTIONS = ("AdamW; parameters, gradients and both moments float32 in every m
                "accel's automatic split does (the parameters before the first block count with it and sit on "
                "the first stage, the others with the last), one stage per rank (pp_schedule 1F1B/GPipe), each "
                "stage with its own data-parallel layout, the "
-               "largest stage's rank reported; the model states exclude activations (measured apart with "
+               "largest stage's rank reported; sequence/context parallelism (sp/cp) keep whole parameters and "
+               "reduce gradients over dp x sp/cp, over which ZeRO-1/2/3 shard (FSDP2 over dp x cp, as torchtitan); "
+               "the model states exclude activations (measured apart with "
                "--batch_size/--seq_len), gathered parameters and communication buffers (e.g. DDP's gradient "
                "buckets)")
 
@@ -410,14 +415,34 @@ def _stage_rows(params: list[Param], tp: int, dp: int) -> dict:
             "zero2": fsdp, "zero3": fsdp, "zero3_offload": fsdp}
 
 
-def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1) -> dict:
+def check_sequence_degrees(sp: int, cp: int, pp: int = 1) -> int:
+    """The sequence degree (sp x cp) of a layout accel runs (accel.backends.check_available's rules): one of
+    sequence and context parallelism, without pipeline stages; else one EstimateError naming the flags."""
+    if sp < 1 or cp < 1:
+        raise EstimateError(f"--sp_size {sp} --cp_size {cp}: bad value; allowed: integers >= 1")
+    if sp > 1 and cp > 1:
+        raise EstimateError(f"--sp_size {sp} and --cp_size {cp}: sequence and context parallelism both split the "
+                            "sequence; allowed: one of them above 1")
+    if pp > 1 and sp * cp > 1:
+        flag = f"--sp_size {sp}" if sp > 1 else f"--cp_size {cp}"
+        raise EstimateError(f"--pp_size {pp} with {flag}: pipeline stages with sequence or context parallelism are "
+                            "not available in accel; allowed: --pp_size 1, or --sp_size 1 --cp_size 1")
+    return sp * cp
+
+
+def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1) -> dict:
     """Bytes per rank (the largest) of parameters, gradients, AdamW state and master weights for each layout,
-    on the device and on the host, with `num_processes` ranks of which tp * pp make one model replica.
-    `rank_params_bytes`: the float32 bytes of the largest stage's TP slice, before data parallelism shards it."""
-    if num_processes < 1 or tp < 1 or pp < 1 or num_processes % (tp * pp):
-        raise EstimateError(f"--num_processes {num_processes} is not a multiple of --tp_size {tp} x --pp_size {pp}")
-    dp = num_processes // (tp * pp)
-    stages = [_stage_rows(params, tp, dp) for params in pipeline_stages(spec, pp)]
+    on the device and on the host, with `num_processes` ranks of which tp * pp * sp * cp share one batch.
+    `rank_params_bytes`: the float32 bytes of the largest stage's TP slice, before data parallelism shards it.
+    The sequence ranks (sp or cp) hold whole (TP-sliced) parameters and reduce gradients with the data-parallel
+    ranks: ZeRO and FSDP2 shard over dp x sp/cp."""
+    seq = check_sequence_degrees(sp, cp, pp)
+    if num_processes < 1 or tp < 1 or pp < 1 or num_processes % (tp * pp * seq):
+        extra = "" if seq == 1 else f" x --sp_size {sp}" if sp > 1 else f" x --cp_size {cp}"
+        raise EstimateError(f"--num_processes {num_processes} is not a multiple of --tp_size {tp} x --pp_size "
+                            f"{pp}{extra}")
+    dp = num_processes // (tp * pp * seq)
+    stages = [_stage_rows(params, tp, dp * seq) for params in pipeline_stages(spec, pp)]
     layouts = {}
     for name in LAYOUTS:
         params, grads, moments, steps = max((rows[name] for rows in stages), key=sum)  # the fullest rank
@@ -428,12 +453,12 @@ def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1) 
         entry.update(device_bytes=0 if offload else total, host_bytes=total if offload else 0)
         layouts[name] = entry
     rank_numel = sum(math.prod(s) for s in rank_params(spec, tp, pp))
-    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "dp_size": dp,
-            "rank_params_bytes": rank_numel * STATE_BYTES, "layouts": layouts}
+    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp,
+            "dp_size": dp, "rank_params_bytes": rank_numel * STATE_BYTES, "layouts": layouts}
 
 
 def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int = 1, tp: int = 1,
-             pp: int = 1) -> dict:
+             pp: int = 1, sp: int = 1, cp: int = 1) -> dict:
     """Everything `accel estimate-memory --json` prints."""
     for dtype in dtypes:
         if dtype not in DTYPE_BYTES:
@@ -441,7 +466,7 @@ def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int
     if not spec.params:
         raise EstimateError(f"{spec.source}: the model has no parameters")
     return {"model": spec.source, "params": spec.numel, "weights": [weights(spec, d) for d in dtypes],
-            "training": training(spec, num_processes, tp, pp), "assumptions": ASSUMPTIONS}
+            "training": training(spec, num_processes, tp, pp, sp, cp), "assumptions": ASSUMPTIONS}
 
 
 # -- activations: forward + backward on fake tensors -----------------------------------------------------------
@@ -564,10 +589,55 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module).to("meta")
 
 
-def activations(model, batch_size: int, seq_len: int, mixed_precision: str = "no") -> dict:
-    """The `activations` entry of `accel estimate-memory --json`."""
+SEQUENCE_METHOD = ("; with sequence/context parallelism, per rank: the whole sequence's bytes / the degree (each "
+                   "rank holds 1/N of every sequence; Ulysses' attention 1/N of the heads of the whole sequence), "
+                   "context parallelism plus each layer's all-gathered K and V (the other ranks' (N-1)/N, kept for "
+                   "backward: every layer without checkpointing, one with full checkpointing)")
+
+
+def sequence_length(seq_len: int, sp: int = 1, cp: int = 1) -> int:
+    """The sequence length the sequence ranks share: padded up to a multiple of sp (Ulysses' contiguous slices) or
+    of 2 x cp (context parallelism's chunks), as accel's batch cut pads it."""
+    multiple = 2 * cp if cp > 1 else sp
+    return -(-seq_len // multiple) * multiple
+
+
+def kv_shape(module) -> tuple[int, int]:
+    """(layers, key/value width) from a transformers model's config: its hidden layers, and key/value heads x head
+    dimension; (0, 0) for a module without one (its K/V are then not counted)."""
+    config = getattr(module, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+    def first(*keys):
+        return next((getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None)
+
+    layers, hidden = first(*inputs.LAYER_KEYS[:4]), first("hidden_size", "n_embd", "d_model")
+    heads = first("num_attention_heads", "n_head")
+    if not (layers and hidden and heads):
+        return 0, 0
+    head_dim = first("head_dim") or hidden // heads
+    return layers, (first("num_key_value_heads") or heads) * head_dim
+
+
+def activations(model, batch_size: int, seq_len: int, mixed_precision: str = "no", sp: int = 1,
+                cp: int = 1) -> dict:
+    """The `activations` entry of `accel estimate-memory --json`: per process. With sequence (sp) or context (cp)
+    parallelism the step is measured on the whole (padded) sequence and divided by the degree, and context
+    parallelism adds the K and V each layer all-gathers (`one_process_*`: the whole sequence on one process)."""
+    seq = check_sequence_degrees(sp, cp)
     model = load_module(model) if isinstance(model, str) else model
-    return {"batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
-            "no_checkpointing_bytes": activation_bytes(model, batch_size, seq_len, mixed_precision, "no"),
-            "full_checkpointing_bytes": activation_bytes(model, batch_size, seq_len, mixed_precision, "full"),
-            "method": ACTIVATION_METHOD}
+    length = sequence_length(seq_len, sp, cp)
+    whole = {ac: activation_bytes(model, batch_size, length, mixed_precision, ac) for ac in ("no", "full")}
+    out = {"batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
+           "no_checkpointing_bytes": whole["no"], "full_checkpointing_bytes": whole["full"],
+           "method": ACTIVATION_METHOD}
+    if seq == 1:
+        return out
+    layers, kv_width = kv_shape(model)
+    gathered = 2 * batch_size * length * kv_width * (2 if mixed_precision in ("bf16", "fp16") else 4) * (
+        seq - 1) // seq if cp > 1 else 0
+    out.update(no_checkpointing_bytes=whole["no"] // seq + layers * gathered,
+               full_checkpointing_bytes=whole["full"] // seq + min(layers, 1) * gathered,
+               sp_size=sp, cp_size=cp, one_process_no_checkpointing_bytes=whole["no"],
+               one_process_full_checkpointing_bytes=whole["full"], method=ACTIVATION_METHOD + SEQUENCE_METHOD)
+    return out

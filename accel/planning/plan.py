@@ -1,15 +1,21 @@
 """`accel plan`: the seed's decision tree made executable. Enumerate layouts (data parallel x ZeRO stage x TP x
-PP x offload x activation checkpointing x pipeline micro-batches), drop those that do not fit a device,
-estimate each one's step time with a compute + latency/bandwidth model, rank them and say why.
+PP x sequence/context parallelism x offload x activation checkpointing x pipeline micro-batches), drop those that
+do not fit a device, estimate each one's step time with a compute + latency/bandwidth model, rank them and say why.
 
 Plain functions over accel.planning.estimate's `ModelSpec` (meta device: a 70B model plans in seconds).
 
 The model and its constants (documented so a plan can be checked by hand):
 - batch_size is GLOBAL: samples per optimizer step over all processes; each data-parallel rank gets
   batch_size / dp (a layout whose dp does not divide it is dropped), split into `micro_batches` under PP.
-- Ranks are laid out as accel's topology does (accel/config/topology.py): tp innermost, then dp, pp outermost, so a
-  group crosses machines when its span (tp; tp*dp; tp*dp*pp) exceeds the processes per machine. TP is only
-  planned within a machine.
+- Ranks are laid out as accel's topology does (accel/config/topology.py): tp innermost, then the sequence ranks
+  (sp or cp), dp, pp outermost, so a group crosses machines when its span (tp; tp*seq; tp*seq*dp; ...) exceeds the
+  processes per machine. TP is only planned within a machine.
+- Sequence parallelism (sp, Ulysses) and context parallelism (cp) are planned when asked for (`sp_size`/`cp_size`:
+  every layout gets that degree) or, left out, for long sequences (seq_len >= LONG_SEQUENCE: each degree that
+  divides the world and leaves each rank at least MIN_LOCAL_TOKENS tokens, next to none). Their ranks share one
+  batch: activations per rank are the formula's / the degree (the sequence padded to a multiple of sp, or of 2 x
+  cp), plus, for cp, each layer's all-gathered K and V; gradients are reduced, and ZeRO shards, over dp x sp/cp.
+  Ulysses needs the heads (and key/value heads) to divide by tp x sp.
 - Memory per rank = model states (accel.planning.estimate.training: what accel's backends keep) + activations
   (`activation_bytes`; under bf16/fp16 without FSDP2 plus autocast's cached 2-byte copy of every weight, held
   through the forward) + what is gathered while computing: ZeRO-2 keeps the rank's whole (tp/pp slice of the)
@@ -49,6 +55,10 @@ The model and its constants (documented so a plan can be checked by hand):
   device runs ahead of the host (`run_ahead`: GPUs; not a CPU) run beside compute, of which `overlap` hides them
   (1 by default; `--calibrate` measures it). TP's all-reduces (and the head's all-gather of the logits, one per
   micro-batch: accel's TP head hands whole logits to the loss) and PP's sends are on the critical path.
+- Sequence ranks (on the critical path, like TP's): Ulysses 4 all-to-alls per attention layer per forward (q, k,
+  v, out), each moving (n-1)/n of the rank's local q/k/v/out bytes (bandwidth as an all-gather's), as many in
+  backward, the forward's again with recompute; context parallelism (allgather) an all-gather of K and of V per
+  layer per forward (again with recompute) and a reduce-scatter of their gradients in backward.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from accel.planning.estimate import EstimateError, ModelSpec, pipeline_stages, training
+from accel.planning.estimate import EstimateError, ModelSpec, pipeline_stages, sequence_length, training
 
 GB = 1e9
 USABLE_FRACTION = 0.9      # of device memory: the rest for the CUDA context, allocator slack, buffers
@@ -86,6 +96,8 @@ ACT_BYTES = {"no": 2, "fp16": 1, "bf16": 1, "fp8": 1}  # x the fp16 activation f
 MAX_ACCUMULATION_LOG2 = 6  # gradient accumulation steps planned: 1, 2, 4, ... 64
 TIE = 0.02                 # layouts within 2% of the fastest count as equal: the simplest is recommended
 STATE_NAME = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+LONG_SEQUENCE = 16384      # tokens per sample from which sp/cp layouts are planned when not asked for
+MIN_LOCAL_TOKENS = 1024    # ... with at least this many tokens of each sequence per rank
 
 
 class PlanError(EstimateError):
@@ -193,14 +205,21 @@ class Shape:
     tp_splits: int = 4  # TP-split weights per block: each is one all-reduce (row-wise: forward; column-wise: backward)
     tensors: int = 0  # parameter tensors: what the per-op framework time scales with
     lookups: frozenset = frozenset()  # names of the parameters only looked up (an untied input embedding)
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+
+    @property
+    def kv_width(self) -> int:
+        """The width of K (and of V): key/value heads x head dimension."""
+        return self.hidden * (self.kv_heads or self.heads) // self.heads
 
 
-CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head")}
+CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head"),
+               "kv_heads": ("num_key_value_heads",)}
 
 
 def config_dims(module) -> dict:
-    """{"hidden", "heads"} as the model's transformers config states them (text config for multimodal
-    models); {} for a module without one."""
+    """{"hidden", "heads", "kv_heads"} as the model's transformers config states them (text config for
+    multimodal models); {} for a module without one."""
     config = getattr(module, "config", None)
     config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     dims = {}
@@ -211,7 +230,8 @@ def config_dims(module) -> dict:
     return dims
 
 
-def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = None) -> Shape:
+def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = None,
+                kv_heads: int | None = None) -> Shape:
     """Layers, hidden size and vocabulary read off the parameter shapes: hidden is the most common smaller
     dimension of the blocks' 2-D parameters, the vocabulary the largest dim-0 outside the blocks. `hidden` and
     `heads` from the model's config win (`config_dims`); without one, heads = hidden / HEAD_DIM."""
@@ -238,25 +258,32 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
     first = next(iter(blocks), None)
     splits = sum(1 for p in spec.params
                  if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
+    kv_heads = kv_heads if kv_heads and heads % kv_heads == 0 else heads
     return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]),
-                 spec.numel - lookups, splits or 4, len(spec.params), frozenset(p.name for p in looked_up))
+                 spec.numel - lookups, splits or 4, len(spec.params), frozenset(p.name for p in looked_up), kv_heads)
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
-                     checkpointing: str = "no", mixed_precision: str = "bf16", calibration: dict | None = None) -> int:
+                     checkpointing: str = "no", mixed_precision: str = "bf16", calibration: dict | None = None,
+                     sp: int = 1, cp: int = 1) -> int:
     """Activations kept for backward by `layers` blocks on one micro-batch: Korthikanti et al.'s per-layer
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in fp16 (x2 in fp32); full checkpointing keeps each block's input
     (2*s*b*h) plus one block's full set while it recomputes; plus the float32 logits and their gradient. Times
     `calibration[checkpointing]["scale"]`: accel.planning.estimate's fake-tensor measurement of the whole model over
     this formula (`activation_calibration`), so the measurement sets the size and the formula how it scales with
-    the micro-batch, TP and the blocks of a pipeline stage."""
+    the micro-batch, TP and the blocks of a pipeline stage. Sequence (sp) or context (cp) parallelism: one rank's
+    share, the whole (padded) sequence's / the degree (Ulysses' attention holds 1/sp of the heads of the whole
+    sequence, the same bytes), plus for cp each kept layer's K and V gathered from the other (n-1)/n ranks."""
     layers = shape.layers if layers is None else layers
-    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
+    n = sp * cp
+    s, b, h, a = sequence_length(seq_len, sp, cp), micro_batch, shape.hidden, shape.heads
     scale = ACT_BYTES.get(mixed_precision, 1)
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
     kept = layers * 2 * s * b * h * scale + per_layer if checkpointing == "full" else layers * per_layer
+    kept_layers = min(layers, 1) if checkpointing == "full" else layers  # whose attention inputs are kept
+    gathered = 2 * 2 * s * b * shape.kv_width / tp * scale * (n - 1) / n if cp > 1 else 0.0  # K and V, fp16 bytes
     factor = (calibration or {}).get(checkpointing, {}).get("scale", 1.0)
-    return int((kept + 2 * 4 * s * b * shape.vocab / tp) * factor)
+    return int(((kept + 2 * 4 * s * b * shape.vocab / tp) / n + kept_layers * gathered) * factor)
 
 
 def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: str = "bf16") -> dict:
@@ -283,13 +310,14 @@ def activation_calibration(module, shape: Shape, seq_len: int, mixed_precision: 
 
 
 def elementwise_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int, layers: int,
-                      mixed_precision: str) -> float:
+                      mixed_precision: str, sp: int = 1, cp: int = 1) -> float:
     """Bytes of one micro-batch's activations the memory-bound work (norms, activations, softmax, residuals, the
     loss) writes once: the activation formula's per-layer bytes (the parts TP replicates are not split) plus the
-    float32 logits, whole on every TP rank (accel's head gathers them: the loss is replicated)."""
-    s, b, h, a = seq_len, micro_batch, shape.hidden, shape.heads
+    float32 logits, whole on every TP rank (accel's head gathers them: the loss is replicated); a sequence rank's
+    share of them (/ sp x cp)."""
+    s, b, h, a = sequence_length(seq_len, sp, cp), micro_batch, shape.hidden, shape.heads
     per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * ACT_BYTES.get(mixed_precision, 1)
-    return layers * per_layer + 4 * s * b * shape.vocab
+    return (layers * per_layer + 4 * s * b * shape.vocab) / (sp * cp)
 
 
 def _in_step(hw: Hardware, seconds: float, calls: int, backend_call: float = 0.0) -> float:
@@ -306,20 +334,22 @@ def _exposed(hw: Hardware, seconds: float, hideable: float, window: float) -> fl
 
 
 # -- collectives ----------------------------------------------------------------------------------------------
-RING_HOPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+RING_HOPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 
 def collective(hw: Hardware, kind: str, nbytes: float, n: int, span: int, calls: int = 1) -> float:
     """Seconds for `calls` calls of `kind` moving `nbytes` in all among `n` ranks that span `span` consecutive
     ranks. Within a machine whose collectives `--calibrate` timed: those times (2 processes, interpolated at the
-    size of one call, scaled by the ring's 2(n-1)/n for n); else the ring's latency/bandwidth formula."""
+    size of one call, scaled by the ring's 2(n-1)/n for n); else the ring's latency/bandwidth formula. An
+    all-to-all's `nbytes` is what each rank holds, of which it sends (n-1)/n, at an all-gather's bandwidth."""
     if n <= 1:
         return 0.0
     table = (hw.collectives or {}).get(kind) if span <= hw.num_processes else None
     if table:
         return calls * _interpolate(table, nbytes / calls) * 2 * (n - 1) / n
     bw, lat = _link(hw, span)
-    bw *= {"all_gather": hw.gather_factor, "reduce_scatter": hw.scatter_factor}.get(kind, 1.0)
+    bw *= {"all_gather": hw.gather_factor, "all_to_all": hw.gather_factor,
+           "reduce_scatter": hw.scatter_factor}.get(kind, 1.0)
     hops = RING_HOPS[kind]
     return hops * (n - 1) / n * nbytes / bw + hops * (n - 1) * lat * calls
 
@@ -354,55 +384,89 @@ def _pointless(zero: int, offload: bool, dp: int, tp: int) -> bool:
     """Offload is planned with ZeRO-3 only (estimate's zero3_offload); ZeRO without data parallelism shards
     nothing (except to offload); next to TP accel runs data parallelism as FSDP2 without resharding after the
     forward whatever the stage below 3 (accel.backends.spmd.data_parallel_kind: DDP takes no DTensors), so
-    ZeRO-0/1 there are ZeRO-2 under another name."""
+    ZeRO-0/1 there are ZeRO-2 under another name. `dp` counts the ranks that reduce gradients (dp x sp/cp)."""
     return (offload and zero != 3) or (dp == 1 and zero > 0 and not offload) or (tp > 1 and dp > 1 and zero < 2)
 
 
-def candidates(hw: Hardware, shape: Shape, batch_size: int):
-    """(zero, tp, pp, dp, offload, ac, m) combinations accel can run: TP within a machine, PP at most the
-    blocks, accel's combination rules (accel.backends.check_available)."""
+def sequence_options(hw: Hardware, shape: Shape, seq_len: int, sp_size: int | None = None,
+                     cp_size: int | None = None) -> list[tuple[int, int]]:
+    """The (sp, cp) degrees to plan: the ones given (`sp_size`/`cp_size`, checked: accel runs them on this world
+    and model), else (1, 1), and for a long sequence (seq_len >= LONG_SEQUENCE) each sp and cp degree that divides
+    the world and leaves every rank at least MIN_LOCAL_TOKENS tokens."""
+    if sp_size is None and cp_size is None:
+        if seq_len < LONG_SEQUENCE:
+            return [(1, 1)]
+        degrees = [d for d in _divisors(hw.world) if 1 < d and seq_len // d >= MIN_LOCAL_TOKENS]
+        return [(1, 1), *((d, 1) for d in degrees), *((1, d) for d in degrees)]
+    sp, cp = sp_size or 1, cp_size or 1
+    for flag, value in (("--sp_size", sp), ("--cp_size", cp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{flag}: bad value {value!r}; allowed: a positive integer")
+    if sp > 1 and cp > 1:
+        raise PlanError(f"--sp_size {sp} and --cp_size {cp}: sequence and context parallelism both split the "
+                        "sequence; allowed: one of them above 1")
+    flag, n = ("--sp_size", sp) if sp > 1 else ("--cp_size", cp)
+    if hw.world % n:
+        raise PlanError(f"{flag} {n}: does not divide the {hw.world} processes; allowed: a divisor of {hw.world}")
+    kv = shape.kv_heads or shape.heads
+    if sp > 1 and (shape.heads % sp or kv % sp):
+        raise PlanError(f"--sp_size {sp}: Ulysses splits the model's {shape.heads} attention heads ({kv} key/value "
+                        f"heads) over the sp ranks; allowed: a divisor of {math.gcd(shape.heads, kv)}, or --cp_size")
+    return [(sp, cp)]
+
+
+def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tuple[int, int]] | None = None):
+    """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp) combinations accel can run: TP within a machine, PP at
+    most the blocks, the (sp, cp) degrees of `sequences` (default: none) where the heads divide for Ulysses,
+    accel's combination rules (accel.backends.check_available)."""
     from accel.backends import check_available
     from accel.config import ConfigError, ParallelismConfig
 
-    for tp in _divisors(hw.num_processes):
-        if shape.hidden % tp or shape.heads % tp:
-            continue
-        for pp in _divisors(hw.world // tp):
-            if pp > shape.layers:
+    for sp, cp in sequences or [(1, 1)]:
+        seq = sp * cp
+        for tp in _divisors(hw.num_processes):
+            if shape.hidden % tp or shape.heads % tp or hw.world % (tp * seq):
                 continue
-            dp = hw.world // (tp * pp)
-            per_rank = batch_size // dp if batch_size % dp == 0 else 0
-            for zero in range(4):
-                for offload in (False, True):
-                    if _pointless(zero, offload, dp, tp):
-                        continue
-                    par: dict[str, Any] = dict(zero_stage=zero, tp_size=tp, pp_size=pp, offload_optimizer=offload,
-                               offload_params=offload)
-                    try:
-                        check_available(ParallelismConfig(**par), hw.world)
-                    except ConfigError:
-                        continue
-                    if pp == 1:  # gradient accumulation: per_rank / m samples per forward, m per step
-                        micro = [2 ** k for k in range(MAX_ACCUMULATION_LOG2 + 1)
-                                 if per_rank and per_rank % 2 ** k == 0] or [1]
-                    else:
-                        micro = [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_rank and per_rank % m == 0] or [pp]
-                    for ac in ("no", "full"):
-                        for m in micro:
-                            yield zero, tp, pp, dp, offload, ac, m, per_rank
+            if sp > 1 and (shape.heads % (tp * sp) or (shape.kv_heads or shape.heads) % (tp * sp)):
+                continue  # Ulysses: each rank's heads (after TP's split) must divide by sp
+            for pp in _divisors(hw.world // (tp * seq)):
+                if pp > shape.layers:
+                    continue
+                dp = hw.world // (tp * pp * seq)
+                per_rank = batch_size // dp if batch_size % dp == 0 else 0
+                for zero in range(4):
+                    for offload in (False, True):
+                        if _pointless(zero, offload, dp * seq, tp):
+                            continue
+                        par: dict[str, Any] = dict(zero_stage=zero, tp_size=tp, pp_size=pp, sp_size=sp, cp_size=cp,
+                                                   offload_optimizer=offload, offload_params=offload)
+                        try:
+                            check_available(ParallelismConfig(**par), hw.world)
+                        except ConfigError:
+                            continue
+                        if pp == 1:  # gradient accumulation: per_rank / m samples per forward, m per step
+                            micro = [2 ** k for k in range(MAX_ACCUMULATION_LOG2 + 1)
+                                     if per_rank and per_rank % 2 ** k == 0] or [1]
+                        else:
+                            micro = [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_rank and per_rank % m == 0] or [pp]
+                        for ac in ("no", "full"):
+                            for m in micro:
+                                yield zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp
 
 
 def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
              mixed_precision: str, states_cache: dict, calibration: dict | None = None) -> dict:
-    zero, tp, pp, dp, offload, ac, m, per_rank = cand
-    key = (tp, pp)
+    zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp = cand
+    seq = sp * cp  # the sequence ranks: they share the batch, and reduce gradients with the data-parallel ranks
+    key = (tp, pp, sp, cp)
     if key not in states_cache:  # (this world's states, one replica's: dp 1 holds the rank's tp/pp slice whole)
-        states_cache[key] = training(spec, hw.world, tp, pp), training(spec, tp * pp, tp, pp)
+        states_cache[key] = training(spec, hw.world, tp, pp, sp, cp), training(spec, tp * pp, tp, pp)
     states = states_cache[key][0]["layouts"]["zero3_offload" if offload else STATE_NAME[zero]]
     rank_numel = states_cache[key][1]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
     shard_numel = states["params_bytes"] / 4
     unit = shape.largest_unit / tp
-    row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "dp_size": dp, "offload": offload,
+    row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp, "dp_size": dp,
+           "offload": offload,
            "activation_checkpointing": ac, "micro_batches": m, "gradient_accumulation_steps": m if pp == 1 else 1,
            "per_process_batch": per_rank, "micro_batch_size": per_rank // m if per_rank else 0,
            "model_state_bytes_per_rank": states["device_bytes"], "host_bytes_per_rank": states["host_bytes"]}
@@ -412,7 +476,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     mb = per_rank // m
     accum = m if pp == 1 else 1  # forward/backward passes per optimizer step outside a pipeline
     layers = math.ceil(shape.layers / pp)
-    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration) * min(m, pp)
+    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration, sp, cp) * min(m, pp)
     fsdp = zero >= 2  # FSDP2 gathers the parameters in the compute dtype: autocast has nothing to cast
     if not fsdp and calibration:
         acts += calibration.get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params
@@ -433,7 +497,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     elif offload and states["host_bytes"] * hw.num_processes > hw.host_memory:
         fits, reason = False, "the offloaded shards do not fit the host memory"
     tokens = batch_size * seq_len
-    rows_mb, width = mb * seq_len, shape.hidden / tp
+    local_len = sequence_length(seq_len, sp, cp) / seq  # tokens of each sequence on this rank
+    rows_mb, width = mb * local_len, shape.hidden / tp
     eff = hw.efficiency * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
     bubble = (m + pp - 1) / m
     attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
@@ -442,60 +507,88 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         states_cache["flops", pp] = shape.flop_params if pp == 1 else pp * max(
             sum(p.numel for p in stage if p.name not in shape.lookups) for stage in pipeline_stages(spec, pp))
     compute = (6 * states_cache["flops", pp] * tokens + attention) * recompute / (hw.world * hw.flops * eff) * bubble
-    memory_bound = (ELEMENTWISE_PASSES[ac] * elementwise_bytes(shape, mb, seq_len, tp, layers, mixed_precision)
+    memory_bound = (ELEMENTWISE_PASSES[ac] * elementwise_bytes(shape, mb, seq_len, tp, layers, mixed_precision,
+                                                               sp, cp)
                     * m / hw.memory_bw * bubble)
     stepped = states["optimizer_bytes"] / 8  # elements this rank's AdamW steps (two float32 moments each)
     memory_bound += 0.0 if offload else ADAM_PASSES * 4 * stepped / hw.memory_bw
     dispatch = hw.op_overhead * OPS_PER_TENSOR * shape.tensors / pp * m * recompute * bubble
     window = compute + memory_bound + dispatch  # what collectives issued beside compute can hide behind
     grads = rank_numel * 4
-    units, span = layers + 1, tp * dp
+    ranks = dp * seq  # the ranks that reduce gradients (and ZeRO shards over): dp x sp/cp
+    units, span = layers + 1, tp * seq * dp
     if zero <= 1:  # DDP's bucketed all-reduce in the last pass's backward (ZeroRedundancyOptimizer: + all-gather)
         buckets = math.ceil(grads / DDP_BUCKET)
-        sync = _in_step(hw, collective(hw, "all_reduce", grads, dp, span, buckets), buckets)
+        sync = _in_step(hw, collective(hw, "all_reduce", grads, ranks, span, buckets), buckets)
         dp_comm = _exposed(hw, sync, (buckets - 1) / buckets if buckets > 1 else 0.0, window * 2 / 3 / accum)
-        dp_comm += _in_step(hw, collective(hw, "all_gather", grads, dp, span), 1) if zero == 1 else 0.0
+        dp_comm += _in_step(hw, collective(hw, "all_gather", grads, ranks, span), 1) if zero == 1 else 0.0
     else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
         params = rank_numel * pbytes  # FSDP2 gathers in the compute dtype, reduces float32 gradients
-        gather = _in_step(hw, accum * collective(hw, "all_gather", params, dp, span, units), accum * units,
+        gather = _in_step(hw, accum * collective(hw, "all_gather", params, ranks, span, units), accum * units,
                           hw.fsdp_call)
         late = (gather if zero == 3 else 0.0) + _in_step(  # backward: FSDP2 prefetches the next unit's
-            hw, collective(hw, "reduce_scatter", grads, dp, span, units), units, hw.fsdp_call)
+            hw, collective(hw, "reduce_scatter", grads, ranks, span, units), units, hw.fsdp_call)
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
         late += gather if hw.run_ahead else 0.0
         dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
-    act_mb = mb * seq_len * shape.hidden * (4 if mixed_precision == "no" else 2)
-    logits_mb = mb * seq_len * shape.vocab * (4 if mixed_precision == "no" else 2)
+    elem = 4 if mixed_precision == "no" else 2
+    act_mb = mb * local_len * shape.hidden * elem  # a micro-batch's activations on this rank
+    logits_mb = mb * local_len * shape.vocab * elem
     tp_calls = math.ceil((shape.tp_splits * layers + 2) * m * (2 if ac == "no" else 3) / 2)
     tp_comm = 0.0 if tp == 1 else (  # on the critical path: each output is needed by the next op
         _in_step(hw, tp_calls * collective(hw, "all_reduce", act_mb, tp, tp), tp_calls, hw.tp_call)
         + _in_step(hw, m * collective(hw, "all_gather", logits_mb, tp, tp), m, hw.tp_call))  # the head's logits
+    seq_comm = sequence_comm(hw, shape, mb * local_len, tp, sp, cp, layers, ac, elem) * m
     pbw, plat = _link(hw, tp * dp * pp)
     sends = 2 * (m + pp - 2)  # each boundary: activations forward, their gradient back
     pp_comm = 0.0 if pp == 1 else _in_step(hw, sends * (plat + act_mb / tp / pbw), sends)
     host_rate = min(HOST_BW, hw.memory_bw)  # a CPU "device" is the host: its AdamW is no faster offloaded
     off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + ADAM_PASSES * 4 * shard_numel / host_rate
-    step = compute + memory_bound + dispatch + dp_comm + tp_comm + pp_comm + off
+    step = compute + memory_bound + dispatch + dp_comm + tp_comm + seq_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
             "step_time_s": step, "time_breakdown_s": {"compute": compute, "memory_bound": memory_bound,
                                                       "dispatch": dispatch, "data_parallel": dp_comm,
-                                                      "tensor_parallel": tp_comm, "pipeline": pp_comm,
+                                                      "tensor_parallel": tp_comm,
+                                                      "sequence_parallel": seq_comm, "pipeline": pp_comm,
                                                       "offload": off}}
 
 
+def sequence_comm(hw: Hardware, shape: Shape, tokens: float, tp: int, sp: int, cp: int, layers: int, ac: str,
+                  elem: int) -> float:
+    """Seconds one micro-batch's sequence-parallel collectives take (on the critical path: attention waits for
+    them), `tokens` its tokens on this rank: Ulysses 4 all-to-alls per layer per forward (q, k, v, out; each rank
+    sends (n-1)/n of its slice), as many in backward; context parallelism (allgather) an all-gather of K and of V
+    per layer per forward, a reduce-scatter of their gradients in backward. Full checkpointing repeats the
+    forward's. The group spans tp x n consecutive ranks (topology order: tp innermost, then the sequence ranks)."""
+    n = sp * cp
+    if n == 1:
+        return 0.0
+    forwards = 1 if ac == "no" else 2
+    q, kv = tokens * shape.hidden / tp * elem, tokens * shape.kv_width / tp * elem  # this rank's bytes of each
+    if sp > 1:
+        calls = 4 * layers * (forwards + 1)
+        return _in_step(hw, collective(hw, "all_to_all", (2 * q + 2 * kv) * layers * (forwards + 1), n, tp * n,
+                                       calls), calls)
+    gathers, scatters = 2 * layers * forwards, 2 * layers
+    return (_in_step(hw, collective(hw, "all_gather", n * kv * gathers, n, tp * n, gathers), gathers)
+            + _in_step(hw, collective(hw, "reduce_scatter", n * kv * scatters, n, tp * n, scatters), scatters))
+
+
 def _complexity(row: dict) -> tuple:
-    return (row["offload"], row["pp_size"] > 1, row["tp_size"] > 1, row["zero_stage"],
-            row["activation_checkpointing"] != "no", row["micro_batches"], row["step_time_s"])
+    """Fewer moving parts first: no offload, no pipeline, no TP (which splits the model), no sequence ranks, ..."""
+    return (row["offload"], row["pp_size"] > 1, row["tp_size"] > 1, row.get("sp_size", 1) * row.get("cp_size", 1) > 1,
+            row["zero_stage"], row["activation_checkpointing"] != "no", row["micro_batches"], row["step_time_s"])
 
 
 def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
          hidden: int | None = None, heads: int | None = None, module=None,
-         measure_activations: bool = False) -> dict:
+         measure_activations: bool = False, sp_size: int | None = None, cp_size: int | None = None) -> dict:
     """Every candidate layout, fitting ones first by step time; `recommended` indexes the simplest of the
     fastest that fit (None when none does) and `explanation` says why in the seed's terms. `module` (the model on the
     meta device, or None) gives the hidden size and heads of its config; with `measure_activations` the
-    activation formula is also calibrated on a fake-tensor run of it."""
+    activation formula is also calibrated on a fake-tensor run of it. `sp_size`/`cp_size`: every layout with that
+    sequence/context-parallel degree (None for both: planned for long sequences only, `sequence_options`)."""
     for name, value in (("--batch_size", batch_size), ("--seq_len", seq_len), ("--num_processes", hw.num_processes),
                         ("--num_machines", hw.num_machines)):
         if not isinstance(value, int) or value < 1:
@@ -510,11 +603,12 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
     if not spec.numel:
         raise PlanError(f"{spec.source}: the model has no parameters (or only empty ones)")
     dims = config_dims(module)
-    shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"))
+    shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"), dims.get("kv_heads"))
+    sequences = sequence_options(hw, shape, seq_len, sp_size, cp_size)
     cache: dict = {}
     calibration = activation_calibration(module, shape, seq_len, mixed_precision) if measure_activations else {}
     rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache, calibration)
-            for c in candidates(hw, shape, batch_size)]
+            for c in candidates(hw, shape, batch_size, sequences)]
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["step_time_s"] is not None else math.inf))
     recommended = None
     if rows and rows[0]["fits"]:  # the simplest layout within TIE of the fastest: fewer moving parts
@@ -522,7 +616,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
         recommended = min((i for i, r in enumerate(rows) if r["fits"] and r["step_time_s"] <= fast),
                           key=lambda i: _complexity(rows[i]))
     return {"model": spec.source, "params": shape.params,
-            "shape": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
+            "shape": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
+                      "kv_heads": shape.kv_heads or shape.heads, "vocab": shape.vocab,
                       "largest_unit_params": shape.largest_unit},
             "hardware": {"num_machines": hw.num_machines, "num_processes": hw.num_processes,
                          "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
@@ -535,13 +630,14 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "fsdp_call": hw.fsdp_call, "tp_call": hw.tp_call,
                          "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
+            "sequence_degrees": [{"sp_size": sp, "cp_size": cp} for sp, cp in sequences],
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.planning.estimate's fake-tensor "
                                   "measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"
                                               for k, v in calibration.items())) if calibration
             else "formula (Korthikanti et al.)",
             "layouts": rows, "recommended": recommended,
-            "explanation": explain(rows, recommended, shape, hw)}
+            "explanation": explain(rows, recommended, shape, hw, seq_len, any(sp * cp > 1 for sp, cp in sequences))}
 
 
 # -- the seed's terms ------------------------------------------------------------------------------------------
@@ -551,6 +647,10 @@ def family(row: dict) -> str:
         return "ZeRO-3 + offload"
     if row["pp_size"] > 1:
         return "pipeline parallelism"
+    if row.get("sp_size", 1) > 1:
+        return "sequence parallelism (Ulysses)"
+    if row.get("cp_size", 1) > 1:
+        return "context parallelism"
     if row["tp_size"] > 1:
         return "tensor parallelism"
     return {0: "DDP", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}[row["zero_stage"]]
@@ -559,6 +659,7 @@ def family(row: dict) -> str:
 def layout_name(row: dict) -> str:
     parts = [f"PP {row['pp_size']}"] if row["pp_size"] > 1 else []
     parts += [f"TP {row['tp_size']}"] if row["tp_size"] > 1 else []
+    parts += [f"{name.upper()} {row[name + '_size']}" for name in ("sp", "cp") if row.get(name + "_size", 1) > 1]
     parts.append("DDP" if row["zero_stage"] == 0 else f"ZeRO-{row['zero_stage']}")
     return " + ".join(parts) + (" + offload" if row["offload"] else "")
 
@@ -568,8 +669,9 @@ def describe(row: dict) -> str:
     batches = (f"{row['micro_batches']} micro-batches of {row['micro_batch_size']}" if row["pp_size"] > 1 else
                f"gradient accumulation {row['micro_batches']} x {row['micro_batch_size']}"
                if row["micro_batches"] > 1 else f"batch {row['micro_batch_size']}")
-    return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}, {batches} per "
-            f"process, checkpointing {row['activation_checkpointing']}) {t}").strip()
+    seq = "".join(f", {name} {row[name + '_size']}" for name in ("sp", "cp") if row.get(name + "_size", 1) > 1)
+    return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}{seq}, {batches} "
+            f"per process, checkpointing {row['activation_checkpointing']}) {t}").strip()
 
 
 def branch(shape: Shape, hw: Hardware) -> str:
@@ -590,8 +692,11 @@ def branch(shape: Shape, hw: Hardware) -> str:
     return out
 
 
-def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardware) -> list[str]:
-    lines = [f"Branch: {branch(shape, hw)}."]
+def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardware, seq_len: int = 0,
+            sequence_planned: bool = False) -> list[str]:
+    long = (f"; sequences of {seq_len} tokens -> sequence (Ulysses) or context parallelism spread each one's "
+            "activations over several devices" if sequence_planned else "")
+    lines = [f"Branch: {branch(shape, hw)}{long}."]
     if recommended is None:
         lines.append("No layout fits: more devices, more device memory, a smaller batch or a shorter sequence.")
         return lines
@@ -606,6 +711,11 @@ def explain(rows: list[dict], recommended: int | None, shape: Shape, hw: Hardwar
         lines.append(f"Your DataLoader's batch_size: {best['micro_batch_size']} per process" +
                      (f", with gradient_accumulation_steps {best['micro_batches']}" if best["micro_batches"] > 1
                       else "") + f" ({best['per_process_batch']} samples per process per optimizer step).")
+    degree = best.get("sp_size", 1) * best.get("cp_size", 1)
+    if degree > 1 and seq_len:
+        lines.append(f"The {degree} processes of a sequence group get the same samples and keep "
+                     f"{sequence_length(seq_len, best.get('sp_size', 1), best.get('cp_size', 1)) // degree} tokens of "
+                     "each sequence (the prepared DataLoader cuts them; the loop is unchanged).")
     seen = {family(best)}
     for row in rows:
         name = family(row)
@@ -635,6 +745,9 @@ def write_config(result: dict, path, main_process_ip: str | None = None):
     par = {"zero_stage": row["zero_stage"], "tp_size": row["tp_size"], "pp_size": row["pp_size"],
            "offload_optimizer": row["offload"], "offload_params": row["offload"],
            "activation_checkpointing": row["activation_checkpointing"]}
+    for name in ("sp_size", "cp_size"):
+        if row.get(name, 1) > 1:
+            par[name] = row[name]
     if row["pp_size"] > 1:
         par["pp_microbatches"] = row["micro_batches"]
     data = {"num_processes": hw["num_machines"] * hw["num_processes"], "num_machines": hw["num_machines"],

@@ -84,6 +84,18 @@ SAME_AS_FILE = [
               "--parallelism_config_dp_shard_size", "2"],
      "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
      "  parallelism_config_dp_shard_size: 2\n"),
+    ("fsdp-cp", ["--use_fsdp", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
+                 "--parallelism_config_cp_size", "2", "--parallelism_config_cp_backend", "torch",
+                 "--parallelism_config_cp_comm_strategy", "alltoall"],
+     "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+     "  parallelism_config_cp_size: 2\n  parallelism_config_cp_backend: torch\n"
+     "  parallelism_config_cp_comm_strategy: alltoall\n"),
+    ("fsdp-sp", ["--use_fsdp", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
+                 "--parallelism_config_sp_size", "2", "--parallelism_config_sp_backend", "deepspeed",
+                 "--parallelism_config_sp_seq_length_is_variable", "true"],
+     "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+     "  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
+     "  parallelism_config_sp_seq_length_is_variable: true\n"),
 ]
 
 
@@ -91,7 +103,7 @@ SAME_AS_FILE = [
 def test_flags_resolve_as_the_equivalent_accelerate_config_file(run_accel, workdir, flags, text):
     (workdir / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5}))
     (workdir / "accelerate.yaml").write_text(text)
-    processes = "4" if "--parallelism_config_dp_shard_size" in flags else "2"
+    processes = "4" if "--parallelism_config_dp_shard_size" in flags else "2"  # dp 2 x (dp 2, cp 2 or sp 2)
     from_flags, command_of_flags = dry_run(run_accel, workdir, "--cpu", "--num_processes", processes, *flags)
     from_file, command_of_file = dry_run(run_accel, workdir, "--cpu", "--num_processes", processes, "--config_file",
                                          "accelerate.yaml")
@@ -111,15 +123,43 @@ def test_the_resolved_values(run_accel, workdir):
     assert par["zero_stage"] == 2
     par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", *SAME_AS_FILE[2][1])[0]["parallelism"]
     assert (par["zero_stage"], par["zero_min_params"], par["zero_wrap_classes"]) == (2, 1000, None)
+    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", *SAME_AS_FILE[-2][1])[0]["parallelism"]
+    assert (par["zero_stage"], par["dp_shard_size"], par["cp_size"], par["cp_comm_strategy"]) == (3, 2, 2, "ring")
+    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", *SAME_AS_FILE[-1][1])[0]["parallelism"]
+    assert (par["zero_stage"], par["sp_size"], par["sp_backend"], par["cp_size"]) == (3, 2, "deepspeed", 1)
+    # accel's own flags for the same keys agree with them, or the launch is refused
+    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", "--cp_size", "2", "--cp_comm_strategy", "ring",
+                  "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")[0][
+        "parallelism"]
+    assert (par["cp_size"], par["cp_comm_strategy"]) == (2, "ring")
 
 
-def test_precedence_flags_over_files_and_the_selectors_default_stage(run_accel, workdir):
+def dry_run_here(monkeypatch, capsys, workdir, *args: str) -> dict:
+    """`dry_run`'s resolved config, from `accel.cli.main.main` in this process (no interpreter start per call):
+    the same environment as run_accel's subprocess (HOME in a temp dir, no ACCEL_/rank variables), the same cwd."""
+    from accel.cli.main import main
+
+    for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    home = workdir / "home-here"
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(workdir)
+    capsys.readouterr()
+    assert main(["launch", "--dry_run", *args, "train.py"]) in (0, None)
+    assert not (workdir / "ran").exists()
+    config_text, _, _ = capsys.readouterr().out.partition("# the command accel launch runs")
+    return yaml.safe_load(config_text)
+
+
+def test_precedence_flags_over_files_and_the_selectors_default_stage(monkeypatch, capsys, workdir):
     (workdir / "ds3.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n")
     (workdir / "fsdp2.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n"
                                         "  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
 
     def stage_and_offload(*args):
-        par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", *args)[0]["parallelism"]
+        par = dry_run_here(monkeypatch, capsys, workdir, "--cpu", "--num_processes", "2", *args)["parallelism"]
         return par["zero_stage"], par["offload_optimizer"]
 
     # --use_deepspeed on a DeepSpeed file keeps its stage, as Accelerate takes the file's zero_stage
@@ -157,6 +197,10 @@ REFUSED = [
     (["--fsdp_activation_checkpointing_offload", "true"], ["--fsdp_activation_checkpointing_offload", "not available"]),
     (["--use_fsdp", "--use_deepspeed"], ["--use_deepspeed and --use_fsdp contradict"]),
     (["--zero_stage", "2", "--fsdp_sharding_strategy", "FULL_SHARD"], ["--zero_stage 2", "--fsdp_sharding_strategy"]),
+    (["--sp_size", "2", "--parallelism_config_sp_size", "4"],
+     ["--sp_size 2 and --parallelism_config_sp_size 4 disagree (sp_size 2 vs 4); allowed: give one of them"]),
+    (["--num_processes", "4", "--parallelism_config_cp_size", "2", "--parallelism_config_sp_size", "2"],
+     ["cp_size=2 and sp_size=2: context and sequence parallelism both split the sequence"]),
     (["-m", "--no_python"], ["--module and --no_python"]),
     (["--no_python"], ["--no_python: command not found on PATH: train.py", "./train.py"]),
     (["--num_cpu_threads_per_process", "0"], ["--num_cpu_threads_per_process", "'0'", "an integer >= 1"]),
@@ -180,8 +224,10 @@ def test_refused_and_bad_flags_are_one_line_exit_2(run_accel, workdir, args, nee
     ("--fsdp_auto_wrap_policy", "BY_MAGIC", "fsdp_config", "fsdp_auto_wrap_policy"),
     ("--offload_optimizer_device", "disk", "deepspeed_config", "offload_optimizer_device"),
     ("--offload_optimizer_device", "nvme", "deepspeed_config", "offload_optimizer_device"),
-    ("--parallelism_config_cp_size", "2", "parallelism_config", "parallelism_config_cp_size"),
+    ("--parallelism_config_cp_size", "two", "parallelism_config", "parallelism_config_cp_size"),
     ("--parallelism_config_cp_backend", "ring", "parallelism_config", "parallelism_config_cp_backend"),
+    ("--parallelism_config_cp_comm_strategy", "p2p", "parallelism_config", "parallelism_config_cp_comm_strategy"),
+    ("--parallelism_config_sp_backend", "ulysses", "parallelism_config", "parallelism_config_sp_backend"),
 ])
 def test_a_bad_value_reads_as_the_file_key_s_error_naming_the_flag(run_accel, workdir, flag, value, section, key):
     distributed_type = {"fsdp_config": "FSDP", "deepspeed_config": "DEEPSPEED"}.get(section, "MULTI_CPU")

@@ -57,3 +57,47 @@ def test_offload_is_only_offered_from_zero_stage_2(run_accel, tmp_path):
     assert "Offload the optimizer" not in result.stdout
     cfg = resolve_config(target)
     assert (cfg.parallelism.zero_stage, cfg.parallelism.offload_optimizer) == (1, False)
+
+
+# one machine, CPU only, 4 processes, default precision and accumulation, ZeRO 3 (no offload), no TP, no PP
+ZERO3 = ["1", "yes", "4", "", "", "3", "", "", ""]
+SEQUENCE_QUESTION = "Sequence length parallelism for long sequences"
+
+
+def test_sequence_parallelism_is_asked_and_saved(run_accel, tmp_path):
+    target = tmp_path / "sp.yaml"
+    answers = [*ZERO3, "ulysses", "SP", "3", "2"]  # a bad choice; sp; degree 3 does not divide 4 processes, then 2
+    result = run_accel("config", "--config_file", target, input="\n".join(answers) + "\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count(SEQUENCE_QUESTION) == 2 and "'ulysses': please answer one of none, sp, cp" in out
+    assert out.count("Sequence-parallel size") == 2 and "Context-parallel size" not in out
+    assert "4 is not divisible by tp_size x pp_size x sp_size = 3" in out
+    cfg = resolve_config(target)
+    assert (cfg.parallelism.sp_size, cfg.parallelism.cp_size, cfg.parallelism.zero_stage) == (2, 1, 3)
+    assert "sequence_parallelism" not in target.read_text()  # the choice is no config key
+    assert check_available(cfg.parallelism, cfg.num_processes) == "zero"
+
+    target = tmp_path / "cp.yaml"
+    result = run_accel("config", "--config_file", target, input="\n".join([*ZERO3, "cp", ""]) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert "Context-parallel size (each process holds 2 of 2N chunks of every sequence)? [2]" in result.stdout
+    assert (resolve_config(target).parallelism.cp_size, resolve_config(target).parallelism.sp_size) == (2, 1)
+
+
+def test_context_parallelism_with_pipeline_stages_is_reasked(run_accel, tmp_path):
+    target = tmp_path / "pp_cp.yaml"
+    answers = ["1", "yes", "4", "", "", "0", "", "2", "", "", "cp", "none"]  # pp 2, then cp: refused, then none
+    result = run_accel("config", "--config_file", target, input="\n".join(answers) + "\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count(SEQUENCE_QUESTION) == 2
+    assert "pipeline parallelism (pp_size=2) with context parallelism (cp_size=2) is not available yet" in out
+    par = resolve_config(target).parallelism
+    assert (par.pp_size, par.cp_size, par.sp_size) == (2, 1, 1)
+    # stdin ends right after the refused answer: nothing saved, the one-line error
+    never = tmp_path / "never.yaml"
+    result = run_accel("config", "--config_file", never, input="\n".join(answers[:-1]) + "\n")
+    assert result.returncode == 2 and not never.exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "with context parallelism (cp_size=2) is not available yet" in lines[0], result.stderr

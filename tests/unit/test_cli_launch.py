@@ -283,3 +283,50 @@ def test_launcher_does_not_import_torch_before_it_needs_it(isolated_env, tmp_pat
 def test_bad_pipeline_flags_are_one_line_errors(run_accel, script, flag, value, needle):
     assert_one_line_error(run_accel("launch", "--cpu", "--num_processes", "2", "--pp_size", "2", flag, value, script),
                           needle)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# long sequences: --sp_size, --cp_size, --cp_comm_strategy
+# ----------------------------------------------------------------------------------------------------------
+
+def test_sequence_flags_override_the_config_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ACCEL_CONFIG_FILE", raising=False)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("num_processes: 4\nparallelism:\n  cp_size: 2\n  cp_comm_strategy: ring\n")
+    args = parse("--config_file", str(cfg_file), "--cp_size", "4", "--cpu", "train.py")
+    overrides = launch.flag_overrides(args)
+    assert overrides["parallelism"] == {"cp_size": 4}
+    cfg = launch.resolve_launch_config(args.config_file, overrides)
+    assert (cfg.parallelism.cp_size, cfg.parallelism.cp_comm_strategy) == (4, "ring")  # flag, file
+    args = parse("--config_file", str(cfg_file), "--cp_size", "1", "--sp_size", "2", "--cp-comm-strategy", "allgather",
+                 "train.py")
+    assert launch.flag_overrides(args)["parallelism"] == {"sp_size": 2, "cp_size": 1, "cp_comm_strategy": "allgather"}
+    cfg = launch.resolve_launch_config(args.config_file, launch.flag_overrides(args))
+    par = cfg.parallelism
+    assert (par.sp_size, par.cp_size, par.cp_comm_strategy) == (2, 1, "allgather")
+
+
+def test_sequence_flags_in_a_dry_run(run_accel, script):
+    result = run_accel("launch", "--dry_run", "--cpu", "--num_processes", "4", "--sp_size", "2", "--zero_stage", "3",
+                       script)
+    assert result.returncode == 0, result.stderr
+    sent = json.loads(result.stdout.split("ACCEL_LAUNCH_CONFIG=", 1)[1].split("'")[1])
+    assert (sent["parallelism"]["sp_size"], sent["parallelism"]["zero_stage"]) == (2, 3)
+    assert "sp_size: 2  # accel launch flags" in result.stdout
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--num_processes", "4", "--sp_size", "2", "--cp_size", "2"],
+     "parallelism: cp_size=2 and sp_size=2: context and sequence parallelism both split the sequence, use one of "
+     "them; allowed: cp_size 1 or sp_size 1"),
+    (["--num_processes", "4", "--cp_size", "2", "--pp_size", "2"],
+     "pipeline parallelism (pp_size=2) with context parallelism (cp_size=2) is not available yet in accel"),
+    (["--num_processes", "3", "--sp_size", "2"],
+     "key 'num_processes': 3 is not divisible by tp_size x pp_size x sp_size = 2"),
+    (["--num_processes", "2", "--cp_size", "2", "--cp_comm_strategy", "p2p"],
+     "key 'parallelism.cp_comm_strategy': bad value 'p2p'; allowed: one of allgather, ring"),
+    (["--num_processes", "2", "--sp_size", "0"], "key 'parallelism.sp_size': bad value 0; allowed: an integer >= 1"),
+], ids=["cp-and-sp", "cp-and-pp", "sp-does-not-divide", "bad-strategy", "sp-zero"])
+def test_sequence_flags_one_line_errors(run_accel, script, flags, needle):
+    assert_one_line_error(run_accel("launch", "--cpu", *flags, script), needle)

@@ -290,3 +290,70 @@ def test_tp_without_a_plan_assumes_the_blocks_matrices_split():
     spec = spec_from_module(Small())  # no layer accel's automatic plan recognises: TP needs a given tp_plan
     assert {p.name for p in spec.params if p.tp_dim == 0} == {f"blocks.{i}.fc.weight" for i in range(3)}
     assert all(p.tp_dim is None for p in spec.params if not p.name.endswith("fc.weight"))
+
+
+# -- sequence (sp, Ulysses) and context (cp) parallelism ----------------------------------------------------------
+def test_sequence_ranks_keep_whole_parameters_and_zero_shards_over_dp_times_the_degree():
+    from accel.planning.estimate import training
+
+    spec = _llama_spec()
+    plain, sp, cp = training(spec, 4), training(spec, 4, sp=2), training(spec, 4, cp=4)
+    assert (sp["dp_size"], sp["sp_size"], sp["cp_size"], cp["dp_size"], cp["cp_size"]) == (2, 2, 1, 1, 4)
+    assert plain["sp_size"] == plain["cp_size"] == 1
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):  # dp 4, dp 2 x sp 2, cp 4: the same 4 ranks
+        assert sp["layouts"][name] == cp["layouts"][name] == plain["layouts"][name], name
+    assert sp["layouts"]["ddp"]["params_bytes"] == spec.numel * 4  # whole on every rank
+    # with TP: FSDP2 over the TP shards, on dp x sp ranks (here dp 1 x sp 2)
+    tp_sp = training(spec, 4, tp=2, sp=2)
+    assert tp_sp["dp_size"] == 1 and tp_sp["layouts"]["ddp"] == training(spec, 4, tp=2)["layouts"]["ddp"]
+    # one data-parallel rank and cp 2: still 2 ranks to shard over
+    assert training(spec, 2, cp=2)["layouts"]["zero3"] == training(spec, 2)["layouts"]["zero3"]
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"sp": 2, "cp": 2}, "--sp_size 2 and --cp_size 2: sequence and context parallelism both split the sequence"),
+    ({"sp": 2, "pp": 2}, "--pp_size 2 with --sp_size 2: pipeline stages with sequence or context parallelism"),
+    ({"cp": 3}, "--num_processes 4 is not a multiple of --tp_size 1 x --pp_size 1 x --cp_size 3"),
+])
+def test_sequence_degree_errors(kwargs, fragment):
+    from accel.planning.estimate import EstimateError, training
+
+    with pytest.raises(EstimateError) as info:
+        training(_llama_spec(), 4, **kwargs)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sequence_activations_are_divided_by_the_degree():
+    from accel.planning.estimate import activation_bytes, activations, kv_shape, sequence_length
+
+    with torch.device("meta"):
+        model = _tiny_llama(layers=2)  # 4 heads, 2 key/value heads of 16: K/V width 32
+    whole = activation_bytes(model, 1, 64)
+    plain = activations(model, 1, 64)
+    assert set(plain) == {"batch_size", "seq_len", "mixed_precision", "no_checkpointing_bytes",
+                          "full_checkpointing_bytes", "method"}
+    sp = activations(model, 1, 64, sp=2)
+    assert sp["no_checkpointing_bytes"] == whole // 2 and sp["one_process_no_checkpointing_bytes"] == whole
+    assert (sp["sp_size"], sp["cp_size"]) == (2, 1) and "/ the degree" in sp["method"]
+    assert kv_shape(model) == (2, 32)
+    cp = activations(model, 1, 64, cp=2)  # plus the other rank's K and V of every layer, float32: 2 x 32 x 32 x 4
+    assert cp["no_checkpointing_bytes"] == whole // 2 + 2 * (2 * 64 * 32 * 4 // 2)
+    full = activation_bytes(model, 1, 64, checkpointing="full")
+    assert cp["full_checkpointing_bytes"] == full // 2 + 2 * 64 * 32 * 4 // 2  # one layer recomputed at a time
+    # the sequence is padded as accel's batch cut pads it: to a multiple of sp, or of 2 x cp
+    assert (sequence_length(62, sp=2), sequence_length(62, cp=2), sequence_length(62, cp=4)) == (62, 64, 64)
+    assert activations(model, 1, 62, cp=2)["one_process_no_checkpointing_bytes"] == whole
+
+
+def test_sequence_flags_on_the_command_line(capsys):
+    assert main(["estimate-memory", f"{__name__}:small", "--json", "--num_processes", "4", "--sp_size", "2"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["dp_size"], training["sp_size"], training["cp_size"]) == (2, 2, 1)
+    assert main(["estimate-memory", f"{__name__}:small", "--num_processes", "4", "--cp_size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "processes = dp 2 x tp 1 x pp 1 x cp 2 (ZeRO shards over dp x the sequence degree)" in out
+    for args, fragment in [(["--sp_size", "2", "--cp_size", "2"], "both split the sequence"),
+                           (["--sp_size", "0"], "--sp_size 0"), (["--cp_size", "3"], "x --cp_size 3")]:
+        assert main(["estimate-memory", f"{__name__}:small", "--num_processes", "4", *args]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("\n") == 1, err

@@ -21,7 +21,10 @@ from accel.config.schema import data_parallel_sizes
 from accel.config.topology import Topology
 
 ACCELERATE_CASES = [{}, {"dp_shard_size": 4}, {"dp_replicate_size": 4}, {"dp_replicate_size": 2, "dp_shard_size": 2},
-                    {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}]
+                    {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2},
+                    {"cp_size": 2}, {"dp_shard_size": 2, "cp_size": 2},
+                    {"dp_shard_size": 2, "tp_size": 2, "cp_size": 2}, {"sp_size": 4}, {"dp_shard_size": 2, "sp_size": 2},
+                    {"dp_shard_size": 2, "tp_size": 2, "sp_size": 2}]
 MEMBERS = ["dp_dim_names", "non_dp_dim_names", "dp_shard_cp_dim_names", "dp_cp_dim_names", "fsdp_dim_names",
            "active_mesh_dims", "total_size", "non_data_parallel_size", "data_parallel_size", "dp_replicate_enabled",
            "dp_shard_enabled", "tp_enabled", "cp_enabled", "sp_enabled"]
@@ -72,8 +75,8 @@ def test_sizes_map_onto_accels_fields():
 
 
 @pytest.mark.parametrize("fields,needle", [
-    ({"cp_size": 2}, "cp_size=2: context parallelism is not available yet in accel; allowed: cp_size 1"),
-    ({"sp_size": 4}, "sp_size=4: sequence parallelism is not available yet in accel; allowed: sp_size 1"),
+    ({"cp_comm_strategy": "ringish"}, "key 'cp_comm_strategy': bad value 'ringish'; allowed: one of allgather, ring"),
+    ({"sp_backend": "ulysses"}, "key 'sp_backend': bad value 'ulysses'; allowed: one of deepspeed"),
     ({"dp_shard_size": 2, "zero_stage": 0}, "dp_shard_size=2 (FSDP2) shards the model, which contradicts zero_stage=0"),
     ({"dp_replicate_size": 2, "dp_shard_size": 2, "zero_stage": 1},
      "dp_shard_size=2 (with dp_replicate_size=2: HSDP) shards the model, which contradicts zero_stage=1"),
@@ -117,7 +120,7 @@ def test_config_file_takes_the_same_keys_and_rules(tmp_path):
     par = cfg.parallelism
     assert (par.zero_stage, par.dp_replicate_size, par.dp_shard_size) == (3, 2, 2)
     assert load("dp_replicate_size: 2\ndp_shard_size: 2\nzero_stage: 2\n")[0].parallelism.zero_stage == 2
-    for text, needle in [("cp_size: 2\n", "parallelism: cp_size=2: context parallelism is not available yet"),
+    for text, needle in [("dp_shard_size: 4\ncp_size: 2\n", "x sp_size/cp_size=2 = 8, but 4 processes run"),
                          ("dp_replicate_size: 2\ndp_shard_size: 2\nzero_stage: 1\n", "contradicts zero_stage=1"),
                          ("dp_replicate_size: 4\ndp_shard_size: 2\n", "= 8, but 4 processes run"),
                          ("dp_shard_size: two\n", "key 'parallelism.dp_shard_size': bad value 'two'")]:
@@ -199,10 +202,11 @@ def test_accelerates_parallelism_config_section_maps_every_size(tmp_path):
 
 
 @pytest.mark.parametrize("sizes,needle", [
-    ({"dp_shard_size": 2, "cp_size": 2}, "key 'parallelism_config.parallelism_config_cp_size': 2: context "
-                                         "parallelism is not available yet in accel; allowed: 1"),
-    ({"dp_shard_size": 2, "sp_size": 2}, "key 'parallelism_config.parallelism_config_sp_size': 2: sequence "
-                                         "parallelism is not available yet in accel; allowed: 1"),
+    ({"dp_shard_size": 2, "cp_size": 4}, "dp_replicate_size=1 x dp_shard_size=2 x tp_size=1 x pp_size=1 x "
+                                         "sp_size/cp_size=4 = 8, but 4 processes run"),
+    ({"dp_shard_size": 2, "cp_comm_strategy": "ring-ish"},
+     "key 'parallelism_config.parallelism_config_cp_comm_strategy': bad value 'ring-ish'; allowed: one of allgather, "
+     "ring, alltoall"),
     ({"dp_shard_size": 0}, "key 'parallelism_config.parallelism_config_dp_shard_size': bad value 0; allowed: an "
                            "integer >= 1"),
     ({"dp_replicate_size": "two"}, "key 'parallelism_config.parallelism_config_dp_replicate_size': bad value 'two'"),
@@ -280,3 +284,114 @@ def test_one_process_accelerator():
     assert accelerator.torch_device_mesh is None and accelerator.parallelism_config.data_parallel_size == 1
     with pytest.raises(ConfigError, match="dp_replicate_size=2 x dp_shard_size=2 .* = 4, but 1 processes run"):
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+
+
+# -- long sequences: sequence (sp_size, Ulysses) and context (cp_size) parallelism -------------------------------------
+
+def test_sequence_and_context_degrees_are_accepted_with_accelerates_members():
+    cp = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    assert (cp.cp_enabled, cp.non_dp_dim_names, cp.dp_shard_cp_dim_names, cp.dp_cp_dim_names) == (
+        True, ["cp"], ["dp_shard", "cp"], ["dp_shard", "cp"])
+    assert (cp.total_size, cp.non_data_parallel_size, cp._get_mesh()) == (4, 2, (("dp_shard", "cp"), (2, 2)))
+    sp = ParallelismConfig(tp_size=2, sp_size=2, sp_backend="deepspeed")  # Accelerate's backend name: accel's Ulysses
+    assert (sp.sp_enabled, sp.non_dp_dim_names, sp.dp_cp_dim_names, sp._get_mesh()) == (
+        True, ["tp", "sp"], [], (("sp", "tp"), (2, 2)))
+    assert sp.requested_features() == ["tensor parallelism (tp_size=2)", "sequence parallelism (sp_size=2)"]
+    assert ParallelismConfig(cp_size=4).requested_features() == ["context parallelism (cp_size=4)"]
+    assert backend_name_for(cp) == "zero" and backend_name_for(ParallelismConfig(sp_size=2)) == "ddp"
+    assert backend_name_for(sp) == "tensor"  # no backend of its own: the other fields name it
+
+
+def test_cp_comm_strategy_takes_accelerates_names_its_handler_and_environment(monkeypatch):
+    assert ParallelismConfig(cp_size=2).cp_comm_strategy == "allgather"
+    assert ParallelismConfig(cp_size=2, cp_comm_strategy="ring").cp_comm_strategy == "ring"
+    assert ParallelismConfig(cp_size=2, cp_comm_strategy="alltoall").cp_comm_strategy == "ring"  # torch's rotation
+
+    class TorchContextParallelConfig:  # Accelerate's handler, as far as accel reads it
+        cp_comm_strategy = "alltoall"
+
+    assert ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig()).cp_comm_strategy == "ring"
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")  # what `accelerate launch` exports
+    from_env = ParallelismConfig()
+    assert (from_env.cp_size, from_env.cp_comm_strategy) == (2, "ring")
+    assert ParallelismConfig(cp_comm_strategy="ring").cp_comm_strategy == "ring"
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"cp_size": 2, "sp_size": 2}, "parallelism: cp_size=2 and sp_size=2: context and sequence parallelism both split "
+                                   "the sequence, use one of them; allowed: cp_size 1 or sp_size 1"),
+    ({"sp_size": 2, "pp_size": 2}, "parallelism: pipeline parallelism (pp_size=2) with sequence parallelism "
+                                   "(sp_size=2) is not available yet in accel; allowed: pp_size 1 with sp_size > 1, "
+                                   "or sp_size 1 with pp_size > 1"),
+    ({"cp_size": 2, "pp_size": 2}, "pipeline parallelism (pp_size=2) with context parallelism (cp_size=2)"),
+    ({"cp_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2},
+     "parallelism: HSDP (dp_replicate_size=2 x dp_shard_size=2) with context parallelism (cp_size=2) is not "
+     "available yet in accel; allowed: with cp_size > 1, dp_replicate_size > 1 (DDP) or dp_shard_size > 1 (FSDP2), "
+     "not both"),
+])
+def test_what_does_not_compose_is_one_line(fields, needle):
+    from accel.backends import check_available
+
+    with pytest.raises(ConfigError) as info:
+        check_available(ParallelismConfig(**fields))
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("fields,backend", [
+    ({"sp_size": 2}, "ddp"), ({"cp_size": 2, "dp_replicate_size": 2}, "ddp"), ({"sp_size": 2, "zero_stage": 1}, "zero"),
+    ({"cp_size": 2, "zero_stage": 2}, "zero"), ({"cp_size": 2, "dp_shard_size": 2}, "zero"),
+    ({"sp_size": 2, "zero_stage": 3, "offload_optimizer": True, "offload_params": True}, "zero"),
+    ({"sp_size": 2, "tp_size": 2}, "tensor"), ({"cp_size": 2, "tp_size": 2, "zero_stage": 3}, "tensor"),
+])
+def test_what_composes(fields, backend):
+    from accel.backends import check_available
+
+    assert check_available(ParallelismConfig(**fields)) == backend
+
+
+def test_launch_check_names_the_sequence_degree(tmp_path):
+    from accel.backends.launchable import check_launchable
+    from accel.config import config_from_dict
+
+    ok = check_launchable(config_from_dict({"num_processes": 8, "use_cpu": True,
+                                            "parallelism": {"sp_size": 2, "tp_size": 2, "zero_stage": 2}}, "t"), "t")
+    assert data_parallel_sizes(ok.parallelism, 8) == (1, 2)  # dp 2 x sp 2 x tp 2
+    with pytest.raises(ConfigError, match=r"^t: key 'num_processes': 6 is not divisible by tp_size x pp_size x "
+                                          r"cp_size = 4; allowed: num_processes a multiple of 4, or a smaller "
+                                          r"tp_size/pp_size/cp_size$"):
+        check_launchable(config_from_dict({"num_processes": 6, "parallelism": {"cp_size": 4}}, "t"), "t")
+    # 2 processes cannot hold cp 2 x sp 2 either: the combination is what is named
+    with pytest.raises(ConfigError, match="cp_size=2 and sp_size=2: context and sequence parallelism"):
+        check_launchable(config_from_dict({"num_processes": 2, "parallelism": {"cp_size": 2, "sp_size": 2}}, "t"))
+
+
+def test_accelerates_section_maps_the_sequence_degrees(tmp_path):
+    cp = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 1,
+                                                   "cp_size": 2}, cp_comm_strategy="alltoall", cp_backend="torch"))
+    par = cp.parallelism
+    assert (par.cp_size, par.cp_comm_strategy, par.dp_shard_size, par.zero_stage) == (2, "ring", 2, 3)
+    assert data_parallel_sizes(par, 4) == (1, 2)
+    sp = resolve_config(accelerate_yaml(tmp_path, {"dp_replicate_size": 1, "dp_shard_size": 2, "sp_size": 2},
+                                        sp_backend="deepspeed", sp_seq_length="null", sp_attn_implementation="sdpa"))
+    assert (sp.parallelism.sp_size, sp.parallelism.sp_backend) == (2, "deepspeed")
+    # the same as accel's own keys
+    same = tmp_path / "accel.yaml"
+    same.write_text("use_cpu: true\nnum_processes: 4\nparallelism:\n  dp_replicate_size: 1\n  dp_shard_size: 2\n"
+                    "  cp_size: 2\n  cp_comm_strategy: ring\n  cp_backend: torch\n")
+    assert resolve_config(same).parallelism == par
+
+
+def test_topology_places_the_sequence_ranks_between_dp_and_tp():
+    """Row-major (pp, dp, sp|cp, tp): the sequence ranks of one data-parallel rank share its batches; gradients are
+    reduced over dp x cp (dp_cp)."""
+    topo = Topology.for_config(8, ParallelismConfig(cp_size=2, tp_size=2))
+    assert topo.sizes == {"pp": 1, "dp": 2, "cp": 2, "tp": 2, "dp_replicate": 1, "dp_shard": 2, "dp_cp": 4}
+    assert [topo.coordinates(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [topo.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [topo.coordinates(r)["dp_cp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert topo.gradient_dim == "dp_cp" and topo._mesh_dims() == [("dp", 2), ("cp", 2), ("tp", 2)]
+    ulysses = Topology.for_config(4, ParallelismConfig(sp_size=2))
+    assert ulysses.dp_size == 2 and ulysses.seq_name == "sp" and ulysses.seq_rank(3) == 1
+    with pytest.raises(ConfigError, match="sp_size=2"):
+        Topology.for_config(3, ParallelismConfig(sp_size=2))

@@ -201,3 +201,87 @@ def test_bad_inputs_are_one_line(args, fragment, capsys):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+
+
+# -- sequence (sp, Ulysses) and context (cp) parallelism ----------------------------------------------------------
+def test_sequence_layouts_only_for_long_sequences_or_when_asked(llama7b):
+    hw = Hardware(num_processes=8)
+    short = plan(llama7b, hw, 8, 4096)
+    assert all(r["sp_size"] == r["cp_size"] == 1 for r in short["layouts"])
+    assert short["sequence_degrees"] == [{"sp_size": 1, "cp_size": 1}]
+    long = plan(llama7b, hw, 8, 32768)
+    assert {(r["sp_size"], r["cp_size"]) for r in long["layouts"]} >= {(1, 1), (2, 1), (8, 1), (1, 2), (1, 8)}
+    assert "sequences of 32768 tokens -> sequence (Ulysses) or context parallelism" in long["explanation"][0]
+    best = _best(long)
+    assert best["sp_size"] * best["cp_size"] > 1  # 32K tokens of a 7B model: no layout without them fits 80 GB
+    assert not any(r["fits"] for r in long["layouts"] if r["sp_size"] == r["cp_size"] == 1 and r["tp_size"] == 1)
+    assert any("keep" in line and "tokens of each sequence" in line for line in long["explanation"])
+    asked = plan(llama7b, hw, 8, 4096, cp_size=2)
+    assert {(r["sp_size"], r["cp_size"]) for r in asked["layouts"]} == {(1, 2)}
+    assert all(r["pp_size"] == 1 for r in asked["layouts"])  # pipeline stages do not compose with cp
+    assert {(r["sp_size"], r["cp_size"]) for r in plan(llama7b, hw, 8, 32768, sp_size=1)["layouts"]} == {(1, 1)}
+
+
+def test_sequence_degree_counts_activations_states_and_traffic(llama7b):
+    from accel.planning.plan import activation_bytes, collective, model_shape, sequence_comm
+
+    hw = Hardware(num_processes=8)
+    def key(r):
+        return r["sp_size"], r["cp_size"], r["zero_stage"], r["tp_size"], r["offload"], r["activation_checkpointing"], \
+            r["micro_batches"]
+
+    rows = {key(r): r for r in plan(llama7b, hw, 4, 8192, sp_size=2)["layouts"]}
+    plain = {key(r): r for r in plan(llama7b, hw, 4, 8192)["layouts"]}
+    sp, one = rows[2, 1, 3, 1, False, "full", 1], plain[1, 1, 3, 1, False, "full", 1]
+    assert (sp["dp_size"], one["dp_size"]) == (4, 8) and sp["per_process_batch"] == 1 and one["per_process_batch"] == 0
+    # ZeRO-3 shards over dp x sp: the same 8 ranks, the same model states
+    assert sp["model_state_bytes_per_rank"] == one["model_state_bytes_per_rank"]
+    assert sp["fits"] and not one["fits"]  # 4 samples cannot split over 8 data-parallel ranks; over 4 x sp 2 they do
+    shape = model_shape(llama7b, 4096, 32)
+    assert activation_bytes(shape, 1, 8192, sp=2) == activation_bytes(shape, 1, 8192) // 2
+    cp = activation_bytes(shape, 1, 8192, cp=2)
+    assert cp == activation_bytes(shape, 1, 8192) // 2 + shape.layers * 2 * 2 * 8192 * 4096 // 2  # + gathered K/V
+    assert sp["time_breakdown_s"]["sequence_parallel"] > 0
+    assert plan(llama7b, hw, 8, 8192)["layouts"][0]["time_breakdown_s"]["sequence_parallel"] == 0
+    # Ulysses: 4 all-to-alls per layer per forward and as many in backward, each (n-1)/n of this rank's slice
+    quiet = Hardware(num_processes=8, intra_latency=0.0)
+    tokens, q = 4096, 4096 * 4096 * 2  # this rank's 4096 tokens of q (= k = v = out: no GQA), bf16
+    assert sequence_comm(quiet, shape, tokens, 1, 2, 1, 32, "no", 2) == pytest.approx(
+        32 * 2 * 4 * q * (2 - 1) / 2 / quiet.intra_bw)
+    # context parallelism: all-gathers of K and V forward, reduce-scatters of their gradients backward
+    assert sequence_comm(quiet, shape, tokens, 1, 1, 2, 32, "no", 2) == pytest.approx(
+        collective(quiet, "all_gather", 32 * 2 * 2 * q, 2, 2)
+        + collective(quiet, "reduce_scatter", 32 * 2 * 2 * q, 2, 2))
+    with_recompute = sequence_comm(quiet, shape, tokens, 1, 2, 1, 32, "full", 2)
+    assert with_recompute == pytest.approx(1.5 * sequence_comm(quiet, shape, tokens, 1, 2, 1, 32, "no", 2))
+
+
+def test_sequence_layout_is_written_and_launchable(tmp_path):
+    result = plan(load_spec("gpt2"), Hardware(num_processes=4, device_memory=16 * GB), 4, 4096, cp_size=2)
+    best = _best(result)
+    assert best["cp_size"] == 2 and best["dp_size"] * best["tp_size"] * 2 == 4
+    saved = yaml.safe_load(write_config(result, tmp_path / "cp.yaml").read_text())
+    assert saved["parallelism"]["cp_size"] == 2 and saved["parallelism"]["sp_size"] == 1
+    check_launchable(config_from_dict(saved, "cp.yaml"))
+    text = "\n".join(result["explanation"])
+    assert "CP 2" in text and "keep 2048 tokens of each sequence" in text
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--sp_size", "2", "--cp_size", "2"], "--sp_size 2 and --cp_size 2: sequence and context parallelism both"),
+    (["--sp_size", "5", "--num_processes", "5"], "--sp_size 5: Ulysses splits the model's 12 attention heads (12 "
+                                                 "key/value heads) over the sp ranks; allowed: a divisor of 12"),
+    (["--cp_size", "3"], "--cp_size 3: does not divide the 4 processes"),
+    (["--sp_size", "0"], "--sp_size 0"),
+])
+def test_sequence_flags_bad_inputs_are_one_line(args, fragment, capsys):
+    assert main(["plan", "gpt2", "--num_processes", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
+
+
+def test_sequence_column_in_the_text_output(capsys):
+    assert main(["plan", "gpt2", "--num_processes", "4", "--batch_size", "4", "--seq_len", "2048", "--sp_size",
+                 "2"]) == 0
+    out = capsys.readouterr().out
+    assert " seq " in out and " sp2 " in out and "SP 2" in out

@@ -1,0 +1,414 @@
+"""Sequence parallelism (Ulysses, `sp_size`) and context parallelism (`cp_size`): the ranks of one sequence group
+share every batch, each holding a slice of each sequence (`sequence_layout`), so activations per rank shrink by the
+degree. Everything but attention works token by token and needs no change; attention needs every token:
+
+- **Ulysses** (sp): before attention an all-to-all turns the sequence-sharded q/k/v (all heads) into head-sharded
+  full sequences (heads / sp each), any attention kernel runs on them, and an all-to-all turns the output back.
+  Heads (key/value heads too) must divide by sp_size.
+- **Context parallelism** (cp, `cp_comm_strategy: allgather`): each rank keeps its queries and all-gathers K and V
+  from the cp ranks (Llama 3's scheme); the mask is built for its load-balanced chunks. With `ring` on CUDA, torch's
+  ring attention (`context_parallel`'s) runs instead where it applies: SDPA with a causal mask or none.
+
+Masks are built here from the whole sequence's `attention_mask` (padding) and `position_ids` (packed documents:
+a position that does not follow its predecessor starts a document), all-gathered over the group: causal x padding x
+same-document, never dropped. transformers models get this through their attention-function registry; a module of
+the user's through `torch.nn.functional.scaled_dot_product_attention` (patched while accel runs sequence parallel).
+
+The loss: a model's loss on a slice is the mean over that slice's tokens. `reduce_loss` turns it into the mean over
+the whole sequence's tokens (counts all-reduced over the group), on every rank, with gradients that make the
+data-parallel average over dp x sp equal one process on the full sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import contextlib
+import sys
+import weakref
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from accel.backends.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch
+
+_ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+_PLAIN: weakref.ref | None = None  # the SequenceParallel of the last prepared module of the user's (SDPA's patch)
+_KERNEL_DEPTH = [0]  # above 0 while accel's own attention runs a kernel: its SDPA calls are whole-sequence already
+
+
+@dataclasses.dataclass
+class StepContext:
+    """The whole sequence's mask information for the current forward (global token order)."""
+
+    length: int
+    key_padding: torch.Tensor | None = None  # [batch, length] bool: True for a real token
+    documents: torch.Tensor | None = None  # [batch, length] long: the packed document of each token
+
+    def needs_mask(self) -> bool:
+        return self.key_padding is not None or self.documents is not None
+
+    def allowed(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> torch.Tensor:
+        """[batch or 1, 1, queries, keys] bool: which keys each query attends to. A query that would attend to
+        nothing (a padding token under left padding) attends to itself, so no row is empty (its output is unused)."""
+        allowed = torch.ones(1, 1, len(q_index), len(k_index), dtype=torch.bool, device=q_index.device)
+        if causal:
+            allowed = allowed & (k_index[None, :] <= q_index[:, None])[None, None]
+        if self.key_padding is not None:
+            allowed = allowed & self.key_padding[:, k_index][:, None, None, :]
+        if self.documents is not None:
+            docs_q = self.documents[:, q_index][:, None, :, None]
+            docs_k = self.documents[:, k_index][:, None, None, :]
+            allowed = allowed & (docs_q == docs_k)
+        return allowed | (q_index[:, None] == k_index[None, :])[None, None]
+
+
+def documents_from_positions(positions: torch.Tensor) -> torch.Tensor | None:
+    """Packed sequences: a new document starts wherever a position does not follow its predecessor (transformers'
+    convention for packing without padding). None when every row is one document."""
+    starts = positions[:, 1:] != positions[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    return torch.nn.functional.pad(starts.long(), (1, 0)).cumsum(dim=1)
+
+
+class SequenceParallel:
+    """The sequence group of one job: its layout, the batch cut, the attention and the loss reduction."""
+
+    def __init__(self, topology, state, parallelism) -> None:
+        self.kind = topology.seq_name  # "sp" (Ulysses) or "cp"
+        self.degree = topology.seq_size
+        self.tp_size = topology.tp_size
+        device_type = state.device.type
+        self.group = topology.group(self.kind, device_type)
+        self.mesh = topology.submesh(self.kind, device_type)
+        self.layout = SequenceLayout(self.degree, topology.seq_rank(state.process_index), balanced=self.kind == "cp")
+        self.ring = getattr(parallelism, "cp_comm_strategy", "allgather") == "ring" and self.kind == "cp"
+        self.shifts_labels = False  # set when a model that shifts its labels (a causal LM) is prepared
+        self.adds_positions = False  # set when a transformers model (positions from the local length) is prepared
+        self.context: StepContext | None = None  # kept after forward: activation checkpointing recomputes in backward
+        self._in_forward = False
+        self._sdpa_patched = False
+
+    # -- data -------------------------------------------------------------------------------------------------
+    def cut_batch(self, batch):
+        """This rank's slice of a batch (the prepared DataLoader's last step)."""
+        return cut_batch(batch, self.layout, self.shifts_labels, self.adds_positions)
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def install(self, model: torch.nn.Module) -> None:
+        """Make `model`'s attention and loss sequence-parallel (once per model)."""
+        if "_accel_sequence_forward" in model.__dict__:
+            return
+        config = getattr(model, "config", None)
+        transformers_model = config is not None and hasattr(config, "_attn_implementation")
+        if transformers_model:
+            self._check_heads(config)
+            self._use_registry(model, config)
+            self.adds_positions = True
+            self.shifts_labels = self.shifts_labels or _shifts_labels(model)
+        else:
+            self._patch_sdpa()
+        if self.ring and torch.cuda.is_available():
+            from torch.distributed.tensor.experimental._context_parallel._attention import (
+                _enable_cp_dtensor_dispatcher,
+            )
+
+            _enable_cp_dtensor_dispatcher()  # torch's ring attention for SDPA on DTensors sharded on the sequence
+        self._wrap_forward(model, transformers_model)
+
+    def _check_heads(self, config) -> None:
+        if self.kind != "sp":
+            return
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count is not None and count % (self.degree * self.tp_size):
+                tp = f" x tp_size={self.tp_size}" if self.tp_size > 1 else ""
+                raise ValueError(
+                    f"sequence parallelism: sp_size={self.degree}{tp} does not divide the model's {name}={count} "
+                    f"({type(config).__name__}): Ulysses splits the heads over the sp ranks; allowed: an sp_size that "
+                    f"divides {count}{' / tp_size' if tp else ''}, or cp_size (context parallelism splits the sequence "
+                    "instead of the heads)")
+
+    def _use_registry(self, model: torch.nn.Module, config) -> None:
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        original = config._attn_implementation or "eager"
+        if original.startswith("accel_"):
+            return
+        base = None if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
+        name = f"accel_{self.kind}_{original}"
+        sequence = self
+
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            kernel = base if base is not None else _eager_attention(module)
+            return sequence.transformers_attention(kernel, original, module, query, key, value, **kwargs)
+
+        AttentionInterface.register(name, attention)
+        config._attn_implementation = name
+
+    def _patch_sdpa(self) -> None:
+        global _PLAIN
+        _PLAIN = weakref.ref(self)
+        torch.nn.functional.scaled_dot_product_attention = _sequence_parallel_sdpa
+
+    def active(self) -> bool:
+        """Inside a prepared model's forward, or in a backward that recomputes one (activation checkpointing)."""
+        return self.context is not None and (self._in_forward or torch._C._current_graph_task_id() != -1)
+
+    def _wrap_forward(self, model: torch.nn.Module, transformers_model: bool) -> None:
+        inner = model.forward
+        accepts_kwargs = transformers_model and hasattr(model, "loss_function") and any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner).parameters.values())
+        sequence = self
+
+        def forward(*args, **kwargs):
+            reference = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            if not isinstance(reference, torch.Tensor) or reference.dim() < 2:
+                return inner(*args, **kwargs)
+            length = reference.shape[1] * sequence.degree
+            if sequence.adds_positions and kwargs.get("position_ids") is None:
+                positions = sequence.layout.indices(length, device=reference.device)
+                kwargs["position_ids"] = positions.expand(reference.shape[0], -1)
+            sequence.context = sequence._context(length, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            labels = kwargs.get("labels")
+            summed = False
+            count = None
+            if isinstance(labels, torch.Tensor):
+                if sequence.shifts_labels and "shift_labels" not in kwargs:
+                    kwargs["shift_labels"] = labels  # shifted by the loader, before the cut
+                count = (kwargs.get("shift_labels", labels) != IGNORE_INDEX).sum()
+                if accepts_kwargs and "num_items_in_batch" not in kwargs:
+                    kwargs["num_items_in_batch"] = sequence.all_reduce(count.clone())  # the slice's loss is S/N
+                    summed = True
+            sequence._in_forward = True
+            try:
+                outputs = inner(*args, **kwargs)
+            finally:
+                sequence._in_forward = False
+            loss = _loss_of(outputs)
+            if loss is not None and isinstance(labels, torch.Tensor):
+                reduced = sequence.reduce_loss(loss, None if summed else count, summed=summed)
+                outputs = _with_loss(outputs, reduced)
+            return outputs
+
+        model.forward = forward
+        model._accel_sequence_forward = inner  # type: ignore[assignment]  # a plain attribute: the model's own
+
+    def _context(self, length: int, attention_mask, positions) -> StepContext:
+        context = StepContext(length)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            padding = self.whole(attention_mask)
+            if not bool(padding.all()):
+                context.key_padding = padding.bool()
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+            context.documents = documents_from_positions(self.whole(positions))
+        return context
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole sequence, in order, of a [batch, slice] tensor (all-gathered over the group; no gradient)."""
+        parts = [torch.empty_like(local) for _ in range(self.degree)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        gathered = torch.cat(parts, dim=1)
+        whole = torch.empty_like(gathered)
+        whole[:, self.layout.gathered_indices(gathered.shape[1], device=local.device)] = gathered
+        return whole
+
+    # -- attention --------------------------------------------------------------------------------------------
+    def transformers_attention(self, kernel, kernel_name: str, module, query, key, value, **kwargs):
+        """A transformers attention function's contract: q/k/v [batch, heads, slice, dim] in, ([batch, slice, heads,
+        dim], None) out; `kernel` is the model's own implementation (eager, sdpa, flash...)."""
+        kwargs.pop("is_causal", None)
+        causal = bool(getattr(module, "is_causal", True))
+        eager = kernel_name == "eager"
+
+        def run(q, k, v, mask, is_causal):
+            if mask is not None and eager:  # eager adds the mask to the scores
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(
+                    q.dtype).min)
+            elif mask is None and is_causal and eager:
+                index = torch.arange(q.shape[2], device=q.device)
+                return run(q, k, v, StepContext(q.shape[2]).allowed(index, index, True), False)
+            elif mask is not None and kernel_name not in ("sdpa",):
+                raise ValueError(f"sequence parallelism: attention implementation {kernel_name!r} with a padding or "
+                                 "packed-document mask; allowed: attn_implementation 'sdpa' or 'eager' with masks")
+            out, _ = kernel(module, q, k, v, mask, is_causal=is_causal, **kwargs)
+            return out.transpose(1, 2)  # [batch, heads, sequence, dim]
+
+        out = self.attention(query, key, value, causal, run, sdpa=not eager)
+        return out.transpose(1, 2).contiguous(), None
+
+    def attention(self, query, key, value, causal: bool, kernel, sdpa: bool):
+        """Attention over the whole sequence from this rank's slice of q/k/v ([batch, heads, slice, dim]); `kernel(q,
+        k, v, mask, is_causal)` is the attention to run, its mask a [batch, 1, q, k] bool or None."""
+        with _in_kernel():
+            return self._attention(query, key, value, causal, kernel, sdpa)
+
+    def _attention(self, query, key, value, causal: bool, kernel, sdpa: bool):
+        context = self.context or StepContext(query.shape[2] * self.degree)
+        length = context.length
+        if self.kind == "sp":
+            q, k, v = (self.sequence_to_heads(t) for t in (query, key, value))
+            if not context.needs_mask() and sdpa:
+                out = kernel(q, k, v, None, causal)
+            else:
+                index = torch.arange(length, device=query.device)
+                out = kernel(q, k, v, context.allowed(index, index, causal), False)
+            return self.heads_to_sequence(out)
+        if self.ring and query.is_cuda and sdpa and causal and not context.needs_mask():
+            return self._ring_attention(query, key, value)
+        keys, values = self.gather_sequence(key), self.gather_sequence(value)
+        q_index = self.layout.indices(length, device=query.device)
+        k_index = self.layout.gathered_indices(length, device=query.device)
+        return kernel(query, keys, values, context.allowed(q_index, k_index, causal), False)
+
+    def sequence_to_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[batch, heads, slice, dim] -> [batch, heads / n, sequence, dim] (all-to-all over the group)."""
+        batch, heads, part, dim = tensor.shape
+        if heads % self.degree:
+            raise ValueError(f"sequence parallelism: {heads} attention heads on this rank do not divide by sp_size="
+                             f"{self.degree}; allowed: an sp_size that divides the heads, or cp_size")
+        send = tensor.reshape(batch, self.degree, heads // self.degree, part, dim).transpose(0, 1).contiguous()
+        received = _all_to_all(send, self.group)  # [n (source rank = sequence slice), batch, heads / n, slice, dim]
+        return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.degree, self.degree * part, dim)
+
+    def heads_to_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[batch, heads / n, sequence, dim] -> [batch, heads, slice, dim] (the inverse all-to-all)."""
+        batch, heads, length, dim = tensor.shape
+        part = length // self.degree
+        send = tensor.reshape(batch, heads, self.degree, part, dim).permute(2, 0, 1, 3, 4).contiguous()
+        received = _all_to_all(send, self.group)  # [n (source rank = head group), batch, heads / n, slice, dim]
+        return received.transpose(0, 1).reshape(batch, heads * self.degree, part, dim)
+
+    def gather_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of K or V, rank 0's first (`layout.gathered_indices` order); backward reduce-scatters."""
+        return _GatherSequence.apply(tensor, self.group, self.degree)
+
+    def _ring_attention(self, query, key, value):
+        """torch's ring attention (SDPA on DTensors sharded on the sequence, its head-tail load balancing, which is
+        this layout), for `cp_comm_strategy: ring` on CUDA."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shards = [DTensor.from_local(t.contiguous(), self.mesh, [Shard(2)], run_check=False)
+                  for t in (query, key, value)]
+        out = _ORIGINAL_SDPA(*shards, is_causal=True)
+        return out.to_local()
+
+    # -- loss -------------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def reduce_loss(self, loss: torch.Tensor, count: torch.Tensor | None = None, summed: bool = False):
+        """The loss of the whole sequence from this slice's, on every rank of the group.
+
+        `summed`: the slice's loss is already its sum over the whole sequence's token count (transformers'
+        num_items_in_batch). Else it is the mean over the slice's `count` tokens (None: every slice has as many).
+        The value returned is the whole sequence's mean; its gradient is n times this slice's share, since the
+        data-parallel reduction over dp x sp divides by n again."""
+        if not summed:
+            if count is None:
+                loss = loss / self.degree
+            else:
+                total = self.all_reduce(count.detach().clone().to(loss.dtype))
+                loss = torch.nan_to_num(loss) * (count.to(loss.dtype) / total.clamp(min=1))
+        whole = self.all_reduce(loss.detach().clone())
+        scaled = loss * self.degree
+        return scaled + (whole - scaled).detach()
+
+
+def _sequence_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
+    """`torch.nn.functional.scaled_dot_product_attention` while a module of the user's runs sequence parallel: on the
+    whole sequence (`SequenceParallel.attention`) inside its forward and its recomputation, torch's elsewhere."""
+    sequence = _PLAIN() if _PLAIN is not None else None
+    if sequence is None or _KERNEL_DEPTH[0] or not sequence.active():
+        return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None:
+        raise ValueError(
+            "sequence parallelism: scaled_dot_product_attention got an attn_mask made for this rank's slice; "
+            "allowed: is_causal=True or no mask, with padding as attention_mask and packed documents as "
+            "position_ids in the batch (accel builds the mask over the whole sequence)")
+
+    def kernel(q, k, v, mask, causal):
+        return _ORIGINAL_SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                              enable_gqa=enable_gqa)
+
+    return sequence.attention(query, key, value, is_causal, kernel, sdpa=True)
+
+
+@contextlib.contextmanager
+def _in_kernel():
+    _KERNEL_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _KERNEL_DEPTH[0] -= 1
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 2 (the sequence of [batch, heads, slice, dim]); backward sums every rank's gradient of
+    this rank's slice (reduce-scatter on NCCL; on gloo, which has none, an all-reduce and this rank's part)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, degree):
+        ctx.group, ctx.degree = group, degree
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(degree)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, part = dist.get_rank(ctx.group), grad.shape[2] // ctx.degree
+        if dist.get_backend(ctx.group) == "nccl":
+            stacked = grad.movedim(2, 0).contiguous()
+            mine = torch.empty_like(stacked[:part])
+            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+            return mine.movedim(0, 2), None, None
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(2, rank * part, part), None, None
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_to_all_single
+
+    return all_to_all_single(torch.empty_like(send), send, group=group)
+
+
+def _eager_attention(module):
+    """The eager attention function of a transformers attention module's own modeling file."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise ValueError(f"sequence parallelism: {type(module).__name__} has no eager_attention_forward in its "
+                         "modeling file; allowed: attn_implementation='sdpa'")
+    return function
+
+
+def _shifts_labels(model) -> bool:
+    """Whether a transformers model shifts its labels itself (causal LMs: their loss predicts token t+1)."""
+    return type(model).__name__.endswith("ForCausalLM") or getattr(model, "loss_type", None) == "ForCausalLM" or \
+        type(model).__name__.endswith("LMHeadModel")
+
+
+def _loss_of(outputs):
+    if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        return outputs
+    if isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+        return loss if isinstance(loss, torch.Tensor) else None
+    loss = getattr(outputs, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _with_loss(outputs, loss):
+    if isinstance(outputs, torch.Tensor):
+        return loss
+    if isinstance(outputs, Mapping) and not hasattr(outputs, "loss"):
+        return {**outputs, "loss": loss}
+    outputs["loss"] = loss  # transformers' ModelOutput keeps its attribute and its key in step
+    return outputs

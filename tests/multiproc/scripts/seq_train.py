@@ -1,0 +1,166 @@
+"""Worker for test_sequence.py: an Accelerate-style loop (DataLoader of dict batches, the model's own loss) under
+sequence parallelism (--sp_size, Ulysses) or context parallelism (--cp_size), alone or with data parallelism, ZeRO,
+TP and activation checkpointing. Models: tiny transformers Llama (untied and tied), GPT-2, and a module of our own
+that calls torch's scaled_dot_product_attention (trained with `loss_fn` and `model(x, target=y)`). Writes
+result.json (per-step losses and clipped norms) and weights.safetensors; with --save_at K it saves the state after
+step K, with --resume it loads that state and runs the remaining steps.
+
+Run on one process with --batch_size b x dp and no parallelism, it is the reference of the same data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from _jobs import main_with_jobs
+from safetensors.torch import save_file
+
+from accel import Accelerator, ParallelismConfig
+from accel.utils import set_seed
+
+VOCAB, STEPS, SAMPLES = 64, 4, 16
+
+
+class TinyAttentionLM(torch.nn.Module):
+    """A causal LM of our own whose attention is torch's scaled_dot_product_attention (no position embedding)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.layers = torch.nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)  # a key bias's gradient is 0 + rounding noise,
+        # which AdamW scales up to full steps: no bias, so weights compare within the tolerance
+        self.out = torch.nn.Linear(hidden, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * hidden, hidden))
+
+    def forward(self, x):
+        batch, length, hidden = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, hidden))
+        return x + self.mlp(x)
+
+
+def make_model(kind: str, attn: str, kv_heads: int = 2):
+    set_seed(0)
+    if kind == "sdpa":
+        return TinyAttentionLM()
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                            eos_token_id=0, attn_implementation=attn, use_cache=False, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: its masks depend on the layout
+        return GPT2LMHeadModel(config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+                         num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+                         tie_word_embeddings=kind == "llama_tied", attn_implementation=attn,
+                         use_cache=False)  # without a cache transformers reads packed documents from position_ids
+    return LlamaForCausalLM(config)
+
+
+def make_samples(kind: str, mask: str, length: int) -> list:
+    """SAMPLES token rows; `mask`: none, padding (right padding, labels -100 there) or packed (two documents per row,
+    position_ids restarting)."""
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, VOCAB, (SAMPLES, length), generator=generator)
+    if kind == "sdpa":
+        return [(row[:-1], row[1:]) for row in torch.randint(1, VOCAB, (SAMPLES, length + 1), generator=generator)]
+    samples = []
+    for i, row in enumerate(tokens):
+        sample = {"input_ids": row, "labels": row.clone()}
+        if mask == "padding":
+            real = length - (i * 5) % (length // 2)
+            sample["attention_mask"] = (torch.arange(length) < real).long()
+            sample["labels"][real:] = -100
+            sample["input_ids"] = row.masked_fill(torch.arange(length) >= real, 0)
+        elif mask == "packed":
+            cut = 3 + (i * 7) % (length - 6)
+            sample["position_ids"] = torch.cat([torch.arange(cut), torch.arange(length - cut)])
+            sample["labels"][cut - 1] = -100  # the first document's last token does not predict the second's first
+        samples.append(sample)
+    return samples
+
+
+def run(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="llama", choices=["llama", "llama_tied", "gpt2", "sdpa"])
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--mask", default="none", choices=["none", "padding", "packed"])
+    parser.add_argument("--length", type=int, default=16)
+    parser.add_argument("--kv_heads", type=int, default=2)
+    parser.add_argument("--batch_size", type=int, default=2)
+    parser.add_argument("--sp_size", type=int, default=1)
+    parser.add_argument("--cp_size", type=int, default=1)
+    parser.add_argument("--tp_size", type=int, default=1)
+    parser.add_argument("--zero_stage", type=int, default=0)
+    parser.add_argument("--checkpointing", default="no")
+    parser.add_argument("--save_at", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    model = make_model(args.model, args.attn, args.kv_heads)
+    samples = make_samples(args.model, args.mask, args.length)
+    loader = torch.utils.data.DataLoader(samples, batch_size=args.batch_size, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parallelism = ParallelismConfig(sp_size=args.sp_size, cp_size=args.cp_size, tp_size=args.tp_size,
+                                    zero_stage=args.zero_stage, activation_checkpointing=args.checkpointing)
+    accelerator = Accelerator(parallelism_config=parallelism)
+    loss_fn = None
+    if args.model == "sdpa":
+        def loss_fn(logits, target):
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn)
+    start = 0
+    if args.resume:
+        accelerator.load_state(str(out / "state"))
+        start = args.save_at
+        loader = accelerator.skip_first_batches(loader, start)
+    losses, norms = [], []
+    model.train()
+    for step, batch in enumerate(loader, start=start):
+        if step >= STEPS:
+            break
+        if args.model == "sdpa":
+            inputs, target = batch
+            loss = model(inputs, target=target)
+        else:
+            loss = model(**batch).loss
+        accelerator.backward(loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        if args.save_at and not args.resume and step + 1 == args.save_at:
+            accelerator.save_state(str(out / "state"))
+    weights = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        name = "resumed" if args.resume else "result"
+        save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms}))
+    return accelerator
+
+
+if __name__ == "__main__":
+    main_with_jobs(run)

@@ -1,0 +1,115 @@
+"""Sequence parallelism (Ulysses, sp) and context parallelism (cp) on 2 and 4 CPU processes against plain PyTorch on
+one process on the full sequences (fp32): per-step losses within atol 1e-5, clipped gradient norms within 1e-4
+relative, final weights after 4 AdamW steps within atol 5e-4 (AdamW divides each gradient by its own running size, so
+a parameter whose gradient is nearly 0, e.g. GPT-2's key bias, turns rounding differences into lr-sized steps).
+
+Tiny transformers Llama (untied and tied), GPT-2 and a module of our own that calls scaled_dot_product_attention; sp 2
+and cp 2 alone, with a padding mask and with packed sequences, eager and sdpa kernels, activation checkpointing, a
+length that needs padding to divide; dp 2 x sp 2, dp 2 x cp 2, ZeRO-3 x cp 2 and TP 2 x sp 2 on 4 processes; and a
+bit-exact resume from save_state. The runs share one launch per process count (scripts/seq_train.py --jobs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _launch import launch_jobs, worker_module
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.multiproc
+
+ATOL = 1e-5
+WEIGHT_ATOL = 5e-4
+SCRIPT = worker_module("seq_train").__file__
+
+# name -> (processes, worker arguments, data-parallel degree)
+RUNS = {
+    "sp2-llama": (2, ["--sp_size", 2], 1),
+    "sp2-llama-tied-eager": (2, ["--sp_size", 2, "--model", "llama_tied", "--attn", "eager"], 1),
+    "sp2-gpt2": (2, ["--sp_size", 2, "--model", "gpt2"], 1),
+    "sp2-padding": (2, ["--sp_size", 2, "--mask", "padding"], 1),
+    "sp2-packed-eager": (2, ["--sp_size", 2, "--mask", "packed", "--attn", "eager"], 1),
+    "sp2-own-module": (2, ["--sp_size", 2, "--model", "sdpa"], 1),
+    "cp2-llama": (2, ["--cp_size", 2], 1),
+    "cp2-gpt2-eager": (2, ["--cp_size", 2, "--model", "gpt2", "--attn", "eager"], 1),
+    "cp2-padding-length14": (2, ["--cp_size", 2, "--mask", "padding", "--length", 14], 1),
+    "cp2-packed": (2, ["--cp_size", 2, "--mask", "packed"], 1),
+    "cp2-own-module-checkpointing": (2, ["--cp_size", 2, "--model", "sdpa", "--checkpointing", "full"], 1),
+    "cp2-llama-checkpointing": (2, ["--cp_size", 2, "--checkpointing", "full"], 1),
+    "dp2-sp2": (4, ["--sp_size", 2], 2),
+    "dp2-cp2": (4, ["--cp_size", 2], 2),
+    "zero3-cp2": (4, ["--cp_size", 2, "--zero_stage", 3], 2),
+    "tp2-sp2": (4, ["--sp_size", 2, "--tp_size", 2, "--kv_heads", 4], 1),
+}
+
+
+def option(args: list, name: str, default):
+    return type(default)(args[args.index(name) + 1]) if name in args else default
+
+
+def reference(args: list, dp: int):
+    """The same model and data on one process, plain PyTorch, the whole sequences, batch 2 x dp."""
+    seq_train = worker_module("seq_train")
+    kind, attn = option(args, "--model", "llama"), option(args, "--attn", "sdpa")
+    model = seq_train.make_model(kind, attn, option(args, "--kv_heads", 2))
+    samples = seq_train.make_samples(kind, option(args, "--mask", "none"), option(args, "--length", 16))
+    loader = torch.utils.data.DataLoader(samples, batch_size=2 * dp, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step, batch in enumerate(loader):
+        if step >= seq_train.STEPS:
+            break
+        if kind == "sdpa":
+            inputs, target = batch
+            loss = torch.nn.functional.cross_entropy(model(inputs).reshape(-1, seq_train.VOCAB), target.reshape(-1))
+        else:
+            loss = model(**batch).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses, norms
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import make_isolated_env
+
+    out = tmp_path_factory.mktemp("sequence")
+    env = make_isolated_env(out)
+    for processes in (2, 4):
+        jobs = [(name, args) for name, (n, args, _) in RUNS.items() if n == processes]
+        if processes == 2:  # a save after step 2, then a resume from it (same folder)
+            jobs += [("cp2-resume", ["--cp_size", 2, "--mask", "padding", "--save_at", 2]),
+                     ("cp2-resume", ["--cp_size", 2, "--mask", "padding", "--save_at", 2, "--resume"])]
+        launch_jobs(out, env, processes, SCRIPT, jobs)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_matches_one_process_on_the_whole_sequence(runs, name):
+    _, args, dp = RUNS[name]
+    expected_weights, expected_losses, expected_norms = reference([str(a) for a in args], dp)
+    result = json.loads((runs / name / "result.json").read_text())
+    assert len(result["losses"]) == len(expected_losses)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=0, rtol=1e-4)
+    weights = load_file(str(runs / name / "result.safetensors"))
+    for key, value in expected_weights.items():
+        if key in weights:
+            torch.testing.assert_close(weights[key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
+    assert set(weights) <= set(expected_weights) and len(weights) >= len(expected_weights) - 1  # lm_head when tied
+
+
+def test_resume_from_save_state_is_bit_exact(runs):
+    """The run saved after step 2 and the resumed run's last two steps and weights equal the uninterrupted run's."""
+    whole = json.loads((runs / "cp2-resume" / "result.json").read_text())
+    resumed = json.loads((runs / "cp2-resume" / "resumed.json").read_text())
+    assert resumed["losses"] == whole["losses"][2:] and resumed["norms"] == whole["norms"][2:]
+    final, again = load_file(str(runs / "cp2-resume" / "result.safetensors")), \
+        load_file(str(runs / "cp2-resume" / "resumed.safetensors"))
+    assert final.keys() == again.keys()
+    for key in final:
+        assert torch.equal(final[key], again[key]), key
