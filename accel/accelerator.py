@@ -658,7 +658,15 @@ class Accelerator:
 
     @property
     def context_parallel_rank(self) -> int:
-        raise NotImplementedError("context parallelism is not available yet in accel")
+        """This rank's slice of every sequence on the cp (or sp) dimension (0 without one)."""
+        return self.topology.seq_rank(self.process_index)
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        """Accelerate's context manager that shards `buffers` along the sequence for context parallelism. accel's
+        prepared DataLoader already hands each rank its slice (and the attention runs over the whole sequence while
+        the model runs), so the block runs as it is."""
+        yield
 
     @property
     def use_stateful_dataloader(self) -> bool:

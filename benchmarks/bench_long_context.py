@@ -1,0 +1,214 @@
+"""Long sequences on CPU: activation memory per rank and step time of sp N and cp N against one process.
+
+Sequence parallelism (Ulysses, sp) and context parallelism (cp, all-gather K/V) against one process on the whole
+sequence (gloo).
+
+    python benchmarks/bench_long_context.py                  # 1 process, sp 2, cp 2; length 2048 (~1-2 min, 2 cores)
+    python benchmarks/bench_long_context.py --max_procs 4    # also sp 4 and cp 4
+    python benchmarks/bench_long_context.py --quick          # smoke run (length 256, 2 layers, 1 measured step)
+
+One launched job per layout, each with OMP_NUM_THREADS=1 (one core per process):
+
+* 1 process: `accel launch --cpu --num_processes 1 benchmarks/bench_long_context.py --worker ...`;
+* sp N: `accel launch --cpu --num_processes N --sp_size N ...`;
+* cp N: `accel launch --cpu --num_processes N --cp_size N ...` (cp_comm_strategy allgather, the only one on CPU).
+
+The model (seed 0): a tiny transformers Llama built from a LlamaConfig (no download): hidden 256, intermediate 512,
+4 layers, 8 heads, 8 key/value heads, vocabulary 1024, attn_implementation sdpa, use_cache False. One batch of
+1 x length random tokens (a dict {input_ids, labels}) in a DataLoader, prepared, so every sequence rank gets its
+slice; the model's own loss; AdamW fp32. A step is `zero_grad(); loss = model(**batch).loss;
+accelerator.backward(loss); optimizer.step()`, timed with perf_counter on rank 0 after a barrier.
+
+Activation memory is the bytes autograd saves for backward during the forward, counted on every rank: every saved
+tensor passes through `torch.autograd.graph.saved_tensors_hooks` and its storage is counted once (deduplicated by
+`untyped_storage().data_ptr()`; parameters excluded). It does not depend on the device or the allocator. The table
+prints the largest rank's figure, its ratio to one process's, and that ratio against 1/degree (target: within 10%,
+i.e. "vs 1/N" <= 1.10). Each worker writes one JSON record into a temporary folder; the launcher prints the table.
+Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+from _common import accel_command, run_job
+
+MiB = 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help="run one job (set by the launcher)")
+    parser.add_argument("--out", help="worker: where to write the JSON record")
+    parser.add_argument("--length", type=int, default=2048, help="tokens in the one sequence (default 2048)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (and key/value heads)")
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
+    parser.add_argument("--max_procs", type=int, default=2, choices=[2, 4],
+                        help="2: sp 2 and cp 2; 4: also sp 4 and cp 4")
+    parser.add_argument("--quick", action="store_true", help="length 256, 2 layers, 1 warm-up + 1 measured step")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.length, args.layers, args.warmup, args.steps = 256, 2, 1, 1
+    return args
+
+
+# launcher side -------------------------------------------------------------------------------------------
+
+def layouts(max_procs: int) -> dict[str, list[str]]:
+    jobs = {"1 process": ["--num_processes", "1"]}
+    for degree in (2, 4):
+        if degree <= max_procs:
+            jobs[f"sp {degree}"] = ["--num_processes", str(degree), "--sp_size", str(degree)]
+            jobs[f"cp {degree}"] = ["--num_processes", str(degree), "--cp_size", str(degree)]
+    return jobs
+
+
+def run_all(args: argparse.Namespace) -> int:
+    passed = ["--length", str(args.length), "--layers", str(args.layers), "--hidden", str(args.hidden),
+              "--heads", str(args.heads), "--vocab", str(args.vocab), "--warmup", str(args.warmup),
+              "--steps", str(args.steps)]
+    jobs = layouts(args.max_procs)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_long_context_") as tmp:
+        for name, flags in jobs.items():
+            out = Path(tmp) / f"{name.replace(' ', '_')}.json"
+            cmd = [*accel_command(), "launch", "--cpu", *flags, "--mixed_precision", "no",
+                   str(Path(__file__).resolve()), "--worker", "--out", str(out), *passed]
+            record = run_job(cmd, out, args.timeout, label=f"{name}: ")
+            if record is not None:
+                results[name] = record
+    if results:
+        print_table(results)
+    return 0 if len(results) == len(jobs) else 1
+
+
+def print_table(results: dict[str, dict]) -> None:
+    first = next(iter(results.values()))
+    print(f"\ntorch {first['torch']}, transformers {first['transformers']}, gloo on CPU, 1 thread per process; "
+          f"Llama {first['n_params']:,} parameters ({first['layers']} layers, hidden {first['hidden']}, "
+          f"{first['heads']} heads = kv heads, sdpa), 1 sequence of {first['length']} tokens, AdamW fp32, "
+          f"{first['warmup']} warm-up + {first['steps']} measured steps")
+    header = (f"{'layout':<10} {'saved MiB/rank':>14} {'of 1 proc':>9} {'1/N':>6} {'vs 1/N':>7} {'ok':>3} "
+              f"{'step ms':>8} {'min':>7} {'vs 1 proc':>9} {'loss':>8}")
+    print(header)
+    print("-" * len(header))
+    base = results.get("1 process")
+    base_bytes = base["saved"][0] if base else None
+    base_ms = median(base["step"]) * 1e3 if base else None
+    for name, res in results.items():
+        degree = res["degree"]
+        mine = max(res["saved"])
+        step = [t * 1e3 for t in res["step"]]
+        med = median(step)
+        if base_bytes:
+            share = mine / base_bytes
+            versus = share * degree
+            mem = f"{share:>9.3f} {1 / degree:>6.3f} {versus:>7.3f} {'yes' if versus <= 1.10 else 'no':>3}"
+        else:
+            mem = f"{'-':>9} {'-':>6} {'-':>7} {'-':>3}"
+        ratio = f"{med / base_ms:>9.2f}" if base_ms else f"{'-':>9}"
+        print(f"{name:<10} {mine / MiB:>14.1f} {mem} {med:>8.0f} {min(step):>7.0f} {ratio} {res['loss']:>8.4f}")
+    print("saved = bytes autograd keeps for backward during one forward (distinct storages, parameters excluded), "
+          "the largest rank; ok: within 10% of 1/N of one process", flush=True)
+
+
+# worker side ---------------------------------------------------------------------------------------------
+
+def make_model(args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accel.utils import set_seed
+
+    set_seed(0)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, vocab_size=args.vocab,
+                         max_position_embeddings=args.length, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def saved_bytes(model, batch) -> tuple[float, int]:
+    """One forward + backward; the loss and the bytes autograd saved for backward during the forward."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    return loss, sum(seen.values())
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from accel import Accelerator
+
+    accelerator = Accelerator()
+    model = make_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab, (args.length,), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader([{"input_ids": tokens, "labels": tokens.clone()}], batch_size=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batch = next(iter(loader))
+    model.train()
+
+    times, saved, losses = [], 0, []
+    for i in range(args.warmup + args.steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        if i == 0:
+            loss, saved = saved_bytes(model, batch)  # the warm-up step counts the saved tensors
+        else:
+            loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = [saved]
+    if world > 1:
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, saved)
+    if accelerator.is_main_process:
+        record = {"torch": torch.__version__, "transformers": transformers.__version__, "n_params": n_params,
+                  "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "length": args.length,
+                  "warmup": args.warmup, "steps": args.steps, "degree": world, "saved": per_rank,
+                  "step": times, "loss": losses[0]}
+        Path(args.out).write_text(json.dumps(record))
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return worker(args) if args.worker else run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
