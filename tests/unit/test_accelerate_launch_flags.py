@@ -140,8 +140,9 @@ def dry_run_here(monkeypatch, capsys, workdir, *args: str) -> dict:
     from accel.cli.main import main
 
     for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCEL_RESTART_COUNT"):  # the last: set by `import accel`
+        monkeypatch.setenv(name, "")  # recorded, so the test's end restores each as it was (or absent) ...
+        monkeypatch.delenv(name)  # ... and absent while it runs
     home = workdir / "home-here"
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("HOME", str(home))
