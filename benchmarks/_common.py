@@ -34,3 +34,20 @@ def run_job(cmd: list[str], out: Path, timeout: float, label: str = "") -> dict 
         return None
     print(f"  {label}done in {time.perf_counter() - start:.0f} s", flush=True)
     return json.loads(out.read_text())
+
+
+def run_layouts(script: str, jobs: dict, passed: list[str], timeout: float, prefix: str) -> dict:
+    """`accel launch --cpu FLAGS script --worker --out OUT PASSED` for each layout of `jobs` (key -> launch flags), in
+    fp32: {key: the record each job wrote}, leaving out those that failed (run_job prints why)."""
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for key, flags in jobs.items():
+            out = Path(tmp) / f"{str(key).replace(' ', '_')}.json"
+            cmd = [*accel_command(), "launch", "--cpu", *flags, "--mixed_precision", "no",
+                   str(Path(script).resolve()), "--worker", "--out", str(out), *passed]
+            record = run_job(cmd, out, timeout, label=f"{key}: ")
+            if record is not None:
+                results[key] = record
+    return results

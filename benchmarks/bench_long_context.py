@@ -32,12 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import accel_command, run_job
+from _common import run_layouts
 
 MiB = 2**20
 
@@ -79,15 +78,7 @@ def run_all(args: argparse.Namespace) -> int:
               "--heads", str(args.heads), "--vocab", str(args.vocab), "--warmup", str(args.warmup),
               "--steps", str(args.steps)]
     jobs = layouts(args.max_procs)
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_long_context_") as tmp:
-        for name, flags in jobs.items():
-            out = Path(tmp) / f"{name.replace(' ', '_')}.json"
-            cmd = [*accel_command(), "launch", "--cpu", *flags, "--mixed_precision", "no",
-                   str(Path(__file__).resolve()), "--worker", "--out", str(out), *passed]
-            record = run_job(cmd, out, args.timeout, label=f"{name}: ")
-            if record is not None:
-                results[name] = record
+    results: dict[str, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_long_context_")
     if results:
         print_table(results)
     return 0 if len(results) == len(jobs) else 1

@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import accel_command, run_job
+from _common import run_layouts
 
 SIZES = {"full": (10, 512), "quick": (2, 64)}  # (blocks, width); hidden = 4 * width
 MB = 1e6
@@ -55,15 +54,7 @@ def run_all(args: argparse.Namespace) -> int:
     if args.quick:
         passed.append("--quick")
     jobs = {1: ["--num_processes", "1"], 2: ["--num_processes", "2", "--tp_size", "2"]}
-    results: dict[int, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_tp_") as tmp:
-        for tp, flags in jobs.items():
-            out = Path(tmp) / f"tp{tp}.json"
-            cmd = [*accel_command(), "launch", "--cpu", *flags, "--mixed_precision", "no",
-                   str(Path(__file__).resolve()), "--worker", "--out", str(out), *passed]
-            record = run_job(cmd, out, args.timeout, label=f"tp {tp}: ")
-            if record is not None:
-                results[tp] = record
+    results: dict[int, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_tp_")
     if results:
         print_table(results)
     return 0 if len(results) == len(jobs) else 1
