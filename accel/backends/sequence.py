@@ -261,9 +261,20 @@ class SequenceParallel:
         if self.ring and query.is_cuda and sdpa and causal and not context.needs_mask():
             return self._ring_attention(query, key, value)
         keys, values = self.gather_sequence(key), self.gather_sequence(value)
-        q_index = self.layout.indices(length, device=query.device)
-        k_index = self.layout.gathered_indices(length, device=query.device)
-        return kernel(query, keys, values, context.allowed(q_index, k_index, causal), False)
+        order = torch.argsort(self.layout.gathered_indices(length, device=query.device))
+        keys, values = keys.index_select(2, order), values.index_select(2, order)  # the whole sequence, in order
+        # each of this rank's two chunks attends to the keys up to its own end only (causal): a mask of
+        # (2 cp_size + 1) chunk^2 entries per rank instead of 4 cp_size chunk^2, and as much less work
+        chunk = length // (2 * self.degree)
+        outputs = []
+        for part, start in enumerate((self.layout.rank * chunk, (2 * self.degree - 1 - self.layout.rank) * chunk)):
+            end = start + chunk if causal else length
+            q_index = torch.arange(start, start + chunk, device=query.device)
+            k_index = torch.arange(end, device=query.device)
+            mask = context.allowed(q_index, k_index, causal)
+            outputs.append(kernel(query[:, :, part * chunk:(part + 1) * chunk], keys[:, :, :end], values[:, :, :end],
+                                  mask, False))
+        return torch.cat(outputs, dim=2)
 
     def sequence_to_heads(self, tensor: torch.Tensor) -> torch.Tensor:
         """[batch, heads, slice, dim] -> [batch, heads / n, sequence, dim] (all-to-all over the group)."""
