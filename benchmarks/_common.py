@@ -51,3 +51,14 @@ def run_layouts(script: str, jobs: dict, passed: list[str], timeout: float, pref
             if record is not None:
                 results[key] = record
     return results
+
+
+def per_rank(value) -> list:
+    """Every rank's `value`, in rank order (all_gather_object; [value] on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values

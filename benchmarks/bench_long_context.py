@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import run_layouts
+from _common import per_rank, run_layouts
 
 MiB = 2**20
 
@@ -181,15 +181,11 @@ def worker(args: argparse.Namespace) -> int:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = [saved]
-    if world > 1:
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, saved)
+    ranks = per_rank(saved)
     if accelerator.is_main_process:
         record = {"torch": torch.__version__, "transformers": transformers.__version__, "n_params": n_params,
                   "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "length": args.length,
-                  "warmup": args.warmup, "steps": args.steps, "degree": world, "saved": per_rank,
+                  "warmup": args.warmup, "steps": args.steps, "degree": len(ranks), "saved": ranks,
                   "step": times, "loss": losses[0]}
         Path(args.out).write_text(json.dumps(record))
     accelerator.wait_for_everyone()

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import run_layouts
+from _common import per_rank, run_layouts
 
 SIZES = {"full": (10, 512), "quick": (2, 64)}  # (blocks, width); hidden = 4 * width
 MB = 1e6
@@ -156,15 +156,11 @@ def worker(args: argparse.Namespace) -> int:
         if i >= warmup:
             times.append(time.perf_counter() - start)
 
-    per_rank = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        per_rank = gathered
+    ranks = per_rank(mine)
     if accelerator.is_main_process:
         record = {"torch": torch.__version__, "n_params": n_params, "blocks": blocks, "width": width,
                   "batch_size": args.batch_size, "warmup": warmup, "steps": steps, "step": times,
-                  "bytes": {"per_rank": per_rank, "split_local": split_local, "split_full": split_full,
+                  "bytes": {"per_rank": ranks, "split_local": split_local, "split_full": split_full,
                             "replicated": replicated}}
         Path(args.out).write_text(json.dumps(record))
     accelerator.wait_for_everyone()

@@ -89,7 +89,6 @@ class SequenceParallel:
         self.adds_positions = False  # set when a transformers model (positions from the local length) is prepared
         self.context: StepContext | None = None  # kept after forward: activation checkpointing recomputes in backward
         self._in_forward = False
-        self._sdpa_patched = False
 
     # -- data -------------------------------------------------------------------------------------------------
     def cut_batch(self, batch):
