@@ -165,7 +165,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "cp_comm_strategy", metavar="{allgather,ring}", default=None,
              help="context parallelism's K/V exchange: allgather (any mask, gloo and NCCL) or ring (torch's ring "
                   "attention on CUDA where it applies; elsewhere allgather)")
-    add_flag(train, "pp_schedule", metavar="NAME", default=None, help="GPipe, 1F1B, Interleaved1F1B, ...")
+    add_flag(train, "pp_schedule", metavar="NAME", default=None,
+             help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, or the zero-bubble V schedules "
+                  "ZBVZeroBubble and DualPipeV (2 stages per process; DualPipeV: pp_microbatches >= 2 x pp_size)")
     add_flag(train, "pp_microbatches", type=int, metavar="M", default=None, help="micro-batches per pipeline step")
     add_flag(train, "activation_checkpointing", metavar="{no,full,selective}", default=None,
              help="recompute each repeated block's activations in backward (saves activation memory)")

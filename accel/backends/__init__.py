@@ -5,6 +5,7 @@ refuse a config before starting any process)."""
 from __future__ import annotations
 
 from accel.config import ConfigError, ParallelismConfig
+from accel.config.degrees import model_parallel_size
 
 # backend name -> module that implements (and registers) it
 BACKEND_MODULES = {"ddp": "accel.backends.spmd", "zero": "accel.backends.zero", "tensor": "accel.backends.spmd",
@@ -27,6 +28,11 @@ def backend_name_for(parallelism: ParallelismConfig) -> str:
 
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # pipeline schedules that run one stage per process
+# zero-bubble schedules with V placement: exactly 2 stages per process, rank r holding stages r and 2p-1-r
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# schedules that split the backward into input- and weight-gradient parts: torch computes the weight part with
+# autograd.grad, past the hooks through which DDP (and FSDP2, here) reduce gradients over data-parallel replicas
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", *V_SCHEDULES)
 
 
 def check_available(parallelism: ParallelismConfig, num_processes: int | None = None) -> str:
@@ -48,10 +54,16 @@ def check_available(parallelism: ParallelismConfig, num_processes: int | None = 
         raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
                           f"offload), got zero_stage={parallelism.zero_stage}; allowed: zero_stage 2 or 3 with offload")
     _check_sequence(parallelism)
+    _check_expert(parallelism)
     schedule, per_rank = parallelism.pp_schedule, parallelism.pp_stages_per_rank
     if name == "pipeline" and schedule in SINGLE_STAGE_SCHEDULES and per_rank not in (None, 0, 1):
         raise ConfigError(f"parallelism: pp_schedule {schedule} runs one stage per process, got "
                           f"pp_stages_per_rank={per_rank}; allowed: 1, or a schedule such as Interleaved1F1B")
+    if name == "pipeline" and schedule in V_SCHEDULES:
+        _check_v_schedule(parallelism)
+    if name == "pipeline" and num_processes:
+        check_split_backward(parallelism, num_processes // model_parallel_size(parallelism.tp_size,
+                                                                               parallelism.pp_size))
     if name not in BACKEND_MODULES:
         wanted = " and ".join(parallelism.requested_features())
         raise BackendNotAvailable(
@@ -59,6 +71,31 @@ def check_available(parallelism: ParallelismConfig, num_processes: int | None = 
             "ZeRO stages 1-3 and tensor parallelism (alone, with DDP or ZeRO 2/3) only: set pp_size 1"
         )
     return name
+
+
+def check_split_backward(parallelism: ParallelismConfig, dp_size: int) -> None:
+    """The zero-bubble schedules with data parallelism: measured wrong (the replicas' weight gradients are not
+    averaged, torch 2.13), so refused until accel reduces them itself."""
+    if parallelism.pp_schedule in SPLIT_BACKWARD_SCHEDULES and dp_size > 1:
+        raise BackendNotAvailable(
+            f"parallelism: pp_schedule {parallelism.pp_schedule} with data parallelism ({dp_size} replicas of each "
+            "stage) is not available yet in accel: its split backward skips the replicas' gradient reduction; "
+            "allowed: pp_size x tp_size = the process count, or pp_schedule 1F1B, GPipe, Interleaved1F1B or "
+            "LoopedBFS")
+
+
+def _check_v_schedule(parallelism: ParallelismConfig) -> None:
+    """torch's V schedules build only with exactly 2 stages per process, and DualPipeV with at least as many
+    micro-batches as stages (2 x pp_size; unset, accel uses that many); ZBVZeroBubble takes any count."""
+    schedule, per_rank, micro = parallelism.pp_schedule, parallelism.pp_stages_per_rank, parallelism.pp_microbatches
+    if per_rank not in (None, 0, 2):
+        raise ConfigError(f"parallelism: pp_schedule {schedule} places exactly 2 stages per process (V shape), got "
+                          f"pp_stages_per_rank={per_rank}; allowed: 2 or unset")
+    stages = 2 * parallelism.pp_size
+    if schedule == "DualPipeV" and micro and micro < stages:
+        raise ConfigError(f"parallelism: pp_schedule DualPipeV needs at least as many micro-batches as stages "
+                          f"(2 x pp_size = {stages}), got pp_microbatches={micro}; allowed: pp_microbatches >= "
+                          f"{stages} or unset")
 
 
 def _check_sequence(parallelism: ParallelismConfig) -> None:
@@ -83,3 +120,25 @@ def _check_sequence(parallelism: ParallelismConfig) -> None:
             f"parallelism: HSDP (dp_replicate_size={replicate} x dp_shard_size={shard}) with {what} ({key}={size}) is "
             f"not available yet in accel; allowed: with {key} > 1, dp_replicate_size > 1 (DDP) or dp_shard_size > 1 "
             "(FSDP2), not both")
+
+
+def _check_expert(parallelism: ParallelismConfig) -> None:
+    """Expert parallelism (ep_size) runs with DDP and ZeRO 2/3 over the data-parallel ranks it is taken from;
+    what it has not been made to work with is refused here, by name (accel/backends/expert.py)."""
+    ep = getattr(parallelism, "ep_size", 1)
+    if ep <= 1:
+        return
+    others = [(f"tensor parallelism (tp_size={parallelism.tp_size})", parallelism.tp_size > 1),
+              (f"pipeline parallelism (pp_size={parallelism.pp_size})", parallelism.pp_size > 1),
+              (f"sequence parallelism (sp_size={parallelism.sp_size})", parallelism.sp_size > 1),
+              (f"context parallelism (cp_size={parallelism.cp_size})", parallelism.cp_size > 1),
+              (f"ZeRO-1 (zero_stage={parallelism.zero_stage})", parallelism.zero_stage == 1),
+              ("CPU offload", bool(parallelism.offload_optimizer or parallelism.offload_params)),
+              (f"HSDP (dp_replicate_size={parallelism.dp_replicate_size} x dp_shard_size="
+               f"{parallelism.dp_shard_size})", (parallelism.dp_replicate_size or 1) > 1
+               and (parallelism.dp_shard_size or 1) > 1)]
+    for what, on in others:
+        if on:
+            raise BackendNotAvailable(
+                f"parallelism: expert parallelism (ep_size={ep}) with {what} is not available yet in accel; "
+                "allowed: ep_size > 1 with DDP (zero_stage 0) or ZeRO 2/3, tp_size, pp_size, sp_size and cp_size 1")

@@ -10,6 +10,10 @@ outputs on every rank (evaluation).
 
 Combinations compose here, in one place: after cutting, each stage model is wrapped by the backend of the
 remaining degrees (DDP, ZeRO or TP x FSDP2 over `dp`), which PipelineStage drives.
+
+The V schedules (ZBVZeroBubble, DualPipeV) place two stages per process in V order (`stage_placement`), so the
+first and last stages, and a weight tied between them, share rank 0; their evaluation runs a forward-only copy of
+the schedule (`_strip_backward`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.backends import SINGLE_STAGE_SCHEDULES, fused
+from accel.backends import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, check_split_backward, fused
 from accel.backends.base import (
     Backend,
     ParameterReplacements,
@@ -43,8 +47,12 @@ class PipelineError(ValueError):
     """Misuse of a pipeline model (bad batch size, missing loss function...), as one line."""
 
 
-def stage_placement(pp_size: int, num_stages: int) -> dict[int, int]:
-    """stage index -> pp rank, as torch's (looped) schedules place them: stage s on rank s mod pp_size."""
+def stage_placement(pp_size: int, num_stages: int, schedule: str = "1F1B") -> dict[int, int]:
+    """stage index -> pp rank, as torch's schedules place them: looped ones stage s on rank s mod pp_size; the V
+    ones (ZBVZeroBubble, DualPipeV: 2 stages per rank) go down the ranks and back up, so rank r holds stages r and
+    2p-1-r (the first and the last stage, e.g. a tied embedding and head, are both on rank 0)."""
+    if schedule in V_SCHEDULES:
+        return {stage: stage if stage < pp_size else num_stages - 1 - stage for stage in range(num_stages)}
     return {stage: stage % pp_size for stage in range(num_stages)}
 
 
@@ -56,9 +64,11 @@ class PipelineBackend(Backend):
         self.schedule = par.pp_schedule
         per_rank = par.pp_stages_per_rank or (1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2)
         self.pp_size = self.topology.pp_size
+        check_split_backward(par, self.topology.dp_size)  # Accelerator() checked the config without the world size
         self.num_stages = self.pp_size * per_rank
-        self.microbatches = par.pp_microbatches or self.pp_size
-        self.placement = stage_placement(self.pp_size, self.num_stages)
+        # unset: one per process (DualPipeV: one per stage, the fewest it runs with)
+        self.microbatches = par.pp_microbatches or (self.num_stages if self.schedule == "DualPipeV" else self.pp_size)
+        self.placement = stage_placement(self.pp_size, self.num_stages, self.schedule)
         self.pp_rank = self.topology.coordinates(self.state.process_index)["pp"]
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.pp_rank]
         inner_parallelism = dataclasses.replace(par, pp_size=1)
@@ -93,16 +103,21 @@ class PipelineBackend(Backend):
             aliases.setdefault(id(param), []).append(name)
         tied = [TiedWeight(tuple(aliases[i]), tuple(params[i].shape), min(s)) for i, s in users.items() if len(s) > 1]
         view, _ = stage_model(model, plan, set(self.local_stages), hooks=False)
-        stages, originals = [], []
+        before = self.materialized.snapshot(view)
+        shells, originals = [], []
         for index in self.local_stages:
             shell, run = stage_model(model, plan, {index})
             originals += list(shell.parameters())  # what the user's optimizer holds (TP/FSDP replace them)
             if on_meta:  # each process allocates only its own stages
-                before = self.materialized.snapshot(shell)
                 materialize(shell, self.state.device)
-                self.materialized.record(before, shell)
             elif device_placement:
                 shell.to(self.state.device)
+            shells.append((index, shell, run))
+        if on_meta:
+            _retie(view, tied)
+            self.materialized.record(before, view)
+        stages = []
+        for index, shell, run in shells:
             _install_stage_forward(shell, run, index, self.precision)
             prepared = self.inner.prepare_model(shell, device_placement=False)
             stages.append((index, shell, prepared))
@@ -192,6 +207,16 @@ class PipelineBackend(Backend):
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     holds_part_of_model = True
+
+    def checkpoint_model_state(self, model: nn.Module) -> dict:
+        """Each name of a weight tied across stages saved as its own tensor, also where one process holds all of
+        them (V placement: the embedding and the head both on rank 0), as where they are on different processes:
+        a checkpoint's layout does not depend on the schedule, so any placement loads it."""
+        state = super().checkpoint_model_state(model)
+        for weight in model.tied if isinstance(model, PipelineModel) else ():
+            for name in [n for n in weight.names if n in state][1:]:
+                state[name] = state[name].detach().clone()
+        return state
 
     def load_checkpoint_model_state(self, model: nn.Module, state: dict) -> None:
         super().load_checkpoint_model_state(model, {k: v for k, v in state.items() if v is not None})
@@ -309,16 +334,17 @@ class PipelineModel(nn.Module):
                 if p is not None and weight.first_stage not in local]
 
     # -- the schedule -----------------------------------------------------------------------------------------
-    def _schedule(self, packed: dict, with_loss: bool):
-        key = (with_loss,) + tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
-                                   for k, v in sorted(packed.items()))
+    def _schedule(self, packed: dict, with_loss: bool, forward_only: bool = False):
+        key = (with_loss, forward_only) + tuple(
+            (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v))
+            for k, v in sorted(packed.items()))
         if key not in self._schedules:
-            self._schedules[key] = self._build_schedule(with_loss)
+            self._schedules[key] = self._build_schedule(with_loss, forward_only)
         return self._schedules[key]  # (schedule, its PipelineStages)
 
-    def _build_schedule(self, with_loss: bool):
+    def _build_schedule(self, with_loss: bool, forward_only: bool = False):
         """PyTorch's schedule over fresh `PipelineStage`s (they learn the activation shapes on first use, so
-        each input shape gets its own)."""
+        each input shape gets its own). `forward_only`: for evaluation of a V schedule (see `_strip_backward`)."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -331,10 +357,13 @@ class PipelineModel(nn.Module):
         try:
             if issubclass(cls, PipelineScheduleSingle):
                 return cls(stages[0], backend.microbatches, **options), stages
-            return cls(stages, backend.microbatches, **options), stages
+            schedule = cls(stages, backend.microbatches, **options)
         except ValueError as exc:  # e.g. 1F1B needs at least as many micro-batches as stages
             raise ConfigError(f"parallelism: pp_schedule {backend.schedule} with pp_microbatches="
                               f"{backend.microbatches} and {backend.num_stages} stages: {exc}") from None
+        if forward_only:
+            _strip_backward(schedule)
+        return schedule, stages
 
     def _loss(self, output, target):
         """The user's loss on one micro-batch, scaled so the summed micro-batch gradients equal the batch's
@@ -366,8 +395,9 @@ class PipelineModel(nn.Module):
         if target is not None and backend.loss_fn is None:
             raise PipelineError("pipeline: model(..., target=...) needs the loss function; give it once: "
                                 "accelerator.prepare(model, ..., loss_fn=torch.nn.functional.cross_entropy)")
-        schedule, stages = self._schedule(packed, with_loss=target is not None)
         self._training_step = target is not None and self.training and torch.is_grad_enabled()
+        forward_only = not self._training_step and backend.schedule in V_SCHEDULES
+        schedule, stages = self._schedule(packed, with_loss=target is not None, forward_only=forward_only)
         self._raw_losses = []
         if self._training_step:
             with backend.inner.pipeline_stages_step(stages, self.skip_gradient_sync):
@@ -418,6 +448,26 @@ class PipelineModel(nn.Module):
             dist.all_reduce(grad, group=group)
 
 
+def _strip_backward(schedule) -> None:
+    """Make a V schedule (ZBVZeroBubble, DualPipeV) forward only. On torch 2.13 their `eval()` still runs the
+    backward actions of their plan, and the hand-over of an input gradient between the two stages of one rank fails
+    without a backward ("can't steal_bwd_input"). So evaluation uses a separate schedule object, over the same
+    modules and the same V placement, whose per-rank plan (with its send/recv actions) keeps only the forward work:
+    every rank runs its forwards and forward send/recvs in the training plan's order, so it cannot deadlock where
+    the training plan does not (dropping actions only removes waits)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Action
+
+    backward = {Action.FULL_BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT, Action.SEND_B, Action.RECV_B,
+                Action.REDUCE_GRAD}
+    plans = schedule.pipeline_order_with_comms
+    for rank, actions in plans.items():
+        kept = []
+        for action in actions:
+            parts = action.sub_actions if action.computation_type == Action.OVERLAP_F_B else (action,)
+            kept += [a for a in parts if a.computation_type not in backward]
+        plans[rank] = kept
+
+
 def _tied_names(model) -> dict[str, str]:
     """This process's name of each weight tied across stages -> the name the whole model gives it."""
     if not isinstance(model, PipelineModel):
@@ -437,6 +487,18 @@ def _rename(state: dict, names: dict[str, str]) -> dict:
         return state
     return {**state, "state": {names.get(k, k): v for k, v in state["state"].items()},
             "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def _retie(view: nn.Module, tied: list[TiedWeight]) -> None:
+    """Allocating a meta-device stage gives each of its modules new Parameters, so a weight tied between two
+    stages of this process (V placement: the embedding on stage 0 and the head on the last stage, both on rank 0)
+    would become two: point every local name of it back at one Parameter."""
+    params = dict(view.named_parameters(remove_duplicate=False))
+    for weight in tied:
+        names = [n for n in weight.names if n in params]
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(view.get_submodule(owner), attr, params[names[0]])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -57,9 +57,10 @@ def _spec(default: Any, kind: type, *, choices: tuple = (), lo: float | None = N
     return field(default=default, metadata=meta)
 
 
-# torch.distributed.pipelining's schedules: one stage per process, then several (looped) per process. The V-shaped
-# ones (ZBVZeroBubble, DualPipeV) are left out: they cannot run forward only (evaluation) on torch 2.13.
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+# torch.distributed.pipelining's schedules: one stage per process, then several (looped: stage s on rank s mod p) per
+# process, then the V-shaped zero-bubble ones (exactly 2 stages per process, rank r holding stages r and 2p-1-r;
+# evaluation runs them through a forward-only pass over the same V placement, accel/backends/pipeline.py).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 RDZV_BACKENDS = ("static", "c10d")

@@ -262,7 +262,7 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     best: dict[str, Any] = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
     fixed = fits["all_reduce"][0]
-    if fixed <= 0:  # noise (a shared machine) tilted the line below zero: the smallest call's time bounds the fixed cost
+    if fixed <= 0:  # noise (a shared machine) tilted the line below 0: the smallest call's time bounds the fixed cost
         fixed = min(t for _, t in times["all_reduce"])
     latency = fixed / (2 * (world - 1))  # per ring hop, as accel.planning.plan counts it
     best["times"], best["in_situ"] = times, situ

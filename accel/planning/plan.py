@@ -27,7 +27,8 @@ The model and its constants (documented so a plan can be checked by hand):
 - Compute = (6 * params (an untied input embedding is a lookup: not counted) * tokens + 12 * layers * hidden *
   seq_len * tokens for attention's QK^T and AV; under PP, pp x the slowest stage's matmul parameters: accel's
   split balances parameter counts, and an embedding on the first stage is only looked up) (x 4/3 with full
-  activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble;
+  activation checkpointing) / (world * flops * efficiency), times (m + p - 1) / m for the pipeline bubble (1F1B's;
+  `pipeline_bubble` has the other schedules', the zero-bubble ones' included);
   efficiency = EFFICIENCY (1 for a `--calibrate`d rate) * r/(r + tokens_half) * w/(w + width_half), r the tokens of one
   micro-batch, w = hidden / tp (small matmuls run below peak: what makes many tiny micro-batches or a wide TP
   degree cost something on a GPU; `--calibrate` measures both halves, near 0 on a CPU). Memory-bound work (norms,
@@ -454,6 +455,21 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
                                 yield zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp
 
 
+def pipeline_bubble(m: int, pp: int, schedule: str = "1F1B", per_rank: int = 2) -> float:
+    """Step time / busy time of a pipeline with equal stages and free communication (1 without one). In units of
+    one stage's forward F (full backward B = 2F, its weight part W = F): 1F1B and GPipe idle (p-1)(F+B) per rank,
+    so (m + p - 1) / m; the looped ones (Interleaved1F1B, LoopedBFS) 1/v of that, v stages per rank (Megatron's
+    (p-1)/(v m)); zero bubble, arXiv 2401.10241: ZB-H1's (p-1)(F+B-2W) is 1/3 of 1F1B's (InterleavedZeroBubble:
+    also / v), ZB-V's is ~0 when F = B/2 = W (ZBVZeroBubble); DualPipeV, DeepSeek-V3 (arXiv 2412.19437, table 2)
+    (PP/2-1)(F&B+B-3W) over 2p half-size stages, with no forward/backward overlap credited, is 1/3 of 1F1B's."""
+    if pp <= 1:
+        return 1.0
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else per_rank
+    idle = {"ZBVZeroBubble": 0.0, "DualPipeV": 1 / 3, "InterleavedZeroBubble": 1 / (3 * stages_per_rank)}.get(
+        schedule, 1 / stages_per_rank)
+    return (m + (pp - 1) * idle) / m
+
+
 def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
              mixed_precision: str, states_cache: dict, calibration: dict | None = None) -> dict:
     zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp = cand
@@ -500,7 +516,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     local_len = sequence_length(seq_len, sp, cp) / seq  # tokens of each sequence on this rank
     rows_mb, width = mb * local_len, shape.hidden / tp
     eff = hw.efficiency * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
-    bubble = (m + pp - 1) / m
+    bubble = pipeline_bubble(m, pp)  # the layouts run the default schedule, 1F1B
     attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
     recompute = 4 / 3 if ac == "full" else 1
     if ("flops", pp) not in states_cache:  # a pipeline runs at its slowest stage's pace

@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU processes against plain PyTorch on one process: per-step losses, clipped global
 norms, final weights and eval outputs within atol 1e-5 (fp32, AdamW lr 1e-2). Models: an nn.Sequential and a
-GPT-style toy whose head is tied to its embedding (the tie crosses the stages).
+GPT-style toy whose head is tied to its embedding (the tie crosses the stages; under the V schedules
+ZBVZeroBubble/DualPipeV both ends are on process 0, which runs them as stages 0 and 3).
 
 The runs that succeed share launches: one 2-process and one 4-process launch run their jobs one after another
 (pp_train.py --jobs), each job with its own Accelerator and output folder, checked as its own launch would be."""
@@ -50,16 +51,21 @@ def reference(kind: str, dp: int = 1, steps: int = 4, batch: int = 8, accum: int
     return {"weights": model.state_dict(), "losses": losses, "norms": norms, "outputs": outputs, "eval_loss": eval_loss}
 
 
-SCHEDULES = [(k, s) for s in ("GPipe", "1F1B", "Interleaved1F1B") for k in ("seq", "gpt")] + [
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # 2 stages per process in V order: process 0 holds stages 0 and 3
+SCHEDULES = [(k, s) for s in ("GPipe", "1F1B", "Interleaved1F1B", *V_SCHEDULES) for k in ("seq", "gpt")] + [
     ("gpt", "LoopedBFS"), ("gpt", "InterleavedZeroBubble")]
 TWO_PROCESS_JOBS = {  # job -> pp_train.py arguments; run in this order, by one launch
     **{f"{kind}-{schedule}": ["--model", kind, "--schedule", schedule] for kind, schedule in SCHEDULES},
     "split_points": ["--model", "gpt", "--split_points", "layers.1", "--accum", 2, "--steps", 2, "--separate_prepare"],
     "eval_dropout": ["--model", "gpt", "--dropout", 0.5, "--steps", 0],
     "meta": ["--model", "gpt", "--meta"],
+    "meta_v": ["--model", "gpt", "--meta", "--schedule", "DualPipeV"],
     "save": ["--model", "gpt", "--save"],
     "load_2_stages": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{root}/save/ckpt"],
     "load_2_stages_meta": ["--model", "gpt", "--pp_size", 2, "--load", "--ckpt", "{root}/save/ckpt", "--meta"],
+    "load_v": ["--model", "gpt", "--schedule", "ZBVZeroBubble", "--load", "--ckpt", "{root}/save/ckpt"],
+    "save_v": ["--model", "gpt", "--schedule", "DualPipeV", "--steps", 2, "--save"],
+    "load_saved_v": ["--model", "gpt", "--load", "--ckpt", "{root}/save_v/ckpt"],
 }
 FOUR_PROCESS_JOBS = {
     **{f"dp-zero{stage}": ["--model", "gpt", "--zero_stage", stage] for stage in range(4)},
@@ -114,6 +120,11 @@ def check_against(tmp_path, ref, dp: int = 1, losses_per_rank=None) -> list:
 def test_schedules_match_one_process(two_process_jobs, kind, schedule):
     records = check_against(two_process_jobs / f"{kind}-{schedule}", reference(kind))
     held = [set(r["param_names"]) for r in records]
+    if schedule in V_SCHEDULES:  # V order: process 0 holds stages 0 and 3, so the GPT's tie is local to it
+        names = {"seq": ("0.weight", "6.weight"),
+                 "gpt": ("embed_tokens.weight", "layers.0.up_proj.weight", "layers.3.up_proj.weight")}[kind]
+        assert set(names) <= held[0] and not (held[0] & held[1])
+        return
     assert not (held[0] & held[1]) or kind == "gpt"  # disjoint stages (the GPT's tied weight is on both)
     if schedule != "GPipe" and schedule != "1F1B":  # 4 stages, 2 per process: process 0 holds stages 0 and 2
         names = {"seq": ("0.weight", "4.weight"), "gpt": ("layers.0.up_proj.weight", "layers.2.up_proj.weight")}[kind]
@@ -163,6 +174,17 @@ def test_three_d(isolated_env, tmp_path):
     check_against(tmp_path, reference("gpt-untied", dp=2, steps=2), dp=2)
 
 
+def test_checkpoint_across_placements(two_process_jobs):
+    """A checkpoint saved under the looped placement loads under a V one (the tied embedding and head both on
+    process 0), and one saved under a V schedule loads under 1F1B (each on its own process)."""
+    for saved, loaded in (("save", "load_v"), ("save_v", "load_saved_v")):
+        trained = load_file(str(two_process_jobs / saved / "weights.safetensors"))
+        back = load_file(str(two_process_jobs / loaded / "loaded.safetensors"))
+        assert sorted(back) == sorted(trained)
+        for name in trained:
+            assert torch.equal(back[name], trained[name]), (saved, loaded, name)
+
+
 def test_checkpoint_loads_unsplit(two_process_jobs, isolated_env, tmp_path):
     """save_state on 2 stages, load_state on one process and on 2 stages (also into a model built on the meta
     device: each process allocates only its stage); save_model loads into the plain model."""
@@ -186,7 +208,9 @@ def test_checkpoint_loads_unsplit(two_process_jobs, isolated_env, tmp_path):
     (("--batch", 6, "--microbatches", 4), "batch size 6 is not divisible by pp_microbatches=4"),
     (("--microbatches", 1), "pp_schedule 1F1B with pp_microbatches=1 and 2 stages"),
     (("--outside_loss",), "with pipeline parallelism the backward runs inside `loss = model(inputs, target=targets)`"),
-], ids=["batch-not-divisible", "too-few-microbatches", "backward-of-outside-loss"])
+    (("--schedule", "ZBVZeroBubble", "--stages_per_rank", 3),
+     "pp_schedule ZBVZeroBubble places exactly 2 stages per process (V shape), got pp_stages_per_rank=3; allowed: 2"),
+], ids=["batch-not-divisible", "too-few-microbatches", "backward-of-outside-loss", "v-schedule-stages-per-rank"])
 def test_misuse_is_a_clear_error(isolated_env, tmp_path, args, message):
     proc = run(isolated_env, tmp_path, 2, "--model", "seq", *args, expect=1)
     assert message in proc.stderr
@@ -205,7 +229,8 @@ def test_transformers_llama_splits_without_stage_code(isolated_env, tmp_path):
 def test_meta_device_model(two_process_jobs):
     """Built on the meta device, each process allocates and initialises only its stage; the weight tied
     across the stages gets one value (the first stage's) and stays one through training."""
-    weights = load_file(str(two_process_jobs / "meta" / "weights.safetensors"))
-    assert torch.equal(weights["embed_tokens.weight"], weights["lm_head.weight"])
-    losses = [rec["losses"] for rec in json.loads((two_process_jobs / "meta" / "record.json").read_text())]
-    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
+    for job in ("meta", "meta_v"):  # meta_v: DualPipeV, both ends of the tie allocated by process 0
+        weights = load_file(str(two_process_jobs / job / "weights.safetensors"))
+        assert torch.equal(weights["embed_tokens.weight"], weights["lm_head.weight"]), job
+        losses = [rec["losses"] for rec in json.loads((two_process_jobs / job / "record.json").read_text())]
+        assert losses[0] == losses[1] and losses[0][-1] < losses[0][0], job

@@ -95,6 +95,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pp_size", type=int, default=2)
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--stages_per_rank", type=int, default=None)
     parser.add_argument("--tp_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--split_points", default=None)
@@ -122,6 +123,7 @@ def run(argv: list[str] | None) -> Accelerator:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch)
     parallelism = ParallelismConfig(pp_size=args.pp_size, pp_schedule=args.schedule, pp_microbatches=args.microbatches,
+                                    pp_stages_per_rank=args.stages_per_rank,
                                     tp_size=args.tp_size, zero_stage=args.zero_stage,
                                     pp_split_points=args.split_points.split(",") if args.split_points else None)
     reductions = [0]
