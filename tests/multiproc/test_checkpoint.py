@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch import accel_launch
+from _launch import accel_launch, launch_jobs
 import torch
 from safetensors.torch import load_file
 
@@ -21,21 +21,38 @@ def run(isolated_env, num_processes: int, script: Path, *args: str, expect: int 
     return accel_launch(isolated_env, "--cpu", "--num_processes", num_processes, script, *args, expect=expect)
 
 
+def first_runs(out: Path, num_processes: int) -> Path:
+    """One launch: the uninterrupted run (out/a), the run stopped mid-epoch after save_state (out/b: 5 or 10 batches
+    per epoch, both stop inside epoch 1) and, on 2 processes, one stopped at step 3 (out/c)."""
+    stop = 8 if num_processes == 2 else 13
+    jobs = [("a", ["--mode", "full"]), ("b", ["--mode", "first", "--stop_step", stop])]
+    if num_processes == 2:
+        jobs.append(("c", ["--mode", "first", "--stop_step", 3]))
+    from conftest import make_isolated_env
+
+    out.mkdir(exist_ok=True)
+    launch_jobs(out, make_isolated_env(out), num_processes, SCRIPTS / "resume_train.py", jobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> Path:
+    return first_runs(tmp_path_factory.mktemp("resume_2"), 2)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_resume_mid_epoch_is_bit_exact(isolated_env, tmp_path, num_processes):
+def test_resume_mid_epoch_is_bit_exact(request, isolated_env, tmp_path, num_processes):
     """Stopped mid-epoch after save_state, resumed in fresh processes with load_state + skip_first_batches:
     the final weights equal the uninterrupted run's exactly (max difference 0.0)."""
-    stop = 8 if num_processes == 2 else 13  # 5 or 10 batches per epoch: both stop inside epoch 1
+    out = request.getfixturevalue("two_process_runs") if num_processes == 2 else first_runs(tmp_path / "runs", 1)
     script = SCRIPTS / "resume_train.py"
-    run(isolated_env, num_processes, script, "--out", str(tmp_path / "a"), "--mode", "full")
-    run(isolated_env, num_processes, script, "--out", str(tmp_path / "b"), "--mode", "first", "--stop_step", str(stop))
-    checkpoints = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (out / "b" / "checkpoints").iterdir())
     assert checkpoints == ["checkpoint_0", "checkpoint_1"]
-    run(isolated_env, num_processes, script, "--out", str(tmp_path / "b"), "--mode", "second")
+    run(isolated_env, num_processes, script, "--out", str(out / "b"), "--mode", "second")
 
-    full = load_file(str(tmp_path / "a" / "full.safetensors"))
-    resumed = load_file(str(tmp_path / "b" / "resumed.safetensors"))
+    full = load_file(str(out / "a" / "full.safetensors"))
+    resumed = load_file(str(out / "b" / "resumed.safetensors"))
     assert full.keys() == resumed.keys()
     for key in full:
         assert (full[key] - resumed[key]).abs().max().item() == 0.0, key
@@ -43,7 +60,7 @@ def test_resume_mid_epoch_is_bit_exact(isolated_env, tmp_path, num_processes):
     # save_model wrote the same weights, sharded in Hugging Face's layout, loadable into a plain model
     from accel import load_checkpoint_in_model
 
-    hf_dir = tmp_path / "a" / "hf_model"
+    hf_dir = out / "a" / "hf_model"
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     fresh = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
@@ -51,23 +68,22 @@ def test_resume_mid_epoch_is_bit_exact(isolated_env, tmp_path, num_processes):
     assert missing == [] and unexpected == []
     assert all(torch.equal(fresh.state_dict()[k], full[k]) for k in full)
 
-    manifest = json.loads((tmp_path / "b" / "checkpoints" / "checkpoint_1" / "accel_checkpoint.json").read_text())
+    manifest = json.loads((out / "b" / "checkpoints" / "checkpoint_1" / "accel_checkpoint.json").read_text())
     assert manifest["world_size"] == num_processes
-    files = list((tmp_path / "b" / "checkpoints" / "checkpoint_1").rglob("*"))
+    files = list((out / "b" / "checkpoints" / "checkpoint_1").rglob("*"))
     assert {f.suffix for f in files if f.is_file()} <= {".json", ".safetensors"}  # no pickle anywhere
 
 
 @pytest.mark.multiproc
-def test_two_process_checkpoint_loads_on_one_process(isolated_env, tmp_path):
-    script = SCRIPTS / "resume_train.py"
+def test_two_process_checkpoint_loads_on_one_process(two_process_runs, isolated_env):
     """Written by 2 ranks (each its own shard file), loaded by 1: the weights are exactly those saved."""
-    run(isolated_env, 2, script, "--out", str(tmp_path), "--mode", "first", "--stop_step", "3")
-    assert len(list((tmp_path / "checkpoints" / "checkpoint_1" / "state").glob("*.safetensors"))) == 2
-    run(isolated_env, 1, script, "--out", str(tmp_path), "--mode", "load")
-    saved, loaded = load_file(str(tmp_path / "at_stop.safetensors")), load_file(str(tmp_path / "loaded.safetensors"))
+    script, out = SCRIPTS / "resume_train.py", two_process_runs / "c"
+    assert len(list((out / "checkpoints" / "checkpoint_1" / "state").glob("*.safetensors"))) == 2
+    run(isolated_env, 1, script, "--out", str(out), "--mode", "load")
+    saved, loaded = load_file(str(out / "at_stop.safetensors")), load_file(str(out / "loaded.safetensors"))
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-    run(isolated_env, 1, script, "--out", str(tmp_path), "--mode", "second")  # and training goes on from there
+    run(isolated_env, 1, script, "--out", str(out), "--mode", "second")  # and training goes on from there
 
 
 @pytest.mark.parametrize("kill_point", ["rng", "manifest"])

@@ -5,6 +5,8 @@
 --mode second  load_state() from the latest checkpoint, skips the batches already done, finishes the run
                and writes resumed.safetensors
 --mode load    load_state() only and writes loaded.safetensors (first also writes at_stop.safetensors)
+
+`--jobs FILE` runs several of these in one launch (scripts/_jobs.py): each job sets its seed afresh.
 """
 
 import argparse
@@ -13,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
+
+from _jobs import main_with_jobs
 
 from accel import Accelerator, ProjectConfiguration
 from accel.utils import set_seed
@@ -31,14 +35,14 @@ class Progress:
         self.steps = state["steps"]
 
 
-def main() -> None:
+def run(argv: list[str] | None) -> Accelerator:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=["full", "first", "second", "load"], required=True)
     parser.add_argument("--stop_step", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--mixed_precision", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     set_seed(0)
@@ -61,7 +65,7 @@ def main() -> None:
         start_epoch, skip = divmod(progress.steps, len(loader))
     if args.mode == "load":
         write_weights(accelerator, model, Path(args.out) / "loaded.safetensors")
-        return
+        return accelerator
 
     for epoch in range(start_epoch, args.epochs):
         active = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
@@ -76,13 +80,12 @@ def main() -> None:
                 write_weights(accelerator, model, Path(args.out) / "at_stop.safetensors")
                 accelerator.save_state()
                 accelerator.save_state()  # two checkpoints: the latest one is loaded
-                accelerator.end_training()
-                return
+                return accelerator
 
     write_weights(accelerator, model, Path(args.out) / f"{'full' if args.mode == 'full' else 'resumed'}.safetensors")
     if args.mode == "full":  # Hugging Face layout, sharded, written once by the main process
         accelerator.save_model(model, Path(args.out) / "hf_model", max_shard_size="1KB")
-    accelerator.end_training()
+    return accelerator
 
 
 def write_weights(accelerator, model, path: Path) -> None:
@@ -92,4 +95,4 @@ def write_weights(accelerator, model, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_with_jobs(run)
