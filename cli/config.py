@@ -190,6 +190,8 @@ QUESTIONS: list[Question] = [
              _degree_default("parallelism.sp_size"), _sequence_is("sp")),
     Question("parallelism.cp_size", "Context-parallel size (each process holds 2 of 2N chunks of every sequence)?",
              "int", _degree_default("parallelism.cp_size"), _sequence_is("cp")),
+    Question("parallelism.ep_size", "Expert-parallel size for mixture-of-experts models (each MoE layer's experts "
+             "divided among N data-parallel processes; 1: none)?", "int", _from_defaults("parallelism.ep_size")),
 ]
 QUESTION_BY_KEY = {q.key: q for q in QUESTIONS}
 UNSAVED = frozenset(q.key for q in QUESTIONS if not q.saved)

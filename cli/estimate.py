@@ -40,6 +40,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "cp_size", default=1,
              help="context-parallel degree (default 1): ZeRO shards over dp x cp, activations / cp_size plus the "
                   "all-gathered K/V")
+    add_flag(parser, "ep_size", default=1,
+             help="expert-parallel degree (default 1): each rank holds 1/ep_size of the MoE layers' experts")
     add_flag(parser, "batch_size", default=None,
              help="per-process micro-batch: also measure the activation memory of one training step (fake tensors)")
     add_flag(parser, "seq_len", default=None, help="tokens per sample, with --batch_size")
@@ -59,7 +61,7 @@ def check_flags(args) -> list[str]:
     from accel.planning import inputs
     from accel.planning.estimate import DTYPE_BYTES
 
-    for name in ("num_processes", "tp_size", "pp_size", "sp_size", "cp_size"):
+    for name in ("num_processes", "tp_size", "pp_size", "sp_size", "cp_size", "ep_size"):
         setattr(args, name, inputs.integer(f"--{name}", getattr(args, name), hi=MAX_RANKS))
     for name in ("batch_size", "seq_len"):
         if getattr(args, name) is not None:
@@ -77,7 +79,7 @@ def run(args) -> int:
     try:
         dtypes = check_flags(args)
         result = estimate(load_spec(args.model), dtypes, args.num_processes, args.tp_size, args.pp_size,
-                          args.sp_size, args.cp_size)
+                          args.sp_size, args.cp_size, args.ep_size)
         if args.batch_size is not None:
             result["activations"] = activations(args.model, args.batch_size, args.seq_len, args.mixed_precision,
                                                 args.sp_size, args.cp_size)

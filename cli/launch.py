@@ -86,6 +86,7 @@ _FLAG_KEYS = {
     "pp_size": "parallelism.pp_size",
     "sp_size": "parallelism.sp_size",
     "cp_size": "parallelism.cp_size",
+    "ep_size": "parallelism.ep_size",
     "cp_comm_strategy": "parallelism.cp_comm_strategy",
     "pp_schedule": "parallelism.pp_schedule",
     "pp_microbatches": "parallelism.pp_microbatches",
@@ -162,6 +163,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "cp_size", type=int, metavar="N", default=None,
              help="context parallelism: each process holds 2 of 2N chunks of every sequence (balanced for causal "
                   "attention); attention all-gathers K and V")
+    add_flag(train, "ep_size", type=int, metavar="N", default=None,
+             help="expert parallelism: each MoE layer's experts divided among N data-parallel processes, tokens sent "
+                  "to them by all-to-all (N divides the data-parallel degree)")
     add_flag(train, "cp_comm_strategy", metavar="{allgather,ring}", default=None,
              help="context parallelism's K/V exchange: allgather (any mask, gloo and NCCL) or ring (torch's ring "
                   "attention on CUDA where it applies; elsewhere allgather)")

@@ -240,8 +240,8 @@ class ParameterReplacements:
         import weakref
 
         after = dict(model.named_parameters(remove_duplicate=False))
-        for name, old in before.items():
-            self._new[id(old)] = (weakref.ref(old), after[name])
+        for name, old in before.items():  # gone (an expert another ep rank holds): dropped from optimizers
+            self._new[id(old)] = (weakref.ref(old), after.get(name))
         for optimizer in self._optimizers:
             self.repoint(optimizer)
 
@@ -256,7 +256,7 @@ class ParameterReplacements:
             return new if ref is not None and ref() is param else param
 
         for group in optimizer.param_groups:
-            group["params"] = [replacement(p) for p in group["params"]]
+            group["params"] = [new for new in map(replacement, group["params"]) if new is not None]
 
     def clear(self) -> None:
         self._new.clear()

@@ -16,7 +16,7 @@ from accel.config.schema import (
     divides_world,
     model_parallel_size,
 )
-from accel.config.degrees import sequence_parallel_size
+from accel.config.degrees import check_expert_degree, sequence_parallel_size
 
 
 def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
@@ -51,3 +51,5 @@ def check_world_layout(cfg: AccelConfig, source: str = "config") -> None:
                           f"{needed}; allowed: num_processes a multiple of {needed}, or a smaller "
                           f"{names.replace(' x ', '/')}")
     data_parallel_sizes(par, cfg.num_processes, f"{source}: parallelism")
+    dp = cfg.num_processes // model_parallel_size(par.tp_size, par.pp_size, seq)
+    check_expert_degree(getattr(par, "ep_size", 1), dp, f"{source}: parallelism")

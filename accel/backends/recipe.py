@@ -50,6 +50,7 @@ class Recipe:
     dp_mesh: Any = None  # FSDP2's mesh: 1-D, or 2-D (dp_replicate, dp_shard) for HSDP (None: the default group)
     wrap_ddp: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # the backend's DDP (options, group)
     compile: dict | None = None  # torch.compile's keyword arguments plus "regional"; None: eager
+    fsdp_ignored: set | None = None  # parameters FSDP2 leaves whole and unreduced (expert parallelism's experts)
 
 
 def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
@@ -76,7 +77,7 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
         compile_blocks(model, recipe.parallelism, options)
     if recipe.data_parallel == "fsdp":
         apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, recipe.precision, offload=recipe.offload,
-                   pin_memory=recipe.device.type == "cuda")
+                   pin_memory=recipe.device.type == "cuda", ignored=recipe.fsdp_ignored)
         if on_meta:
             materialize(model, "cpu" if recipe.offload else recipe.device)
     elif recipe.data_parallel == "ddp":
@@ -89,7 +90,7 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,
-               pin_memory: bool = False) -> None:
+               pin_memory: bool = False, ignored: set | None = None) -> None:
     """FSDP2 (`fully_shard`) over `mesh`: each repeated block (inner before outer), then the root. Parameters
     are resharded after forward with zero_stage 3; gradients are reduced in fp32 under mixed precision. A 2-D
     mesh is HSDP: parameters are sharded over its inner (dp_shard) dimension and replicated over the outer one,
@@ -102,6 +103,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bo
         options["mp_policy"] = mp_policy
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    if ignored:
+        options["ignored_params"] = ignored
     for block in reversed(repeated_blocks(model, parallelism)):  # inner blocks before their parents
         fully_shard(block, **options)
     fully_shard(model, **options)

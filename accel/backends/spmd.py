@@ -52,6 +52,8 @@ class SpmdBackend(Backend):
         # Accelerator that is dropped is freed with its backend (and its gradient state)
         self.state.add_release_callback(functools.partial(_release_wrapped, self._wrapped))
         self._sequence = None  # the sequence group (sequence_parallel), built on first use by every rank
+        self.experts: list = []  # expert parallelism: one ExpertLayout per prepared MoE model (expert.py)
+        self._expert_no_sync = 0  # inside no_sync: expert gradients accumulate unreduced too
 
     @property
     def sequence_parallel(self):
@@ -79,7 +81,18 @@ class SpmdBackend(Backend):
     def __getstate__(self) -> dict:
         """A pickled copy (Accelerate's scripts pickle the Accelerator) owns no DDP wrappers to release, nor process
         groups."""
-        return {**self.__dict__, "_wrapped": [], "_sequence": None}
+        return {**self.__dict__, "_wrapped": [], "_sequence": None, "experts": []}
+
+    @property
+    def holds_part_of_model(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
+        """A MoE layer's ModuleList experts exist only on the ep rank holding them: checkpoints merge the ranks'
+        tensors as for pipeline stages (stacked experts are DTensors: every rank has every name)."""
+        return any(layout.listed for layout in self.experts)
+
+    def held_names(self, for_optimizer: bool = False) -> set[str] | None:
+        if not self.holds_part_of_model:
+            return None
+        return {name for layout in self.experts for name in layout.held}
 
     @property
     def partial_gradients(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
@@ -122,6 +135,8 @@ class SpmdBackend(Backend):
             recipe.tp_plan = self._plan(model) if self.fixed_plan is None else held_part(self.fixed_plan, model)
             self.applied_plans.append(recipe.tp_plan)
         originals = self.replacements.snapshot(model)
+        if self.topology.ep_size > 1:
+            self._shard_experts(model, recipe)
         prepared = parallelize(model, recipe)
         inner = self.unwrap_model(prepared)
         if self.sequence_parallel is not None:
@@ -131,6 +146,69 @@ class SpmdBackend(Backend):
             inner._accel_parallelized = True  # type: ignore[assignment]  # a plain attribute
         self.replacements.record(originals, inner)  # FSDP2 and TP give the model new (DTensor) parameters
         return prepared
+
+    def _shard_experts(self, model: torch.nn.Module, recipe: Recipe) -> None:
+        """Divide the MoE layers' experts among the ep ranks (expert.py); DDP and FSDP2 leave them alone (their
+        gradients are reduced over the expert's replicas in `backward`)."""
+        from accel.backends.expert import expert_names, shard_experts
+
+        device_type = self.state.device.type
+        rank = self.topology.coordinates(self.state.process_index)["ep"]
+        layout = shard_experts(model, self.topology.ep_size, rank, self.topology.group("ep", device_type))
+        self.topology.group("edp", device_type)  # every rank builds the expert mesh's groups now, together
+        layout.held = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+            {n for n, _ in model.named_buffers()}
+        self.experts.append(layout)
+        model._accel_experts = layout  # type: ignore[assignment]  # a plain attribute: the model's own layout
+        if self.data_parallel == "fsdp":
+            recipe.fsdp_ignored = {*layout.params.values(), *layout.listed.values()}
+        elif self.data_parallel == "ddp":
+            DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(expert_names(layout)))
+
+    def _expert_layout(self, model: torch.nn.Module):
+        return getattr(self.unwrap_model(model), "_accel_experts", None)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """With experts: their gradients are reduced after a synced backward, as DDP reduces the others. Only what
+        is not reduced yet is: gradients a previous synced backward of this step reduced are set aside meanwhile
+        (two backward calls per step, as DDP allows), those accumulated under no_sync are reduced with the new."""
+        if not self.experts:
+            return super().backward(loss, **kwargs)
+        from accel.backends.expert import reduce_expert_gradients, set_aside
+
+        sync = not self._expert_no_sync
+        aside = [set_aside(layout) for layout in self.experts if layout.reduced] if sync else []
+        loss.backward(**kwargs)
+        for layout in self.experts:
+            layout.reduced = sync
+        if sync:
+            edp = self.topology.group("edp", self.state.device.type)
+            for layout in self.experts:
+                reduce_expert_gradients(layout, edp, self.topology.dp_size)
+            for restore in aside:
+                restore()
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """With experts, each held by one ep rank: the norm of the others plus theirs summed over the ep group."""
+        if not self.experts:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        from accel.backends.base import clip_grads_with_norm, total_norm
+        from accel.backends.expert import ExpertLayout, expert_norm_power
+
+        parameters = list(parameters)
+        expert_ids = {id(p) for layout in self.experts for p in (*layout.params.values(), *layout.listed.values())}
+        held = [p for p in parameters if id(p) in expert_ids]
+        others = total_norm([p.grad for p in parameters if p.grad is not None and id(p) not in expert_ids], norm_type,
+                            self.state.device)
+        mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
+        experts = expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
+        experts = experts.to(others.device)
+        if norm_type == float("inf"):
+            total = torch.maximum(others, experts)
+        else:
+            total = (others ** norm_type + experts) ** (1.0 / norm_type)
+        clip_grads_with_norm(parameters, max_norm, total)
+        return total
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs)
@@ -152,6 +230,20 @@ class SpmdBackend(Backend):
 
     # -- the step ---------------------------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module):
+        if self.experts:
+            return self._experts_no_sync(model)
+        return self._no_sync(model)
+
+    @contextlib.contextmanager
+    def _experts_no_sync(self, model: torch.nn.Module):
+        self._expert_no_sync += 1
+        try:
+            with self._no_sync(model):
+                yield
+        finally:
+            self._expert_no_sync -= 1
+
+    def _no_sync(self, model: torch.nn.Module):
         if isinstance(model, DDP):
             return model.no_sync()
         if hasattr(model, "set_requires_gradient_sync"):
@@ -186,20 +278,90 @@ class SpmdBackend(Backend):
         return ddp_pipeline_stages(stages, skip_sync)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
+    # With experts, each ep rank holds different rows of a stacked expert parameter under the same name: the
+    # training checkpoint gives them as DTensors sharded over ep (replicated over edp), so DCP writes each row once
+    # with its place in the whole tensor; loading takes the local rows back.
+    def _expert_dtensors(self, model: torch.nn.Module, state: dict) -> dict:
+        layout = self._expert_layout(model)
+        if not layout or not layout.params:
+            return state
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = self.topology.expert_mesh(self.state.device.type)[("edp", "ep")]
+
+        def wrap(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+                return DTensor.from_local(value, mesh, [Replicate(), Shard(0)], run_check=False)
+            return value
+
+        for key in layout.params:
+            if key in state.get("state", state):
+                holder = state["state"] if "state" in state else state
+                entry = holder[key]
+                holder[key] = {k: wrap(v) for k, v in entry.items()} if isinstance(entry, dict) else wrap(entry)
+        return state
+
+    @staticmethod
+    def _local_experts(state: dict) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        def unwrap(value):
+            if isinstance(value, DTensor):
+                return value.to_local()
+            if isinstance(value, dict):
+                return {k: unwrap(v) for k, v in value.items()}
+            return value
+
+        return unwrap(state)
+
+    def checkpoint_model_state(self, model: torch.nn.Module) -> dict:
+        return self._expert_dtensors(model, super().checkpoint_model_state(model))
+
+    def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return self._expert_dtensors(model, super().checkpoint_optimizer_state(model, optimizer))
+
+    def load_checkpoint_model_state(self, model: torch.nn.Module, state: dict) -> None:
+        layout = self._expert_layout(model)
+        if layout:  # this rank's rows of stacked experts; only the ModuleList experts it holds
+            state = {k: self._local_experts(v) if k in layout.params else v for k, v in state.items()
+                     if not layout.listed or k in layout.held}
+        super().load_checkpoint_model_state(model, state)
+
+    def load_checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                        state: dict) -> None:
+        layout = self._expert_layout(model)
+        if layout and isinstance(state.get("state"), dict):
+            mine = layout.held if layout.listed else None
+            state = {**state, "state": {k: self._local_experts(v) if k in layout.params else v
+                                        for k, v in state["state"].items() if mine is None or k in mine}}
+            if mine is not None and isinstance(state.get("param_groups"), list):
+                state["param_groups"] = [{**g, "params": [p for p in g["params"] if p in mine]}
+                                         for g in state["param_groups"]]
+        super().load_checkpoint_optimizer_state(model, optimizer, state)
+
     def full_state_dict(self, model: torch.nn.Module) -> dict:
+        layout = self._expert_layout(model)
         if self.data_parallel != "fsdp" and self.parallelism.tp_size == 1:
-            return super().full_state_dict(model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            state = super().full_state_dict(model)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from accel.backends import fused
+            from accel.backends import fused
 
-        # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return fused.to_model_order(state, model)
+            # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = fused.to_model_order(state, model)
+        if layout:  # the experts whole, in the model's own names and layout (every rank gathers)
+            from accel.backends.expert import gather_full
+
+            state = gather_full(layout, state, self.topology.group("ep", self.state.device.type),
+                                self.topology.ep_size)
+        return state
 
     # -- lifetime ---------------------------------------------------------------------------------------------
     def forget(self) -> None:
         self.replacements.clear()
+        self.experts.clear()
 
     def release(self) -> None:
         _release_wrapped(self._wrapped)

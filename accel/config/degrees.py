@@ -84,3 +84,11 @@ def check_data_parallel_layout(parallelism: ParallelismConfig, replicate: int, s
         raise ConfigError(
             f"{source}: tp_size={tp} with dp_replicate_size={replicate} and dp_shard_size 1 (DDP) is not supported: "
             "TP's data parallelism is FSDP2; allowed: dp_shard_size > 1 (HSDP x TP), or dp_replicate_size 1")
+
+
+def check_expert_degree(ep_size: int, dp_size: int, source: str = "parallelism") -> None:
+    """ep_size ranks are taken from the data-parallel ranks (as torchtitan does): it must divide their number."""
+    if ep_size > 1 and dp_size % ep_size:
+        allowed = ", ".join(str(d) for d in range(1, dp_size + 1) if dp_size % d == 0)
+        raise ConfigError(f"{source}.ep_size={ep_size} does not divide the data-parallel degree {dp_size} (the ranks "
+                          f"experts are divided among); allowed: {allowed}")

@@ -176,6 +176,10 @@ class ParallelismConfig:
         1, int, lo=1,
         help="sequence-parallel degree (Ulysses): each rank holds a contiguous slice of every sequence; attention "
              "all-to-alls to head-sharded full sequences (1: none)")
+    ep_size: int = _spec(
+        1, int, lo=1,
+        help="expert-parallel degree: each MoE layer's experts are divided among ep_size data-parallel ranks, tokens "
+             "reach them by all-to-all (taken from the data-parallel ranks: it divides dp; 1: none)")
     sp_backend: str | None = _spec(None, str, choices=("deepspeed",), optional=True,
                                    help="Accelerate's sequence-parallel backend name: deepspeed (ALST/Ulysses) is "
                                         "accel's own Ulysses; DeepSpeed is not needed")
@@ -243,6 +247,8 @@ class ParallelismConfig:
             wanted.append(f"context parallelism (cp_size={self.cp_size})")
         if self.sp_size > 1:
             wanted.append(f"sequence parallelism (sp_size={self.sp_size})")
+        if self.ep_size > 1:
+            wanted.append(f"expert parallelism (ep_size={self.ep_size})")
         return wanted
 
     # -- Accelerate's read-only members -----------------------------------------------------------------------

@@ -13,6 +13,10 @@ config uses Accelerate's fields (dp_replicate_size / dp_shard_size), the mesh ha
 are left out. With a sequence degree, `dp_cp` (the data-parallel ranks and the sequence ranks together) is where
 gradients are reduced and FSDP2 shards, as torchtitan does: each sequence rank computes part of every gradient.
 accel's code asks `submesh`/`group` by name, which answers `dp` the same way in both cases.
+
+Expert parallelism (ep_size) takes its ranks from the data-parallel ones, as torchtitan does: data-parallel rank d
+has ep coordinate d % ep (the ep ranks are neighbours) and edp coordinate d // ep (which copy of the experts it
+holds). Its groups live on a second mesh (`expert_mesh`), since they cut the dp dimension.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from accel.config.degrees import data_parallel_sizes, divides_world, model_parallel_size, sequence_parallel_size
+from accel.config.degrees import (
+    check_expert_degree,
+    data_parallel_sizes,
+    divides_world,
+    model_parallel_size,
+    sequence_parallel_size,
+)
 from accel.config.errors import ConfigError
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
@@ -36,8 +46,10 @@ class Topology:
     accelerate_names: bool = False  # name the data-parallel dims as Accelerate does (always when both are > 1)
     seq_size: int = 1  # the sequence degree (sp_size or cp_size)
     seq_name: str = "sp"  # its dimension's name: "sp" (Ulysses) or "cp" (context parallelism)
+    ep_size: int = 1  # the expert-parallel degree, taken from the data-parallel ranks (ep divides dp)
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
+    _expert_mesh: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         model_parallel = model_parallel_size(self.tp_size, self.pp_size, self.seq_size)
@@ -61,6 +73,7 @@ class Topology:
                 f"tp_size={self.tp_size} x pp_size={self.pp_size} does not make the world size {self.world_size}; "
                 f"allowed: dp_replicate_size x dp_shard_size = {dp}")
         self.accelerate_names = self.accelerate_names or (replicate > 1 and shard > 1)
+        check_expert_degree(self.ep_size, dp)
 
     @property
     def _dp_sizes(self) -> tuple[int, int]:
@@ -79,7 +92,8 @@ class Topology:
         if accelerate_names is None:
             accelerate_names = parallelism.dp_replicate_size is not None or parallelism.dp_shard_size is not None
         seq_name = "cp" if getattr(parallelism, "cp_size", 1) > 1 else "sp"
-        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names, seq_size=seq, seq_name=seq_name)
+        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names, seq_size=seq, seq_name=seq_name,
+                       ep_size=getattr(parallelism, "ep_size", 1))
         parallelism._resolved = (topology.dp_replicate_size, topology.dp_shard_size)
         return topology
 
@@ -99,6 +113,8 @@ class Topology:
         """Every named dimension's size (dp is dp_replicate x dp_shard; dp_cp is dp x the sequence degree)."""
         replicate, shard = self._dp_sizes
         sizes = {**self.degrees, "dp_replicate": replicate, "dp_shard": shard}
+        if self.ep_size > 1:
+            sizes.update(ep=self.ep_size, edp=self.dp_size // self.ep_size)
         return {**sizes, "dp_cp": self.dp_size * self.seq_size} if self.seq_size > 1 else sizes
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -110,6 +126,8 @@ class Topology:
         pp = rank // (self.tp_size * self.seq_size * self.dp_size)
         shard = self._dp_sizes[1]
         coords = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // shard, "dp_shard": dp % shard}
+        if self.ep_size > 1:
+            coords.update(ep=dp % self.ep_size, edp=dp // self.ep_size)
         return {**coords, self.seq_name: seq, "dp_cp": dp * self.seq_size + seq} if self.seq_size > 1 else coords
 
     @property
@@ -157,9 +175,29 @@ class Topology:
             self._mesh = mesh
         return self._mesh
 
+    def expert_mesh(self, device_type: str):
+        """The mesh of expert parallelism, built on first use (by every rank): the data-parallel ranks cut into
+        (edp, ep), ep inner (neighbours exchange tokens), with the other dimensions' ranks folded into a leading
+        `ep_rest`. An `ep` group holds each expert once (its ranks exchange tokens by all-to-all); an `edp` group
+        holds replicas of the same experts (the data-parallel ranks with the same ep coordinate: expert gradients
+        are averaged there)."""
+        if self._expert_mesh is None:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh(device_type)  # the main mesh's groups first, in the same order on every rank
+            edp = self.dp_size // self.ep_size
+            ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
+            ranks = ranks.permute(0, 3, 4, 1, 2).reshape(-1, edp, self.ep_size)
+            self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_rest", "edp", "ep"))
+        return self._expert_mesh
+
     def submesh(self, name: str, device_type: str):
         """One named dimension's mesh (flattened ones kept here: slicing those from the root is deprecated). With
-        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension."""
+        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension; ep and edp are the expert
+        mesh's (`expert_mesh`)."""
+        if name in ("ep", "edp"):
+            return self.expert_mesh(device_type)[name]
         mesh = self.mesh(device_type)
         if name in self._flat:
             return self._flat[name]

@@ -68,6 +68,7 @@ class Param:
     block: str | None  # the repeated block (ZeRO/FSDP2 wrap unit) holding it, None for the root's own
     tp_dim: int | None = None  # the dimension tensor parallelism splits (None: every TP rank holds it whole)
     tp_whole_grad: bool = False  # split, but its gradient comes back whole (a vocabulary-split nn.Embedding)
+    expert: bool = False  # a MoE layer's expert parameter: expert parallelism keeps 1/ep of these on each rank
 
     @property
     def numel(self) -> int:
@@ -101,7 +102,24 @@ def spec_from_module(model: torch.nn.Module, source: str = "module") -> ModelSpe
         _tp_split_blocks(params)
     for param in params:
         param.tp_dim, param.tp_whole_grad = (splits or {}).get(param.name, (param.tp_dim, False))
+    experts = _expert_names(model)
+    for param in params:
+        param.expert = param.name in experts if experts is not None else _is_expert_name(param.name)
     return ModelSpec(source, params)
+
+
+def _expert_names(model: torch.nn.Module) -> set[str] | None:
+    """The parameters accel's expert parallelism divides (accel.backends.expert recognises their modules); None:
+    no MoE layer it recognises (names decide then, as for a checkpoint)."""
+    from accel.backends.expert import expert_param_names
+
+    names = expert_param_names(model)
+    return names or None
+
+
+def _is_expert_name(name: str) -> bool:
+    """A checkpoint's expert parameter by its name: transformers' MoE layers keep them under `.experts.`."""
+    return ".experts." in name
 
 
 def _tp_split_blocks(params: list[Param]) -> None:
@@ -185,8 +203,10 @@ def spec_from_safetensors(path: Path) -> ModelSpec:
     for file in files:
         for name, (dtype, shape) in inputs.safetensors_header(file).items():
             match = _BLOCK.match(name)
-            params.append(Param(name, shape, max(1, inputs.SAFETENSORS_BITS[dtype] // 8),
-                                match.group(1) if match else None, *_tp_split_by_name(name, shape)))
+            param = Param(name, shape, max(1, inputs.SAFETENSORS_BITS[dtype] // 8),
+                          match.group(1) if match else None, *_tp_split_by_name(name, shape))
+            param.expert = _is_expert_name(name)
+            params.append(param)
     if all(p.tp_dim is None for p in params):
         _tp_split_blocks(params)
     return ModelSpec(str(path), params)
@@ -397,8 +417,14 @@ def rank_params(spec: ModelSpec, tp: int, pp: int) -> list[tuple]:
     return [_tp_local(p, tp)[0] for p in chosen]
 
 
-def _stage_rows(params: list[Param], tp: int, dp: int) -> dict:
-    """{layout: (parameter, gradient, moment, step elements)} of one rank of a stage holding `params`."""
+def _stage_rows(params: list[Param], tp: int, dp: int, ep: int = 1) -> dict:
+    """{layout: (parameter, gradient, moment, step elements)} of one rank of a stage holding `params`. With expert
+    parallelism (ep > 1) the expert parameters are held 1/ep per rank, whole (DDP and FSDP2 leave them alone)."""
+    if ep > 1 and any(p.expert for p in params):
+        rows = _stage_rows([p for p in params if not p.expert], tp, dp)
+        held = sum(math.ceil(p.numel / ep) for p in params if p.expert)
+        tensors = sum(1 for p in params if p.expert)
+        return {name: (a + held, b + held, c + 2 * held, d + tensors) for name, (a, b, c, d) in rows.items()}
     local = [_tp_local(p, tp) for p in params]
     shapes = [s for s, _ in local]
     full = sum(math.prod(s) for s in shapes)
@@ -430,7 +456,8 @@ def check_sequence_degrees(sp: int, cp: int, pp: int = 1) -> int:
     return sp * cp
 
 
-def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1) -> dict:
+def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1,
+             ep: int = 1) -> dict:
     """Bytes per rank (the largest) of parameters, gradients, AdamW state and master weights for each layout,
     on the device and on the host, with `num_processes` ranks of which tp * pp * sp * cp share one batch.
     `rank_params_bytes`: the float32 bytes of the largest stage's TP slice, before data parallelism shards it.
@@ -442,7 +469,10 @@ def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1, 
         raise EstimateError(f"--num_processes {num_processes} is not a multiple of --tp_size {tp} x --pp_size "
                             f"{pp}{extra}")
     dp = num_processes // (tp * pp * seq)
-    stages = [_stage_rows(params, tp, dp * seq) for params in pipeline_stages(spec, pp)]
+    if ep < 1 or dp % ep:
+        raise EstimateError(f"--ep_size {ep}: does not divide the data-parallel degree {dp} (the ranks experts are "
+                            f"divided among); allowed: a divisor of {dp}")
+    stages = [_stage_rows(params, tp, dp * seq, ep) for params in pipeline_stages(spec, pp)]
     layouts = {}
     for name in LAYOUTS:
         params, grads, moments, steps = max((rows[name] for rows in stages), key=sum)  # the fullest rank
@@ -453,12 +483,15 @@ def training(spec: ModelSpec, num_processes: int = 1, tp: int = 1, pp: int = 1, 
         entry.update(device_bytes=0 if offload else total, host_bytes=total if offload else 0)
         layouts[name] = entry
     rank_numel = sum(math.prod(s) for s in rank_params(spec, tp, pp))
-    return {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp,
-            "dp_size": dp, "rank_params_bytes": rank_numel * STATE_BYTES, "layouts": layouts}
+    result = {"num_processes": num_processes, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp,
+              "dp_size": dp, "rank_params_bytes": rank_numel * STATE_BYTES, "layouts": layouts}
+    if ep > 1:
+        result["ep_size"] = ep
+    return result
 
 
 def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int = 1, tp: int = 1,
-             pp: int = 1, sp: int = 1, cp: int = 1) -> dict:
+             pp: int = 1, sp: int = 1, cp: int = 1, ep: int = 1) -> dict:
     """Everything `accel estimate-memory --json` prints."""
     for dtype in dtypes:
         if dtype not in DTYPE_BYTES:
@@ -466,7 +499,7 @@ def estimate(spec: ModelSpec, dtypes=("float32", "bfloat16"), num_processes: int
     if not spec.params:
         raise EstimateError(f"{spec.source}: the model has no parameters")
     return {"model": spec.source, "params": spec.numel, "weights": [weights(spec, d) for d in dtypes],
-            "training": training(spec, num_processes, tp, pp, sp, cp), "assumptions": ASSUMPTIONS}
+            "training": training(spec, num_processes, tp, pp, sp, cp, ep), "assumptions": ASSUMPTIONS}
 
 
 # -- activations: forward + backward on fake tensors -----------------------------------------------------------

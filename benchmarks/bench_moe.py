@@ -1,0 +1,137 @@
+"""Expert parallelism on CPU: per-rank expert bytes and step time of ep 1, 2 and 4 on 4 processes (gloo).
+
+    python benchmarks/bench_moe.py            # Mixtral-style model, 8 experts, 3 launched jobs (a few minutes)
+    python benchmarks/bench_moe.py --quick    # smoke run (small model, 1 warm-up + 2 measured steps)
+
+Three jobs, each `accel launch --cpu --num_processes 4 [--ep_size N] benchmarks/bench_moe.py --worker ...` with
+OMP_NUM_THREADS=1: ep 1 is plain DDP over 4 ranks (every rank holds every expert), ep 2 and ep 4 divide each MoE
+layer's experts among 2 or 4 of the data-parallel ranks (tokens reach them by all-to-all).
+
+The model (seed 0): transformers' MixtralForCausalLM, hidden H, 8 experts of intermediate 2H, top-2, L layers,
+vocab 1024, router auxiliary loss on. AdamW (lr 1e-4, fp32); each rank gets its own batch of B x T random tokens.
+A step is `zero_grad(); loss = model(**batch).loss; accelerator.backward(loss); optimizer.step()`, timed with
+perf_counter on rank 0 after a barrier.
+
+Expert bytes per rank are counted from the parameters accel's expert parallelism holds after `prepare` (the
+largest rank's), beside the theory: the model's whole expert bytes / ep. On a CPU with fewer cores than processes
+the step time measures mostly the shared cores; the all-to-all's cost shows against DDP's all-reduce of the
+experts' gradients (which ep removes). Each worker writes one JSON record; the launcher prints the table. Asserts
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+from _common import per_rank, run_layouts
+
+SIZES = {"full": (2, 128, 8, 64), "quick": (2, 32, 4, 16)}  # (layers, hidden, batch, tokens)
+NUM_EXPERTS = 8
+MB = 1e6
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help="run one job (set by the launcher)")
+    parser.add_argument("--out", help="worker: where to write the JSON record")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="small model, 1 warm-up and 2 measured steps")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
+    return parser.parse_args(argv)
+
+
+# launcher side -------------------------------------------------------------------------------------------
+
+def run_all(args: argparse.Namespace) -> int:
+    passed = ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    jobs = {ep: ["--num_processes", "4", "--ep_size", str(ep)] for ep in (1, 2, 4)}
+    results: dict[int, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_moe_")
+    if results:
+        print_table(results)
+    return 0 if len(results) == len(jobs) else 1
+
+
+def print_table(results: dict[int, dict]) -> None:
+    first = next(iter(results.values()))
+    print(f"\ntorch {first['torch']}, gloo on CPU, 4 processes, 1 thread each; Mixtral {first['n_params']:,} "
+          f"parameters ({first['layers']} layers, hidden {first['hidden']}, {NUM_EXPERTS} experts, top-2), "
+          f"experts {first['expert_total'] / MB:.2f} MB; AdamW fp32, batch {first['batch']} x {first['tokens']} "
+          f"tokens per rank, {first['warmup']} warm-up + {first['steps']} measured steps")
+    header = (f"{'config':<6} {'expert MB/rank':>14} {'total/ep MB':>11} {'params MB/rank':>14} {'step ms':>8} "
+              f"{'min':>7} {'max':>7} {'vs ep1':>6}")
+    print(header)
+    print("-" * len(header))
+    base = median([t * 1e3 for t in results[1]["step"]]) if 1 in results else None
+    for ep, res in sorted(results.items()):
+        step = [t * 1e3 for t in res["step"]]
+        med = median(step)
+        ratio = f"{med / base:6.2f}" if base else f"{'-':>6}"
+        print(f"ep {ep:<3} {max(res['expert_bytes']) / MB:>14.3f} {res['expert_total'] / ep / MB:>11.3f} "
+              f"{max(res['param_bytes']) / MB:>14.3f} {med:>8.1f} {min(step):>7.1f} {max(step):>7.1f} {ratio}")
+    print("expert MB/rank: the largest rank's expert parameters after prepare; total/ep: the theory", flush=True)
+
+
+# worker side ---------------------------------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from accel import Accelerator
+    from accel.backends.expert import expert_param_names
+
+    layers, hidden, batch, tokens = SIZES["quick" if args.quick else "full"]
+    warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
+    accelerator = Accelerator()  # ep_size from the launch flag
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
+                           num_experts_per_tok=2, vocab_size=1024, output_router_logits=True, use_cache=False)
+    model = MixtralForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    experts = expert_param_names(model)
+    params = dict(model.named_parameters())
+    expert_total = sum(params[n].numel() * params[n].element_size() for n in experts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    held = dict(inner.named_parameters())
+    mine = sum(held[n].numel() * held[n].element_size() for n in experts if n in held)
+    everything = sum(p.numel() * p.element_size() for p in held.values())
+
+    gen = torch.Generator().manual_seed(1 + accelerator.process_index)  # each rank its own batch
+    ids = torch.randint(0, 1024, (batch, tokens), generator=gen)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    expert_ranks, param_ranks = per_rank(mine), per_rank(everything)
+    if accelerator.is_main_process:
+        record = {"torch": torch.__version__, "n_params": n_params, "layers": layers, "hidden": hidden,
+                  "batch": batch, "tokens": tokens, "warmup": warmup, "steps": steps, "step": times,
+                  "expert_total": expert_total, "expert_bytes": expert_ranks, "param_bytes": param_ranks}
+        Path(args.out).write_text(json.dumps(record))
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return worker(args) if args.worker else run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""`accel estimate-memory --ep_size`: expert parameters count 1/ep per rank, whole (DDP and FSDP2 leave them to
+expert parallelism); the rest as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from accel.planning.estimate import EstimateError, ModelSpec, Param, spec_from_module, training
+
+STATE = 4  # float32 bytes
+
+
+def spec() -> ModelSpec:
+    return ModelSpec("moe", [Param("embed.weight", (100, 8), 4, None),
+                             Param("layers.0.mlp.experts.gate_up_proj", (4, 16, 8), 4, "layers.0"),
+                             Param("layers.0.mlp.experts.down_proj", (4, 8, 8), 4, "layers.0")])
+
+
+def test_experts_are_divided_by_ep():
+    moe = spec()
+    for p in moe.params[1:]:
+        p.expert = True
+    experts = 4 * 16 * 8 + 4 * 8 * 8
+    whole = training(moe, num_processes=4)["layouts"]
+    ep2 = training(moe, num_processes=4, ep=2)
+    assert ep2["ep_size"] == 2
+    assert ep2["layouts"]["ddp"]["params_bytes"] == whole["ddp"]["params_bytes"] - experts // 2 * STATE
+    # ZeRO-3: the embedding sharded over dp 4, the experts whole on their ep rank (1/2 of them)
+    assert ep2["layouts"]["zero3"]["params_bytes"] == (800 // 4 + experts // 2) * STATE
+
+
+def test_ep_must_divide_the_data_parallel_degree():
+    with pytest.raises(EstimateError, match="--ep_size 3: does not divide the data-parallel degree 4"):
+        training(spec(), num_processes=4, ep=3)
+
+
+def test_mixtral_experts_are_recognised():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)
+    names = {p.name for p in spec_from_module(MixtralForCausalLM(config)).params if p.expert}
+    assert names == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
