@@ -2,7 +2,8 @@
 activation-checkpointing layouts for a model, a global batch and sequence length on the given hardware, drop those
 that do not fit, rank the rest by estimated step time and explain the choice in the seed's decision-tree terms.
 Sequence (--sp_size, Ulysses) and context (--cp_size) parallelism are planned at the degree given, or, left out,
-for long sequences (--seq_len 16384 and more).
+for long sequences (--seq_len 16384 and more). Expert parallelism (--ep_size) is planned for mixture-of-experts
+models; --pp_schedule picks the pipeline layouts' schedule (default 1F1B).
 
 `--json` prints {"layouts": [{"zero_stage", "tp_size", "pp_size", "sp_size", "cp_size", "dp_size", "offload",
 "activation_checkpointing", "micro_batches", "model_state_bytes_per_rank", "memory_per_rank_bytes", "fits",
@@ -58,7 +59,7 @@ def check_flags(args) -> None:
     args.steps = inputs.integer("--steps", args.steps, lo=2)
     if args.num_processes is not None:
         args.num_processes = inputs.integer("--num_processes", args.num_processes, hi=MAX_PROCESSES)
-    for name in ("sp_size", "cp_size"):
+    for name in ("sp_size", "cp_size", "ep_size"):
         if getattr(args, name) is not None:
             setattr(args, name, inputs.integer(f"--{name}", getattr(args, name), hi=MAX_PROCESSES * MAX_MACHINES))
     if args.top is not None:
@@ -79,6 +80,8 @@ def check_flags(args) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
+    from accel.config.schema import PP_SCHEDULES
+
     parser = subparsers.add_parser(
         "plan", help="pick a parallel layout for a model on your hardware (estimates, no memory used)",
         description=__doc__.split("\n\n")[0])
@@ -93,6 +96,12 @@ def register(subparsers) -> argparse.ArgumentParser:
              help="plan every layout with this sequence-parallel degree (Ulysses; 1: none)")
     add_flag(parser, "cp_size", default=None,
              help="plan every layout with this context-parallel degree (1: none)")
+    add_flag(parser, "ep_size", default=None,
+             help="plan every layout with this expert-parallel degree (mixture-of-experts models; default: each "
+                  "that divides the experts and dp)")
+    add_flag(parser, "pp_schedule", default="1F1B", choices=PP_SCHEDULES,
+             help="the pipeline layouts' schedule (default %(default)s; the split-backward ones, "
+                  "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, only without data parallelism)")
     add_flag(parser, "num_processes", default=None, help="processes (devices) per machine (default 1)")
     add_flag(parser, "num_machines", default=1, help="machines (default 1)")
     add_flag(parser, "device_memory", default=None, help="memory per device, e.g. 80GB (default 80GB)")
@@ -179,7 +188,7 @@ def run(args) -> int:
         spec, module = model(args.model)
         result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module,
                       measure_activations=args.activations == "measured", sp_size=args.sp_size,
-                      cp_size=args.cp_size)
+                      cp_size=args.cp_size, ep_size=args.ep_size, pp_schedule=args.pp_schedule)
         if calibration:
             result["calibration"] = calibration
         if args.measure is not None:
@@ -218,12 +227,14 @@ def render(result: dict, top: int, seconds: float) -> str:
     lines = [f"{result['model']}: {result['params']:,} parameters; batch {result['batch_size']} x seq "
              f"{result['seq_len']} on {hw['num_machines']} machine(s) x {hw['num_processes']} device(s) of "
              f"{hw['device_memory'] / 2 ** 30:.3g} GiB (planned in {seconds:.1f} s)", "",
-             f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'seq':>4} {'dp':>4} {'offl':>4} {'ckpt':>4} {'mb':>3} "
+             f"{'#':>3} {'zero':>4} {'tp':>3} {'pp':>3} {'seq':>4} {'ep':>3} {'dp':>4} {'offl':>4} {'ckpt':>4} "
+             f"{'mb':>3} "
              f"{'states GiB':>10} {'peak GiB':>9} {'fits':>4} {'step s':>9}"]
     for i, r in enumerate(result["layouts"][:top]):
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
         seq = next((f"{name}{r[name + '_size']}" for name in ("sp", "cp") if r.get(name + "_size", 1) > 1), "-")
-        lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {seq:>4} {r['dp_size']:>4} "
+        lines.append(f"{i:>3} {r['zero_stage']:>4} {r['tp_size']:>3} {r['pp_size']:>3} {seq:>4} "
+                     f"{r.get('ep_size', 1):>3} {r['dp_size']:>4} "
                      f"{'yes' if r['offload'] else 'no':>4} {r['activation_checkpointing']:>4} "
                      f"{r['micro_batches']:>3} {_gib(r['model_state_bytes_per_rank']):>10} "
                      f"{_gib(r['memory_per_rank_bytes']):>9} {'yes' if r['fits'] else 'no':>4} {step:>9}")

@@ -60,6 +60,18 @@ The model and its constants (documented so a plan can be checked by hand):
   v, out), each moving (n-1)/n of the rank's local q/k/v/out bytes (bandwidth as an all-gather's), as many in
   backward, the forward's again with recompute; context parallelism (allgather) an all-gather of K and of V per
   layer per forward (again with recompute) and a reduce-scatter of their gradients in backward.
+- Mixture of experts (`model_shape`: the expert parameters accel.planning.estimate flags, E experts per layer from
+  the config's num_local_experts/num_experts or their stacked dim 0, top_k from num_experts_per_tok, else 2): a
+  token runs top_k / E of the experts' matmul parameters. Expert parallelism (ep, `ep_size` or each divisor of dp
+  that divides E) keeps 1/ep of the experts on each rank, whole under ZeRO 2/3 (not sharded, not gathered); the
+  rest shards as usual; layouts accel refuses (ep with tp, pp, sp/cp, ZeRO-1 or offload) are not planned. Time:
+  per MoE layer two all-to-alls of the routed tokens (tokens x top_k x hidden) over the ep neighbours in forward
+  and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies;
+  routing is assumed balanced and dropless, so each rank's expert compute is what it is without ep.
+- Pipeline schedule (`pp_schedule`, default 1F1B): the pipeline layouts' bubble (`pipeline_bubble`), 2 stages per
+  process for the looped, interleaved and V schedules (pp x 2 at most the blocks), DualPipeV with 2 x pp
+  micro-batches or more; the split-backward ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) only without
+  data parallelism (accel refuses them with dp > 1). Activations are counted as under 1F1B.
 """
 
 from __future__ import annotations
@@ -207,6 +219,18 @@ class Shape:
     tensors: int = 0  # parameter tensors: what the per-op framework time scales with
     lookups: frozenset = frozenset()  # names of the parameters only looked up (an untied input embedding)
     kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    experts: int = 0  # experts per MoE layer (E); 0: not a mixture of experts
+    expert_params: int = 0  # parameters of the MoE layers' experts (all E of every layer)
+    moe_layers: int = 0  # blocks holding experts
+    top_k: int = 0  # experts each token is routed to
+    units: tuple = ()  # ((dense, expert) parameters) of each ZeRO wrap unit (the blocks, the root's own)
+
+    def largest_unit_for(self, ep: int) -> int:
+        """The largest ZeRO-3 unit's gathered parameters: expert parallelism keeps the experts whole on their ep
+        rank (FSDP2 leaves them alone), so with ep > 1 only the rest of a unit is gathered."""
+        if ep <= 1 or not self.units:
+            return self.largest_unit
+        return max(dense for dense, _ in self.units)
 
     @property
     def kv_width(self) -> int:
@@ -215,12 +239,16 @@ class Shape:
 
 
 CONFIG_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "heads": ("num_attention_heads", "n_head"),
-               "kv_heads": ("num_key_value_heads",)}
+               "kv_heads": ("num_key_value_heads",),
+               "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+               "top_k": ("num_experts_per_tok", "moe_topk")}
+DEFAULT_TOP_K = 2          # experts per token when the model does not say (Mixtral's)
 
 
 def config_dims(module) -> dict:
-    """{"hidden", "heads", "kv_heads"} as the model's transformers config states them (text config for
-    multimodal models); {} for a module without one."""
+    """{"hidden", "heads", "kv_heads", "experts", "top_k"} as the model's transformers config states them (text
+    config for multimodal models; experts: a MoE layer's, num_local_experts or num_experts); {} for a module without
+    one."""
     config = getattr(module, "config", None)
     config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     dims = {}
@@ -231,17 +259,40 @@ def config_dims(module) -> dict:
     return dims
 
 
+def expert_count(spec: ModelSpec) -> int:
+    """Experts per MoE layer read off the expert parameters (accel.planning.estimate flags them: what accel's
+    expert parallelism divides): a stacked container's dim 0 (transformers' `experts.gate_up_proj` [E, 2I, H]),
+    else the distinct indices after `.experts.` (an nn.ModuleList of experts); 0 without expert parameters."""
+    stacked = [p.shape[0] for p in spec.params if getattr(p, "expert", False) and len(p.shape) == 3]
+    if stacked:
+        return max(stacked)
+    listed: dict[str, set] = {}
+    for p in spec.params:
+        if getattr(p, "expert", False) and ".experts." in p.name:
+            head, _, tail = p.name.rpartition(".experts.")
+            index = tail.split(".", 1)[0]
+            if index.isdigit():
+                listed.setdefault(head, set()).add(index)
+    return max((len(v) for v in listed.values()), default=0)
+
+
 def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = None,
-                kv_heads: int | None = None) -> Shape:
+                kv_heads: int | None = None, experts: int | None = None, top_k: int | None = None) -> Shape:
     """Layers, hidden size and vocabulary read off the parameter shapes: hidden is the most common smaller
     dimension of the blocks' 2-D parameters, the vocabulary the largest dim-0 outside the blocks. `hidden` and
-    `heads` from the model's config win (`config_dims`); without one, heads = hidden / HEAD_DIM."""
+    `heads` from the model's config win (`config_dims`); without one, heads = hidden / HEAD_DIM. A mixture of
+    experts: the expert parameters (flagged by accel.planning.estimate), E from the config (`experts`) or their
+    shapes (`expert_count`), top_k from the config or DEFAULT_TOP_K; matmul parameters then count the experts'
+    top_k / E (each token runs top_k of them)."""
     blocks: dict[str, int] = {}
+    block_experts: dict[str, int] = {}
     dims: dict[int, int] = {}
     root, vocab = 0, 0
     for p in spec.params:
         if p.block:
             blocks[p.block] = blocks.get(p.block, 0) + p.numel
+            if getattr(p, "expert", False):
+                block_experts[p.block] = block_experts.get(p.block, 0) + p.numel
             if len(p.shape) == 2 and min(p.shape) > 0:  # an empty tensor says nothing of the width
                 dims[min(p.shape)] = dims.get(min(p.shape), 0) + 1
         else:
@@ -260,8 +311,15 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
     splits = sum(1 for p in spec.params
                  if p.block == first and len(p.shape) >= 2 and getattr(p, "tp_dim", 0) is not None)
     kv_heads = kv_heads if kv_heads and heads % kv_heads == 0 else heads
+    expert_params = sum(block_experts.values())
+    num_experts = (experts or expert_count(spec)) if expert_params else 0
+    k = min(top_k or DEFAULT_TOP_K, num_experts) if num_experts else 0
+    idle_experts = expert_params - expert_params * k // num_experts if num_experts else 0  # not run per token
+    units = ((root, 0), *((n - block_experts.get(b, 0), block_experts.get(b, 0)) for b, n in blocks.items()))
     return Shape(spec.numel, max(1, len(blocks)), hidden, heads, vocab, max([root, *blocks.values()]),
-                 spec.numel - lookups, splits or 4, len(spec.params), frozenset(p.name for p in looked_up), kv_heads)
+                 spec.numel - lookups - idle_experts, splits or 4, len(spec.params),
+                 frozenset(p.name for p in looked_up), kv_heads, num_experts, expert_params, len(block_experts), k,
+                 units)
 
 
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
@@ -416,14 +474,48 @@ def sequence_options(hw: Hardware, shape: Shape, seq_len: int, sp_size: int | No
     return [(sp, cp)]
 
 
-def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tuple[int, int]] | None = None):
-    """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp) combinations accel can run: TP within a machine, PP at
-    most the blocks, the (sp, cp) degrees of `sequences` (default: none) where the heads divide for Ulysses,
-    accel's combination rules (accel.backends.check_available)."""
+def expert_options(hw: Hardware, shape: Shape, ep_size: int | None = None) -> list[int]:
+    """The expert-parallel degrees to plan: the one given (`ep_size`, checked: the model has experts, it divides
+    their number E and the processes), else 1 and, for a mixture of experts, each divisor of the world above 1
+    that divides E (`candidates` keeps those dividing a layout's dp)."""
+    if ep_size is None:
+        if not shape.experts:
+            return [1]
+        return [d for d in _divisors(hw.world) if d == 1 or shape.experts % d == 0]
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise PlanError(f"--ep_size: bad value {ep_size!r}; allowed: a positive integer")
+    if ep_size > 1 and not shape.experts:
+        raise PlanError(f"--ep_size {ep_size}: the model has no mixture-of-experts layers (no expert parameters); "
+                        "allowed: 1")
+    if ep_size > 1 and shape.experts % ep_size:
+        raise PlanError(f"--ep_size {ep_size}: does not divide the model's {shape.experts} experts per layer; "
+                        f"allowed: a divisor of {shape.experts} that divides the {hw.world} processes")
+    if hw.world % ep_size:
+        raise PlanError(f"--ep_size {ep_size}: does not divide the {hw.world} processes; allowed: a divisor of "
+                        f"{hw.world} (and of the model's {shape.experts} experts)")
+    return [ep_size]
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Model stages each pipeline process holds under `schedule`, as accel runs it (pp_stages_per_rank unset): 1
+    for GPipe and 1F1B, 2 for the looped, interleaved and V schedules."""
+    from accel.backends import SINGLE_STAGE_SCHEDULES
+
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tuple[int, int]] | None = None,
+               experts: list[int] | None = None, schedule: str = "1F1B"):
+    """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep) combinations accel can run: TP within a machine,
+    PP at most the blocks (pp x stages per rank under `schedule`), the (sp, cp) degrees of `sequences` (default:
+    none) where the heads divide for Ulysses, the ep degrees of `experts` (default: none) that divide dp, accel's
+    combination rules (accel.backends.check_available: expert parallelism only with DDP or ZeRO 2/3 alone, the
+    split-backward schedules only without data parallelism, DualPipeV with 2 x pp micro-batches or more)."""
     from accel.backends import check_available
     from accel.config import ConfigError, ParallelismConfig
 
-    for sp, cp in sequences or [(1, 1)]:
+    per_stage = stages_per_rank(schedule)
+    for (sp, cp), ep in itertools.product(sequences or [(1, 1)], experts or [1]):
         seq = sp * cp
         for tp in _divisors(hw.num_processes):
             if shape.hidden % tp or shape.heads % tp or hw.world % (tp * seq):
@@ -431,16 +523,19 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
             if sp > 1 and (shape.heads % (tp * sp) or (shape.kv_heads or shape.heads) % (tp * sp)):
                 continue  # Ulysses: each rank's heads (after TP's split) must divide by sp
             for pp in _divisors(hw.world // (tp * seq)):
-                if pp > shape.layers:
+                if pp * (per_stage if pp > 1 else 1) > shape.layers:
                     continue
                 dp = hw.world // (tp * pp * seq)
+                if dp % ep:
+                    continue  # the ep ranks are taken from the data-parallel ones
                 per_rank = batch_size // dp if batch_size % dp == 0 else 0
                 for zero in range(4):
                     for offload in (False, True):
                         if _pointless(zero, offload, dp * seq, tp):
                             continue
                         par: dict[str, Any] = dict(zero_stage=zero, tp_size=tp, pp_size=pp, sp_size=sp, cp_size=cp,
-                                                   offload_optimizer=offload, offload_params=offload)
+                                                   offload_optimizer=offload, offload_params=offload, ep_size=ep,
+                                                   pp_schedule=schedule)
                         try:
                             check_available(ParallelismConfig(**par), hw.world)
                         except ConfigError:
@@ -449,10 +544,12 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
                             micro = [2 ** k for k in range(MAX_ACCUMULATION_LOG2 + 1)
                                      if per_rank and per_rank % 2 ** k == 0] or [1]
                         else:
-                            micro = [m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_rank and per_rank % m == 0] or [pp]
+                            least = 2 * pp if schedule == "DualPipeV" else pp  # DualPipeV: m >= its 2p stages
+                            micro = [m for m in (pp, 2 * pp, 4 * pp, 8 * pp)
+                                     if m >= least and per_rank and per_rank % m == 0] or [least]
                         for ac in ("no", "full"):
                             for m in micro:
-                                yield zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp
+                                yield zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep
 
 
 def pipeline_bubble(m: int, pp: int, schedule: str = "1F1B", per_rank: int = 2) -> float:
@@ -471,21 +568,27 @@ def pipeline_bubble(m: int, pp: int, schedule: str = "1F1B", per_rank: int = 2) 
 
 
 def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
-             mixed_precision: str, states_cache: dict, calibration: dict | None = None) -> dict:
-    zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp = cand
+             mixed_precision: str, states_cache: dict, calibration: dict | None = None,
+             schedule: str = "1F1B") -> dict:
+    zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep = (*cand, 1)[:11]  # (ep 1 when not given)
     seq = sp * cp  # the sequence ranks: they share the batch, and reduce gradients with the data-parallel ranks
-    key = (tp, pp, sp, cp)
-    if key not in states_cache:  # (this world's states, one replica's: dp 1 holds the rank's tp/pp slice whole)
-        states_cache[key] = training(spec, hw.world, tp, pp, sp, cp), training(spec, tp * pp, tp, pp)
+    key = (tp, pp, sp, cp, ep)
+    if key not in states_cache:  # (this world's states, one replica's: dp 1 holds the rank's tp/pp slice whole;
+        #                           under ep an ep group's rank: the dense parameters whole, 1/ep of the experts)
+        states_cache[key] = (training(spec, hw.world, tp, pp, sp, cp, ep),
+                             training(spec, tp * pp * ep, tp, pp, ep=ep))
     states = states_cache[key][0]["layouts"]["zero3_offload" if offload else STATE_NAME[zero]]
     rank_numel = states_cache[key][1]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
     shard_numel = states["params_bytes"] / 4
-    unit = shape.largest_unit / tp
-    row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp, "dp_size": dp,
-           "offload": offload,
+    unit = shape.largest_unit_for(ep) / tp
+    expert_numel = shape.expert_params / ep if ep > 1 else 0.0  # this rank's experts, whole (not sharded again)
+    row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp, "ep_size": ep,
+           "dp_size": dp, "offload": offload,
            "activation_checkpointing": ac, "micro_batches": m, "gradient_accumulation_steps": m if pp == 1 else 1,
            "per_process_batch": per_rank, "micro_batch_size": per_rank // m if per_rank else 0,
            "model_state_bytes_per_rank": states["device_bytes"], "host_bytes_per_rank": states["host_bytes"]}
+    if pp > 1:
+        row["pp_schedule"] = schedule
     if not per_rank or per_rank % m:
         return {**row, "fits": False, "memory_per_rank_bytes": None, "step_time_s": None,
                 "reason": f"batch_size {batch_size} does not split into dp {dp} x {m} micro-batches"}
@@ -516,12 +619,12 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     local_len = sequence_length(seq_len, sp, cp) / seq  # tokens of each sequence on this rank
     rows_mb, width = mb * local_len, shape.hidden / tp
     eff = hw.efficiency * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
-    bubble = pipeline_bubble(m, pp)  # the layouts run the default schedule, 1F1B
+    bubble = pipeline_bubble(m, pp, schedule, stages_per_rank(schedule))
     attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
     recompute = 4 / 3 if ac == "full" else 1
     if ("flops", pp) not in states_cache:  # a pipeline runs at its slowest stage's pace
         states_cache["flops", pp] = shape.flop_params if pp == 1 else pp * max(
-            sum(p.numel for p in stage if p.name not in shape.lookups) for stage in pipeline_stages(spec, pp))
+            sum(_matmul_numel(shape, p) for p in stage) for stage in pipeline_stages(spec, pp))
     compute = (6 * states_cache["flops", pp] * tokens + attention) * recompute / (hw.world * hw.flops * eff) * bubble
     memory_bound = (ELEMENTWISE_PASSES[ac] * elementwise_bytes(shape, mb, seq_len, tp, layers, mixed_precision,
                                                                sp, cp)
@@ -530,7 +633,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     memory_bound += 0.0 if offload else ADAM_PASSES * 4 * stepped / hw.memory_bw
     dispatch = hw.op_overhead * OPS_PER_TENSOR * shape.tensors / pp * m * recompute * bubble
     window = compute + memory_bound + dispatch  # what collectives issued beside compute can hide behind
-    grads = rank_numel * 4
+    grads = (rank_numel - expert_numel) * 4  # the experts' (ep > 1): reduced among their copies, below
     ranks = dp * seq  # the ranks that reduce gradients (and ZeRO shards over): dp x sp/cp
     units, span = layers + 1, tp * seq * dp
     if zero <= 1:  # DDP's bucketed all-reduce in the last pass's backward (ZeroRedundancyOptimizer: + all-gather)
@@ -539,7 +642,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         dp_comm = _exposed(hw, sync, (buckets - 1) / buckets if buckets > 1 else 0.0, window * 2 / 3 / accum)
         dp_comm += _in_step(hw, collective(hw, "all_gather", grads, ranks, span), 1) if zero == 1 else 0.0
     else:  # per pass an all-gather (ZeRO-2) or two (ZeRO-3: forward, backward); one reduce-scatter per step
-        params = rank_numel * pbytes  # FSDP2 gathers in the compute dtype, reduces float32 gradients
+        params = (rank_numel - expert_numel) * pbytes  # FSDP2 gathers in the compute dtype, reduces float32 grads
         gather = _in_step(hw, accum * collective(hw, "all_gather", params, ranks, span, units), accum * units,
                           hw.fsdp_call)
         late = (gather if zero == 3 else 0.0) + _in_step(  # backward: FSDP2 prefetches the next unit's
@@ -547,6 +650,9 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
         late += gather if hw.run_ahead else 0.0
         dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
+    if expert_numel and dp > ep:  # each expert's dp / ep copies (ep ranks apart) all-reduce its gradient
+        dp_comm += _exposed(hw, _in_step(hw, collective(hw, "all_reduce", expert_numel * 4, dp // ep, dp), 1),
+                            0.5, window)
     elem = 4 if mixed_precision == "no" else 2
     act_mb = mb * local_len * shape.hidden * elem  # a micro-batch's activations on this rank
     logits_mb = mb * local_len * shape.vocab * elem
@@ -555,18 +661,20 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         _in_step(hw, tp_calls * collective(hw, "all_reduce", act_mb, tp, tp), tp_calls, hw.tp_call)
         + _in_step(hw, m * collective(hw, "all_gather", logits_mb, tp, tp), m, hw.tp_call))  # the head's logits
     seq_comm = sequence_comm(hw, shape, mb * local_len, tp, sp, cp, layers, ac, elem) * m
+    ep_comm = expert_comm(hw, shape, mb * local_len, ep, ac, elem) * m
     pbw, plat = _link(hw, tp * dp * pp)
     sends = 2 * (m + pp - 2)  # each boundary: activations forward, their gradient back
     pp_comm = 0.0 if pp == 1 else _in_step(hw, sends * (plat + act_mb / tp / pbw), sends)
     host_rate = min(HOST_BW, hw.memory_bw)  # a CPU "device" is the host: its AdamW is no faster offloaded
     off = 0.0 if not offload else (accum + 1) * shard_numel * 4 / PCIE_BW + ADAM_PASSES * 4 * shard_numel / host_rate
-    step = compute + memory_bound + dispatch + dp_comm + tp_comm + seq_comm + pp_comm + off
+    step = compute + memory_bound + dispatch + dp_comm + tp_comm + seq_comm + ep_comm + pp_comm + off
     return {**row, "memory_per_rank_bytes": memory, "activation_bytes_per_rank": int(acts),
             "gathered_bytes_per_rank": int(gathered), "fits": fits, "reason": reason,
             "step_time_s": step, "time_breakdown_s": {"compute": compute, "memory_bound": memory_bound,
                                                       "dispatch": dispatch, "data_parallel": dp_comm,
                                                       "tensor_parallel": tp_comm,
-                                                      "sequence_parallel": seq_comm, "pipeline": pp_comm,
+                                                      "sequence_parallel": seq_comm, "expert_parallel": ep_comm,
+                                                      "pipeline": pp_comm,
                                                       "offload": off}}
 
 
@@ -591,20 +699,50 @@ def sequence_comm(hw: Hardware, shape: Shape, tokens: float, tp: int, sp: int, c
             + _in_step(hw, collective(hw, "reduce_scatter", n * kv * scatters, n, tp * n, scatters), scatters))
 
 
+def expert_comm(hw: Hardware, shape: Shape, tokens: float, ep: int, ac: str, elem: int) -> float:
+    """Seconds one micro-batch's expert-parallel all-to-alls take (on the critical path: the experts wait for
+    their tokens), `tokens` its tokens on this rank: per MoE layer two all-to-alls of the routed tokens (tokens x
+    top_k x hidden, to the experts and back) in forward, as many in backward, the forward's again with full
+    checkpointing; each rank sends (n-1)/n of them. Routing is assumed balanced and dropless, so every rank runs
+    as much expert compute as without ep. The ep ranks are neighbours among the data-parallel ones (span ep)."""
+    if ep <= 1 or not shape.moe_layers:
+        return 0.0
+    passes = 2 if ac == "no" else 3  # forward, backward (and the recomputed forward)
+    calls = 2 * shape.moe_layers * passes
+    routed = tokens * shape.top_k * shape.hidden * elem  # bytes of one all-to-all on this rank
+    return _in_step(hw, collective(hw, "all_to_all", routed * calls, ep, ep, calls), calls)
+
+
+def _matmul_numel(shape: Shape, p) -> float:
+    """A parameter's share of a token's matmuls: an untied embedding is looked up (none), an expert runs for
+    top_k / E of the tokens."""
+    if p.name in shape.lookups:
+        return 0.0
+    return p.numel * shape.top_k / shape.experts if getattr(p, "expert", False) and shape.experts else p.numel
+
+
 def _complexity(row: dict) -> tuple:
     """Fewer moving parts first: no offload, no pipeline, no TP (which splits the model), no sequence ranks, ..."""
     return (row["offload"], row["pp_size"] > 1, row["tp_size"] > 1, row.get("sp_size", 1) * row.get("cp_size", 1) > 1,
-            row["zero_stage"], row["activation_checkpointing"] != "no", row["micro_batches"], row["step_time_s"])
+            row.get("ep_size", 1) > 1, row["zero_stage"], row["activation_checkpointing"] != "no", row["micro_batches"],
+            row["step_time_s"])
 
 
 def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_precision: str = "bf16",
          hidden: int | None = None, heads: int | None = None, module=None,
-         measure_activations: bool = False, sp_size: int | None = None, cp_size: int | None = None) -> dict:
+         measure_activations: bool = False, sp_size: int | None = None, cp_size: int | None = None,
+         ep_size: int | None = None, pp_schedule: str = "1F1B") -> dict:
     """Every candidate layout, fitting ones first by step time; `recommended` indexes the simplest of the
     fastest that fit (None when none does) and `explanation` says why in the seed's terms. `module` (the model on the
     meta device, or None) gives the hidden size and heads of its config; with `measure_activations` the
     activation formula is also calibrated on a fake-tensor run of it. `sp_size`/`cp_size`: every layout with that
-    sequence/context-parallel degree (None for both: planned for long sequences only, `sequence_options`)."""
+    sequence/context-parallel degree (None for both: planned for long sequences only, `sequence_options`).
+    `ep_size`: every layout with that expert-parallel degree (None: each one a mixture of experts allows,
+    `expert_options`). `pp_schedule`: the pipeline layouts' schedule (accel.config.schema.PP_SCHEDULES)."""
+    from accel.config.schema import PP_SCHEDULES
+
+    if pp_schedule not in PP_SCHEDULES:
+        raise PlanError(f"--pp_schedule: bad value {pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
     for name, value in (("--batch_size", batch_size), ("--seq_len", seq_len), ("--num_processes", hw.num_processes),
                         ("--num_machines", hw.num_machines)):
         if not isinstance(value, int) or value < 1:
@@ -619,12 +757,14 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
     if not spec.numel:
         raise PlanError(f"{spec.source}: the model has no parameters (or only empty ones)")
     dims = config_dims(module)
-    shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"), dims.get("kv_heads"))
+    shape = model_shape(spec, hidden or dims.get("hidden"), heads or dims.get("heads"), dims.get("kv_heads"),
+                        dims.get("experts"), dims.get("top_k"))
     sequences = sequence_options(hw, shape, seq_len, sp_size, cp_size)
+    experts = expert_options(hw, shape, ep_size)
     cache: dict = {}
     calibration = activation_calibration(module, shape, seq_len, mixed_precision) if measure_activations else {}
-    rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache, calibration)
-            for c in candidates(hw, shape, batch_size, sequences)]
+    rows = [evaluate(spec, shape, hw, batch_size, seq_len, c, mixed_precision, cache, calibration, pp_schedule)
+            for c in candidates(hw, shape, batch_size, sequences, experts, pp_schedule)]
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["step_time_s"] is not None else math.inf))
     recommended = None
     if rows and rows[0]["fits"]:  # the simplest layout within TIE of the fastest: fewer moving parts
@@ -634,7 +774,8 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
     return {"model": spec.source, "params": shape.params,
             "shape": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
                       "kv_heads": shape.kv_heads or shape.heads, "vocab": shape.vocab,
-                      "largest_unit_params": shape.largest_unit},
+                      "largest_unit_params": shape.largest_unit, "experts": shape.experts,
+                      "expert_params": shape.expert_params, "moe_layers": shape.moe_layers, "top_k": shape.top_k},
             "hardware": {"num_machines": hw.num_machines, "num_processes": hw.num_processes,
                          "device_memory": hw.device_memory, "intra_bandwidth": hw.intra_bw,
                          "inter_bandwidth": hw.inter_bw, "flops": hw.flops, "host_memory": hw.host_memory,
@@ -647,6 +788,7 @@ def plan(spec: ModelSpec, hw: Hardware, batch_size: int, seq_len: int, mixed_pre
                          "op_overhead": hw.op_overhead, "collectives_measured": bool(hw.collectives)},
             "batch_size": batch_size, "seq_len": seq_len, "mixed_precision": mixed_precision,
             "sequence_degrees": [{"sp_size": sp, "cp_size": cp} for sp, cp in sequences],
+            "expert_degrees": experts, "pp_schedule": pp_schedule,
             "activation_method": ("formula (Korthikanti et al.) scaled to accel.planning.estimate's fake-tensor "
                                   "measurement: "
                                   + ", ".join(f"{k} x{v['scale']:.2f} + {v['fixed_bytes'] / 2 ** 30:.2f} GiB fixed"
@@ -663,6 +805,8 @@ def family(row: dict) -> str:
         return "ZeRO-3 + offload"
     if row["pp_size"] > 1:
         return "pipeline parallelism"
+    if row.get("ep_size", 1) > 1:
+        return "expert parallelism"
     if row.get("sp_size", 1) > 1:
         return "sequence parallelism (Ulysses)"
     if row.get("cp_size", 1) > 1:
@@ -674,8 +818,9 @@ def family(row: dict) -> str:
 
 def layout_name(row: dict) -> str:
     parts = [f"PP {row['pp_size']}"] if row["pp_size"] > 1 else []
+    parts += [row["pp_schedule"]] if row["pp_size"] > 1 and row.get("pp_schedule", "1F1B") != "1F1B" else []
     parts += [f"TP {row['tp_size']}"] if row["tp_size"] > 1 else []
-    parts += [f"{name.upper()} {row[name + '_size']}" for name in ("sp", "cp") if row.get(name + "_size", 1) > 1]
+    parts += [f"{name.upper()} {row[name + '_size']}" for name in ("sp", "cp", "ep") if row.get(name + "_size", 1) > 1]
     parts.append("DDP" if row["zero_stage"] == 0 else f"ZeRO-{row['zero_stage']}")
     return " + ".join(parts) + (" + offload" if row["offload"] else "")
 
@@ -685,7 +830,7 @@ def describe(row: dict) -> str:
     batches = (f"{row['micro_batches']} micro-batches of {row['micro_batch_size']}" if row["pp_size"] > 1 else
                f"gradient accumulation {row['micro_batches']} x {row['micro_batch_size']}"
                if row["micro_batches"] > 1 else f"batch {row['micro_batch_size']}")
-    seq = "".join(f", {name} {row[name + '_size']}" for name in ("sp", "cp") if row.get(name + "_size", 1) > 1)
+    seq = "".join(f", {name} {row[name + '_size']}" for name in ("sp", "cp", "ep") if row.get(name + "_size", 1) > 1)
     return (f"{layout_name(row)} (dp {row['dp_size']}, tp {row['tp_size']}, pp {row['pp_size']}{seq}, {batches} "
             f"per process, checkpointing {row['activation_checkpointing']}) {t}").strip()
 
@@ -761,11 +906,12 @@ def write_config(result: dict, path, main_process_ip: str | None = None):
     par = {"zero_stage": row["zero_stage"], "tp_size": row["tp_size"], "pp_size": row["pp_size"],
            "offload_optimizer": row["offload"], "offload_params": row["offload"],
            "activation_checkpointing": row["activation_checkpointing"]}
-    for name in ("sp_size", "cp_size"):
+    for name in ("sp_size", "cp_size", "ep_size"):
         if row.get(name, 1) > 1:
             par[name] = row[name]
     if row["pp_size"] > 1:
         par["pp_microbatches"] = row["micro_batches"]
+        par["pp_schedule"] = row.get("pp_schedule", "1F1B")
     data = {"num_processes": hw["num_machines"] * hw["num_processes"], "num_machines": hw["num_machines"],
             "main_process_ip": main_process_ip, "mixed_precision": result["mixed_precision"], "parallelism": par}
     if row["gradient_accumulation_steps"] > 1:
