@@ -154,7 +154,8 @@ class HangWatch:
         for local in done_local_ranks:
             proc = pcontext.subprocess_handlers[local].proc
             if ranks[local] not in ends and proc.returncode is not None:
-                ends[ranks[local]] = WorkerEnd(local, proc.pid, proc.returncode, now, ranks[local] in stopped)
+                at = getattr(proc, "ended_at", None) or now  # a forked worker's end is known exactly
+                ends[ranks[local]] = WorkerEnd(local, proc.pid, proc.returncode, at, ranks[local] in stopped)
 
     def before_stop(self, pcontext) -> None:
         """After a failed collective, or once a worker ended, ask the workers still running for their stacks (the

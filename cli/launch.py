@@ -53,7 +53,7 @@ import os
 import socket
 import sys
 
-from accel.cli import accelerate_flags, checks, multinode, output
+from accel.cli import accelerate_flags, checks, forked_workers, multinode, output
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli.hang_report import HangWatch
@@ -439,24 +439,42 @@ def _exit_code(code: int | None) -> int:
 
 @contextlib.contextmanager
 def _announcing_restarts():
-    """One line when torchrun's agent restarts the worker group (torch says so only in its INFO log)."""
+    """One line when torchrun's agent restarts the worker group (torch says so only in its INFO log), naming the
+    rank whose failure made it restart."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    original = SimpleElasticAgent._restart_workers
+    original, original_monitor = SimpleElasticAgent._restart_workers, LocalElasticAgent._monitor_workers
+
+    def monitor(agent, worker_group):
+        agent._accel_last_result = result = original_monitor(agent, worker_group)
+        return result
 
     def restart(agent, worker_group):
         spec = worker_group.spec
         done = spec.max_restarts - agent._remaining_restarts
-        sys.stderr.write(f"accel launch: a worker failed; restarting the worker group (restart {done} of "
+        failures = getattr(getattr(agent, "_accel_last_result", None), "failures", None) or {}
+        what = "a worker failed"
+        if failures:
+            rank = forked_workers.first_failure(failures)
+            rank = min(failures, key=lambda r: failures[r].timestamp) if rank is None else rank
+            what = f"rank {rank} {_ended(failures[rank].exitcode)}"
+        sys.stderr.write(f"accel launch: {what}; restarting the worker group (restart {done} of "
                          f"{spec.max_restarts}, ACCEL_RESTART_COUNT={done} in the new workers)\n")
         sys.stderr.flush()
         return original(agent, worker_group)
 
     SimpleElasticAgent._restart_workers = restart
+    LocalElasticAgent._monitor_workers = monitor
     try:
         yield
     finally:
         SimpleElasticAgent._restart_workers = original
+        LocalElasticAgent._monitor_workers = original_monitor
+
+
+def _ended(exitcode: int) -> str:
+    return f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
 
 
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool = True) -> int:
@@ -472,7 +490,9 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with watch.around_agent(), _announcing_restarts(), stop.around_agent():
+        forking = forked_workers.wanted(on_cpu=cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
+        with (watch.around_agent(), _announcing_restarts(), stop.around_agent(),
+              forked_workers.forking_workers() if forking else contextlib.nullcontext()):
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
@@ -481,9 +501,11 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
             sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
             return _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
         first_rank, first = exc.get_first_failure()
+        forked_first = forked_workers.first_failure(exc.failures)  # ended first (torchrun knows the second only)
+        if forked_first is not None:
+            first_rank, first = forked_first, exc.failures[forked_first]
         for rank, failure in sorted(exc.failures.items()):
-            how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
-                   else f"exited with code {failure.exitcode}")
+            how = _ended(failure.exitcode)
             note = " (first failure)" if rank == first_rank and len(exc.failures) > 1 else ""
             sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
                              f"{how}{note}\n")

@@ -35,7 +35,7 @@ def test_rank_killed_inside_a_save_restarts_and_ends_bit_equal(isolated_env, tmp
     accel_launch(isolated_env, "--cpu", "--num_processes", 2, script, "--out", tmp_path / "a", timeout=120)
     killed = accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--max_restarts", 1, script,
                           "--out", tmp_path / "b", "--kill_at", 12, timeout=180)
-    assert "failed (exitcode: -9) local_rank: 1" in killed.stderr, killed.stderr
+    assert "accel launch: rank 1 was killed by signal 9; restarting the worker group" in killed.stderr, killed.stderr
 
     plain, restarted = attempts(tmp_path / "a"), attempts(tmp_path / "b")
     assert sorted(plain) == [(0, 0), (0, 1)]
@@ -141,4 +141,4 @@ def test_one_process_restarts_too_and_each_restart_is_announced(isolated_env, tm
                       "sys.exit(3 if os.environ['ACCEL_RESTART_COUNT'] == '0' else 0)\n")
     proc = accel_launch(isolated_env, "--cpu", "--max_restarts", 1, script, timeout=120)
     assert proc.stdout.split() == ["attempt", "0", "attempt", "1"]
-    assert "accel launch: a worker failed; restarting the worker group (restart 1 of 1" in proc.stderr
+    assert "accel launch: rank 0 exited with code 3; restarting the worker group (restart 1 of 1" in proc.stderr

@@ -1,0 +1,250 @@
+"""Workers forked from the launcher instead of started as fresh interpreters (CPU launches).
+
+Every fresh worker spends about 3.5 s of CPU importing torch and torch._dynamo (torch's optimizers import it) before
+the script's first line; a 2-process launch spent 9 of its 11 CPU seconds there. torchrun's agent runs in this
+process and has imported torch already, so on a CPU launch accel imports torch._dynamo once here and forks each
+worker from this process: the worker starts with torch loaded, copy-on-write.
+
+The seam is torch's own: torchrun's `SubprocessContext` asks `get_subprocess_handler` for each worker; in its place
+`ForkingSubprocessHandler` returns a `ForkedProcess`, which answers as the `subprocess.Popen` it replaces does (pid,
+poll, wait, returncode, send_signal), so the agent, its log files and tees, restarts, accel's hang report and the
+preemption watch work on it unchanged. The forked child then makes itself what `python -u SCRIPT ARGS` would be:
+its own session, stdout/stderr on the agent's files (unbuffered), the worker's environment, Python's default
+signal handlers, fresh `random`/NumPy seeds, `sys.argv` and `sys.path[0]` of the script, the script run as
+`__main__`, and at the end what the interpreter does at exit (join non-daemon threads, `atexit` handlers, flush).
+
+Only where it is safe: CPU launches (a launcher that has touched CUDA must not fork), `python` entry points (not
+`--no_python`, not numactl-wrapped), not on Windows. `ACCEL_FRESH_WORKERS=1` starts fresh interpreters anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+FRESH_ENV = "ACCEL_FRESH_WORKERS"
+
+
+def wanted(on_cpu: bool) -> bool:
+    """Fork the workers of this launch? (CPU launch, a platform with fork, not turned off)."""
+    return on_cpu and hasattr(os, "fork") and os.environ.get(FRESH_ENV, "0") in ("", "0")
+
+
+def preload() -> None:
+    """What every worker imports anyway, imported once here before the forks (torch is loaded by the agent)."""
+    import torch._dynamo  # noqa: F401
+
+
+class ForkedProcess:
+    """The part of `subprocess.Popen` torchrun's agent and accel's launcher use, for a forked child. A thread waits
+    for the child, so `ended_at` is when it ended (not when the agent next looked): which of two ranks that ended
+    within one poll of the agent failed first is then known (`first_failure`)."""
+
+    def __init__(self, pid: int, args: tuple) -> None:
+        import threading
+
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self.ended_at: float | None = None
+        self._reaper = threading.Thread(target=self._reap, name=f"accel-reap-{pid}", daemon=True)
+        self._reaper.start()
+        ENDED[pid] = self
+
+    def _reap(self) -> None:
+        with contextlib.suppress(ChildProcessError):
+            _, status = os.waitpid(self.pid, 0)
+            self.ended_at = time.time()
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._reaper.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+ENDED: dict[int, ForkedProcess] = {}  # pid -> the forked worker (this launcher's)
+
+
+def first_failure(failures: dict) -> int | None:
+    """The global rank among torchrun's `failures` (rank -> ProcessFailure) whose forked worker ended first, or
+    None when they were not forked here (torchrun's own order, by the second it saw them, then stands)."""
+    ended = {rank: ENDED[f.pid].ended_at for rank, f in failures.items() if f.pid in ENDED}
+    if len(ended) != len(failures) or any(at is None for at in ended.values()):
+        return None
+    return min(ended, key=lambda rank: ended[rank])  # type: ignore[arg-type, return-value]
+
+
+def python_target(args: tuple) -> tuple[str, str, list[str]] | None:
+    """("path" or "module", target, script arguments) of a `python -u [-m] TARGET ARGS` command, else None."""
+    if len(args) < 3 or args[0] != sys.executable or args[1] != "-u":
+        return None
+    if args[2] == "-m":
+        return ("module", args[3], list(args[4:])) if len(args) > 3 else None
+    return "path", args[2], list(args[3:])
+
+
+@contextlib.contextmanager
+def forking_workers():
+    """Within the block, torchrun's agent forks `python` workers from this process (see the module docstring)."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    class ForkingSubprocessHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]):
+            target = python_target(args)
+            if target is None:
+                return super()._popen(args, env)
+            for stream in (sys.stdout, sys.stderr, self._stdout, self._stderr):
+                if stream is not None:
+                    stream.flush()
+            pid = os.fork()
+            if pid == 0:  # the worker: never returns into the agent's code
+                code = 1
+                try:
+                    code = _run_worker(target, env, self._stdout, self._stderr)
+                finally:
+                    os._exit(code)
+            return ForkedProcess(pid, args)
+
+    def handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None):
+        return ForkingSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
+
+    preload()
+    original = api.get_subprocess_handler
+    api.get_subprocess_handler = handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
+
+
+def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout, stderr) -> int:
+    """In the forked child: become `python -u TARGET ARGS` and run it; returns the exit code."""
+    import gc
+
+    gc.freeze()  # the agent's objects stay as they are: never collected (nor finalized) in the worker
+    os.setsid()  # as torchrun's Popen(start_new_session=True): the agent signals the worker's process group
+    for fd, stream in ((1, stdout), (2, stderr)):
+        if stream is not None:
+            os.dup2(stream.fileno(), fd)
+    sys.stdout = _unbuffered(1, sys.stdout)  # sys.__stdout__ (the agent's, buffered) writes to fd 1 too
+    sys.stderr = _unbuffered(2, sys.stderr)
+    os.environ.clear()
+    os.environ.update(env)
+    _default_signals()
+    _fresh_seeds()
+    _threads_from_env()
+    from accel.core.rank_warnings import warn_once_per_job
+    from accel.core.restarts import export_restart_count
+
+    export_restart_count()  # what `import accel` does from the environment (done in the launcher): again, with this one
+    warn_once_per_job()
+    kind, name, script_args = target
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(name))
+    sys.path[:] = [first, *entries, *(p for p in sys.path[1:] if p not in entries)]
+    sys.argv = [name, *script_args]
+    import atexit
+    import importlib
+    import runpy
+    import threading
+
+    importlib.invalidate_caches()
+    atexit._clear()  # the agent's exit handlers are not the worker's
+    code = 0
+    try:
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - printed as the interpreter prints it, then exit 1 (130: Ctrl-C)
+        exc.__traceback__ = _script_frames(exc.__traceback__)  # torch's rank-prefixing hook reads it from exc
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does at exit: join non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+def _script_frames(tb):
+    """The traceback from the script's first frame on, as the interpreter shows it (not this module's, runpy's)."""
+    import runpy
+
+    skipped = {__file__, "<frozen runpy>", getattr(runpy, "__file__", None)}
+    while tb is not None and tb.tb_frame.f_code.co_filename in skipped:
+        tb = tb.tb_next
+    return tb
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _unbuffered(fd: int, like):
+    """A text stream on `fd` as `python -u` makes it (write-through)."""
+    import io
+
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, encoding=getattr(like, "encoding", None) or "utf-8",
+                            errors=getattr(like, "errors", None) or "strict", write_through=True)
+
+
+def _default_signals() -> None:
+    """Python's handlers as a fresh interpreter has them: the agent's own (torchrun's SIGTERM/SIGINT/..., accel's
+    preemption watch) are not the worker's. Ignored signals stay ignored, as they would across exec."""
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def _fresh_seeds() -> None:
+    """Seed `random` (and NumPy's global generator, if loaded) from the OS, as a fresh interpreter would: forked
+    workers would otherwise all draw the agent's numbers. torch's default seed is a constant in both cases."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
+def _threads_from_env() -> None:
+    """OMP_NUM_THREADS as set for the workers: OpenMP read the agent's value when torch was loaded here."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
