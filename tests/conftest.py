@@ -19,6 +19,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+# the files that take longest (measured with --durations, 2 cores), started first: pytest-xdist hands whole files
+# to its two workers in collection order, and one of these started last would run on alone after the rest is done
+LONGEST_FIRST = ("test_accelerate_unit_suite.py", "test_examples.py", "test_hf_models.py", "test_trainer.py",
+                 "test_hf_models_compiled.py", "test_plan_measure.py", "test_expert.py", "test_sequence.py",
+                 "test_pipeline.py", "test_preemption.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_collection_finish(session) -> None:
     """Every module the tests import is loaded now (torch, transformers, ...: a few hundred thousand objects that
     live as long as the worker): move them out of the garbage collector's reach, so each `gc.collect()` a test

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from accel.backends.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch
+from accel.config.errors import ConfigError
 
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 _PLAIN: weakref.ref | None = None  # the SequenceParallel of the last prepared module of the user's (SDPA's patch)
@@ -126,7 +127,7 @@ class SequenceParallel:
         for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
             if count is not None and count % (self.degree * self.tp_size):
                 tp = f" x tp_size={self.tp_size}" if self.tp_size > 1 else ""
-                raise ValueError(
+                raise ConfigError(
                     f"sequence parallelism: sp_size={self.degree}{tp} does not divide the model's {name}={count} "
                     f"({type(config).__name__}): Ulysses splits the heads over the sp ranks; allowed: an sp_size that "
                     f"divides {count}{' / tp_size' if tp else ''}, or cp_size (context parallelism splits the sequence "

@@ -91,6 +91,12 @@ def flight_recorder_path(run_dir: str | os.PathLike, rank: int | str) -> Path:
 # worker side
 # ---------------------------------------------------------------------------------------------------------
 
+def _is_config_error(exc_type) -> bool:
+    """accel's ConfigError (a one-line message naming the key, the value and what is allowed) or a subclass, known by
+    name: accel.config sits above this module."""
+    return any(cls.__name__ == "ConfigError" and cls.__module__.startswith("accel.") for cls in exc_type.__mro__)
+
+
 def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | None:
     """Register the stack dump and the failed-collective record for this worker (once; only under `accel launch`).
 
@@ -118,6 +124,11 @@ def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | No
             write_record(record_path(folder, rank), exc)
         except Exception:  # a diagnostic must never hide the user's own error
             pass
+        if _is_config_error(exc_type):  # a refusal found once the model is known: one line (rank 0), not a traceback
+            if rank == 0:
+                sys.stderr.write(f"accel: error: {exc}\n")
+                sys.stderr.flush()
+            return
         previous(exc_type, exc, tb)
 
     sys.excepthook = record_then_report

@@ -113,3 +113,15 @@ def test_resume_from_save_state_is_bit_exact(runs):
     assert final.keys() == again.keys()
     for key in final:
         assert torch.equal(final[key], again[key]), key
+
+
+def test_heads_that_do_not_divide_are_one_line_not_a_traceback_per_rank(isolated_env, tmp_path):
+    """Found at prepare (the model's head counts are known only then): the workers' ConfigError is printed once, as
+    one line, by rank 0 (accel.core.diagnostics' excepthook), and the launch fails."""
+    from _launch import accel_launch
+
+    proc = accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path, "--sp_size", 2,
+                        "--kv_heads", 1, expect=1)
+    line = ("accel: error: sequence parallelism: sp_size=2 does not divide the model's num_key_value_heads=1 "
+            "(LlamaConfig)")
+    assert proc.stderr.count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr
