@@ -331,6 +331,9 @@ def _shim_path(args: argparse.Namespace) -> list[str]:
     return [PATH]
 
 
+_CUDA_QUERIED = [False]  # set when this launcher asked a CUDA build of torch about GPUs
+
+
 def _check_hardware(cfg: AccelConfig) -> AccelConfig:
     """Fill in distributed_type and check the GPUs. torch is imported only when GPUs may be used."""
     wants_gpu = not cfg.use_cpu and cfg.distributed_type != "MULTI_CPU"
@@ -339,6 +342,7 @@ def _check_hardware(cfg: AccelConfig) -> AccelConfig:
         import torch
 
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _CUDA_QUERIED[0] = torch.version.cuda is not None  # the driver may be initialised here: workers must not fork
     if cfg.distributed_type == "MULTI_GPU" and visible == 0:
         raise UsageError("multi-GPU launch requested (--multi_gpu or distributed_type: MULTI_GPU) but no CUDA device "
                          "is visible; use --cpu")
@@ -490,7 +494,8 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        forking = forked_workers.wanted(on_cpu=cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
+        forking = forked_workers.wanted(on_cpu=(cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
+                                        and not _CUDA_QUERIED[0])
         with (watch.around_agent(), _announcing_restarts(), stop.around_agent(),
               forked_workers.forking_workers() if forking else contextlib.nullcontext()):
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
