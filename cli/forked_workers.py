@@ -14,7 +14,7 @@ signal handlers, fresh `random`/NumPy seeds, `sys.argv` and `sys.path[0]` of the
 `__main__`, and at the end what the interpreter does at exit (join non-daemon threads, `atexit` handlers, flush).
 
 Only where it is safe: CPU launches (a launcher that has touched CUDA must not fork), `python` entry points (not
-`--no_python`, not numactl-wrapped), not on Windows. `ACCEL_FRESH_WORKERS=1` starts fresh interpreters anyway.
+`--no_python`, not numactl-wrapped), on Linux only. `ACCEL_FRESH_WORKERS=1` starts fresh interpreters anyway.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ FRESH_ENV = "ACCEL_FRESH_WORKERS"
 
 def wanted(on_cpu: bool) -> bool:
     """Fork the workers of this launch? (CPU launch, a platform with fork, not turned off)."""
-    return on_cpu and hasattr(os, "fork") and os.environ.get(FRESH_ENV, "0") in ("", "0")
+    # Linux only: on macOS a process that loaded system frameworks (torch does) may crash in a forked child, which is
+    # why Python's multiprocessing spawns there
+    return on_cpu and sys.platform.startswith("linux") and os.environ.get(FRESH_ENV, "0") in ("", "0")
 
 
 def preload() -> None:
