@@ -20,6 +20,21 @@ def accel_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "accel.cli.main"]
 
 
+def layout_parser(doc: str, warmup: int, steps: int, quick: str):
+    """The arguments every layout benchmark takes: the launcher/worker switch, warm-up and measured steps, --quick
+    (`quick` says what it shrinks) and the time limit per launched job; a benchmark adds its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help="run one job (set by the launcher)")
+    parser.add_argument("--out", help="worker: where to write the JSON record")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps, help="measured steps after the warm-up")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
+    return parser
+
+
 def run_job(cmd: list[str], out: Path, timeout: float, label: str = "") -> dict | None:
     """Run one benchmark job (one thread per process) that writes a JSON record to `out`: the record, or
     None when the job failed or timed out (both printed, prefixed with `label`)."""

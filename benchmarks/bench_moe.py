@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import per_rank, run_layouts
+from _common import layout_parser, per_rank, run_layouts
 
 SIZES = {"full": (2, 128, 8, 64), "quick": (2, 32, 4, 16)}  # (layers, hidden, batch, tokens)
 NUM_EXPERTS = 8
@@ -36,14 +36,7 @@ MB = 1e6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help="run one job (set by the launcher)")
-    parser.add_argument("--out", help="worker: where to write the JSON record")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="small model, 1 warm-up and 2 measured steps")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
-    return parser.parse_args(argv)
+    return layout_parser(__doc__, 2, 5, "small model, 1 warm-up and 2 measured steps").parse_args(argv)
 
 
 # launcher side -------------------------------------------------------------------------------------------

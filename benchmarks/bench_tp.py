@@ -29,21 +29,15 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import per_rank, run_layouts
+from _common import layout_parser, per_rank, run_layouts
 
 SIZES = {"full": (10, 512), "quick": (2, 64)}  # (blocks, width); hidden = 4 * width
 MB = 1e6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help="run one job (set by the launcher)")
-    parser.add_argument("--out", help="worker: where to write the JSON record")
+    parser = layout_parser(__doc__, 3, 10, "small model, 1 warm-up and 2 measured steps")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="small model, 1 warm-up and 2 measured steps")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per launched job")
     return parser.parse_args(argv)
 
 
