@@ -74,14 +74,19 @@ def check_available(parallelism: ParallelismConfig, num_processes: int | None = 
 
 
 def check_split_backward(parallelism: ParallelismConfig, dp_size: int) -> None:
-    """The zero-bubble schedules with data parallelism: measured wrong (the replicas' weight gradients are not
-    averaged, torch 2.13), so refused until accel reduces them itself."""
-    if parallelism.pp_schedule in SPLIT_BACKWARD_SCHEDULES and dp_size > 1:
+    """The zero-bubble schedules with data parallelism: torch computes their weight gradients past the hooks through
+    which DDP and FSDP2 reduce them. accel averages them itself for DDP stages (zero_stage 0 or 1,
+    accel/backends/ddp.py); FSDP2's (ZeRO 2/3, and TP with data parallelism) were measured wrong: refused."""
+    if parallelism.pp_schedule not in SPLIT_BACKWARD_SCHEDULES or dp_size <= 1:
+        return
+    if parallelism.zero_stage >= 2 or parallelism.tp_size > 1:
+        what = (f"zero_stage={parallelism.zero_stage}" if parallelism.zero_stage >= 2
+                else f"tp_size={parallelism.tp_size}")
         raise BackendNotAvailable(
             f"parallelism: pp_schedule {parallelism.pp_schedule} with data parallelism ({dp_size} replicas of each "
-            "stage) is not available yet in accel: its split backward skips the replicas' gradient reduction; "
-            "allowed: pp_size x tp_size = the process count, or pp_schedule 1F1B, GPipe, Interleaved1F1B or "
-            "LoopedBFS")
+            f"stage) and {what} is not available yet in accel: its split backward skips FSDP2's gradient "
+            "reduction; allowed: zero_stage 0 or 1 without tp_size (DDP stages), or pp_schedule 1F1B, GPipe, "
+            "Interleaved1F1B or LoopedBFS")
 
 
 def _check_v_schedule(parallelism: ParallelismConfig) -> None:

@@ -121,9 +121,10 @@ class Backend:
         `trigger_sync_in_backward`, for a model run several times before one backward)."""
         return contextlib.nullcontext()
 
-    def pipeline_stages_step(self, stages: list, skip_sync: bool):
+    def pipeline_stages_step(self, stages: list, skip_sync: bool, split_backward: bool = False):
         """Context in which a pipeline's `PipelineStage`s (whose modules this backend prepared) run one training
-        step; `skip_sync`: inside `accumulate`, without reducing gradients."""
+        step; `skip_sync`: inside `accumulate`, without reducing gradients; `split_backward`: the schedule computes
+        weight gradients past autograd's hooks (the zero-bubble ones)."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:

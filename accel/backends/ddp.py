@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.config.kwargs import DistributedDataParallelKwargs
@@ -97,7 +98,7 @@ def _batched_power_sgd():
 
 
 @contextlib.contextmanager
-def ddp_pipeline_stages(stages: list, skip_sync: bool):
+def ddp_pipeline_stages(stages: list, skip_sync: bool, split_backward: bool = False):
     """How pipeline stages (`PipelineStage`) whose module is in DDP run a training step.
 
     With `skip_sync` (inside `accumulate`): on the modules inside their DDP wrappers, so there is no gradient
@@ -108,11 +109,16 @@ def ddp_pipeline_stages(stages: list, skip_sync: bool):
     arranges it. Its shape-inference forward on the first step then does not arm DDP's reducer either (armed,
     the reducer counted that pass and the real one as one backward and failed its bucket rebuild with
     "rebuilt parameter indices size is not same as original model parameters size" when
-    pp_microbatches == pp_size)."""
+    pp_microbatches == pp_size).
+
+    `split_backward` (the zero-bubble schedules): torch computes their weight gradients with `autograd.grad` and adds
+    them to `.grad` itself, past DDP's hooks, so DDP would never reduce them. The stages then run on the modules
+    inside DDP, and at the end of a step that syncs, each stage's gradients (the window's, accumulated) are averaged
+    over its DDP group here, as DDP would have."""
     ddp = [(stage, stage.submod) for stage in stages if isinstance(stage.submod, DDP)]
     with contextlib.ExitStack() as stack:
         for stage, module in ddp:
-            if skip_sync:
+            if skip_sync or split_backward:
                 stage.submod = module.module
             else:
                 stack.enter_context(module.no_sync())
@@ -121,6 +127,24 @@ def ddp_pipeline_stages(stages: list, skip_sync: bool):
         finally:
             for stage, module in ddp:
                 stage.submod = module
+    if split_backward and not skip_sync:
+        for _, module in ddp:
+            average_gradients(list(module.module.parameters()), module.process_group)
+
+
+def average_gradients(params: list, group) -> None:
+    """Every parameter's gradient averaged over `group`, in one flat all-reduce (the same parameters have gradients
+    on every rank of a data-parallel group: they ran the same stage)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def release_ddp(modules: list) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.backends import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, check_split_backward, fused
+from accel.backends import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, check_split_backward, fused
 from accel.backends.base import (
     Backend,
     ParameterReplacements,
@@ -400,7 +400,8 @@ class PipelineModel(nn.Module):
         schedule, stages = self._schedule(packed, with_loss=target is not None, forward_only=forward_only)
         self._raw_losses = []
         if self._training_step:
-            with backend.inner.pipeline_stages_step(stages, self.skip_gradient_sync):
+            with backend.inner.pipeline_stages_step(stages, self.skip_gradient_sync,
+                                                    backend.schedule in SPLIT_BACKWARD_SCHEDULES):
                 output = schedule.step(target=target, **packed)
             self._tied_pending = bool(self.tied)
             backend.backward_ran = True

@@ -274,8 +274,8 @@ class SpmdBackend(Backend):
         else:
             yield
 
-    def pipeline_stages_step(self, stages: list, skip_sync: bool):
-        return ddp_pipeline_stages(stages, skip_sync)
+    def pipeline_stages_step(self, stages: list, skip_sync: bool, split_backward: bool = False):
+        return ddp_pipeline_stages(stages, skip_sync, split_backward)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     # With experts, each ep rank holds different rows of a stacked expert parameter under the same name: the

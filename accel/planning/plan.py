@@ -70,8 +70,9 @@ The model and its constants (documented so a plan can be checked by hand):
   routing is assumed balanced and dropless, so each rank's expert compute is what it is without ep.
 - Pipeline schedule (`pp_schedule`, default 1F1B): the pipeline layouts' bubble (`pipeline_bubble`), 2 stages per
   process for the looped, interleaved and V schedules (pp x 2 at most the blocks), DualPipeV with 2 x pp
-  micro-batches or more; the split-backward ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) only without
-  data parallelism (accel refuses them with dp > 1). Activations are counted as under 1F1B.
+  micro-batches or more; the split-backward ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) with data
+  parallelism only on DDP stages (ZeRO 0/1, no TP; accel refuses FSDP2 stages). Activations are counted as under
+  1F1B.
 """
 
 from __future__ import annotations
@@ -510,7 +511,8 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
     PP at most the blocks (pp x stages per rank under `schedule`), the (sp, cp) degrees of `sequences` (default:
     none) where the heads divide for Ulysses, the ep degrees of `experts` (default: none) that divide dp, accel's
     combination rules (accel.backends.check_available: expert parallelism only with DDP or ZeRO 2/3 alone, the
-    split-backward schedules only without data parallelism, DualPipeV with 2 x pp micro-batches or more)."""
+    split-backward schedules with data parallelism only on DDP stages, DualPipeV with 2 x pp micro-batches or
+    more)."""
     from accel.backends import check_available
     from accel.config import ConfigError, ParallelismConfig
 

@@ -71,6 +71,9 @@ FOUR_PROCESS_JOBS = {
     **{f"dp-zero{stage}": ["--model", "gpt", "--zero_stage", stage] for stage in range(4)},
     "accumulated": ["--model", "gpt", "--accum", 2, "--steps", 2, "--count_reductions"],
     "every_step": ["--model", "gpt", "--steps", 4, "--count_reductions"],
+    **{f"dp-{schedule}-zero{stage}": ["--model", "gpt", "--schedule", schedule, "--zero_stage", stage]
+       for schedule in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble") for stage in (0, 1)},
+    "dp-ZBVZeroBubble-accumulated": ["--model", "gpt", "--schedule", "ZBVZeroBubble", "--accum", 2, "--steps", 2],
 }
 
 
@@ -156,6 +159,18 @@ def test_eval_mode_turns_dropout_off(two_process_jobs):
 def test_pipeline_times_data_parallel(four_process_jobs, zero_stage):
     """4 processes: 2 stages x 2 replicas (DDP, DDP + ZeroRedundancyOptimizer, or FSDP2 for ZeRO 2/3)."""
     check_against(four_process_jobs / f"dp-zero{zero_stage}", reference("gpt", dp=2), dp=2)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"])
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_split_backward_schedules_times_data_parallel(four_process_jobs, schedule, zero_stage):
+    """The zero-bubble schedules compute weight gradients past DDP's hooks: accel averages them over the replicas
+    itself (accel/backends/ddp.py), so 2 stages x 2 replicas still equal one process, DDP and ZeRO-1 alike."""
+    check_against(four_process_jobs / f"dp-{schedule}-zero{zero_stage}", reference("gpt", dp=2), dp=2)
+
+
+def test_split_backward_schedule_with_accumulation(four_process_jobs):
+    check_against(four_process_jobs / "dp-ZBVZeroBubble-accumulated", reference("gpt", dp=2, steps=2, accum=2), dp=2)
 
 
 def test_pipeline_times_data_parallel_with_accumulation(four_process_jobs):
