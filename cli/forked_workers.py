@@ -59,10 +59,24 @@ class ForkedProcess:
     def _reap(self) -> None:
         with contextlib.suppress(ChildProcessError):
             _, status = os.waitpid(self.pid, 0)
+            self._ended(status)
+
+    def _ended(self, status: int) -> None:
+        if self.returncode is None:
             self.ended_at = time.time()
             self.returncode = os.waitstatus_to_exitcode(status)
 
     def poll(self) -> int | None:
+        """The exit code once the child ended. Looks itself too: the waiting thread may not have run yet (it needs
+        the interpreter's lock), and a worker that ended must not be missed by the agent's poll that sees another."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # the waiting thread reaped it: it records the end in a moment
+                self._reaper.join(1.0)
+            else:
+                if pid == self.pid:
+                    self._ended(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -84,6 +98,15 @@ class ForkedProcess:
 
 
 ENDED: dict[int, ForkedProcess] = {}  # pid -> the forked worker (this launcher's)
+
+
+def by_end(failures: dict) -> list[int] | None:
+    """The global ranks of torchrun's `failures` (rank -> ProcessFailure) in the order their forked workers ended,
+    or None when they were not all forked here."""
+    ended = {rank: ENDED[f.pid].ended_at for rank, f in failures.items() if f.pid in ENDED}
+    if len(ended) != len(failures) or any(at is None for at in ended.values()):
+        return None
+    return sorted(ended, key=lambda rank: ended[rank])  # type: ignore[arg-type, return-value]
 
 
 def first_failure(failures: dict) -> int | None:

@@ -459,10 +459,9 @@ def _announcing_restarts():
         done = spec.max_restarts - agent._remaining_restarts
         failures = getattr(getattr(agent, "_accel_last_result", None), "failures", None) or {}
         what = "a worker failed"
-        if failures:
-            rank = forked_workers.first_failure(failures)
-            rank = min(failures, key=lambda r: failures[r].timestamp) if rank is None else rank
-            what = f"rank {rank} {_ended(failures[rank].exitcode)}"
+        if failures:  # every failed rank, the first to end first (it is the cause more often than not)
+            order = forked_workers.by_end(failures) or sorted(failures, key=lambda r: failures[r].timestamp)
+            what = ", ".join(f"rank {rank} {_ended(failures[rank].exitcode)}" for rank in order)
         sys.stderr.write(f"accel launch: {what}; restarting the worker group (restart {done} of "
                          f"{spec.max_restarts}, ACCEL_RESTART_COUNT={done} in the new workers)\n")
         sys.stderr.flush()

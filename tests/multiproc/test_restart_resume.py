@@ -35,7 +35,8 @@ def test_rank_killed_inside_a_save_restarts_and_ends_bit_equal(isolated_env, tmp
     accel_launch(isolated_env, "--cpu", "--num_processes", 2, script, "--out", tmp_path / "a", timeout=120)
     killed = accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--max_restarts", 1, script,
                           "--out", tmp_path / "b", "--kill_at", 12, timeout=180)
-    assert "accel launch: rank 1 was killed by signal 9; restarting the worker group" in killed.stderr, killed.stderr
+    restart = next(line for line in killed.stderr.splitlines() if "restarting the worker group" in line)
+    assert "rank 1 was killed by signal 9" in restart, killed.stderr  # rank 0 may be named too: it lost its peer
 
     plain, restarted = attempts(tmp_path / "a"), attempts(tmp_path / "b")
     assert sorted(plain) == [(0, 0), (0, 1)]
