@@ -44,7 +44,7 @@ def preload() -> None:
 class ForkedProcess:
     """The part of `subprocess.Popen` torchrun's agent and accel's launcher use, for a forked child. A thread waits
     for the child, so `ended_at` is when it ended (not when the agent next looked): which of two ranks that ended
-    within one poll of the agent failed first is then known (`first_failure`)."""
+    within one poll of the agent failed first is then known (`by_end`)."""
 
     def __init__(self, pid: int, args: tuple) -> None:
         import threading
@@ -107,15 +107,6 @@ def by_end(failures: dict) -> list[int] | None:
     if len(ended) != len(failures) or any(at is None for at in ended.values()):
         return None
     return sorted(ended, key=lambda rank: ended[rank])  # type: ignore[arg-type, return-value]
-
-
-def first_failure(failures: dict) -> int | None:
-    """The global rank among torchrun's `failures` (rank -> ProcessFailure) whose forked worker ended first, or
-    None when they were not forked here (torchrun's own order, by the second it saw them, then stands)."""
-    ended = {rank: ENDED[f.pid].ended_at for rank, f in failures.items() if f.pid in ENDED}
-    if len(ended) != len(failures) or any(at is None for at in ended.values()):
-        return None
-    return min(ended, key=lambda rank: ended[rank])  # type: ignore[arg-type, return-value]
 
 
 def python_target(args: tuple) -> tuple[str, str, list[str]] | None:

@@ -505,9 +505,9 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
             sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
             return _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
         first_rank, first = exc.get_first_failure()
-        forked_first = forked_workers.first_failure(exc.failures)  # ended first (torchrun knows the second only)
-        if forked_first is not None:
-            first_rank, first = forked_first, exc.failures[forked_first]
+        order = forked_workers.by_end(exc.failures)  # the first to end first (torchrun knows the second only)
+        if order:
+            first_rank, first = order[0], exc.failures[order[0]]
         for rank, failure in sorted(exc.failures.items()):
             how = _ended(failure.exitcode)
             note = " (first failure)" if rank == first_rank and len(exc.failures) > 1 else ""

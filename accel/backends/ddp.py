@@ -127,20 +127,20 @@ def ddp_pipeline_stages(stages: list, skip_sync: bool, split_backward: bool = Fa
         finally:
             for stage, module in ddp:
                 stage.submod = module
-    if split_backward and not skip_sync:
+    if split_backward and not skip_sync:  # the same parameters have gradients on every replica: the same stage ran
         for _, module in ddp:
-            average_gradients(list(module.module.parameters()), module.process_group)
+            grads = [p.grad for p in module.module.parameters() if p.grad is not None]
+            sum_gradients(grads, module.process_group, divide_by=dist.get_world_size(module.process_group))
 
 
-def average_gradients(params: list, group) -> None:
-    """Every parameter's gradient averaged over `group`, in one flat all-reduce (the same parameters have gradients
-    on every rank of a data-parallel group: they ran the same stage)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def sum_gradients(grads: list[torch.Tensor], group, divide_by: int = 1) -> None:
+    """Sum `grads` over `group` (None: this rank alone) in one flat all-reduce, then divide by `divide_by`."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.div_(divide_by)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))

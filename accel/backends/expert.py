@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from accel.backends.ddp import sum_gradients
 from accel.config.errors import ConfigError
 
 FUSED_CONTAINERS = ("MixtralExperts", "Qwen2MoeExperts")  # transformers' fused layout, checked on the installed version
@@ -288,16 +289,7 @@ def reduce_expert_gradients(layout: ExpertLayout, edp_group, dp_size: int) -> No
     """Each expert gradient holds the sum over its ep group's tokens (the all-to-all's backward); sum it over the
     replicas of the expert (edp) and divide by the data-parallel degree: the gradient of the mean loss."""
     grads = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if edp_group is not None:
-        dist.all_reduce(flat, group=edp_group)
-    flat.div_(dp_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    sum_gradients(grads, edp_group, divide_by=dp_size)
 
 
 def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group) -> torch.Tensor:

@@ -56,6 +56,6 @@ def test_python_target_and_the_popen_stand_in():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == -signal.SIGTERM and proc.ended_at is not None
         failure = type("Failure", (), {"pid": child.pid})()
-        assert forked_workers.first_failure({3: failure}) == 3
+        assert forked_workers.by_end({3: failure}) == [3]
     finally:
         child.kill()
