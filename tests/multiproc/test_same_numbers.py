@@ -31,7 +31,12 @@ def _run(env: dict, impl: str, procs: int, *args: str) -> dict:
         launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs)] if procs > 1 else []
     proc = subprocess.run([sys.executable, *launch, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, f"{impl} {procs}p: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # The real Accelerate's end_training destroys the process group while the DDP module (and its C++ reducer,
+    # which holds the group) lives on, so a rank can abort at interpreter exit after the run is complete: accel
+    # drops the reducer first (accel.backends.ddp.release_ddp). The peer's numbers are still the reference.
+    aborted_at_exit = impl == "accelerate" and "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or aborted_at_exit, \
+        f"{impl} {procs}p: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
     assert len(lines) == 1, proc.stdout
     return json.loads(lines[0][len("RECORD "):])
