@@ -5,6 +5,7 @@ multi-node flags on --hostfile, and one real 2-process launch."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import subprocess
@@ -100,43 +101,42 @@ SAME_AS_FILE = [
 
 
 @pytest.mark.parametrize("flags,text", [case[1:] for case in SAME_AS_FILE], ids=[case[0] for case in SAME_AS_FILE])
-def test_flags_resolve_as_the_equivalent_accelerate_config_file(run_accel, workdir, flags, text):
+def test_flags_resolve_as_the_equivalent_accelerate_config_file(here, workdir, flags, text):
     (workdir / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5}))
     (workdir / "accelerate.yaml").write_text(text)
     processes = "4" if "--parallelism_config_dp_shard_size" in flags else "2"  # dp 2 x (dp 2, cp 2 or sp 2)
-    from_flags, command_of_flags = dry_run(run_accel, workdir, "--cpu", "--num_processes", processes, *flags)
-    from_file, command_of_file = dry_run(run_accel, workdir, "--cpu", "--num_processes", processes, "--config_file",
-                                         "accelerate.yaml")
+    from_flags, command_of_flags = here("--cpu", "--num_processes", processes, *flags)
+    from_file, command_of_file = here("--cpu", "--num_processes", processes, "--config_file", "accelerate.yaml")
     assert from_flags == from_file
     assert command_of_flags == command_of_file  # ACCEL_LAUNCH_CONFIG (the DeepSpeed JSON included) and torchrun's
     assert from_flags["parallelism"]["zero_stage"] > 0
 
 
-def test_the_resolved_values(run_accel, workdir):
+def test_the_resolved_values(here):
     """What a few of them mean, spelled out (the test above only proves flags and files agree)."""
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", *SAME_AS_FILE[0][1])[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "2", *SAME_AS_FILE[0][1])[0]["parallelism"]
     assert (par["zero_stage"], par["offload_params"], par["offload_optimizer"]) == (2, True, True)
     assert (par["activation_checkpointing"], par["zero_wrap_classes"]) == ("full", "LlamaDecoderLayer")
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", "--use_fsdp")[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "2", "--use_fsdp")[0]["parallelism"]
     assert par["zero_stage"] == 3
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", "--use_deepspeed")[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "2", "--use_deepspeed")[0]["parallelism"]
     assert par["zero_stage"] == 2
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "2", *SAME_AS_FILE[2][1])[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "2", *SAME_AS_FILE[2][1])[0]["parallelism"]
     assert (par["zero_stage"], par["zero_min_params"], par["zero_wrap_classes"]) == (2, 1000, None)
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", *SAME_AS_FILE[-2][1])[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "4", *SAME_AS_FILE[-2][1])[0]["parallelism"]
     assert (par["zero_stage"], par["dp_shard_size"], par["cp_size"], par["cp_comm_strategy"]) == (3, 2, 2, "ring")
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", *SAME_AS_FILE[-1][1])[0]["parallelism"]
+    par = here("--cpu", "--num_processes", "4", *SAME_AS_FILE[-1][1])[0]["parallelism"]
     assert (par["zero_stage"], par["sp_size"], par["sp_backend"], par["cp_size"]) == (3, 2, "deepspeed", 1)
     # accel's own flags for the same keys agree with them, or the launch is refused
-    par = dry_run(run_accel, workdir, "--cpu", "--num_processes", "4", "--cp_size", "2", "--cp_comm_strategy", "ring",
-                  "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")[0][
-        "parallelism"]
+    par = here("--cpu", "--num_processes", "4", "--cp_size", "2", "--cp_comm_strategy", "ring",
+               "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")[0]["parallelism"]
     assert (par["cp_size"], par["cp_comm_strategy"]) == (2, "ring")
 
 
-def dry_run_here(monkeypatch, capsys, workdir, *args: str) -> dict:
-    """`dry_run`'s resolved config, from `accel.cli.main.main` in this process (no interpreter start per call):
-    the same environment as run_accel's subprocess (HOME in a temp dir, no ACCEL_/rank variables), the same cwd."""
+def dry_run_here(monkeypatch, capsys, workdir, *args: str) -> tuple[dict, list[str]]:
+    """`dry_run`'s answer, from `accel.cli.main.main` in this process (no interpreter start, and no torch import,
+    per call): the same environment as run_accel's subprocess (HOME in a temp dir, no ACCEL_/rank variables), the
+    same cwd."""
     from accel.cli.main import main
 
     for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -150,8 +150,14 @@ def dry_run_here(monkeypatch, capsys, workdir, *args: str) -> dict:
     capsys.readouterr()
     assert main(["launch", "--dry_run", *args, "train.py"]) in (0, None)
     assert not (workdir / "ran").exists()
-    config_text, _, _ = capsys.readouterr().out.partition("# the command accel launch runs")
-    return yaml.safe_load(config_text)
+    config_text, _, command = capsys.readouterr().out.partition("# the command accel launch runs")
+    return yaml.safe_load(config_text), shlex.split(command.splitlines()[1])
+
+
+@pytest.fixture
+def here(monkeypatch, capsys, workdir):
+    """dry_run_here for this test's workdir."""
+    return functools.partial(dry_run_here, monkeypatch, capsys, workdir)
 
 
 def test_precedence_flags_over_files_and_the_selectors_default_stage(monkeypatch, capsys, workdir):
@@ -160,7 +166,7 @@ def test_precedence_flags_over_files_and_the_selectors_default_stage(monkeypatch
                                         "  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
 
     def stage_and_offload(*args):
-        par = dry_run_here(monkeypatch, capsys, workdir, "--cpu", "--num_processes", "2", *args)["parallelism"]
+        par = dry_run_here(monkeypatch, capsys, workdir, "--cpu", "--num_processes", "2", *args)[0]["parallelism"]
         return par["zero_stage"], par["offload_optimizer"]
 
     # --use_deepspeed on a DeepSpeed file keeps its stage, as Accelerate takes the file's zero_stage

@@ -499,7 +499,10 @@ SAVER = textwrap.dedent('''
             layout.os.replace = replace
     if kill == "hold":  # saves while the test holds the publish lock
         print("saving", flush=True)
-    time.sleep(max(0.0, float(os.environ.get("START_AT", 0)) - time.time()))  # concurrent jobs start together
+    if os.environ.get("GO_FILE"):  # concurrent jobs start together: ready (torch imported), then wait for the go
+        print("ready", flush=True)
+        while not os.path.exists(os.environ["GO_FILE"]):
+            time.sleep(0.005)
     for _ in range(repeat):
         model_io.save_state_dict_sharded(state, out, max_shard_size=shard)
     print("saved" if kill in ("none", "race", "race_no_exchange", "hold") else "not reached", flush=True)
@@ -507,16 +510,26 @@ SAVER = textwrap.dedent('''
 
 
 def run_saver(tmp_path: Path, out: Path, value: float, shard: str = SHARD, kill: str = "none", repeat: int = 1,
-              wait: bool = True, start_at: float = 0.0):
+              wait: bool = True, go_file: Path | None = None):
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     proc = subprocess.Popen([sys.executable, str(script), str(out), str(value), shard, kill, str(repeat)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "START_AT": str(start_at)})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "GO_FILE": str(go_file or "")})
     if not wait:
         return proc
     stdout, stderr = proc.communicate(timeout=240)
     return proc.returncode, stdout, stderr
+
+
+def start_together(tmp_path: Path, *jobs: tuple) -> list:
+    """run_saver(*args) for each of `jobs`, released together once each has imported torch."""
+    go = tmp_path / "go"
+    procs = [run_saver(*args, wait=False, go_file=go) for args in jobs]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.communicate(timeout=60)
+    go.touch()
+    return procs
 
 
 @pytest.mark.parametrize("kill, survivor", [("shard", 1.0), ("swap", 1.0), ("swapped", 2.0)])
@@ -558,9 +571,7 @@ def test_two_jobs_saving_to_one_folder_end_with_one_complete_model(tmp_path, kil
     out = tmp_path / "out"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")
-    start = time.time() + 10  # after both have imported torch
-    jobs = [run_saver(tmp_path, out, 1.0, SHARD, kill, repeat=20, wait=False, start_at=start),
-            run_saver(tmp_path, out, 2.0, "1GB", kill, repeat=20, wait=False, start_at=start)]
+    jobs = start_together(tmp_path, (tmp_path, out, 1.0, SHARD, kill, 20), (tmp_path, out, 2.0, "1GB", kill, 20))
     for job in jobs:
         stdout, stderr = job.communicate(timeout=240)
         assert job.returncode == 0 and "saved" in stdout, stderr
@@ -569,14 +580,13 @@ def test_two_jobs_saving_to_one_folder_end_with_one_complete_model(tmp_path, kil
     expected = ([f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)] + [INDEX] if final == {1.0}
                 else ["accel_checksums.json", "model.safetensors"])
     assert listing(out) == sorted([*expected, "tokenizer.json"])
-    assert listing(tmp_path) == ["out", "saver.py"]
+    assert listing(tmp_path) == ["go", "out", "saver.py"]
 
 
 def test_two_jobs_saving_to_sibling_folders_never_fail(tmp_path):
     parent = tmp_path / "models"
-    start = time.time() + 10
-    jobs = [run_saver(tmp_path, parent / "a", 1.0, SHARD, "race", repeat=20, wait=False, start_at=start),
-            run_saver(tmp_path, parent / "b", 2.0, SHARD, "race", repeat=20, wait=False, start_at=start)]
+    jobs = start_together(tmp_path, (tmp_path, parent / "a", 1.0, SHARD, "race", 20),
+                          (tmp_path, parent / "b", 2.0, SHARD, "race", 20))
     for job in jobs:
         stdout, stderr = job.communicate(timeout=240)
         assert job.returncode == 0 and "saved" in stdout, stderr
