@@ -17,7 +17,7 @@ import yaml
 from accel.cli import accelerate_flags, launch
 from accel.cli._common import UsageError
 from accel.cli.main import _subparsers, build_parser
-from accel.config import AccelConfig, config_from_dict
+from accel.config import config_from_dict
 
 
 @pytest.fixture
@@ -128,8 +128,9 @@ def test_the_resolved_values(here):
     par = here("--cpu", "--num_processes", "4", *SAME_AS_FILE[-1][1])[0]["parallelism"]
     assert (par["zero_stage"], par["sp_size"], par["sp_backend"], par["cp_size"]) == (3, 2, "deepspeed", 1)
     # accel's own flags for the same keys agree with them, or the launch is refused
-    par = here("--cpu", "--num_processes", "4", "--cp_size", "2", "--cp_comm_strategy", "ring",
-               "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")[0]["parallelism"]
+    config, _ = here("--cpu", "--num_processes", "4", "--cp_size", "2", "--cp_comm_strategy", "ring",
+                     "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")
+    par = config["parallelism"]
     assert (par["cp_size"], par["cp_comm_strategy"]) == (2, "ring")
 
 
