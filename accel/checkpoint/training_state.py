@@ -167,11 +167,17 @@ def _collect(objects: TrainingObjects, model_states: list) -> dict:
         "models": model_states,
         "optimizers": [_owned_optimizer_state(objects, o.optimizer) for o in objects.optimizers],
         "schedulers": [s.state_dict() for s in objects.schedulers],
-        "dataloaders": [d.state_dict() for d in objects.dataloaders if hasattr(d, "state_dict")],
+        "dataloaders": [loader_state(d) for d in objects.dataloaders if hasattr(d, "state_dict")],
         "custom": [obj.state_dict() for obj in objects.custom],
         "scaler": objects.scaler.state_dict() if objects.scaler is not None else None,
         "step": objects.step,
     }
+
+
+def loader_state(loader) -> dict:
+    """A prepared loader's whole state for a checkpoint: a stateful loader's `state_dict()` is torchdata's position
+    alone (as Accelerate's), its epoch state is kept beside it (accel.data.stateful)."""
+    return getattr(loader, "_accel_state_dict", loader.state_dict)()
 
 
 def first_cause(exc: BaseException) -> str:
@@ -625,7 +631,7 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
     backend, undo, what, partly = objects.backend, [], "", ""
     try:
         for what, obj, sd in small:  # noqa: B007 (`what` names the object in the error below)
-            before = _cpu_copy(obj.state_dict())
+            before = _cpu_copy(loader_state(obj))
             obj.load_state_dict(sd)
             undo.append((obj, before))
         partly = "; the models/optimizers before it hold the checkpoint's values: load again"

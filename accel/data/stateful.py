@@ -38,6 +38,13 @@ class Position:
         self._position = None  # the next pass starts a new epoch from its beginning
 
     def state_dict(self) -> dict:
+        """torchdata's own state dict, as Accelerate's adapters return it: the position of the batches the loop was
+        handed (equal to a bare `StatefulDataLoader`'s after the same batches); `load_state_dict` resumes from it."""
+        return self._position if self._position is not None else StatefulDataLoader.state_dict(self)
+
+    def _accel_state_dict(self) -> dict:
+        """What `save_state` keeps: the loader's epoch state (DataLoaderShard's: epoch, seed, the shuffle's generator)
+        and, mid-epoch, torchdata's position under "position"; `load_state_dict` takes it too."""
         state = super().state_dict()  # type: ignore[misc]  # a mix-in: the loader class has it
         if self._position is not None:
             state["position"] = self._position
@@ -49,8 +56,11 @@ class Position:
         return loaded or super()._resumes_mid_epoch()  # type: ignore[misc]  # a mix-in: the loader class has it
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)  # type: ignore[misc]  # a mix-in: the loader class has it
-        self._position = state_dict.get("position")
+        if "iteration" in state_dict:  # accel's record (save_state): the epoch state, and the position inside it
+            super().load_state_dict(state_dict)  # type: ignore[misc]  # a mix-in: the loader class has it
+            self._position = state_dict.get("position")
+        else:  # torchdata's state dict (`state_dict()`): the position in the current epoch
+            self._position = state_dict
         self._loaded_mid_epoch = self._position is not None
         position = dict(self._position or {})
         if position.get("_iterator_finished"):  # saved after the epoch's last batch: resume at its end, where torchdata
