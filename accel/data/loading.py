@@ -148,6 +148,11 @@ class _Head:
         return [self.items[i % len(self.items)] for i in range(count)]
 
 
+def _split_message(what: str, num_processes: int) -> str:
+    """split_batches' refusal, in Accelerate's words ("a round multiple"), naming the value and the process count."""
+    return f"split_batches=True needs {what} to be a round multiple of num_processes ({num_processes})."
+
+
 class BatchSamplerShard(Sampler):
     """Yields this rank's batches of indices out of `batch_sampler`'s global batches.
 
@@ -176,8 +181,7 @@ class BatchSamplerShard(Sampler):
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         if split_batches and self.batch_size is not None and self.batch_size % num_processes:
             raise ValueError(
-                f"split_batches=True needs batch_size ({self.batch_size}) to be divisible by "
-                f"num_processes ({num_processes})."
+                _split_message(f"batch_size ({self.batch_size})", num_processes)
             )
         self.skip_batches = 0
         self.remainder = -1
@@ -255,8 +259,7 @@ class BatchSamplerShard(Sampler):
             if b is None:
                 if len(batch) % n:
                     raise ValueError(
-                        f"split_batches=True needs every batch's size ({len(batch)}) to be divisible by "
-                        f"num_processes ({n})."
+                        _split_message(f"every batch's size ({len(batch)})", n)
                     )
                 part = len(batch) // n
                 yield batch[r * part : (r + 1) * part]
@@ -323,8 +326,7 @@ class IterableDatasetShard(IterableDataset):
     ):
         if split_batches and batch_size % num_processes:
             raise ValueError(
-                f"split_batches=True needs batch_size ({batch_size}) to be divisible by "
-                f"num_processes ({num_processes})."
+                _split_message(f"batch_size ({batch_size})", num_processes)
             )
         self.dataset = dataset
         self.batch_size = batch_size
@@ -384,6 +386,16 @@ def _set_locked(loader: DataLoader, name: str, value) -> None:
     """DataLoader forbids setting batch_size/drop_last after __init__; torch only reads them to build
     fetchers and lengths (both already decided by our sampler), so we restore the user-facing values."""
     object.__setattr__(loader, name, value)
+
+
+class _ItselfAsBase:
+    """`loader.base_dataloader`: the loader itself. An instance attribute, as Accelerate's (set in its adapters'
+    `__init__`): the class has none, so `DataLoaderShard.base_dataloader` is an AttributeError there too."""
+
+    def __get__(self, loader, owner=None):
+        if loader is None:
+            raise AttributeError(f"type object '{owner.__name__}' has no attribute 'base_dataloader'")
+        return loader
 
 
 class DataLoaderShard(DataLoader):
@@ -447,11 +459,9 @@ class DataLoaderShard(DataLoader):
             return self.sampler
         return None
 
-    @property
-    def base_dataloader(self) -> DataLoader:
-        """Accelerate's adapters wrap a torch loader (a StatefulDataLoader with `use_stateful_dataloader`); accel's
-        loader is that loader itself."""
-        return self
+    # Accelerate's adapters wrap a torch loader (a StatefulDataLoader with `use_stateful_dataloader`); accel's loader
+    # is that loader itself
+    base_dataloader = _ItselfAsBase()
 
     @property
     def skip_batches(self) -> int:
@@ -488,8 +498,11 @@ class DataLoaderShard(DataLoader):
     # -- epochs and resuming --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.iteration = int(epoch)
+        sampler = getattr(self.batch_sampler, "sampler", None)
         if self._shard is not None:
             self._shard.set_epoch(epoch)
+        elif sampler is not None and hasattr(sampler, "set_epoch"):  # a loader built directly on a user's sampler
+            sampler.set_epoch(epoch)
         elif hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
@@ -558,8 +571,10 @@ class DataLoaderShard(DataLoader):
 
     def _raw_batches(self) -> Iterator:
         batches = self._base_iterator()
-        if isinstance(self.dataset, IterableDatasetShard) and self.skip_batches:
-            return itertools.islice(batches, self.skip_batches, None)  # iterables must be read to skip
+        if self.skip_batches and (isinstance(self.dataset, IterableDatasetShard) or self._shard is None):
+            # iterables must be read to skip; so must a loader built directly on a user's sampler (no shard of ours
+            # to skip at the index level), as Accelerate's DataLoaderShard reads and drops them
+            return itertools.islice(batches, self.skip_batches, None)
         return batches
 
     def _with_lookahead(self, batches: Iterator) -> Iterator:
@@ -700,9 +715,18 @@ class DataLoaderDispatcher(DataLoaderShard):
                 if observed % n and not self._global_drop_last:
                     current, size = concatenate([current, first]), size + 1
             if index >= self.skip_batches:
+                if following is done:  # the flags are set before the last batch is handed out
+                    self.end_of_dataloader, self.remainder = True, self._last_remainder()
                 yield self.slice_fn(current, slice(r * size, (r + 1) * size), process_index=r, num_processes=n)
             index += 1
             current = following
+
+    def _with_lookahead(self, batches: Iterator) -> Iterator:
+        """`_raw_batches` already reads one round ahead (and sets the end flags): reading another would end the
+        sampler's epoch a batch early, and hold one more batch."""
+        for batch in batches:
+            self._snapshot()
+            yield self._to_device(batch)
 
     def _base_position(self):
         """The main process's position in the epoch, for stateful loaders (accel.data.stateful); None here."""
@@ -762,10 +786,7 @@ class SkipDataLoader(DataLoader):
         self.skip_batches = skip_batches
         self.use_stateful_dataloader = use_stateful_dataloader
 
-    @property
-    def base_dataloader(self) -> DataLoader:
-        """Accelerate's adapters wrap a torch loader; accel's loader is that loader itself."""
-        return self
+    base_dataloader = _ItselfAsBase()  # Accelerate's adapters wrap a torch loader; accel's loader is that loader
 
     def __len__(self) -> int:
         return max(super().__len__() - self.skip_batches, 0)
@@ -982,8 +1003,7 @@ def _dispatcher(dispatcher_class: type, dataloader: DataLoader, num_processes: i
         kwargs["batch_sampler"] = _global_batch_sampler(dataloader, shuffle)
         batch_size = getattr(kwargs["batch_sampler"], "batch_size", batch_size)
     if split_batches and batch_size is not None and batch_size % num_processes:
-        raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be divisible by "
-                         f"num_processes ({num_processes}).")
+        raise ValueError(_split_message(f"batch_size ({batch_size})", num_processes))
     return dispatcher_class(dataset, num_processes, process_index, split_batches, slice_fn,
                             global_drop_last=dataloader.drop_last, global_batch_size=batch_size, **settings, **kwargs)
 

@@ -117,6 +117,31 @@ def test_set_epoch_reaches_an_iterable_dataset():
     assert stream.epochs[-1] == 6
 
 
+def test_set_epoch_reaches_the_sampler_of_a_loader_built_on_a_user_batch_sampler():
+    """A DataLoaderShard built directly over a user's batch sampler passes set_epoch to that sampler's sampler, as
+    Accelerate's does, and a skip_first_batches view of it keeps that epoch (it does not start the sampler over)."""
+
+    class EpochSampler(Sampler):
+        def __init__(self, n):
+            self.n, self.epoch = n, 0
+
+        def __iter__(self):
+            return iter(range(self.n))
+
+        def __len__(self):
+            return self.n
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    sampler = EpochSampler(16)
+    dl = DataLoaderShard(list(range(16)), batch_sampler=BatchSampler(sampler, batch_size=4, drop_last=False))
+    dl.set_epoch(3)
+    assert sampler.epoch == 3
+    assert next(iter(skip_first_batches(dl, 2))).tolist() == [8, 9, 10, 11]
+    assert sampler.epoch == 3
+
+
 def test_even_batches_pads_by_wrapping_around_the_epoch():
     loader = DataLoader(Numbers(13), batch_size=4, shuffle=True)
     r0, r1 = (batches(dl) for dl in shard_all(loader, 2, seed=1))
