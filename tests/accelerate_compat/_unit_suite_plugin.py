@@ -1,6 +1,7 @@
 """pytest plugin for unit_suite.py (loaded with `-p _unit_suite_plugin` in the suite's own pytest process): one JSON
 line per test as it finishes, in $ACCEL_UNIT_SUITE_REPORT, so a file stopped by its time limit still reports the tests
-it ran; and a per-test time limit ($ACCEL_UNIT_SUITE_TEST_TIMEOUT seconds, SIGALRM) so one hung test fails alone."""
+it ran; a per-test time limit ($ACCEL_UNIT_SUITE_TEST_TIMEOUT seconds, SIGALRM) so one hung test fails alone; and, with
+$ACCEL_UNIT_SUITE_ONLY (a file of test ids, one per line), only those tests run."""
 
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ def _write(entry: dict | None) -> None:
         return
     with open(path, "a") as out:
         out.write(json.dumps(entry) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    only = os.environ.get("ACCEL_UNIT_SUITE_ONLY")
+    if not only:
+        return
+    with open(only) as f:
+        wanted = {line.strip() for line in f if line.strip()}
+    keep = [item for item in items if item.nodeid in wanted]
+    dropped = [item for item in items if item.nodeid not in wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep

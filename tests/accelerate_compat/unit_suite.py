@@ -5,8 +5,9 @@ the shim, or on the real Accelerate, and compare the passing tests with the list
     python tests/accelerate_compat/unit_suite.py --impl accelerate --write-passing   # re-measure the reference list
 
 The source distribution is downloaded with pip (never copied into this repository) and unpacked once into a cache
-folder (ACCEL_UNIT_SUITE_CACHE, default a folder in the system temp dir). Each test file runs in its own pytest
-process with a time limit (a hung file fails its tests, the others still report), CPU-only, offline, one thread.
+folder (ACCEL_UNIT_SUITE_CACHE, default a folder in the system temp dir). Each slow test file (FILE_SECONDS) runs in its
+own pytest process, the quick ones together in one, each process with a time limit (a hung file fails its tests, the
+others still report), CPU-only, offline, one thread.
 
 unit_passing_on_accelerate.txt: the test ids that pass on the real Accelerate with this harness here.
 unit_expected_failures.txt: those of them expected to fail on accel, each `ID  # reason` (a reason starting with
@@ -93,10 +94,15 @@ def run_file(root: Path, name: str, ids: list[str], env: dict, work: Path, timeo
              ) -> tuple[str, dict[str, dict], float, str]:
     """One test file (only `ids` of it, if given) in its own pytest process: (name, {id: result}, seconds, output
     tail). The plugin writes each test's result as it finishes, so a file stopped at `timeout` keeps what it ran."""
-    report = work / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_unit_suite_plugin",
-           *(ids or [f"tests/{name}"])]
+    report = work / f"{name.replace(' ', '_')}.jsonl"
     env = {**env, "ACCEL_UNIT_SUITE_REPORT": str(report)}
+    paths = [f"tests/{name}"]
+    if ids:  # the files, and the plugin keeps only these tests (a file that fails to import fails its tests alone)
+        paths = sorted({test.split("::")[0] for test in ids})
+        env["ACCEL_UNIT_SUITE_ONLY"] = str(report.with_suffix(".ids"))
+        Path(env["ACCEL_UNIT_SUITE_ONLY"]).write_text("\n".join(ids))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_unit_suite_plugin",
+           "--continue-on-collection-errors", *paths]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -125,7 +131,13 @@ def run_suite(impl: str = "accel", only: list[str] | None = None, files: list[st
         by_file: dict[str, list[str]] = {}
         for test in only:
             by_file.setdefault(test.split("::")[0].split("/")[-1], []).append(test)
-        work_items = [(name, tests) for name, tests in sorted(by_file.items()) if not files or name in files]
+        chosen = [(name, tests) for name, tests in sorted(by_file.items()) if not files or name in files]
+        # the quick files share one pytest process (each file's own costs mostly the imports of torch, accelerate's
+        # test helpers and transformers): the slow ones keep theirs, so they still run side by side
+        quick = [item for item in chosen if item[0] not in FILE_SECONDS]
+        work_items = [item for item in chosen if item[0] in FILE_SECONDS]
+        if quick:
+            work_items.append((f"{len(quick)} quick files", [test for _, tests in quick for test in tests]))
     else:
         names = files or sorted(p.name for p in (root / "tests").glob("test_*.py") if p.name not in SKIP_FILES)
         work_items = [(name, []) for name in names]
