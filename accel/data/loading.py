@@ -470,13 +470,19 @@ class DataLoaderShard(DataLoader):
     @skip_batches.setter
     def skip_batches(self, value: int) -> None:
         self._skip_batches = int(value)
-        if isinstance(self._shard, BatchSamplerShard):  # map-style: skip indices, load nothing
+        if self._skips_indices():
             self._shard.skip_batches = self._skip_batches
+
+    def _skips_indices(self) -> bool:
+        """Map-style loaders sharded by accel skip batches by index, loading nothing; others read and drop them."""
+        return isinstance(self._shard, BatchSamplerShard)
 
     # -- sizes ---------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        if not isinstance(self.dataset, IterableDatasetShard):
+        if self._skips_indices():
             return super().__len__()  # our samplers already account for skip_batches
+        if not isinstance(self.dataset, IterableDatasetShard):
+            return max(super().__len__() - self.skip_batches, 0)  # a loader built directly on a user's sampler
         items = len(self.dataset)
         batches = items if self.batch_size is None else math.ceil(items / self.batch_size)
         return max(batches - self.skip_batches, 0)
@@ -571,9 +577,9 @@ class DataLoaderShard(DataLoader):
 
     def _raw_batches(self) -> Iterator:
         batches = self._base_iterator()
-        if self.skip_batches and (isinstance(self.dataset, IterableDatasetShard) or self._shard is None):
-            # iterables must be read to skip; so must a loader built directly on a user's sampler (no shard of ours
-            # to skip at the index level), as Accelerate's DataLoaderShard reads and drops them
+        if self.skip_batches and not self._skips_indices():
+            # iterables must be read to skip; so must a loader built directly on a user's sampler, as Accelerate's
+            # DataLoaderShard reads and drops them
             return itertools.islice(batches, self.skip_batches, None)
         return batches
 
