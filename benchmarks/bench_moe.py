@@ -1,11 +1,13 @@
-"""Expert parallelism on CPU: per-rank expert bytes and step time of ep 1, 2 and 4 on 4 processes (gloo).
+"""Expert parallelism on CPU: per-rank expert bytes and step time of ep 1, 2 and 4 on 4 processes (gloo), under DDP
+and under ZeRO-3.
 
-    python benchmarks/bench_moe.py            # Mixtral-style model, 8 experts, 3 launched jobs (a few minutes)
+    python benchmarks/bench_moe.py            # Mixtral-style model, 8 experts, 6 launched jobs (about a minute)
     python benchmarks/bench_moe.py --quick    # smoke run (small model, 1 warm-up + 2 measured steps)
 
-Three jobs, each `accel launch --cpu --num_processes 4 [--ep_size N] benchmarks/bench_moe.py --worker ...` with
-OMP_NUM_THREADS=1: ep 1 is plain DDP over 4 ranks (every rank holds every expert), ep 2 and ep 4 divide each MoE
-layer's experts among 2 or 4 of the data-parallel ranks (tokens reach them by all-to-all).
+Six jobs, each `accel launch --cpu --num_processes 4 --ep_size N --zero_stage Z benchmarks/bench_moe.py --worker
+...` with OMP_NUM_THREADS=1, Z in (0, 3): ep 1 is plain DDP (or ZeRO-3) over 4 ranks, ep 2 and ep 4 divide each MoE
+layer's experts among 2 or 4 of the data-parallel ranks (tokens reach them by all-to-all); under ZeRO-3 the
+stacked experts are also sharded over their 4 / ep replicas.
 
 The model (seed 0): transformers' MixtralForCausalLM, hidden H, 8 experts of intermediate 2H, top-2, L layers,
 vocab 1024, router auxiliary loss on. AdamW (lr 1e-4, fp32); each rank gets its own batch of B x T random tokens.
@@ -13,10 +15,10 @@ A step is `zero_grad(); loss = model(**batch).loss; accelerator.backward(loss); 
 perf_counter on rank 0 after a barrier.
 
 Expert bytes per rank are counted from the parameters accel's expert parallelism holds after `prepare` (the
-largest rank's), beside the theory: the model's whole expert bytes / ep. On a CPU with fewer cores than processes
-the step time measures mostly the shared cores; the all-to-all's cost shows against DDP's all-reduce of the
-experts' gradients (which ep removes). Each worker writes one JSON record; the launcher prints the table. Asserts
-nothing.
+largest rank's local shards), beside the theory: the model's whole expert bytes / ep (ZeRO-3: / 4). On a CPU with
+fewer cores than processes the step time measures mostly the shared cores; the all-to-all's cost shows against
+DDP's all-reduce of the experts' gradients (which ep removes). Each worker writes one JSON record; the launcher
+prints the table. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -43,31 +45,36 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_all(args: argparse.Namespace) -> int:
     passed = ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
-    jobs = {ep: ["--num_processes", "4", "--ep_size", str(ep)] for ep in (1, 2, 4)}
-    results: dict[int, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_moe_")
+    jobs = {(zero, ep): ["--num_processes", "4", "--ep_size", str(ep), "--zero_stage", str(zero)]
+            for zero in (0, 3) for ep in (1, 2, 4)}
+    results: dict[tuple, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_moe_")
     if results:
         print_table(results)
     return 0 if len(results) == len(jobs) else 1
 
 
-def print_table(results: dict[int, dict]) -> None:
+def print_table(results: dict[tuple, dict]) -> None:
     first = next(iter(results.values()))
     print(f"\ntorch {first['torch']}, gloo on CPU, 4 processes, 1 thread each; Mixtral {first['n_params']:,} "
           f"parameters ({first['layers']} layers, hidden {first['hidden']}, {NUM_EXPERTS} experts, top-2), "
           f"experts {first['expert_total'] / MB:.2f} MB; AdamW fp32, batch {first['batch']} x {first['tokens']} "
           f"tokens per rank, {first['warmup']} warm-up + {first['steps']} measured steps")
-    header = (f"{'config':<6} {'expert MB/rank':>14} {'total/ep MB':>11} {'params MB/rank':>14} {'step ms':>8} "
+    header = (f"{'config':<12} {'expert MB/rank':>14} {'theory MB':>9} {'params MB/rank':>14} {'step ms':>8} "
               f"{'min':>7} {'max':>7} {'vs ep1':>6}")
     print(header)
     print("-" * len(header))
-    base = median([t * 1e3 for t in results[1]["step"]]) if 1 in results else None
-    for ep, res in sorted(results.items()):
+    for (zero, ep), res in sorted(results.items()):
+        base = results.get((zero, 1))
         step = [t * 1e3 for t in res["step"]]
         med = median(step)
-        ratio = f"{med / base:6.2f}" if base else f"{'-':>6}"
-        print(f"ep {ep:<3} {max(res['expert_bytes']) / MB:>14.3f} {res['expert_total'] / ep / MB:>11.3f} "
+        ratio = f"{med / median([t * 1e3 for t in base['step']]):6.2f}" if base else f"{'-':>6}"
+        theory = res["expert_total"] / (4 if zero >= 2 else ep)
+        label = f"{'ZeRO-3 ' if zero else 'DDP '}ep {ep}"
+        print(f"{label:<12} {max(res['expert_bytes']) / MB:>14.3f} {theory / MB:>9.3f} "
               f"{max(res['param_bytes']) / MB:>14.3f} {med:>8.1f} {min(step):>7.1f} {max(step):>7.1f} {ratio}")
-    print("expert MB/rank: the largest rank's expert parameters after prepare; total/ep: the theory", flush=True)
+    print("expert MB/rank: the largest rank's expert parameters after prepare (local shards); theory: the model's "
+          "experts / ep (DDP), / the 4 data-parallel ranks (ZeRO-3: stacked experts sharded again over their "
+          "replicas); vs ep1: step time against ep 1 of the same ZeRO stage", flush=True)
 
 
 # worker side ---------------------------------------------------------------------------------------------
@@ -96,8 +103,9 @@ def worker(args: argparse.Namespace) -> int:
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
     held = dict(inner.named_parameters())
-    mine = sum(held[n].numel() * held[n].element_size() for n in experts if n in held)
-    everything = sum(p.numel() * p.element_size() for p in held.values())
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in held.items()}  # DTensor: its shard
+    mine = sum(local[n].numel() * local[n].element_size() for n in experts if n in local)
+    everything = sum(p.numel() * p.element_size() for p in local.values())
 
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)  # each rank its own batch
     ids = torch.randint(0, 1024, (batch, tokens), generator=gen)

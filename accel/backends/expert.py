@@ -11,11 +11,12 @@ What is recognised:
   its names and holds the slice [E/ep, ...] of both parameters; Qwen2-MoE's shared expert stays replicated.
 - a MoE block of the user's own whose class (or instance) has `accel_expert_plan = ExpertPlan(...)`.
 
-Expert gradients: the all-to-all's backward returns to each expert the gradient of every ep rank's tokens; the
-backend then sums them over the expert's replicas (the `edp` group) and divides by the data-parallel degree, so
-they equal the single-process gradient of the mean loss (`reduce_expert_gradients`). DDP and FSDP2 leave the
-expert parameters alone (DDP ignores them; `fully_shard` gets them as ignored_params: kept whole on their ep rank,
-which already holds only 1/ep of them).
+Expert gradients: the all-to-all's backward returns to each expert the gradient of every ep rank's tokens; summed
+over the expert's replicas (the `edp` group) and divided by the data-parallel degree, they equal the
+single-process gradient of the mean loss. With DDP (which ignores the experts) the backend does this by hand
+(`reduce_expert_gradients`). With ZeRO 2/3 stacked experts become DTensors sharded over ep and FSDP2 shards them
+again over edp, reduce-scattering there with that divisor (`shard_over_replicas`, torchtitan's layout): each
+rank keeps E/dp of them. A ModuleList's experts stay whole on their ep rank (FSDP2's ignored_params), reduced by hand.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class ExpertShard:
     ep: int
     rank: int
     group: Any
-    run: Callable[[int, torch.Tensor], torch.Tensor]  # local expert j on tokens [n, H]
+    run: Callable[[Any, int, torch.Tensor], torch.Tensor]  # run(experts, j, x): local expert j on tokens [n, H]
+    module: torch.nn.Module | None = None  # the stacked experts' module (None: a ModuleList's)
 
     @property
     def local(self) -> int:
@@ -111,9 +113,10 @@ class ExpertShard:
         expert_of = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts)
         by_expert = torch.argsort(expert_of, stable=True)
         sizes = torch.bincount(expert_of, minlength=local).tolist()
+        experts = local_view(self.module) if self.module is not None else None
         outputs = []
         for j, rows in enumerate(torch.split(by_expert, sizes)):  # every local expert, none skipped: its gradient
-            outputs.append(self.run(j, received[rows]).to(received.dtype))  # is defined on every rank, so
+            outputs.append(self.run(experts, j, received[rows]).to(received.dtype))  # is defined on every rank, so
             # replicas reduce alike; FSDP2's mixed precision casts the tokens, not the experts it leaves alone
         computed = torch.cat(outputs) if outputs else received
         results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to the received order
@@ -123,7 +126,28 @@ class ExpertShard:
         return out.index_add(0, source_token, combined.to(tokens.dtype))
 
 
-def _fused_expert(container: torch.nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
+class _LocalView:
+    """A stacked-experts module as its expert code reads it: under ZeRO 2/3 FSDP2 gives it DTensor parameters
+    sharded over ep (whole tensors [E, ...]); this view returns their local rows [E/ep, ...] instead (autograd
+    flows back through `to_local`), and everything else from the module."""
+
+    def __init__(self, module: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
+        self._module, self._local = module, local
+
+    def __getattr__(self, name: str) -> Any:
+        local = self.__dict__["_local"]
+        return local[name] if name in local else getattr(self.__dict__["_module"], name)
+
+
+def local_view(module: torch.nn.Module) -> Any:
+    """`module`, or a view of it with its DTensor parameters' local rows (see _LocalView)."""
+    from torch.distributed.tensor import DTensor
+
+    local = {n: p.to_local() for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    return _LocalView(module, local) if local else module
+
+
+def _fused_expert(container: Any, j: int, x: torch.Tensor) -> torch.Tensor:
     """transformers' fused expert j: down(act(gate(x)) * up(x))."""
     gate_up, down = getattr(container, "gate_up_proj"), getattr(container, "down_proj")  # noqa: B009 (Any, for mypy)
     gate, up = F.linear(x.to(gate_up.dtype), gate_up[j]).chunk(2, dim=-1)  # FSDP2 leaves experts in their dtype
@@ -166,6 +190,7 @@ class ExpertLayout:
     shards: list[ExpertShard] = dataclasses.field(default_factory=list)
     params: dict[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)  # stacked: dim 0 is split
     listed: dict[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)  # a ModuleList's own experts
+    stacked: list = dataclasses.field(default_factory=list)  # (module, parameter names) of the stacked experts
     held: set[str] = dataclasses.field(default_factory=set)  # the model's tensor names on this rank (checkpoints)
     reduced: bool = False  # the experts' gradients (if any) are reduced already (the last backward was synced)
 
@@ -210,9 +235,10 @@ def _shard_fused(layout: ExpertLayout, name: str, container: torch.nn.Module, ep
     """transformers' fused experts: keep the slices, replace the container's forward (names and call unchanged)."""
     num = int(getattr(container, "gate_up_proj").shape[0])  # noqa: B009 (Any, for mypy)
     _check_divides(name, num, ep)
-    shard = ExpertShard(name, num, ep, rank, group, run=lambda j, x: _fused_expert(container, j, x))
+    shard = ExpertShard(name, num, ep, rank, group, run=_fused_expert, module=container)
     for pname, param in zip(FUSED_PARAMS, _slice_params(container, FUSED_PARAMS, shard, name), strict=True):
         layout.params[f"{name}.{pname}"] = param
+    layout.stacked.append((container, FUSED_PARAMS))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return shard.dispatch(hidden_states, top_k_index, top_k_weights)
@@ -232,7 +258,7 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
     if isinstance(experts, torch.nn.ModuleList):
         num = len(experts)
         _check_divides(name or type(block).__name__, num, ep)
-        def run(j: int, x: torch.Tensor) -> torch.Tensor:
+        def run(_, j: int, x: torch.Tensor) -> torch.Tensor:
             expert = experts[shard.first + j]
             weight = next(expert.parameters(), None)
             return expert(x if weight is None else x.to(weight.dtype))
@@ -250,21 +276,49 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
                               "nn.ModuleList; allowed: give `params` (stacked on dim 0) and `call(experts, j, x)`")
         num = getattr(experts, plan.params[0]).shape[0]
         _check_divides(name or type(block).__name__, num, ep)
-        call = plan.call
-        shard = ExpertShard(name, num, ep, rank, group, run=lambda j, x: call(experts, j, x))
+        shard = ExpertShard(name, num, ep, rank, group, run=plan.call, module=experts)
         for pname, param in zip(plan.params, _slice_params(experts, plan.params, shard, prefix), strict=True):
             layout.params[f"{prefix}.{pname}"] = param
+        layout.stacked.append((experts, tuple(plan.params)))
+
+        def route(self, tokens, index, weights):
+            return shard.dispatch(tokens, index, weights)
+
+        experts.forward = types.MethodType(route, experts)  # called as a module, so FSDP2 can shard it (ZeRO 2/3)
 
     def forward(self, hidden_states, *args, **kwargs):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         *_, weights, index = router(tokens)
-        out = shard.dispatch(tokens, index, weights)
+        out = shard.dispatch(tokens, index, weights) if shard.module is None else experts(tokens, index, weights)
         if shared is not None:
             out = out + shared(tokens)
         return out.reshape(hidden_states.shape)
 
     block.forward = types.MethodType(forward, block)
     layout.shards.append(shard)
+
+
+def shard_over_replicas(layout: ExpertLayout, expert_mesh, dp_size: int, options: dict) -> None:
+    """ZeRO 2/3 (FSDP2): shard the stacked experts again over their replicas, as torchtitan does, so each rank
+    keeps E/dp of them (not E/ep). Each stacked parameter becomes a DTensor sharded over `ep` (its whole shape
+    [E, ...]: checkpoints and full state dicts need nothing else), then `fully_shard` over `edp` makes it 2-D
+    and reduce-scatters its gradient there, divided by the data-parallel degree: each rank's share already sums
+    its ep group's tokens (the all-to-all's backward), so the sum over edp / dp is the mean loss's gradient.
+    Afterwards the layout's hand-reduced `params` no longer hold them. ModuleList experts stay whole."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh, edp_mesh = expert_mesh["ep"], expert_mesh["edp"]
+    for module, names in layout.stacked:
+        for pname in names:
+            local = getattr(module, pname)
+            whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
+            setattr(module, pname, torch.nn.Parameter(whole, requires_grad=local.requires_grad))
+        fully_shard(module, mesh=edp_mesh, **options)
+        module.set_gradient_divide_factor(float(dp_size))
+        if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:  # gloo has no PREMUL_SUM: sum, then divide
+            module.set_force_sum_reduction_for_comms(True)  # (not on one replica: torch 2.13 then divides twice)
+    layout.params.clear()
 
 
 def expert_names(layout: ExpertLayout) -> set[str]:

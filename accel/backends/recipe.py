@@ -51,6 +51,8 @@ class Recipe:
     wrap_ddp: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # the backend's DDP (options, group)
     compile: dict | None = None  # torch.compile's keyword arguments plus "regional"; None: eager
     fsdp_ignored: set | None = None  # parameters FSDP2 leaves whole and unreduced (expert parallelism's experts)
+    fsdp_first: Callable[[dict], None] | None = None  # shards modules over meshes of their own before the blocks,
+    # given fully_shard's options without the mesh (expert parallelism's stacked experts, over their replicas)
 
 
 def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
@@ -77,7 +79,7 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
         compile_blocks(model, recipe.parallelism, options)
     if recipe.data_parallel == "fsdp":
         apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, recipe.precision, offload=recipe.offload,
-                   pin_memory=recipe.device.type == "cuda", ignored=recipe.fsdp_ignored)
+                   pin_memory=recipe.device.type == "cuda", ignored=recipe.fsdp_ignored, first=recipe.fsdp_first)
         if on_meta:
             materialize(model, "cpu" if recipe.offload else recipe.device)
     elif recipe.data_parallel == "ddp":
@@ -90,11 +92,13 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bool = False,
-               pin_memory: bool = False, ignored: set | None = None) -> None:
+               pin_memory: bool = False, ignored: set | None = None,
+               first: Callable[[dict], None] | None = None) -> None:
     """FSDP2 (`fully_shard`) over `mesh`: each repeated block (inner before outer), then the root. Parameters
     are resharded after forward with zero_stage 3; gradients are reduced in fp32 under mixed precision. A 2-D
     mesh is HSDP: parameters are sharded over its inner (dp_shard) dimension and replicated over the outer one,
-    whose replicas all-reduce the reduce-scattered gradients (fully_shard does both from the mesh)."""
+    whose replicas all-reduce the reduce-scattered gradients (fully_shard does both from the mesh). `first`
+    shards modules on meshes of their own before that (given the same options, without the mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     options = {"mesh": mesh, "reshard_after_forward": parallelism.zero_stage == 3}
@@ -103,6 +107,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bo
         options["mp_policy"] = mp_policy
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    if first is not None:
+        first({k: v for k, v in options.items() if k != "mesh"})
     if ignored:
         options["ignored_params"] = ignored
     for block in reversed(repeated_blocks(model, parallelism)):  # inner blocks before their parents

@@ -18,6 +18,20 @@ from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
 from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Raise one logger's level to ERROR for the duration."""
+    import logging
+
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _release_wrapped(wrapped: list[weakref.ref]) -> None:
     """Drop the reducers of the DDP wrappers in `wrapped` that are still alive, then forget them."""
     release_ddp([ref() for ref in wrapped])
@@ -150,7 +164,7 @@ class SpmdBackend(Backend):
     def _shard_experts(self, model: torch.nn.Module, recipe: Recipe) -> None:
         """Divide the MoE layers' experts among the ep ranks (expert.py); DDP and FSDP2 leave them alone (their
         gradients are reduced over the expert's replicas in `backward`)."""
-        from accel.backends.expert import expert_names, shard_experts
+        from accel.backends.expert import expert_names, shard_experts, shard_over_replicas
 
         device_type = self.state.device.type
         rank = self.topology.coordinates(self.state.process_index)["ep"]
@@ -160,8 +174,10 @@ class SpmdBackend(Backend):
             {n for n, _ in model.named_buffers()}
         self.experts.append(layout)
         model._accel_experts = layout  # type: ignore[assignment]  # a plain attribute: the model's own layout
-        if self.data_parallel == "fsdp":
-            recipe.fsdp_ignored = {*layout.params.values(), *layout.listed.values()}
+        if self.data_parallel == "fsdp":  # stacked experts: sharded again over their replicas; listed: whole
+            recipe.fsdp_ignored = set(layout.listed.values()) or None
+            recipe.fsdp_first = functools.partial(shard_over_replicas, layout, self.topology.expert_mesh(device_type),
+                                                  self.topology.dp_size)
         elif self.data_parallel == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(expert_names(layout)))
 
@@ -348,8 +364,10 @@ class SpmdBackend(Backend):
 
             from accel.backends import fused
 
-            # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU. torch notes, once
+            # per 2-D (FSDP x TP or ep) shard, that it gathers in two steps: right for a one-off save, so not shown
+            with _quiet("torch.distributed.tensor._redistribute"):
+                state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             state = fused.to_model_order(state, model)
         if layout:  # the experts whole, in the model's own names and layout (every rank gathers)
             from accel.backends.expert import gather_full

@@ -190,6 +190,7 @@ class Topology:
             ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
             ranks = ranks.permute(0, 3, 4, 1, 2).reshape(-1, edp, self.ep_size)
             self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_rest", "edp", "ep"))
+            self._expert_mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
         return self._expert_mesh
 
     def submesh(self, name: str, device_type: str):

@@ -63,10 +63,12 @@ The model and its constants (documented so a plan can be checked by hand):
 - Mixture of experts (`model_shape`: the expert parameters accel.planning.estimate flags, E experts per layer from
   the config's num_local_experts/num_experts or their stacked dim 0, top_k from num_experts_per_tok, else 2): a
   token runs top_k / E of the experts' matmul parameters. Expert parallelism (ep, `ep_size` or each divisor of dp
-  that divides E) keeps 1/ep of the experts on each rank, whole under ZeRO 2/3 (not sharded, not gathered); the
-  rest shards as usual; layouts accel refuses (ep with tp, pp, sp/cp, ZeRO-1 or offload) are not planned. Time:
+  that divides E) keeps 1/ep of the experts on each rank; ZeRO 2/3 shard those again over their dp / ep copies
+  (a unit of their own per MoE layer, gathered to E/ep); the rest shards as usual; layouts accel refuses (ep with
+  tp, pp, sp/cp, ZeRO-1 or offload) are not planned. Time:
   per MoE layer two all-to-alls of the routed tokens (tokens x top_k x hidden) over the ep neighbours in forward
-  and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies;
+  and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies
+  (ZeRO 2/3: reduce-scattered, and the experts all-gathered per pass);
   routing is assumed balanced and dropless, so each rank's expert compute is what it is without ep.
 - Pipeline schedule (`pp_schedule`, default 1F1B): the pipeline layouts' bubble (`pipeline_bubble`), 2 stages per
   process for the looped, interleaved and V schedules (pp x 2 at most the blocks), DualPipeV with 2 x pp
@@ -227,11 +229,11 @@ class Shape:
     units: tuple = ()  # ((dense, expert) parameters) of each ZeRO wrap unit (the blocks, the root's own)
 
     def largest_unit_for(self, ep: int) -> int:
-        """The largest ZeRO-3 unit's gathered parameters: expert parallelism keeps the experts whole on their ep
-        rank (FSDP2 leaves them alone), so with ep > 1 only the rest of a unit is gathered."""
+        """The largest ZeRO-3 unit's gathered parameters: with expert parallelism a block's stacked experts are an
+        FSDP2 unit of their own, gathered to this rank's E/ep (over their dp / ep copies), apart from the rest."""
         if ep <= 1 or not self.units:
             return self.largest_unit
-        return max(dense for dense, _ in self.units)
+        return max(max(dense, expert // ep) for dense, expert in self.units)
 
     @property
     def kv_width(self) -> int:
@@ -583,7 +585,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     rank_numel = states_cache[key][1]["layouts"]["ddp"]["params_bytes"] / 4  # the rank's tp/pp slice, unsharded
     shard_numel = states["params_bytes"] / 4
     unit = shape.largest_unit_for(ep) / tp
-    expert_numel = shape.expert_params / ep if ep > 1 else 0.0  # this rank's experts, whole (not sharded again)
+    expert_numel = shape.expert_params / ep if ep > 1 else 0.0  # this rank's experts (gathered, under ZeRO 2/3)
     row = {"zero_stage": zero, "tp_size": tp, "pp_size": pp, "sp_size": sp, "cp_size": cp, "ep_size": ep,
            "dp_size": dp, "offload": offload,
            "activation_checkpointing": ac, "micro_batches": m, "gradient_accumulation_steps": m if pp == 1 else 1,
@@ -652,9 +654,16 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
         late += gather if hw.run_ahead else 0.0
         dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
-    if expert_numel and dp > ep:  # each expert's dp / ep copies (ep ranks apart) all-reduce its gradient
-        dp_comm += _exposed(hw, _in_step(hw, collective(hw, "all_reduce", expert_numel * 4, dp // ep, dp), 1),
-                            0.5, window)
+    if expert_numel and dp > ep:  # each expert's dp / ep copies (ep ranks apart): DDP all-reduces its gradient;
+        # ZeRO 2/3 shard it again over them: an all-gather per pass (ZeRO-3: two), a reduce-scatter per step
+        copies = dp // ep
+        if zero <= 1:
+            expert_sync = collective(hw, "all_reduce", expert_numel * 4, copies, dp)
+        else:
+            passes = accum * (2 if zero == 3 else 1)
+            expert_sync = (collective(hw, "reduce_scatter", expert_numel * 4, copies, dp)
+                           + passes * collective(hw, "all_gather", expert_numel * pbytes, copies, dp))
+        dp_comm += _exposed(hw, _in_step(hw, expert_sync, 1), 0.5, window)
     elem = 4 if mixed_precision == "no" else 2
     act_mb = mb * local_len * shape.hidden * elem  # a micro-batch's activations on this rank
     logits_mb = mb * local_len * shape.vocab * elem

@@ -37,7 +37,17 @@ RUNS = {
     "zero3-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 3, "--save_model"]),
     "ep4-qwen2moe": (4, ["--ep_size", 4, "--model", "qwen2moe"]),
     "zero2-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 2, "--model", "own"]),
+    "ep2-stacked-plan": (2, ["--ep_size", 2, "--model", "stacked"]),
+    "zero3-ep2-stacked-plan": (4, ["--ep_size", 2, "--zero_stage", 3, "--model", "stacked"]),
 }
+
+
+# save_state after step 2, then load_state in a new launch: DDP x Mixtral's stacked experts on 2 processes; on 4,
+# ZeRO-3 x a ModuleList of our own (experts whole) and ZeRO-3 x Mixtral (experts sharded again over the replicas)
+RESUMES = {"resume-2": ["--ep_size", 2, "--save_at", 2],
+           "resume-4-own": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3, "--model", "own"],
+           "resume-4-zero3": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3]}
+RUNS_ON = {"resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4}
 
 
 def option(args: list, name: str, default):
@@ -82,11 +92,10 @@ def runs(tmp_path_factory):
     for processes in (2, 4):
         jobs = [(name, args) for name, (n, args) in RUNS.items() if n == processes]
         jobs += list(BF16_RUNS.items()) if processes == 2 else []
-        # a save after step 2, then a resume from it (same folder): DDP x Mixtral's stacked experts on 2 processes,
-        # ZeRO-3 x a ModuleList of our own on 4
-        resume = (["--ep_size", 2, "--save_at", 2] if processes == 2 else
-                  ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3, "--model", "own"])
-        jobs += [(f"resume-{processes}", resume), (f"resume-{processes}", [*resume, "--resume"])]
+        # a save after step 2, then a resume from it (same folder)
+        for name, resume in RESUMES.items():
+            if RUNS_ON[name] == processes:
+                jobs += [(name, resume), (name, [*resume, "--resume"])]
         launch_jobs(out, env, processes, SCRIPT, jobs)
     return out
 
@@ -107,6 +116,19 @@ def test_matches_one_process(runs, name):
     for key, value in expected.items():
         assert weights[key].shape == value.shape, key
         torch.testing.assert_close(weights[key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_experts_held_per_rank(runs, name):
+    """Each process holds 1/ep of the experts; under ZeRO 2/3 stacked experts are sharded again over their
+    replicas, 1/dp (a ModuleList's experts stay whole on their ep rank)."""
+    processes, args = RUNS[name]
+    args = [str(a) for a in args]
+    moe = worker_module("moe_train")
+    whole = moe.expert_numel(moe.make_model(option(args, "--model", "mixtral")))
+    resharded = option(args, "--zero_stage", 0) >= 2 and option(args, "--model", "mixtral") != "own"
+    divisor = processes if resharded else option(args, "--ep_size", 1)
+    assert json.loads((runs / name / "result.json").read_text())["expert_numel"] == whole // divisor
 
 
 # bf16 runs: checked against the fp32 reference loosely (bf16 rounding), that they run and train alike
@@ -139,10 +161,10 @@ def test_save_model_loads_with_from_pretrained(runs, name):
     torch.testing.assert_close(loaded(input_ids=ids).logits, fresh(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_resume_from_save_state_is_bit_exact(runs, processes):
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_from_save_state_is_bit_exact(runs, name):
     """The run saved after step 2 and the resumed run's last two steps and weights equal the uninterrupted run's."""
-    folder = runs / f"resume-{processes}"
+    folder = runs / name
     whole = json.loads((folder / "result.json").read_text())
     resumed = json.loads((folder / "resumed.json").read_text())
     assert resumed["losses"] == whole["losses"][2:] and resumed["norms"] == whole["norms"][2:]

@@ -25,8 +25,9 @@ def test_experts_are_divided_by_ep():
     ep2 = training(moe, num_processes=4, ep=2)
     assert ep2["ep_size"] == 2
     assert ep2["layouts"]["ddp"]["params_bytes"] == whole["ddp"]["params_bytes"] - experts // 2 * STATE
-    # ZeRO-3: the embedding sharded over dp 4, the experts whole on their ep rank (1/2 of them)
-    assert ep2["layouts"]["zero3"]["params_bytes"] == (800 // 4 + experts // 2) * STATE
+    # ZeRO-3: the embedding sharded over dp 4, the stacked experts 1/2 per ep rank, sharded again over their 2
+    # replicas (1/4)
+    assert ep2["layouts"]["zero3"]["params_bytes"] == (800 // 4 + experts // 4) * STATE
 
 
 def test_ep_must_divide_the_data_parallel_degree():

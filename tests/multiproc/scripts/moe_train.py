@@ -1,8 +1,9 @@
 """Worker for test_expert.py: an Accelerate-style loop over a tiny MoE model (transformers Mixtral or Qwen2-MoE with
-the router's auxiliary loss in the loss, or a MoE block of our own with an `accel_expert_plan`) under expert
-parallelism (--ep_size), alone or with data parallelism and ZeRO. Writes result.json (per-step losses, clipped
-norms, auxiliary losses) and result.safetensors (the gathered weights); --save_model writes save_model's folder;
-with --save_at K it saves the state after step K, with --resume it loads that state and runs the remaining steps.
+the router's auxiliary loss in the loss, or a MoE block of our own with an `accel_expert_plan`: ModuleList or
+stacked experts) under expert parallelism (--ep_size), alone or with data parallelism and ZeRO. Writes result.json
+(per-step losses, clipped norms, auxiliary losses, the most expert elements one process holds) and
+result.safetensors (the gathered weights); --save_model writes save_model's folder; with --save_at K it saves the
+state after step K, with --resume it loads that state and runs the remaining steps.
 
 The one-process reference of test_expert.py uses make_model/make_samples with plain PyTorch."""
 
@@ -58,11 +59,44 @@ class OwnMoE(torch.nn.Module):
         return out.reshape(x.shape)
 
 
-class OwnLM(torch.nn.Module):
+class StackedExperts(torch.nn.Module):
+    """4 experts as two parameters stacked on dim 0."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(4, HIDDEN, 64) / HIDDEN ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(4, 64, HIDDEN) / 8)
+
+
+def run_stacked(experts, j: int, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ experts.w1[j]) @ experts.w2[j]
+
+
+class StackedMoE(torch.nn.Module):
+    """A MoE block of our own with stacked experts: the plan names the parameters and how to run expert j."""
+
+    accel_expert_plan = ExpertPlan(router="router", experts="experts", params=("w1", "w2"), call=run_stacked)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router()
+        self.experts = StackedExperts()
+
+    def forward(self, x):
+        tokens = x.reshape(-1, HIDDEN)
+        weights, index = self.router(tokens)
+        out = torch.zeros_like(tokens)
+        for j in range(4):
+            rows, slot = torch.where(index == j)
+            out = out.index_add(0, rows, run_stacked(self.experts, j, tokens[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class OwnLM(torch.nn.Module):
+    def __init__(self, block=OwnMoE) -> None:
+        super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(OwnMoE() for _ in range(2))
+        self.layers = torch.nn.ModuleList(block() for _ in range(2))
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, input_ids, labels=None):
@@ -76,8 +110,8 @@ class OwnLM(torch.nn.Module):
 
 def make_model(kind: str):
     set_seed(0)
-    if kind == "own":
-        return OwnLM()
+    if kind in ("own", "stacked"):
+        return OwnLM(OwnMoE if kind == "own" else StackedMoE)
     common = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, vocab_size=VOCAB, output_router_logits=True,
                   router_aux_loss_coef=0.1, use_cache=False, attn_implementation="eager")
@@ -97,6 +131,12 @@ def make_samples() -> list:
     return [{"input_ids": row, "labels": row.clone()} for row in tokens]
 
 
+def expert_numel(model: torch.nn.Module) -> int:
+    """The expert parameters' elements this process holds (a DTensor's local shard)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+               for name, p in model.named_parameters() if ".experts." in name)
+
+
 def aux_of(outputs) -> float:
     aux = outputs["aux_loss"] if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
     return 0.0 if aux is None else float(aux.detach())
@@ -105,7 +145,7 @@ def aux_of(outputs) -> float:
 def run(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen2moe", "own"])
+    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen2moe", "own", "stacked"])
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--ep_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
@@ -158,12 +198,14 @@ def run(argv):
         if args.save_at and not args.resume and step + 1 == args.save_at:
             accelerator.save_state(str(out / "state"))
     weights = accelerator.get_state_dict(model)
+    held = accelerator.gather(torch.tensor([expert_numel(accelerator.unwrap_model(model))])).max().item()
     if args.save_model:
         accelerator.save_model(model, str(out / "model"))
     if accelerator.is_main_process:
         name = "resumed" if args.resume else "result"
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms, "aux": auxes}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms, "aux": auxes,
+                                                         "expert_numel": held}))
     return accelerator
 
 
