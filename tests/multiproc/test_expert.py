@@ -39,6 +39,9 @@ RUNS = {
     "zero2-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 2, "--model", "own"]),
     "ep2-stacked-plan": (2, ["--ep_size", 2, "--model", "stacked"]),
     "zero3-ep2-stacked-plan": (4, ["--ep_size", 2, "--zero_stage", 3, "--model", "stacked"]),
+    # the experts' own FSDP2 units under no_sync and recomputation
+    "zero3-ep2-accumulate2-checkpointing": (4, ["--ep_size", 2, "--zero_stage", 3, "--accum", 2,
+                                                "--checkpointing", "full"]),
 }
 
 
