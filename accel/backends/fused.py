@@ -1,4 +1,5 @@
-"""Fused projections under tensor parallelism (GPT-2's `c_attn`: q, k and v in one [in, 3*out] matrix).
+"""Fused projections under tensor parallelism (GPT-2's `c_attn`: q, k and v in one [in, 3*out] matrix; a MoE
+layer's stacked experts' `gate_up_proj`: gate and up in one [E, 2*I, H] tensor).
 
 Megatron's split gives each tensor-parallel rank whole heads of q, of k and of v. A contiguous shard of the
 fused matrix would not (rank 0 would get all of q and half of k), so before sharding the output features are
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_MARK = "_accel_fused"  # on a fused module: (parts, tp_size, dim of the weight's output features)
+_MARK = "_accel_fused"  # on a fused module: (parts, tp_size, {parameter name: the dim of its fused features})
 
 
 def permutation(features: int, parts: int, tp_size: int) -> torch.Tensor:
@@ -26,8 +27,8 @@ def permutation(features: int, parts: int, tp_size: int) -> torch.Tensor:
                       for r in range(tp_size) for j in range(parts)])
 
 
-def mark(module: nn.Module, parts: int, tp_size: int, out_dim: int) -> None:
-    setattr(module, _MARK, (parts, tp_size, out_dim))
+def mark(module: nn.Module, parts: int, tp_size: int, dims: dict[str, int]) -> None:
+    setattr(module, _MARK, (parts, tp_size, dims))
 
 
 def _marked(model: nn.Module):
@@ -40,16 +41,16 @@ def _marked(model: nn.Module):
 def layouts(model: nn.Module) -> dict[str, str]:
     """Parameter name -> the non-default layout it is held in (for the checkpoint manifest)."""
     found = {}
-    for name, (parts, tp_size, _) in _marked(model):
-        for leaf in ("weight", "bias"):
+    for name, (parts, tp_size, dims) in _marked(model):
+        for leaf in dims:
             found[f"{name}.{leaf}" if name else leaf] = f"fused {parts} parts, reordered for tp_size={tp_size}"
     return found
 
 
 def to_model_order(state: dict, model: nn.Module) -> dict:
     """A full state dict (gathered tensors) with fused features put back in the model's own order."""
-    for name, (parts, tp_size, out_dim) in _marked(model):
-        for leaf, dim in (("weight", out_dim), ("bias", 0)):
+    for name, (parts, tp_size, dims) in _marked(model):
+        for leaf, dim in dims.items():
             key = f"{name}.{leaf}" if name else leaf
             value = state.get(key)
             if isinstance(value, torch.Tensor):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, TransposedRowwise
+from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, ExpertsSplit, TransposedRowwise
 from accel.backends.tensor_plan import (
     automatic_plan,
     builtin_source,
@@ -44,6 +44,8 @@ def _style(name: str, module: torch.nn.Module, tp_size: int):
 
     if name == "fused_qkv":
         return ColumnSplit(out_dim=1 if is_conv1d(module) else 0, parts=3, tp_size=tp_size)
+    if name == "experts":
+        return ExpertsSplit(tp_size)
     replicated_output: dict[str, Any] = {"output_layouts": Replicate()} if name == "colwise_rep" else {}
     replicated_input: dict[str, Any] = {"input_layouts": Replicate()} if name == "rowwise_rep" else {}
     if is_conv1d(module) and name in ("colwise", "colwise_rep"):

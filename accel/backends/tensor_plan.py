@@ -3,7 +3,8 @@
 Where a plan comes from, in order: `ParallelismConfig(tp_plan={...})` (names with `*` wildcards), the model's
 own `_tp_plan`/`base_model_tp_plan` (transformers), else the automatic plan for recognised layers:
 q/k/v/o and gate/up/down projections, GPT-2's `Conv1D` layers (weight stored [in, out]) and its fused q/k/v
-projection `c_attn`, consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head.
+projection `c_attn`, consecutive Linear pairs in an `nn.Sequential`, embeddings and the output head, and a MoE
+layer's stacked experts (transformers' Mixtral/Qwen2-MoE `experts`, split within each expert: `experts`).
 
 Tied weights stay one parameter: a plan that splits one use of a tied weight is completed so every use is
 split the same way (an embedding tied to a vocabulary-split head is split by vocabulary too), and a plan that
@@ -29,12 +30,19 @@ from torch import nn
 
 from accel.config import ConfigError
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep", "fused_qkv")
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep", "fused_qkv", "experts")
 _COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3", "wq", "wk", "wv")
 _EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
 _HEAD_NAMES = ("lm_head", "output")
 _ROW_NAMES = ("o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj")
 _FUSED_NAMES = ("c_attn",)  # GPT-2: q, k and v in one Conv1D of 3 * hidden outputs
+
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """transformers' fused MoE experts: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (the `experts` style)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2])
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -160,7 +168,9 @@ def automatic_plan(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for name, module in model.named_modules():
         leaf, layer = name.rsplit(".", 1)[-1], computing(module)  # a LoRA layer is planned as the layer it wraps
-        if isinstance(layer, nn.Embedding) and leaf in _EMBEDDING_NAMES:
+        if is_stacked_experts(module):
+            plan[name] = "experts"  # each expert's intermediate features split; the outputs all-reduced
+        elif isinstance(layer, nn.Embedding) and leaf in _EMBEDDING_NAMES:
             plan[name] = "rowwise_rep"  # vocabulary split; the looked-up vectors are all-reduced
         elif isinstance(layer, nn.Linear) and leaf in _HEAD_NAMES:
             plan[name] = "colwise_rep"  # vocabulary split; the logits are gathered
@@ -199,14 +209,16 @@ def _drop_unfed_rowwise(model: nn.Module, plan: dict[str, str]) -> dict[str, str
 
 # transformers' style names -> ours
 _STYLE_ALIASES = {"colwise_gather_output": "colwise_rep", "embedding_rowwise": "rowwise_rep",
-                  "gather_output": "colwise_rep", "rowwise_split_input": "rowwise"}
+                  "gather_output": "colwise_rep", "rowwise_split_input": "rowwise", "moe_tp_experts": "experts"}
 
 
 def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[str, str]:
     """The plan a transformers model publishes (`base_model_tp_plan` on its config, `_tp_plan` on the model),
     read from the model inside any wrapper (PEFT, torch.compile, DDP) and named as in that model; style names
-    translated to ours, entries in styles accel does not know left out (and printed). `origins`, when given,
-    receives where each entry was read (for the errors)."""
+    translated to ours, entries in styles accel does not know left out (and printed). An `experts` entry takes
+    the entries for its parameters (`experts.gate_up_proj: packed_colwise`, ...) with it; entries that match no
+    module of this model (a dense MLP's in a model whose layers are all MoE) are left out too. `origins`, when
+    given, receives where each entry was read (for the errors)."""
     _, model = wrapper_prefix(model)
     plan: dict[str, str] = {}
     found: dict[str, str] = {}
@@ -222,11 +234,25 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
             plan[key], found[key] = style, f"{type(model).__name__}._tp_plan['{key}']"
     translated: dict[str, str] = {}
     skipped: list[str] = []
-    for key, style in plan.items():
-        style = _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
-        (translated.__setitem__(key, style) if style in STYLES else skipped.append(f"{key}: {style}"))
+    styles = {key: _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
+              for key, style in plan.items()}
+    experts = [key for key, style in styles.items() if style == "experts"]
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = []
+    for key, style in styles.items():
+        if any(key.startswith(f"{owner}.") for owner in experts):
+            continue  # a parameter of stacked experts: the `experts` entry splits them
+        if not any(fnmatch.fnmatchcase(n, key) for n in names):
+            unmatched.append(key)
+        elif style in STYLES:
+            translated[key] = style
+        else:
+            skipped.append(f"{key}: {style}")
     if skipped:
         print(f"accel: tensor parallel plan: left out entries in styles accel does not know: {', '.join(skipped)}")
+    if unmatched:
+        print(f"accel: tensor parallel plan: left out entries that match no module of {type(model).__name__}: "
+              f"{', '.join(unmatched)}")
     if origins is not None:
         origins.update({key: f"the model's own plan ({found[key]})" for key in translated})
     return translated
@@ -347,6 +373,15 @@ def check_divisible(model: nn.Module, plan: dict[str, str], tp_size: int, source
                 raise ConfigError(f"tensor parallelism: layer '{name}' (fused_qkv) has {parent.num_heads} heads, not "
                                   f"divisible by tp_size={tp_size} (each rank holds whole heads; allowed: a tp_size "
                                   f"dividing {parent.num_heads}; the entry is from {origin})")
+        elif style == "experts":
+            if not is_stacked_experts(module):
+                raise ConfigError(f"tensor parallelism: layer '{name}' (experts, from {origin}) is not a MoE layer's "
+                                  "stacked experts accel can split (gate_up_proj [E, 2I, H] and down_proj [E, H, I])")
+            inner = module.get_parameter("down_proj").shape[2]
+            if inner % tp_size:
+                raise ConfigError(f"tensor parallelism: experts '{name}' have intermediate size {inner}, not divisible "
+                                  f"by tp_size={tp_size} (allowed: a tp_size dividing {inner}; the entry is from "
+                                  f"{origin})")
         elif is_linear(computing(module)) and style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep"):
             inputs, outputs = features(module)
             dim, size = ("out_features", outputs) if style.startswith("colwise") else ("in_features", inputs)
@@ -365,8 +400,10 @@ def split_dim(module: nn.Module, leaf: str, style: str | None) -> int | None:
     """The dimension of parameter `leaf` of `module` that `style` splits (None: kept whole, -1: reordered)."""
     if style in (None, "sequence_parallel", "replicate"):
         return None
-    if style == "fused_qkv":
+    if style == "fused_qkv" or (style == "experts" and leaf == "gate_up_proj"):
         return -1  # a layout of its own: never the same placement as another parameter
+    if style == "experts":
+        return 2 if leaf == "down_proj" else None
     column = style.startswith("colwise")
     if isinstance(module, nn.Embedding):
         return 0 if not column else 1

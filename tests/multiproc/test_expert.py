@@ -7,8 +7,10 @@ computes them on each rank): DDP's mean loss, whose gradient equals the single-p
 Tiny transformers Mixtral and Qwen2-MoE (shared expert) and a MoE block of our own with an `accel_expert_plan`
 (ModuleList experts). On 2 processes: ep 2 alone, with ZeRO-3, gradient accumulation, activation checkpointing, two
 synced backward calls per step, and bf16. On 4: dp 2 x ep 2, ZeRO-3 x ep 2, ZeRO-2 x ep 2 (our own block), ep 4.
-save_model loads with `from_pretrained`; save_state resumes bit-exactly (DDP x Mixtral on 2 processes, ZeRO-3 x our
-own ModuleList on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
+Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism within the experts (tp 2 on
+Mixtral and Qwen2-MoE, ZeRO-3 x tp 2). The expert elements each process holds. save_model loads with
+`from_pretrained`; save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList and
+ZeRO-3 x Mixtral on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ RUNS = {
     # the experts' own FSDP2 units under no_sync and recomputation
     "zero3-ep2-accumulate2-checkpointing": (4, ["--ep_size", 2, "--zero_stage", 3, "--accum", 2,
                                                 "--checkpointing", "full"]),
+    # tensor parallelism within the experts (the model's own plan: `experts` splits each expert's features)
+    "tp2-mixtral": (2, ["--tp_size", 2, "--save_model"]),
+    "tp2-qwen2moe": (2, ["--tp_size", 2, "--model", "qwen2moe"]),  # its plan's dense-MLP entries match nothing
+    "zero3-tp2-mixtral": (4, ["--tp_size", 2, "--zero_stage", 3]),
 }
 
 
@@ -107,7 +113,7 @@ def runs(tmp_path_factory):
 def test_matches_one_process(runs, name):
     processes, args = RUNS[name]
     args = [str(a) for a in args]
-    model, expected_losses, expected_norms, expected_aux = reference(args, processes)
+    model, expected_losses, expected_norms, expected_aux = reference(args, processes // option(args, "--tp_size", 1))
     result = json.loads((runs / name / "result.json").read_text())
     assert len(result["losses"]) == len(expected_losses)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses), atol=ATOL, rtol=0)
@@ -124,13 +130,13 @@ def test_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_experts_held_per_rank(runs, name):
     """Each process holds 1/ep of the experts; under ZeRO 2/3 stacked experts are sharded again over their
-    replicas, 1/dp (a ModuleList's experts stay whole on their ep rank)."""
+    replicas, 1/dp (a ModuleList's experts stay whole on their ep rank); tensor parallelism divides by tp too."""
     processes, args = RUNS[name]
     args = [str(a) for a in args]
     moe = worker_module("moe_train")
     whole = moe.expert_numel(moe.make_model(option(args, "--model", "mixtral")))
     resharded = option(args, "--zero_stage", 0) >= 2 and option(args, "--model", "mixtral") != "own"
-    divisor = processes if resharded else option(args, "--ep_size", 1)
+    divisor = processes if resharded else option(args, "--ep_size", 1) * option(args, "--tp_size", 1)
     assert json.loads((runs / name / "result.json").read_text())["expert_numel"] == whole // divisor
 
 
