@@ -179,8 +179,41 @@ def _check_divides(where: str, num_experts: int, ep: int) -> None:
 def _plan_of(module: torch.nn.Module) -> ExpertPlan | None:
     plan = getattr(module, "accel_expert_plan", None)
     if isinstance(plan, dict):
-        plan = ExpertPlan(**plan)
+        try:
+            plan = ExpertPlan(**plan)
+        except TypeError as error:
+            allowed = ", ".join(f.name for f in dataclasses.fields(ExpertPlan))
+            raise ConfigError(f"{type(module).__name__}.accel_expert_plan: {error}; allowed keys: {allowed}") from None
+    if plan is not None and not isinstance(plan, ExpertPlan):
+        raise ConfigError(f"{type(module).__name__}.accel_expert_plan: bad value {plan!r}; allowed: an ExpertPlan "
+                          "(accel.backends.expert) or a dict of its fields")
     return plan
+
+
+def _part(block: torch.nn.Module, plan: ExpertPlan, role: str) -> torch.nn.Module:
+    """The submodule a plan names for `role` (router, experts, shared); a one-line error when there is none."""
+    attr = getattr(plan, role)
+    found = None
+    if isinstance(attr, str):
+        try:
+            found = block.get_submodule(attr)
+        except AttributeError:
+            pass
+    if found is None:
+        children = ", ".join(name for name, _ in block.named_children()) or "none"
+        raise ConfigError(f"{type(block).__name__}.accel_expert_plan: {role}={attr!r} is not a submodule of "
+                          f"{type(block).__name__}; allowed: the name of one of its submodules ({children})")
+    return found
+
+
+def _stacked(experts: torch.nn.Module, plan: ExpertPlan, block: torch.nn.Module) -> list[torch.Tensor]:
+    """The stacked parameters a plan names (`params`), each a parameter of `experts` with dim 0 the experts."""
+    own = dict(experts.named_parameters(recurse=False))
+    missing = [p for p in plan.params if p not in own]
+    if missing:
+        raise ConfigError(f"{type(block).__name__}.accel_expert_plan: params {missing} are not parameters of "
+                          f"{plan.experts!r}; allowed: its own parameters ({', '.join(own) or 'none'})")
+    return [own[p] for p in plan.params]
 
 
 @dataclasses.dataclass
@@ -222,7 +255,7 @@ def expert_param_names(model: torch.nn.Module) -> set[str]:
         prefix = f"{name}." if name else ""
         plan = _plan_of(module)
         if plan is not None:
-            experts = module.get_submodule(plan.experts)
+            experts = _part(module, plan, "experts")
             chosen = [n for n, _ in experts.named_parameters()] if isinstance(experts, torch.nn.ModuleList) \
                 else list(plan.params)
             names.update(f"{prefix}{plan.experts}.{n}" for n in chosen)
@@ -251,9 +284,9 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
                    group) -> None:
     """A block of the user's own: its experts are sliced (stacked) or thinned out (ModuleList: the other ranks'
     entries become empty modules, so names stay global), its forward becomes router -> all-to-all -> combine."""
-    experts = block.get_submodule(plan.experts)
-    router = block.get_submodule(plan.router)
-    shared = block.get_submodule(plan.shared) if plan.shared else None
+    experts = _part(block, plan, "experts")
+    router = _part(block, plan, "router")
+    shared = _part(block, plan, "shared") if plan.shared else None
     prefix = f"{name}.{plan.experts}" if name else plan.experts
     if isinstance(experts, torch.nn.ModuleList):
         num = len(experts)
@@ -274,7 +307,7 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
         if not plan.params or plan.call is None:
             raise ConfigError(f"{type(block).__name__}.accel_expert_plan: experts {plan.experts!r} is not an "
                               "nn.ModuleList; allowed: give `params` (stacked on dim 0) and `call(experts, j, x)`")
-        num = getattr(experts, plan.params[0]).shape[0]
+        num = _stacked(experts, plan, block)[0].shape[0]
         _check_divides(name or type(block).__name__, num, ep)
         shard = ExpertShard(name, num, ep, rank, group, run=plan.call, module=experts)
         for pname, param in zip(plan.params, _slice_params(experts, plan.params, shard, prefix), strict=True):
