@@ -128,13 +128,13 @@ def _check_sequence(parallelism: ParallelismConfig) -> None:
 
 
 def _check_expert(parallelism: ParallelismConfig) -> None:
-    """Expert parallelism (ep_size) runs with DDP and ZeRO 2/3 over the data-parallel ranks it is taken from;
-    what it has not been made to work with is refused here, by name (accel/backends/expert.py)."""
+    """Expert parallelism (ep_size) runs with DDP and ZeRO 2/3 over the data-parallel ranks it is taken from, and
+    with tensor parallelism; what it has not been made to work with is refused here, by name
+    (accel/backends/expert.py)."""
     ep = getattr(parallelism, "ep_size", 1)
     if ep <= 1:
         return
-    others = [(f"tensor parallelism (tp_size={parallelism.tp_size})", parallelism.tp_size > 1),
-              (f"pipeline parallelism (pp_size={parallelism.pp_size})", parallelism.pp_size > 1),
+    others = [(f"pipeline parallelism (pp_size={parallelism.pp_size})", parallelism.pp_size > 1),
               (f"sequence parallelism (sp_size={parallelism.sp_size})", parallelism.sp_size > 1),
               (f"context parallelism (cp_size={parallelism.cp_size})", parallelism.cp_size > 1),
               (f"ZeRO-1 (zero_stage={parallelism.zero_stage})", parallelism.zero_stage == 1),
@@ -146,4 +146,5 @@ def _check_expert(parallelism: ParallelismConfig) -> None:
         if on:
             raise BackendNotAvailable(
                 f"parallelism: expert parallelism (ep_size={ep}) with {what} is not available yet in accel; "
-                "allowed: ep_size > 1 with DDP (zero_stage 0) or ZeRO 2/3, tp_size, pp_size, sp_size and cp_size 1")
+                "allowed: ep_size > 1 with DDP (zero_stage 0) or ZeRO 2/3 and tensor parallelism; pp_size, sp_size "
+                "and cp_size 1")

@@ -195,6 +195,20 @@ class Backend:
         """Drop references to communication objects before the process group is destroyed."""
 
 
+@contextlib.contextmanager
+def quiet_logger(name: str):
+    """Raise one logger's level to ERROR for the duration."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """The norm of all `grads` as one vector. Sharded (DTensor) gradients are reduced over their mesh; those on
     different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined."""
@@ -203,8 +217,9 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device
         by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
-        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        with quiet_logger("torch.distributed.tensor._redistribute"):  # a 2-D mesh (FSDP x TP, ep): torch notes
+            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)  # one all-reduce per mesh dim (of
+            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a scalar) as suboptimal
         norms.append(whole.to(device=device, dtype=torch.float32))
     if not norms:
         return torch.zeros((), device=device)

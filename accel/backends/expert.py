@@ -224,6 +224,7 @@ class ExpertLayout:
     params: dict[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)  # stacked: dim 0 is split
     listed: dict[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)  # a ModuleList's own experts
     stacked: list = dataclasses.field(default_factory=list)  # (module, parameter names) of the stacked experts
+    lists: list[str] = dataclasses.field(default_factory=list)  # the names of the ModuleList experts
     held: set[str] = dataclasses.field(default_factory=set)  # the model's tensor names on this rank (checkpoints)
     reduced: bool = False  # the experts' gradients (if any) are reduced already (the last backward was synced)
 
@@ -297,6 +298,7 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
             return expert(x if weight is None else x.to(weight.dtype))
 
         shard = ExpertShard(name, num, ep, rank, group, run=run)
+        layout.lists.append(prefix)
         for j in range(num):
             if shard.first <= j < shard.first + shard.local:
                 for pname, param in experts[j].named_parameters():
@@ -345,7 +347,13 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, dp_size: int, options
     for module, names in layout.stacked:
         for pname in names:
             local = getattr(module, pname)
-            whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
+            if isinstance(local, DTensor):  # split within each expert by tensor parallelism: over (ep, tp)
+                shape = torch.Size((local.shape[0] * ep_mesh.size(), *local.shape[1:]))
+                whole = DTensor.from_local(local.to_local().detach(), expert_mesh[("ep", "tp")],
+                                           [Shard(0), *local.placements], run_check=False, shape=shape,
+                                           stride=torch.empty(shape, device="meta").stride())
+            else:
+                whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(module, pname, torch.nn.Parameter(whole, requires_grad=local.requires_grad))
         fully_shard(module, mesh=edp_mesh, **options)
         module.set_gradient_divide_factor(float(dp_size))

@@ -12,24 +12,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.backends import backend_name_for
-from accel.backends.base import Backend, ParameterReplacements, refuse_stepped_optimizer, register_backend
+from accel.backends.base import (
+    Backend,
+    ParameterReplacements,
+    quiet_logger,
+    refuse_stepped_optimizer,
+    register_backend,
+)
 from accel.backends.ddp import apply_ddp, ddp_pipeline_stages, release_ddp
 from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
 from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str):
-    """Raise one logger's level to ERROR for the duration."""
-    import logging
-
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _release_wrapped(wrapped: list[weakref.ref]) -> None:
@@ -174,6 +166,9 @@ class SpmdBackend(Backend):
             {n for n, _ in model.named_buffers()}
         self.experts.append(layout)
         model._accel_experts = layout  # type: ignore[assignment]  # a plain attribute: the model's own layout
+        if recipe.tp_plan is not None and layout.lists:  # ModuleList experts stay whole on every tp rank
+            recipe.tp_plan = {name: style for name, style in recipe.tp_plan.items()
+                              if not any(name == owner or name.startswith(f"{owner}.") for owner in layout.lists)}
         if self.data_parallel == "fsdp":  # stacked experts: sharded again over their replicas; listed: whole
             recipe.fsdp_ignored = set(layout.listed.values()) or None
             recipe.fsdp_first = functools.partial(shard_over_replicas, layout, self.topology.expert_mesh(device_type),
@@ -366,7 +361,7 @@ class SpmdBackend(Backend):
 
             # every rank takes part in the gathers; rank 0 receives the full tensors on the CPU. torch notes, once
             # per 2-D (FSDP x TP or ep) shard, that it gathers in two steps: right for a one-off save, so not shown
-            with _quiet("torch.distributed.tensor._redistribute"):
+            with quiet_logger("torch.distributed.tensor._redistribute"):
                 state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             state = fused.to_model_order(state, model)
         if layout:  # the experts whole, in the model's own names and layout (every rank gathers)

@@ -139,11 +139,15 @@ class ExpertsSplit(ParallelStyle):
                 requires_grad=param.requires_grad))
         fused.mark(module, 2, self.tp_size, {"gate_up_proj": 1})
         original = type(module).forward
+        routed = module.__dict__.get("forward")  # expert parallelism's all-to-all forward (it reads local rows)
 
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             hidden_states = _CopyToGroup.apply(hidden_states, group)
             top_k_weights = _CopyToGroup.apply(top_k_weights, group)
-            partial_sum = original(local_view(self), hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            if routed is not None:
+                partial_sum = routed(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            else:
+                partial_sum = original(local_view(self), hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             return _SumOverGroup.apply(partial_sum, group)
 
         module.forward = types.MethodType(forward, module)

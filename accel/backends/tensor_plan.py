@@ -217,8 +217,9 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
     read from the model inside any wrapper (PEFT, torch.compile, DDP) and named as in that model; style names
     translated to ours, entries in styles accel does not know left out (and printed). An `experts` entry takes
     the entries for its parameters (`experts.gate_up_proj: packed_colwise`, ...) with it; entries that match no
-    module of this model (a dense MLP's in a model whose layers are all MoE) are left out too. `origins`, when
-    given, receives where each entry was read (for the errors)."""
+    module of this model (a dense MLP's in a model whose layers are all MoE) are left out too. Stacked experts the
+    plan does not name get an `experts` entry: splitting them is most of what TP saves in a MoE model. `origins`,
+    when given, receives where each entry was read (for the errors)."""
     _, model = wrapper_prefix(model)
     plan: dict[str, str] = {}
     found: dict[str, str] = {}
@@ -255,6 +256,15 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
               f"{', '.join(unmatched)}")
     if origins is not None:
         origins.update({key: f"the model's own plan ({found[key]})" for key in translated})
+    if translated:  # stacked experts the plan leaves whole (transformers 5.25's Mixtral): split within, as accel would
+        added = {}
+        for name, module in model.named_modules():
+            pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+            if is_stacked_experts(module) and not any(fnmatch.fnmatchcase(name, key) for key in translated):
+                added[pattern] = "experts"
+        translated.update(added)
+        if origins is not None:
+            origins.update(dict.fromkeys(added, "accel's experts entry for the model's stacked experts"))
     return translated
 
 

@@ -177,10 +177,10 @@ class Topology:
 
     def expert_mesh(self, device_type: str):
         """The mesh of expert parallelism, built on first use (by every rank): the data-parallel ranks cut into
-        (edp, ep), ep inner (neighbours exchange tokens), with the other dimensions' ranks folded into a leading
-        `ep_rest`. An `ep` group holds each expert once (its ranks exchange tokens by all-to-all); an `edp` group
-        holds replicas of the same experts (the data-parallel ranks with the same ep coordinate: expert gradients
-        are averaged there)."""
+        (edp, ep), ep inner (neighbours exchange tokens), then `tp` (with tensor parallelism), with the other
+        dimensions' ranks folded into a leading `ep_rest`. An `ep` group holds each expert once (its ranks
+        exchange tokens by all-to-all); an `edp` group holds replicas of the same experts (the data-parallel
+        ranks with the same ep coordinate: expert gradients are averaged there)."""
         if self._expert_mesh is None:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
@@ -188,8 +188,12 @@ class Topology:
             self.mesh(device_type)  # the main mesh's groups first, in the same order on every rank
             edp = self.dp_size // self.ep_size
             ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
-            ranks = ranks.permute(0, 3, 4, 1, 2).reshape(-1, edp, self.ep_size)
-            self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_rest", "edp", "ep"))
+            if self.tp_size > 1:  # its own dimension: experts split within by TP are DTensors over (ep, tp)
+                ranks = ranks.permute(0, 3, 1, 2, 4).reshape(-1, edp, self.ep_size, self.tp_size)
+                names: tuple[str, ...] = ("ep_rest", "edp", "ep", "tp")
+            else:
+                ranks, names = ranks.permute(0, 3, 4, 1, 2).reshape(-1, edp, self.ep_size), ("ep_rest", "edp", "ep")
+            self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
             self._expert_mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
         return self._expert_mesh
 

@@ -419,15 +419,16 @@ def rank_params(spec: ModelSpec, tp: int, pp: int) -> list[tuple]:
 
 def _stage_rows(params: list[Param], tp: int, dp: int, ep: int = 1) -> dict:
     """{layout: (parameter, gradient, moment, step elements)} of one rank of a stage holding `params`. With expert
-    parallelism (ep > 1) the expert parameters are held 1/ep per rank; under ZeRO 2/3 the stacked ones ([E, ...],
-    3-D) are sharded again over their dp / ep replicas (FSDP2 on dim 0 of the E/ep rows), ModuleList ones stay whole."""
+    parallelism (ep > 1) the expert parameters are held 1/ep per rank; under ZeRO 2/3 (and any layout with TP, which
+    is FSDP2) the stacked ones ([E, ...], 3-D) are sharded again over their dp / ep replicas (FSDP2 on dim 0 of
+    the E/ep rows) and TP splits them within (1/tp); ModuleList ones stay whole."""
     if ep > 1 and any(p.expert for p in params):
         rows = _stage_rows([p for p in params if not p.expert], tp, dp)
         experts = [p for p in params if p.expert]
         whole = sum(math.ceil(p.numel / ep) for p in experts)
-        resharded = sum(_shard_numel((p.shape[0] // ep, *p.shape[1:]), dp // ep) if len(p.shape) == 3
-                        else math.ceil(p.numel / ep) for p in experts)
-        held = {name: resharded if name.startswith(("zero2", "zero3")) else whole for name in rows}
+        resharded = sum(math.ceil(_shard_numel((p.shape[0] // ep, *p.shape[1:]), dp // ep) / tp)
+                        if len(p.shape) == 3 else math.ceil(p.numel / ep) for p in experts)
+        held = {name: resharded if tp > 1 or name.startswith(("zero2", "zero3")) else whole for name in rows}
         return {name: (a + held[name], b + held[name], c + 2 * held[name], d + len(experts))
                 for name, (a, b, c, d) in rows.items()}
     local = [_tp_local(p, tp) for p in params]

@@ -31,7 +31,7 @@ def test_ep_size_defaults_to_one_and_is_named_in_features():
 
 
 @pytest.mark.parametrize("fields, what", [
-    ({"tp_size": 2}, "tensor parallelism"), ({"pp_size": 2}, "pipeline parallelism"),
+    ({"pp_size": 2}, "pipeline parallelism"),
     ({"sp_size": 2}, "sequence parallelism"), ({"cp_size": 2}, "context parallelism"),
     ({"zero_stage": 1}, "ZeRO-1"), ({"zero_stage": 3, "offload_params": True}, "CPU offload")])
 def test_refused_combinations_name_both(fields, what):
@@ -40,8 +40,9 @@ def test_refused_combinations_name_both(fields, what):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_ddp_and_zero_compose(stage):
+def test_ddp_zero_and_tp_compose(stage):
     check_available(ParallelismConfig(ep_size=2, zero_stage=stage))
+    check_available(ParallelismConfig(ep_size=2, zero_stage=stage, tp_size=2))
 
 
 def test_launch_flag_sets_the_field_and_is_checked_before_launch(tmp_path, monkeypatch):
