@@ -73,8 +73,8 @@ The model and its constants (documented so a plan can be checked by hand):
 - Pipeline schedule (`pp_schedule`, default 1F1B): the pipeline layouts' bubble (`pipeline_bubble`), 2 stages per
   process for the looped, interleaved and V schedules (pp x 2 at most the blocks), DualPipeV with 2 x pp
   micro-batches or more; the split-backward ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) with data
-  parallelism only on DDP stages (ZeRO 0/1, no TP; accel refuses FSDP2 stages). Activations are counted as under
-  1F1B.
+  parallelism only on DDP stages (ZeRO 0/1, no TP; accel refuses FSDP2 stages). Activations held at once
+  (`pipeline_in_flight`): all m micro-batches for GPipe and LoopedBFS, p for 1F1B and the others.
 """
 
 from __future__ import annotations
@@ -571,6 +571,15 @@ def pipeline_bubble(m: int, pp: int, schedule: str = "1F1B", per_rank: int = 2) 
     return (m + (pp - 1) * idle) / m
 
 
+def pipeline_in_flight(m: int, pp: int, schedule: str = "1F1B") -> float:
+    """The micro-batches whose activations the busiest process holds at once, in units of one micro-batch through
+    all of its layers (1 without a pipeline). GPipe and LoopedBFS run every forward before the first backward, so
+    they hold all m. 1F1B's first stage holds p; the interleaved and zero-bubble schedules are counted as 1F1B."""
+    if pp <= 1:
+        return 1.0
+    return float(m if schedule in ("GPipe", "LoopedBFS") else min(m, pp))
+
+
 def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_len: int, cand,
              mixed_precision: str, states_cache: dict, calibration: dict | None = None,
              schedule: str = "1F1B") -> dict:
@@ -599,7 +608,8 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     mb = per_rank // m
     accum = m if pp == 1 else 1  # forward/backward passes per optimizer step outside a pipeline
     layers = math.ceil(shape.layers / pp)
-    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration, sp, cp) * min(m, pp)
+    acts = activation_bytes(shape, mb, seq_len, tp, layers, ac, mixed_precision, calibration, sp, cp) \
+        * pipeline_in_flight(m, pp, schedule)
     fsdp = zero >= 2  # FSDP2 gathers the parameters in the compute dtype: autocast has nothing to cast
     if not fsdp and calibration:
         acts += calibration.get(ac, {}).get("fixed_bytes", 0) * rank_numel / shape.params

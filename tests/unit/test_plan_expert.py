@@ -130,6 +130,19 @@ def test_zero_bubble_schedule_is_faster_than_1f1b():
     assert v["time_breakdown_s"]["compute"] < one["time_breakdown_s"]["compute"]
 
 
+def test_gpipe_holds_every_micro_batch():
+    """GPipe runs all m forwards before the first backward: its activations are m micro-batches', 1F1B's p."""
+    from accel.planning.plan import pipeline_in_flight
+
+    assert pipeline_in_flight(8, 2, "GPipe") == pipeline_in_flight(8, 2, "LoopedBFS") == 8
+    assert pipeline_in_flight(8, 2, "1F1B") == pipeline_in_flight(8, 2, "ZBVZeroBubble") == 2
+    assert pipeline_in_flight(1, 4, "1F1B") == 1 and pipeline_in_flight(8, 1, "GPipe") == 1
+    hw = Hardware(num_processes=2, device_memory=16 * GB)
+    one = _pp2(plan(dense(), hw, 8, 64)["layouts"], 8)
+    gpipe = _pp2(plan(dense(), hw, 8, 64, pp_schedule="GPipe")["layouts"], 8)
+    assert gpipe["memory_per_rank_bytes"] > one["memory_per_rank_bytes"]
+
+
 def test_split_backward_schedules_with_data_parallelism_only_on_ddp_stages():
     for schedule in SPLIT_BACKWARD:
         rows = plan(dense(8), Hardware(num_processes=4, device_memory=16 * GB), 16, 64, pp_schedule=schedule)[
