@@ -138,7 +138,6 @@ def _check_expert(parallelism: ParallelismConfig) -> None:
               (f"sequence parallelism (sp_size={parallelism.sp_size})", parallelism.sp_size > 1),
               (f"context parallelism (cp_size={parallelism.cp_size})", parallelism.cp_size > 1),
               (f"ZeRO-1 (zero_stage={parallelism.zero_stage})", parallelism.zero_stage == 1),
-              ("CPU offload", bool(parallelism.offload_optimizer or parallelism.offload_params)),
               (f"HSDP (dp_replicate_size={parallelism.dp_replicate_size} x dp_shard_size="
                f"{parallelism.dp_shard_size})", (parallelism.dp_replicate_size or 1) > 1
                and (parallelism.dp_shard_size or 1) > 1)]

@@ -64,8 +64,8 @@ The model and its constants (documented so a plan can be checked by hand):
   the config's num_local_experts/num_experts or their stacked dim 0, top_k from num_experts_per_tok, else 2): a
   token runs top_k / E of the experts' matmul parameters. Expert parallelism (ep, `ep_size` or each divisor of dp
   that divides E) keeps 1/ep of the experts on each rank; ZeRO 2/3 shard those again over their dp / ep copies
-  (a unit of their own per MoE layer, gathered to E/ep); the rest shards as usual; layouts accel refuses (ep with
-  tp, pp, sp/cp, ZeRO-1 or offload) are not planned. Time:
+  (a unit of their own per MoE layer, gathered to E/ep), TP splits each expert within; the rest shards as usual;
+  layouts accel refuses (ep with pp, sp/cp or ZeRO-1) are not planned. Time:
   per MoE layer two all-to-alls of the routed tokens (tokens x top_k x hidden) over the ep neighbours in forward
   and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies
   (ZeRO 2/3: reduce-scattered, and the experts all-gathered per pass);
@@ -512,7 +512,7 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
     """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep) combinations accel can run: TP within a machine,
     PP at most the blocks (pp x stages per rank under `schedule`), the (sp, cp) degrees of `sequences` (default:
     none) where the heads divide for Ulysses, the ep degrees of `experts` (default: none) that divide dp, accel's
-    combination rules (accel.backends.check_available: expert parallelism only with DDP or ZeRO 2/3 alone, the
+    combination rules (accel.backends.check_available: expert parallelism with DDP, ZeRO 2/3 and TP only, the
     split-backward schedules with data parallelism only on DDP stages, DualPipeV with 2 x pp micro-batches or
     more)."""
     from accel.backends import check_available

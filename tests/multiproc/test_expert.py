@@ -8,10 +8,10 @@ Tiny transformers Mixtral and Qwen2-MoE (shared expert) and a MoE block of our o
 (ModuleList experts). On 2 processes: ep 2 alone, with ZeRO-3, gradient accumulation, activation checkpointing, two
 synced backward calls per step, and bf16. On 4: dp 2 x ep 2, ZeRO-3 x ep 2, ZeRO-2 x ep 2 (our own block), ep 4.
 Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism within the experts (tp 2 on
-Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). The
-expert elements each process holds. save_model loads with `from_pretrained`; save_state resumes bit-exactly (DDP x
-Mixtral on 2 processes; ZeRO-3 x our own ModuleList and ZeRO-3 x Mixtral on 4). The runs share one launch per
-process count (scripts/moe_train.py --jobs)."""
+Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). ZeRO-3
+with CPU offload x ep 2. The expert elements each process holds. save_model loads with `from_pretrained`;
+save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList and ZeRO-3 x Mixtral
+on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ RUNS = {
     # expert parallelism with tensor parallelism: dp 2 (= ep 2) x tp 2, each expert split within over tp
     "tp2-ep2-mixtral": (4, ["--tp_size", 2, "--ep_size", 2, "--save_model"]),
     "zero3-tp2-ep2-qwen2moe": (4, ["--tp_size", 2, "--ep_size", 2, "--zero_stage", 3, "--model", "qwen2moe"]),
+    "zero3-offload-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 3, "--offload"]),  # experts' units offloaded too
 }
 
 

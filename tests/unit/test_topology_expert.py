@@ -33,7 +33,7 @@ def test_ep_size_defaults_to_one_and_is_named_in_features():
 @pytest.mark.parametrize("fields, what", [
     ({"pp_size": 2}, "pipeline parallelism"),
     ({"sp_size": 2}, "sequence parallelism"), ({"cp_size": 2}, "context parallelism"),
-    ({"zero_stage": 1}, "ZeRO-1"), ({"zero_stage": 3, "offload_params": True}, "CPU offload")])
+    ({"zero_stage": 1}, "ZeRO-1")])
 def test_refused_combinations_name_both(fields, what):
     with pytest.raises(BackendNotAvailable, match=rf"ep_size=2\) with {what}"):
         check_available(ParallelismConfig(ep_size=2, **fields))
@@ -43,6 +43,7 @@ def test_refused_combinations_name_both(fields, what):
 def test_ddp_zero_and_tp_compose(stage):
     check_available(ParallelismConfig(ep_size=2, zero_stage=stage))
     check_available(ParallelismConfig(ep_size=2, zero_stage=stage, tp_size=2))
+    check_available(ParallelismConfig(ep_size=2, zero_stage=3, offload_params=True, offload_optimizer=True))
 
 
 def test_launch_flag_sets_the_field_and_is_checked_before_launch(tmp_path, monkeypatch):

@@ -150,6 +150,7 @@ def run(argv):
     parser.add_argument("--ep_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--tp_size", type=int, default=1)
+    parser.add_argument("--offload", action="store_true", help="ZeRO-3's CPU offload of parameters and optimizer")
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--save_model", action="store_true")
@@ -165,7 +166,8 @@ def run(argv):
     loader = torch.utils.data.DataLoader(make_samples(), batch_size=args.batch_size, shuffle=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     layout = ParallelismConfig(ep_size=args.ep_size, tp_size=args.tp_size, zero_stage=args.zero_stage,
-                               activation_checkpointing=args.checkpointing)
+                               activation_checkpointing=args.checkpointing, offload_params=args.offload,
+                               offload_optimizer=args.offload)
     accelerator = Accelerator(parallelism_config=layout,
                               gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
