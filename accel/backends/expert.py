@@ -117,7 +117,7 @@ class ExpertShard:
         outputs = []
         for j, rows in enumerate(torch.split(by_expert, sizes)):  # every local expert, none skipped: its gradient
             outputs.append(self.run(experts, j, received[rows]).to(received.dtype))  # is defined on every rank, so
-            # replicas reduce alike; FSDP2's mixed precision casts the tokens, not the experts it leaves alone
+            # replicas reduce alike; cast back: experts FSDP2 leaves alone keep float32 under mixed precision
         computed = torch.cat(outputs) if outputs else received
         results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to the received order
         returned = _AllToAll.apply(results, receive, send, self.group)
@@ -150,7 +150,7 @@ def local_view(module: torch.nn.Module) -> Any:
 def _fused_expert(container: Any, j: int, x: torch.Tensor) -> torch.Tensor:
     """transformers' fused expert j: down(act(gate(x)) * up(x))."""
     gate_up, down = getattr(container, "gate_up_proj"), getattr(container, "down_proj")  # noqa: B009 (Any, for mypy)
-    gate, up = F.linear(x.to(gate_up.dtype), gate_up[j]).chunk(2, dim=-1)  # FSDP2 leaves experts in their dtype
+    gate, up = F.linear(x.to(gate_up.dtype), gate_up[j]).chunk(2, dim=-1)  # the tokens to the experts' dtype
     act: Any = getattr(container, "act_fn")  # noqa: B009
     return F.linear(act(gate) * up, down[j])
 
