@@ -47,7 +47,8 @@ RUNS = {
                                                 "--checkpointing", "full"]),
     # tensor parallelism within the experts (the model's own plan: `experts` splits each expert's features)
     "tp2-mixtral": (2, ["--tp_size", 2, "--save_model"]),
-    "tp2-qwen2moe": (2, ["--tp_size", 2, "--model", "qwen2moe"]),  # its plan's dense-MLP entries match nothing
+    # its plan's dense-MLP entries match nothing; fused AdamW over the split experts beside the whole router
+    "tp2-qwen2moe": (2, ["--tp_size", 2, "--model", "qwen2moe", "--fused"]),
     "zero3-tp2-mixtral": (4, ["--tp_size", 2, "--zero_stage", 3]),
     # expert parallelism with tensor parallelism: dp 2 (= ep 2) x tp 2, each expert split within over tp
     "tp2-ep2-mixtral": (4, ["--tp_size", 2, "--ep_size", 2, "--save_model"]),

@@ -151,6 +151,7 @@ def run(argv):
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--tp_size", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="ZeRO-3's CPU offload of parameters and optimizer")
+    parser.add_argument("--fused", action="store_true", help="torch's fused AdamW (as transformers' Trainer picks)")
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--save_model", action="store_true")
@@ -164,7 +165,7 @@ def run(argv):
     out.mkdir(parents=True, exist_ok=True)
     model = make_model(args.model)
     loader = torch.utils.data.DataLoader(make_samples(), batch_size=args.batch_size, shuffle=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=args.fused or None)
     layout = ParallelismConfig(ep_size=args.ep_size, tp_size=args.tp_size, zero_stage=args.zero_stage,
                                activation_checkpointing=args.checkpointing, offload_params=args.offload,
                                offload_optimizer=args.offload)
