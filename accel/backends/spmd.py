@@ -22,6 +22,26 @@ from accel.backends.base import (
 from accel.backends.ddp import apply_ddp, ddp_pipeline_stages, release_ddp
 from accel.backends.recipe import Recipe, fsdp_no_sync, parallelize
 from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
+from accel.config.errors import ConfigError
+
+
+def guard_save_pretrained(model: torch.nn.Module, why: str) -> None:
+    """A transformers model accel split holds only this process's part: its `save_pretrained` without a state_dict
+    would write that part as the model (ep's local experts: a checkpoint that does not load) or fail deep in
+    safetensors (DTensors). It is refused in one line that says what to pass instead."""
+    original = getattr(model, "save_pretrained", None)
+    if original is None or "save_pretrained" in model.__dict__:
+        return
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ConfigError(f"{type(model).__name__}.save_pretrained: this process holds only its part of the "
+                              f"model ({why}); allowed: state_dict=accelerator.get_state_dict(model), called on "
+                              "every process, or accelerator.save_model(model, directory); with transformers' "
+                              "Trainer, zero_stage 2 or 3 (it then gathers the weights itself)")
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    setattr(model, "save_pretrained", save_pretrained)  # noqa: B010 (an instance attribute: mypy sees a Module)
 
 
 def _release_wrapped(wrapped: list[weakref.ref]) -> None:
@@ -151,6 +171,11 @@ class SpmdBackend(Backend):
             # sharded or split: once only (a DDP model is wrapped again)
             inner._accel_parallelized = True  # type: ignore[assignment]  # a plain attribute
         self.replacements.record(originals, inner)  # FSDP2 and TP give the model new (DTensor) parameters
+        parts = [what for what, on in (("sharded by ZeRO 2/3", self.data_parallel == "fsdp"),
+                                       ("split by tensor parallelism", self.parallelism.tp_size > 1),
+                                       ("its experts divided among processes", self.topology.ep_size > 1)) if on]
+        if parts:
+            guard_save_pretrained(inner, ", ".join(parts))
         return prepared
 
     def _shard_experts(self, model: torch.nn.Module, recipe: Recipe) -> None:

@@ -162,12 +162,14 @@ def _require_folder(folder: Path, function: str, writer: str) -> None:
 
 def fsdp_state_members(given: Any, config: Any, backend: Any) -> dict:
     """Accelerate's `AcceleratorState.fsdp_plugin` for this run: the plugin given to the Accelerator, else, when the
-    backend shards the model with FSDP2 (ZeRO 2/3 from the config or launch), one describing that layout; None
+    backend shards the model with FSDP2 (ZeRO 2/3 from the config or launch, or tensor parallelism with data
+    parallelism, which accel runs as FSDP2 over dp as Accelerate does), one describing that layout; None
     otherwise. The state's `distributed_type` is then FSDP and `is_fsdp2` true, as in Accelerate, so code that
     branches on them (transformers' Trainer) saves and loads through every process."""
     plugin = given
     par = config.parallelism
-    if plugin is None and par.zero_stage >= 2 and getattr(backend, "data_parallel", None) == "fsdp":
+    sharded = getattr(backend, "data_parallel", None) == "fsdp" and (par.zero_stage >= 2 or par.tp_size > 1)
+    if plugin is None and sharded:
         plugin = derived_plugin(par)
     return {"fsdp_plugin": plugin, "is_fsdp2": plugin is not None}
 

@@ -29,7 +29,7 @@ SCRIPT = worker_module("moe_train").__file__
 
 # name -> (processes, worker arguments)
 RUNS = {
-    "ep2-mixtral": (2, ["--ep_size", 2, "--save_model"]),
+    "ep2-mixtral": (2, ["--ep_size", 2, "--save_model", "--save_pretrained"]),
     "ep2-qwen2moe": (2, ["--ep_size", 2, "--model", "qwen2moe"]),
     "ep2-own-plan": (2, ["--ep_size", 2, "--model", "own"]),
     "ep2-zero3-mixtral": (2, ["--ep_size", 2, "--zero_stage", 3]),
@@ -145,6 +145,15 @@ def test_experts_held_per_rank(runs, name):
     resharded = fsdp and option(args, "--model", "mixtral") != "own"
     divisor = processes if resharded else option(args, "--ep_size", 1) * option(args, "--tp_size", 1)
     assert json.loads((runs / name / "result.json").read_text())["expert_numel"] == whole // divisor
+
+
+def test_save_pretrained_of_a_part_is_refused(runs):
+    """The unwrapped model holds only this process's experts: its save_pretrained without a state_dict would write
+    them as the model (a checkpoint that does not load), so it is one line saying what to pass."""
+    said = json.loads((runs / "ep2-mixtral" / "result.json").read_text())["save_pretrained"]
+    assert said.startswith("MixtralForCausalLM.save_pretrained: this process holds only its part of the model (its "
+                           "experts divided among processes); allowed: state_dict=accelerator.get_state_dict(model)")
+    assert not (runs / "ep2-mixtral" / "unwrapped").exists()
 
 
 # bf16 runs: checked against the fp32 reference loosely (bf16 rounding), that they run and train alike

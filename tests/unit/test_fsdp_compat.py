@@ -94,6 +94,26 @@ def test_state_tells_trainer_whether_the_model_is_sharded():
     assert accelerator.config.parallelism.zero_wrap_classes == "Linear"
 
 
+def test_tensor_parallelism_with_data_parallelism_is_fsdp_for_trainer():
+    """TP with data parallelism is FSDP2 over dp (as in Accelerate): the state then has a plugin whose
+    FULL_STATE_DICT makes transformers' Trainer gather the weights on every process before saving. TP alone, or
+    DDP, has none."""
+    from types import SimpleNamespace
+
+    from accel.checkpoint.fsdp_compat import fsdp_state_members
+    from accel.config import ParallelismConfig
+
+    def members(data_parallel, **fields):
+        config = SimpleNamespace(parallelism=ParallelismConfig(**fields))
+        return fsdp_state_members(None, config, SimpleNamespace(data_parallel=data_parallel))
+
+    plugin = members("fsdp", tp_size=2)["fsdp_plugin"]
+    assert plugin is not None and "FULL_STATE_DICT" in str(plugin.state_dict_type)
+    assert members(None, tp_size=2)["fsdp_plugin"] is None
+    assert members("ddp", ep_size=2)["fsdp_plugin"] is None
+    assert members("fsdp", zero_stage=3)["is_fsdp2"]
+
+
 def test_gradient_state_as_trainer_drives_it():
     """Trainer passes GradientAccumulationPlugin(num_steps=1), then sets the sync flag itself each micro-step."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))

@@ -152,6 +152,8 @@ def run(argv):
     parser.add_argument("--tp_size", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="ZeRO-3's CPU offload of parameters and optimizer")
     parser.add_argument("--fused", action="store_true", help="torch's fused AdamW (as transformers' Trainer picks)")
+    parser.add_argument("--save_pretrained", action="store_true",
+                        help="record what the unwrapped model's save_pretrained without a state_dict says")
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--save_model", action="store_true")
@@ -204,13 +206,19 @@ def run(argv):
             accelerator.save_state(str(out / "state"))
     weights = accelerator.get_state_dict(model)
     held = accelerator.gather(torch.tensor([expert_numel(accelerator.unwrap_model(model))])).max().item()
+    refusal = None
+    if args.save_pretrained:
+        try:
+            accelerator.unwrap_model(model).save_pretrained(str(out / "unwrapped"))
+        except ValueError as error:
+            refusal = str(error)
     if args.save_model:
         accelerator.save_model(model, str(out / "model"))
     if accelerator.is_main_process:
         name = "resumed" if args.resume else "result"
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
         (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms, "aux": auxes,
-                                                         "expert_numel": held}))
+                                                         "expert_numel": held, "save_pretrained": refusal}))
     return accelerator
 
 
