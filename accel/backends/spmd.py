@@ -179,8 +179,9 @@ class SpmdBackend(Backend):
         return prepared
 
     def _shard_experts(self, model: torch.nn.Module, recipe: Recipe) -> None:
-        """Divide the MoE layers' experts among the ep ranks (expert.py); DDP and FSDP2 leave them alone (their
-        gradients are reduced over the expert's replicas in `backward`)."""
+        """Divide the MoE layers' experts among the ep ranks (expert.py). DDP leaves them alone (their gradients are
+        reduced over the expert's replicas in `backward`); with FSDP2 the stacked ones are sharded again over those
+        replicas (`shard_over_replicas`), ModuleList ones stay whole and are reduced in `backward`."""
         from accel.backends.expert import expert_names, shard_experts, shard_over_replicas
 
         device_type = self.state.device.type
