@@ -131,9 +131,9 @@ class ExpertsSplit(ParallelStyle):
         group = device_mesh.get_group()
         gate_up, down = module.get_parameter("gate_up_proj"), module.get_parameter("down_proj")
         order = fused.permutation(gate_up.shape[1], 2, self.tp_size).to(gate_up.device)
-        for name, data, placement in (("gate_up_proj", gate_up.detach().index_select(1, order), Shard(1)),
-                                      ("down_proj", down.detach(), Shard(2))):
-            param = module.get_parameter(name)
+        reordered = gate_up.detach().index_select(1, order)
+        for name, param, data, placement in (("gate_up_proj", gate_up, reordered, Shard(1)),
+                                             ("down_proj", down, down.detach(), Shard(2))):
             module.register_parameter(name, nn.Parameter(
                 distribute_tensor(data, device_mesh, [placement], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad))

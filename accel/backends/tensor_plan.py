@@ -38,6 +38,11 @@ _ROW_NAMES = ("o_proj", "down_proj", "fc2", "c_proj", "w2", "wo", "out_proj")
 _FUSED_NAMES = ("c_attn",)  # GPT-2: q, k and v in one Conv1D of 3 * hidden outputs
 
 
+def fold_indices(name: str) -> str:
+    """A module name with its layer indices as `*` (`model.layers.0.mlp` -> `model.layers.*.mlp`)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
 def is_stacked_experts(module: nn.Module) -> bool:
     """transformers' fused MoE experts: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (the `experts` style)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -238,12 +243,12 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
     styles = {key: _STYLE_ALIASES.get(str(style).replace("local_", ""), str(style).replace("local_", ""))
               for key, style in plan.items()}
     experts = [key for key, style in styles.items() if style == "experts"]
-    names = [n for n, _ in model.named_modules() if n]
+    modules = {n: m for n, m in model.named_modules() if n}
     unmatched = []
     for key, style in styles.items():
         if any(key.startswith(f"{owner}.") for owner in experts):
             continue  # a parameter of stacked experts: the `experts` entry splits them
-        if not any(fnmatch.fnmatchcase(n, key) for n in names):
+        if not any(fnmatch.fnmatchcase(n, key) for n in modules):
             unmatched.append(key)
         elif style in STYLES:
             translated[key] = style
@@ -257,11 +262,8 @@ def model_plan(model: nn.Module, origins: dict[str, str] | None = None) -> dict[
     if origins is not None:
         origins.update({key: f"the model's own plan ({found[key]})" for key in translated})
     if translated:  # stacked experts the plan leaves whole (transformers 5.25's Mixtral): split within, as accel would
-        added = {}
-        for name, module in model.named_modules():
-            pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
-            if is_stacked_experts(module) and not any(fnmatch.fnmatchcase(name, key) for key in translated):
-                added[pattern] = "experts"
+        added = {fold_indices(name): "experts" for name, module in modules.items()
+                 if is_stacked_experts(module) and not any(fnmatch.fnmatchcase(name, key) for key in translated)}
         translated.update(added)
         if origins is not None:
             origins.update(dict.fromkeys(added, "accel's experts entry for the model's stacked experts"))
@@ -294,7 +296,7 @@ def check_plan_styles(plan: dict, where: str = "parallelism.tp_plan") -> None:
 
 def _closest(pattern: str, names: list[str]) -> str:
     """', closest: ...' for a pattern that matched nothing (names with layer indices folded into '*')."""
-    folded = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
+    folded = sorted({fold_indices(n) for n in names})
     close = difflib.get_close_matches(pattern, folded, n=3, cutoff=0.5)
     return f"; closest: {', '.join(repr(c) for c in close)}" if close else ""
 
@@ -501,5 +503,5 @@ def kept_whole(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             why = f"{kind}: not a recognised projection (name it in tp_plan to split it)"
         else:
             why = f"{kind}: replicated"
-        kept.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name) or "(root)", why)
+        kept.setdefault(fold_indices(name) or "(root)", why)
     return kept
