@@ -26,7 +26,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False  # Accelerate's attribute behind step_was_skipped (its tests set it directly)
         self.before_step: Callable[[], Any] | None = None  # e.g. automatic clipping (DeepSpeed's gradient_clipping)
         self._meter = meter_from_env()  # `accel plan --measure`: stop after N real steps; None otherwise
-        self._fused_checked = False  # unfuse_mixed_groups ran (before the first step: the parameters are final)
+        self._fused_checked: list[dict] = []  # the fused groups unfuse_mixed_groups looked at (a loaded state dict
+        # makes new group dicts, with the saved `fused`: they are looked at again)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -89,10 +90,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return
         if self.before_step is not None:
             self.before_step()
-        if not self._fused_checked:
-            self._fused_checked = True
-            unfused = unfuse_mixed_groups(self.optimizer)
-            if unfused and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        unfused = unfuse_mixed_groups(self.optimizer, self._fused_checked)
+        if unfused:
+            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
                 print(f"accel: optimizer parameter group(s) {unfused} hold tensor-parallel shards (DTensors) beside "
                       "parameters tensor parallelism keeps whole; torch's fused step takes only one kind, so these "
                       "groups step unfused", flush=True)
@@ -113,15 +113,19 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
 
 
-def unfuse_mixed_groups(optimizer: torch.optim.Optimizer) -> list[int]:
+def unfuse_mixed_groups(optimizer: torch.optim.Optimizer, checked: list[dict]) -> list[int]:
     """Turn off `fused` (and `foreach`) in the parameter groups that hold both DTensors (tensor-parallel shards) and
     plain tensors (what TP keeps whole without data parallelism, e.g. a MoE router beside its split experts):
-    torch's fused kernels refuse such a list ("got mixed torch.Tensor and DTensor"). Returns those groups' indices."""
+    torch's fused kernels refuse such a list ("got mixed torch.Tensor and DTensor"). Each fused group is looked at
+    once (`checked`: those seen, by identity). Returns the indices of the groups turned off."""
     from torch.distributed.tensor import DTensor
 
     mixed = []
     for index, group in enumerate(optimizer.param_groups):
-        if group.get("fused") and len({isinstance(p, DTensor) for p in group["params"]}) > 1:
+        if not group.get("fused") or any(group is seen for seen in checked):
+            continue
+        checked.append(group)
+        if len({isinstance(p, DTensor) for p in group["params"]}) > 1:
             group["fused"] = False
             if "foreach" in group:
                 group["foreach"] = False
