@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import importlib.metadata
+import importlib.util
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -171,6 +173,24 @@ def check_env(cwd: Path) -> str:
     return f"{len(proc.stdout.splitlines())} lines"
 
 
+def check_shim_metadata(cwd: Path) -> str:
+    """Without the real Accelerate, the shim answers as it: distribution metadata (what transformers, diffusers and
+    TRL ask) and `accelerate.__version__`, while accel keeps its own version; the wheel must ship the dist-info."""
+    path = subprocess.run([sys.executable, "-m", "accel.shim"], capture_output=True, text=True, timeout=60, cwd=cwd)
+    code = ("import importlib.metadata as md, importlib.util, accelerate, accel\n"
+            "print(md.version('accelerate'), accelerate.__version__, accel.__version__)")
+    env = {**os.environ, "PYTHONPATH": path.stdout.strip()}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd, env=env)
+    from accel.shim import ACCELERATE_VERSION
+
+    found = proc.stdout.split()
+    if proc.returncode != 0 or found[:2] != [ACCELERATE_VERSION] * 2 or found[2] == ACCELERATE_VERSION:
+        raise CheckFailed(f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]!r}")
+    if importlib.util.find_spec("accelerate") is not None:
+        raise CheckFailed("the real accelerate package is installed in the minimal venv")
+    return f"metadata and accelerate.__version__ {found[0]}, accel {found[2]}"
+
+
 def check_quickstart(examples: Path, project_dir: Path, launch_flags: list[str], processes: int) -> str:
     """README's quickstart through `accel launch` on the embedded default config: it trains and logs its loss."""
     proc = run_accel(["launch", *launch_flags, examples / "quickstart.py", "--project_dir", project_dir],
@@ -247,6 +267,7 @@ def main() -> int:
     checks.start("quickstart, 2 processes", check_quickstart, args.examples, two, launch_two, 2)
     checks.start("quickstart, 1 process", check_quickstart, args.examples, one, [], 1)
     checks.start("accel env", check_env, work)
+    checks.start("shim without Accelerate: metadata and version", check_shim_metadata, work)
     checks.start("refused: accel estimate-memory gpt2", refused_by_cli, "transformers", ["estimate-memory", "gpt2"],
                  work)
     checks.start("refused: accel plan config.json", refused_by_cli, "transformers", ["plan", config], work)

@@ -41,14 +41,26 @@ def add_launch_config_flags(parser: argparse.ArgumentParser) -> None:
             group._add_action(action)
 
 
+def _shim_version() -> str:
+    from accel.shim import ShimVersionError, accelerate_version
+
+    try:
+        return accelerate_version()
+    except ShimVersionError as err:
+        return f"unusable: {err}"
+
+
 def environment_lines() -> list[str]:
     import torch
     import torch.distributed as dist
 
     from accel.core.version import __version__
+    from accel.shim import VERSION_ENV
 
     lines = [
         f"- accel version: {__version__}",
+        f"- Accelerate version the shim answers as: {_shim_version()} (`accelerate.__version__` and the `accelerate` "
+        f"distribution's metadata under --accelerate_shim; pin another with ${VERSION_ENV})",
         f"- PyTorch version: {torch.__version__} (built with CUDA: {torch.version.cuda or 'no'})",
         f"- Python version: {platform.python_version()} ({sys.executable})",
         f"- OS: {platform.platform()}",

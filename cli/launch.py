@@ -326,9 +326,17 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
 def _shim_path(args: argparse.Namespace) -> list[str]:
     if not args.accelerate_shim:
         return []
-    from accel.shim import PATH
+    return shim_search_path()
 
-    return [PATH]
+
+def shim_search_path() -> list[str]:
+    """The shim's folders for PYTHONPATH; a bad $ACCEL_ACCELERATE_VERSION is a UsageError (one line, exit 2)."""
+    from accel.shim import ShimVersionError, search_path
+
+    try:
+        return search_path()
+    except ShimVersionError as err:
+        raise UsageError(str(err)) from None
 
 
 _CUDA_QUERIED = [False]  # set when this launcher asked a CUDA build of torch about GPUs
@@ -370,9 +378,7 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE,
                                  hold_warnings=True)
     if args.accelerate_shim:
-        from accel.shim import PATH
-
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PATH, os.environ.get("PYTHONPATH")) if p)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*shim_search_path(), os.environ.get("PYTHONPATH")) if p)
     visible = cuda_visible_devices(cfg)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch counts the GPUs

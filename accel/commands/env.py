@@ -44,6 +44,7 @@ def env_command(args: argparse.Namespace) -> dict:
     import accel
     from accel.cli import checks
     from accel.cli import launch as accel_launch
+    from accel.shim import accelerate_version as shim_version
 
     parser = env_command_parser()
     accel_args = without_accelerate_defaults(args, parser)
@@ -54,7 +55,7 @@ def env_command(args: argparse.Namespace) -> dict:
     cfg = checks.resolve_checked(accel_args.config_file, accel_launch.flag_overrides(accel_args), "accel env",
                                  accel_env.FLAGS_SOURCE)
     info = {
-        "`Accelerate` version": accel.__version__,
+        "`Accelerate` version": f"{shim_version()} (accel {accel.__version__}'s shim)",
         "Platform": platform.platform(),
         "`accelerate` bash location": which("accelerate") or "Not found",
         "`accel` bash location": which("accel") or "Not found",

@@ -163,9 +163,9 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _shim_on() -> bool:
-    import accel
+    from accel.shim import active
 
-    return sys.modules.get("accelerate") is accel
+    return active()
 
 
 def launch_command(args: argparse.Namespace) -> None:

@@ -1,14 +1,18 @@
 """The Accelerate shim: `import accelerate` (and `accelerate.utils`, `accelerate.state`, ...) resolves to accel.
 
-`accel launch --accelerate_shim script.py` puts `PATH` (this package's `accelerate/` folder's parent) first on the
-workers' PYTHONPATH; `PYTHONPATH=$(python -m accel.shim) python script.py` (or `torchrun ...`) does the same by
-hand. That folder's `accelerate/__init__.py` makes `accelerate` the `accel` module and installs `AccelerateAlias`,
-which answers every `accelerate.X` import with accel's module of the same name (`accelerate.utils.dataclasses` is
-`accel.compat.dataclasses`). The one exception is `accelerate.test_utils` (Accelerate's own test helpers, not a
-runtime API): it is loaded from a real Accelerate installation when there is one, its imports again going to accel.
+`accel launch --accelerate_shim script.py` puts `search_path()` (this package's folder, which holds `accelerate/`
+and an `accelerate-<version>.dist-info`) first on the workers' PYTHONPATH; `PYTHONPATH=$(python -m accel.shim) python
+script.py` (or `torchrun ...`) does the same by hand. That folder's `accelerate/__init__.py` is the `accelerate`
+module: it answers `accelerate.X` with `accel.X` and has its own `__version__`, the Accelerate version the shim
+answers as (`ACCELERATE_VERSION`, or `$ACCEL_ACCELERATE_VERSION` where a user pins another), while `accel.__version__`
+stays accel's. It installs `AccelerateAlias`, which answers every `accelerate.X` import with accel's module of the
+same name (`accelerate.utils.dataclasses` is `accel.compat.dataclasses`). The one exception is
+`accelerate.test_utils` (Accelerate's own test helpers, not a runtime API): it is loaded from a real Accelerate
+installation when there is one, its imports again going to accel.
 
-The real `accelerate` package, if installed, is shadowed while the shim is on the path (its metadata stays, so
-`importlib.metadata.version("accelerate")`, which transformers checks, reports the real one, or nothing).
+Libraries ask the `accelerate` *distribution* whether it is installed and which version it is
+(`importlib.metadata.version("accelerate")`: transformers' Trainer, diffusers, PEFT, TRL). The dist-info folder
+answers them, with or without a real Accelerate installed: the real package, if any, is shadowed, code and metadata.
 """
 
 from __future__ import annotations
@@ -18,11 +22,71 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
+import shutil
 import sys
+import types
 from typing import cast
 
-PATH = os.path.dirname(os.path.abspath(__file__))  # holds accelerate/__init__.py
+PATH = os.path.dirname(os.path.abspath(__file__))  # holds accelerate/__init__.py and accelerate-*.dist-info
 REAL_ONLY = ("accelerate.test_utils",)  # taken from a real Accelerate installation
+ACCELERATE_VERSION = "1.15.0"  # the Accelerate release the shim answers as (its dist-info folder beside this file)
+VERSION_ENV = "ACCEL_ACCELERATE_VERSION"  # pins another: the version libraries see, for their version checks
+
+
+class ShimVersionError(ValueError):
+    """$ACCEL_ACCELERATE_VERSION is not a release version."""
+
+
+def accelerate_version() -> str:
+    """The version `accelerate` answers as: `$ACCEL_ACCELERATE_VERSION` when set (checked), else ACCELERATE_VERSION."""
+    pinned = os.environ.get(VERSION_ENV, "").strip()
+    if not pinned:
+        return ACCELERATE_VERSION
+    if not re.fullmatch(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}", pinned):
+        raise ShimVersionError(f"{VERSION_ENV}={pinned!r} is not a release version; allowed: numbers with dots, such "
+                               f"as {ACCELERATE_VERSION} (the default), or unset")
+    return pinned
+
+
+def _metadata_text(version: str) -> str:
+    return (f"Metadata-Version: 2.1\nName: accelerate\nVersion: {version}\n"
+            f"Summary: accel's Accelerate shim: answers as Accelerate {version}; the code is accel's\n")
+
+
+def _pinned_metadata_folder(version: str) -> str:
+    """A folder holding only `accelerate-<version>.dist-info` (made once, atomically), for a pinned version."""
+    import tempfile
+
+    for base in (os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "accel"),
+                 tempfile.gettempdir()):
+        folder = os.path.join(base, f"accelerate-shim-{version}")
+        info = os.path.join(folder, f"accelerate-{version}.dist-info")
+        if os.path.isfile(os.path.join(info, "METADATA")):
+            return folder
+        try:
+            os.makedirs(folder, exist_ok=True)
+            staging = tempfile.mkdtemp(dir=folder, prefix=".staging-")
+            with open(os.path.join(staging, "METADATA"), "w", encoding="utf-8") as out:
+                out.write(_metadata_text(version))
+            with open(os.path.join(staging, "top_level.txt"), "w", encoding="utf-8") as out:
+                out.write("accelerate\n")
+            try:
+                os.rename(staging, info)
+            except OSError:  # another launcher made it first
+                shutil.rmtree(staging, ignore_errors=True)
+            if os.path.isfile(os.path.join(info, "METADATA")):
+                return folder
+        except OSError:
+            continue
+    raise ShimVersionError(f"{VERSION_ENV}={version}: could not write the shim's metadata folder under ~/.cache/accel "
+                           "or the temp dir; allowed: a writable cache, or unset")
+
+
+def search_path() -> list[str]:
+    """The folders to put first on PYTHONPATH: the pinned version's metadata folder (if pinned), then PATH."""
+    version = accelerate_version()
+    return [PATH] if version == ACCELERATE_VERSION else [_pinned_metadata_folder(version), PATH]
 
 
 def real_accelerate_dir() -> str | None:
@@ -85,10 +149,32 @@ class AccelerateAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
-def install() -> None:
-    """Make `accelerate` and its submodules resolve to accel in this process."""
-    import accel
-
+def register_alias() -> None:
+    """`accelerate.X` imports resolve to `accel.X` (the finder first on sys.meta_path, once)."""
     if not any(isinstance(f, AccelerateAlias) for f in sys.meta_path):
         sys.meta_path.insert(0, AccelerateAlias())
-    sys.modules["accelerate"] = accel
+
+
+def install() -> None:
+    """Make `accelerate` (the shim's module, with its metadata) and its submodules resolve to accel in this process."""
+    register_alias()
+    current = sys.modules.get("accelerate")
+    if isinstance(current, types.ModuleType) and getattr(current, "__file__", None) == FACADE:
+        return
+    for folder in reversed(search_path()):  # the metadata too, as under PYTHONPATH
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location("accelerate", FACADE,
+                                                  submodule_search_locations=[os.path.dirname(FACADE)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["accelerate"] = module
+    spec.loader.exec_module(module)
+
+
+FACADE = os.path.join(PATH, "accelerate", "__init__.py")
+
+
+def active() -> bool:
+    """Whether `accelerate` is the shim's module in this process."""
+    return getattr(sys.modules.get("accelerate"), "__file__", None) == FACADE

@@ -28,7 +28,10 @@ def test_shim_resolves_accelerate_to_accel():
             "from accelerate.utils.dataclasses import DistributedDataParallelKwargs\n"
             "from accelerate.data_loader import prepare_data_loader\n"
             "from accelerate.state import GradientState, AcceleratorState\n"
-            "assert accelerate is accel and Accelerator is accel.Accelerator\n"
+            "assert Accelerator is accel.Accelerator and accelerate.Accelerator is accel.Accelerator\n"
+            "assert accelerate.__version__ == '1.15.0' != accel.__version__, accelerate.__version__\n"
+            "import importlib.metadata as md\n"
+            "assert md.version('accelerate') == '1.15.0', md.version('accelerate')\n"
             "import accelerate.utils.operations as ops, accel.runtime.ops\n"
             "assert ops.gather is accel.runtime.ops.gather\n"
             "print('ok')\n")
@@ -161,3 +164,32 @@ def test_accelerator_state_members():
     assert state is accelerator.state and state.mixed_precision == "bf16"
     assert state.parallelism_config is accelerator.parallelism_config and state.deepspeed_plugin is None
     assert state.device_mesh is None  # one process
+
+
+def test_shim_version_pinned_through_accel_launch(tmp_path):
+    """$ACCEL_ACCELERATE_VERSION pins what `accelerate.__version__` and the distribution metadata answer (the folder
+    it needs is written once under the cache); a bad value is one line and exit 2, before any process starts."""
+    script = tmp_path / "show.py"
+    script.write_text("import importlib.metadata as md, accelerate, accel\n"
+                      "print('versions', md.version('accelerate'), accelerate.__version__, accel.__version__)\n")
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "ACCEL_ACCELERATE_VERSION": "1.16.0"}
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--accelerate_shim", "--cpu", str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from accel.core.version import __version__
+
+    assert f"versions 1.16.0 1.16.0 {__version__}" in out.stdout, out.stdout
+    assert (tmp_path / "cache" / "accel" / "accelerate-shim-1.16.0" / "accelerate-1.16.0.dist-info" / "METADATA").is_file()
+    bad = subprocess.run(cmd, env={**env, "ACCEL_ACCELERATE_VERSION": "latest"}, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "ACCEL_ACCELERATE_VERSION='latest'" in bad.stderr, bad.stderr
+
+
+def test_shim_dist_info_matches_its_version():
+    import importlib.metadata as md
+
+    from accel.shim import ACCELERATE_VERSION, PATH
+
+    found = list(md.distributions(name="accelerate", path=[PATH]))
+    assert [d.version for d in found] == [ACCELERATE_VERSION]
