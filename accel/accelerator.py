@@ -21,6 +21,7 @@ from accel.runtime.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
 from accel.checkpoint.async_save import AsyncCheckpointer
+from accel.compat.accelerator_members import AccelerateMembers
 from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
 from accel.config.kwargs import (
     AORecipeKwargs,
@@ -51,7 +52,7 @@ def _warn_safetensors_only() -> None:
                       "safetensors + JSON as always (load_state reads them the same way)", UserWarning, stacklevel=3)
 
 
-class Accelerator:
+class Accelerator(AccelerateMembers):
     """Make a plain PyTorch training loop run on one CPU, many processes, GPUs or machines.
 
     >>> accelerator = Accelerator()
@@ -73,7 +74,6 @@ class Accelerator:
         fsdp_plugin: Any = None,
         torch_tp_plugin: Any = None,
         megatron_lm_plugin: Any = None,
-        parallelism_config: ParallelismConfig | None = None,
         rng_types: list | None = None,
         log_with: Any = None,
         project_dir: str | None = None,
@@ -84,6 +84,7 @@ class Accelerator:
         dynamo_backend: Any = None,
         dynamo_plugin: Any = None,
         deepspeed_plugins: Any = None,
+        parallelism_config: ParallelismConfig | None = None,
         even_batches: bool | None = None,
         **unsupported: Any,
     ) -> None:
@@ -164,6 +165,7 @@ class Accelerator:
         self.state.__dict__.update(mixed_precision=self.config.mixed_precision, deepspeed_plugin=deepspeed_plugin,
                                    parallelism_config=self.config.parallelism,
                                    topology=self.topology, torch_tp_plugin=torch_tp_plugin,
+                                   dynamo_plugin=dynamo_plugin, megatron_lm_plugin=None, downcast_bfloat=False,
                                    **deepspeed_state_members(deepspeed_plugin, deepspeed_plugins),
                                    **fsdp_state_members(fsdp_plugin, self.config, self.backend))
         self._models: list[torch.nn.Module] = []
@@ -303,6 +305,12 @@ class Accelerator:
     @property
     def even_batches(self) -> bool:
         return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        """As in Accelerate: written to the dataloader config, so data loaders prepared after it follow it (those
+        prepared before keep theirs; `join_uneven_inputs(even_batches=...)` changes them for a while)."""
+        self.dataloader_config.even_batches = value
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -481,10 +489,12 @@ class Accelerator:
         for opt in targets:
             self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Unscale, clip the gradients' global norm to `max_norm`, and return the norm before clipping."""
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Unscale, clip the gradients' global norm to `max_norm`, and return the norm before clipping. `foreach`
+        is torch's clip_grad_norm_'s (None: the foreach kernels where the device has them)."""
         self.unscale_gradients()
-        return self.backend.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        return self.backend.clip_grad_norm_(list(parameters), max_norm, norm_type, foreach)
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         self.unscale_gradients()
@@ -562,10 +572,10 @@ class Accelerator:
     def split_between_processes(self, inputs: Any, apply_padding: bool = False):
         return self.state.split_between_processes(inputs, apply_padding)
 
-    def on_main_process(self, function: Callable) -> Callable:
+    def on_main_process(self, function: Callable | None = None) -> Callable:
         return self.state.on_main_process(function)
 
-    def on_local_main_process(self, function: Callable) -> Callable:
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
         return self.state.on_local_main_process(function)
 
     def on_last_process(self, function: Callable) -> Callable:

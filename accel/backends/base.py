@@ -131,12 +131,12 @@ class Backend:
         loss.backward(**kwargs)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+                        norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
         """Clip to the global norm over all gradients; for sharded (DTensor) gradients the norm is reduced
-        over the shards, so it equals the single-process norm."""
+        over the shards, so it equals the single-process norm. `foreach` is torch's (clip_grad_norm_'s)."""
         parameters = list(parameters)
-        total = total_norm([p.grad for p in parameters if p.grad is not None], norm_type, self.state.device)
-        clip_grads_with_norm(parameters, max_norm, total)
+        total = total_norm([p.grad for p in parameters if p.grad is not None], norm_type, self.state.device, foreach)
+        clip_grads_with_norm(parameters, max_norm, total, foreach)
         return total
 
     # -- checkpoint hooks ------------------------------------------------------------------------------------
@@ -209,31 +209,50 @@ def quiet_logger(name: str):
         logger.setLevel(level)
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device,
+               foreach: bool | None = None) -> torch.Tensor:
     """The norm of all `grads` as one vector. Sharded (DTensor) gradients are reduced over their mesh; those on
-    different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined."""
+    different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined.
+    `foreach` as torch's get_total_norm takes it (None: the foreach kernels where the device has them; True where it
+    has none: torch's RuntimeError)."""
     by_mesh: dict = {}
     for grad in grads:
         by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
     norms = []
     for group in by_mesh.values():
         with quiet_logger("torch.distributed.tensor._redistribute"):  # a 2-D mesh (FSDP x TP, ep): torch notes
-            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)  # one all-reduce per mesh dim (of
-            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a scalar) as suboptimal
+            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=foreach)  # one all-reduce per
+            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # mesh dim (of a scalar) as
+            # suboptimal
         norms.append(whole.to(device=device, dtype=torch.float32))
     if not norms:
         return torch.zeros((), device=device)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
-def clip_grads_with_norm(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
-    """Scale the gradients by max_norm / total when that is below 1 (each shard in place, whatever its mesh)."""
+def clip_grads_with_norm(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor,
+                         foreach: bool | None = None) -> None:
+    """Scale the gradients by max_norm / total when that is below 1 (each shard in place, whatever its mesh).
+    `foreach`: one foreach kernel per device and dtype (None: where the device has it; True where it has none:
+    the RuntimeError torch's clip_grads_with_norm_ raises); False: one multiplication per gradient."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
     with torch.no_grad():
-        for p in parameters:
-            if p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                grad.mul_(coefficient.to(grad.device, grad.dtype))
+        for (device, dtype), grads in groups.items():
+            scale = coefficient.to(device, dtype)
+            if foreach is not False and _device_has_foreach_support(device):
+                torch._foreach_mul_(grads, scale)
+            elif foreach:
+                raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            else:
+                for grad in grads:
+                    grad.mul_(scale)
 
 
 class ParameterReplacements:

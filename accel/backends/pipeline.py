@@ -184,7 +184,7 @@ class PipelineBackend(Backend):
         self.backward_ran = False
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+                        norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
         """The global norm over all stages (each weight tied across stages counted once)."""
         parameters = list(parameters)
         if self.gradient_state is None or self.gradient_state.sync_gradients:
@@ -193,7 +193,7 @@ class PipelineBackend(Backend):
         skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
         grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
         device = self.state.device
-        local = total_norm(grads, norm_type, device)
+        local = total_norm(grads, norm_type, device, foreach)
         group = self.topology.group("pp", device.type)
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -202,7 +202,7 @@ class PipelineBackend(Backend):
             powered = local ** norm_type
             dist.all_reduce(powered, group=group)
             total = powered ** (1.0 / norm_type)
-        clip_grads_with_norm(parameters, max_norm, total)
+        clip_grads_with_norm(parameters, max_norm, total, foreach)
         return total
 
     # -- checkpoints ------------------------------------------------------------------------------------------

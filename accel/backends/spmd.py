@@ -121,6 +121,13 @@ class SpmdBackend(Backend):
         return {name for layout in self.experts for name in layout.held}
 
     @property
+    def replicated_state(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
+        """DDP (or one process) without ZeRO-1's sharded optimizer, TP, or experts split over ranks."""
+        par = self.parallelism
+        return (self.data_parallel != "fsdp" and par.zero_stage == 0 and par.tp_size == 1
+                and not self.experts)
+
+    @property
     def partial_gradients(self) -> bool:  # type: ignore[override]  # Backend's class attribute, computed here
         """FSDP2 shards the gradients: each rank sees only its shard."""
         return self.data_parallel == "fsdp"
@@ -225,10 +232,11 @@ class SpmdBackend(Backend):
             for restore in aside:
                 restore()
 
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0,
+                        foreach: bool | None = None) -> torch.Tensor:
         """With experts, each held by one ep rank: the norm of the others plus theirs summed over the ep group."""
         if not self.experts:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+            return super().clip_grad_norm_(parameters, max_norm, norm_type, foreach)
         from accel.backends.base import clip_grads_with_norm, total_norm
         from accel.backends.expert import ExpertLayout, expert_norm_power
 
@@ -236,7 +244,7 @@ class SpmdBackend(Backend):
         expert_ids = {id(p) for layout in self.experts for p in (*layout.params.values(), *layout.listed.values())}
         held = [p for p in parameters if id(p) in expert_ids]
         others = total_norm([p.grad for p in parameters if p.grad is not None and id(p) not in expert_ids], norm_type,
-                            self.state.device)
+                            self.state.device, foreach)
         mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
         experts = expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
         experts = experts.to(others.device)
@@ -244,7 +252,7 @@ class SpmdBackend(Backend):
             total = torch.maximum(others, experts)
         else:
             total = (others ** norm_type + experts) ** (1.0 / norm_type)
-        clip_grads_with_norm(parameters, max_norm, total)
+        clip_grads_with_norm(parameters, max_norm, total, foreach)
         return total
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:

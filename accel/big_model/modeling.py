@@ -128,16 +128,31 @@ def set_module_tensor_to_device(
     device: Device,
     value: torch.Tensor | None = None,
     dtype: torch.dtype | str | None = None,
+    fp16_statistics: torch.Tensor | None = None,
+    tied_params_map: dict | None = None,
+    non_blocking: bool = False,
+    clear_cache: bool = True,
 ) -> None:
     """Replace the parameter/buffer ``tensor_name`` of ``module`` by ``value`` (or its current data) on ``device``.
 
     The replacement keeps the Parameter class and ``requires_grad``; without ``dtype`` a floating-point
     ``value`` takes the dtype the tensor had. Only this one place is changed (tied aliases keep theirs).
+
+    Accelerate's other keywords: ``non_blocking`` is the copy's (``Tensor.to``); ``clear_cache`` empties the
+    accelerator's cache after a move to it; ``tied_params_map`` ({data_ptr of a tied tensor: {device: tensor already
+    there}}, as the dispatch hooks keep it) reuses the tensor already on ``device`` instead of a second copy, and
+    records the new one where its source's pointer is a key; ``fp16_statistics`` is set as the new parameter's
+    ``SCB`` (bitsandbytes' 8-bit statistics; accel quantizes nothing itself, the tensor is only kept with the weight).
     """
     owner, attr = _owner(module, tensor_name)
     is_param = attr in owner._parameters
     old = cast(torch.Tensor, owner._parameters[attr] if is_param else owner._buffers[attr])  # an entry, not None
+    given_device = device
     device = _torch_device(device)
+    tied = _tied_on_device(tied_params_map, (value, old), (given_device, device))
+    if tied is not None:
+        owner._parameters[attr] = tied
+        return
     if value is None:
         if old.device.type == "meta" and device.type != "meta":
             raise ValueError(f"{tensor_name!r} is on the meta device: a value is needed to put it on {device}.")
@@ -149,12 +164,41 @@ def set_module_tensor_to_device(
     if dtype is None and value.is_floating_point() and old.is_floating_point():
         dtype = old.dtype
     with torch.no_grad():
-        new = value.detach().to(device=device, dtype=dtype)
+        new = value.detach().to(device=device, dtype=dtype, non_blocking=non_blocking)
     if is_param:
         new = nn.Parameter(new, requires_grad=old.requires_grad)
+        if fp16_statistics is not None:
+            new.SCB = fp16_statistics.to(device, non_blocking=non_blocking)  # type: ignore[attr-defined]
         owner._parameters[attr] = new
     else:
         owner._buffers[attr] = new
+    if clear_cache and device.type not in ("cpu", "meta"):
+        from accel.core.memory import clear_device_cache
+
+        clear_device_cache()
+    if tied_params_map is not None:
+        for source in (old, value):
+            if source is not None and source.device.type != "meta":
+                entry = tied_params_map.get(source.data_ptr())
+                if entry is not None and given_device not in entry:
+                    entry[given_device] = new
+                    break
+
+
+def _tied_on_device(tied_params_map: dict | None, sources: tuple, devices: tuple) -> torch.Tensor | None:
+    """The tensor of `tied_params_map` already on the device for the first source (value, then the old tensor)
+    whose data pointer is a key."""
+    if not tied_params_map:
+        return None
+    for source in sources:
+        if source is None or source.device.type == "meta":
+            continue
+        entry = tied_params_map.get(source.data_ptr())
+        if entry is not None:
+            for device in devices:
+                if device in entry:
+                    return entry[device]
+    return None
 
 
 def find_tied_parameters(model: nn.Module) -> list[list[str]]:

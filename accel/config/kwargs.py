@@ -17,6 +17,12 @@ class KwargsHandler:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]  # subclasses are dataclasses
                 if getattr(self, f.name) != getattr(defaults, f.name)}
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every attribute (a deep copy), as Accelerate's."""
+        import copy
+
+        return copy.deepcopy(self.__dict__)
+
 
 class DDPCommunicationHookType(str, enum.Enum):
     """Accelerate's names for torch's DDP communication hooks (`torch.distributed.algorithms.ddp_comm_hooks`)."""
@@ -26,6 +32,11 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
+
+    @classmethod
+    def list(cls) -> list[str]:
+        """The values, as Accelerate's enums list them."""
+        return [member.value for member in cls]
 
 
 @dataclass
@@ -45,6 +56,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_state: Any = None
     comm_wrapper: str | None = None
     comm_state_option: dict = field(default_factory=dict)
+
+    def to_dict(self, ignore_keys=("comm_hook", "comm_wrapper", "comm_state_option")) -> dict[str, Any]:
+        """Every attribute but `ignore_keys` (the hook options, which are not DDP's arguments), as Accelerate's."""
+        return {k: v for k, v in super().to_dict().items() if k not in ignore_keys}
 
 
 @dataclass

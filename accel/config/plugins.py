@@ -35,6 +35,7 @@ from accel.config.accelerate_import import (
     read_deepspeed_json,
 )
 from accel.config.errors import ConfigError, shown
+from accel.config.fsdp_plugin_methods import FsdpPluginMethods, wrap_policy_name
 from accel.config.resolve import merge_layers
 from accel.config.schema import DYNAMO_BACKENDS, PARALLEL_FIELDS, TOP_FIELDS, AccelConfig, allowed_values, check_value
 
@@ -229,7 +230,7 @@ def _offload_flag(value: Any, owner: str) -> bool:
 
 
 @dataclass
-class FullyShardedDataParallelPlugin:
+class FullyShardedDataParallelPlugin(FsdpPluginMethods):
     """Accelerate's FSDP plugin, mapped onto accel's ZeRO stages: sharding parameters, gradients and optimizer
     state is stage 3 (FULL_SHARD, HYBRID_SHARD, reshard_after_forward=True), gradients and optimizer state
     stage 2 (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2, reshard_after_forward=False), none stage 0 (NO_SHARD).
@@ -239,13 +240,13 @@ class FullyShardedDataParallelPlugin:
     offload_optimizer (FSDP's CPU offload moves both).
     """
 
+    fsdp_version: Any = None  # the fields in Accelerate's order (its positional arguments)
     sharding_strategy: Any = None
     reshard_after_forward: Any = None
-    cpu_offload: Any = None
-    fsdp_version: Any = None
     backward_prefetch: Any = None
     mixed_precision_policy: Any = None
     auto_wrap_policy: Any = None
+    cpu_offload: Any = None
     ignored_modules: Any = None
     state_dict_type: Any = None
     state_dict_config: Any = None
@@ -256,6 +257,7 @@ class FullyShardedDataParallelPlugin:
     sync_module_states: Any = None
     forward_prefetch: Any = None
     activation_checkpointing: Any = None
+    activation_checkpointing_offload: Any = None
     cpu_ram_efficient_loading: Any = None
     transformer_cls_names_to_wrap: Any = None
     min_num_params: Any = None
@@ -263,14 +265,21 @@ class FullyShardedDataParallelPlugin:
     _NAME = "FullyShardedDataParallelPlugin"
 
     def __post_init__(self) -> None:
-        owner = self._NAME
         _unsupported(self, {
             "mixed_precision_policy": (None,), "ignored_modules": (None,), "state_dict_config": (None,),
             "optim_state_dict_config": (None,), "param_init_fn": (None,),
+            "activation_checkpointing_offload": (None, False),
         }, {
-            "mixed_precision_policy": "; use Accelerator(mixed_precision=...)",
+            "mixed_precision_policy": "; use Accelerator(mixed_precision=...) or set_mixed_precision()",
             "param_init_fn": "; a model built on the meta device is materialized by the ZeRO backend itself",
+            "activation_checkpointing_offload": "; checkpointed activations stay on the device",
         })
+        self._precision: str | None = None  # set_mixed_precision's, as a config value
+        self._build_layer()
+
+    def _build_layer(self) -> None:
+        """The config layer of the current fields (again after a set_* method changed them)."""
+        owner = self._NAME
         if self.fsdp_version is not None and self.fsdp_version not in (1, 2):
             raise ConfigError(f"{owner}: argument 'fsdp_version': bad value {self.fsdp_version!r}; allowed: 1 or 2")
         par: dict = {}
@@ -296,7 +305,9 @@ class FullyShardedDataParallelPlugin:
             par["offload_params"] = offload
             par["offload_optimizer"] = offload
         par.update(self._wrapping())
-        self._layer = {"parallelism": par} if par else {}
+        self._layer: dict[str, Any] = {"parallelism": par} if par else {}
+        if self._precision is not None:
+            self._layer["mixed_precision"] = self._precision
 
     def _wrapping(self) -> dict:
         """`transformer_cls_names_to_wrap` / `min_num_params` (what transformers' `fsdp_config` passes) -> the ZeRO
@@ -304,7 +315,7 @@ class FullyShardedDataParallelPlugin:
         from accel.config.accelerate_import import _fsdp_wrapping
         from accel.core.constants import FSDP_AUTO_WRAP_POLICY
 
-        policy = self.auto_wrap_policy
+        policy = wrap_policy_name(self.auto_wrap_policy)
         if policy is not None and not isinstance(policy, str):
             return {}
         if policy is not None and policy.upper() not in FSDP_AUTO_WRAP_POLICY:

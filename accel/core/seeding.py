@@ -33,11 +33,14 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 RNG_TYPES = ("torch", "cuda", "generator")
 
 
-def synchronize_rng_state(rng_type: str, generator=None) -> None:
+def synchronize_rng_state(rng_type: str | None = None, generator=None) -> None:
     """Give every process the main process's state of one RNG (`torch`, `cuda`, or `generator`: the given
-    `torch.Generator`), as Accelerate's prepared data loaders do at each epoch."""
+    `torch.Generator`), as Accelerate's prepared data loaders do at each epoch. None: nothing (Accelerate's)."""
     import torch
     import torch.distributed as dist
+
+    if rng_type is None:
+        return
 
     if rng_type not in RNG_TYPES:
         raise ValueError(f"synchronize_rng_states: rng type {rng_type!r}; allowed: {', '.join(RNG_TYPES)}")

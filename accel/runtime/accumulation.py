@@ -91,3 +91,12 @@ class GradientAccumulationPlugin:
         self.num_steps = num_steps
         self.adjust_scheduler = adjust_scheduler
         self.sync_with_dataloader = sync_with_dataloader
+
+    def to_dict(self) -> dict:
+        """Every attribute, as Accelerate's KwargsHandler.to_dict."""
+        return dict(vars(self))
+
+    def to_kwargs(self) -> dict:
+        """The attributes that differ from the defaults, as Accelerate's KwargsHandler.to_kwargs."""
+        defaults = vars(GradientAccumulationPlugin())
+        return {k: v for k, v in vars(self).items() if defaults.get(k) != v}

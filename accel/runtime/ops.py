@@ -84,26 +84,27 @@ def slice_tensors(data: Any, tensor_slice: slice, process_index: int | None = No
     return recursively_apply(lambda t: t[tensor_slice], data)
 
 
-def send_to_device(data: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:
-    """Move every tensor (or object with `.to`) in `data` to `device`."""
+def send_to_device(tensor: Any, device, non_blocking: bool = False, skip_keys=None) -> Any:
+    """Move every tensor (or object with `.to`) in `tensor` to `device`."""
     if isinstance(skip_keys, str):
         skip_keys = [skip_keys]
     skip_keys = skip_keys or []
-    if isinstance(data, torch.Tensor) or (hasattr(data, "to") and not isinstance(data, (Mapping, list, tuple, type))):
+    if isinstance(tensor, torch.Tensor) or (
+            hasattr(tensor, "to") and not isinstance(tensor, (Mapping, list, tuple, type))):
         try:
-            return data.to(device, non_blocking=non_blocking)
+            return tensor.to(device, non_blocking=non_blocking)
         except TypeError:
-            return data.to(device)
-    if isinstance(data, (tuple, list)):
-        mapped = [send_to_device(o, device, non_blocking) for o in data]
-        if isinstance(data, tuple) and hasattr(data, "_fields"):
-            return type(data)(*mapped)
-        return type(data)(mapped)
-    if isinstance(data, Mapping):
-        return type(data)(  # type: ignore[call-arg]  # the mapping's own class
-            {k: v if k in skip_keys else send_to_device(v, device, non_blocking) for k, v in data.items()}
+            return tensor.to(device)
+    if isinstance(tensor, (tuple, list)):
+        mapped = [send_to_device(o, device, non_blocking) for o in tensor]
+        if isinstance(tensor, tuple) and hasattr(tensor, "_fields"):
+            return type(tensor)(*mapped)
+        return type(tensor)(mapped)
+    if isinstance(tensor, Mapping):
+        return type(tensor)(  # type: ignore[call-arg]  # the mapping's own class
+            {k: v if k in skip_keys else send_to_device(v, device, non_blocking) for k, v in tensor.items()}
         )
-    return data
+    return tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,14 +181,14 @@ def gathered_alone(tensor: Any) -> Any:
     return recursively_apply(lambda t: t[None] if t.ndim == 0 else t, tensor)
 
 
-def gather_object(obj: list, group=None) -> list:
+def gather_object(object: list, group=None) -> list:  # Accelerate's keyword name
     """All processes' (of `group`) lists, concatenated in rank order (Accelerate's `gather_object`)."""
     import torch.distributed as dist
 
     if _world(group) == 1:
-        return list(obj)
+        return list(object)
     out: list = [None] * _world(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, object, group=group)
     return [item for part in out for item in part]
 
 
@@ -217,7 +218,7 @@ def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
 _REDUCE_OPS = ("sum", "mean", "max", "min", "none")
 
 
-def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Sum, mean, max or min of each tensor over all processes (Accelerate's `reduce`); returns new tensors, inputs
     are left alone."""
     import torch.distributed as dist

@@ -190,6 +190,11 @@ class PartialState:
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
 
+    @property
+    def fork_launched(self) -> bool:
+        """Accelerate's: whether the processes were forked by `notebook_launcher` (FORK_LAUNCHED=1 in the env)."""
+        return os.environ.get("FORK_LAUNCHED", "0").lower() in ("1", "true", "yes", "y", "on")
+
     # -- synchronisation ----------------------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
         if self.use_distributed and dist.is_initialized():
@@ -216,11 +221,15 @@ class PartialState:
         """Yield this process's contiguous share of a list, tuple, dict of lists, or tensor."""
         yield split_for_process(inputs, self.num_processes, self.process_index, apply_padding)
 
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: run `function` only on the main process."""
+    def on_main_process(self, function: Callable | None = None) -> Callable:
+        """Decorator: run `function` only on the main process (`@on_main_process()` too)."""
+        if function is None:
+            return self.on_main_process
         return self._only_if(function, lambda: self.is_main_process)
 
-    def on_local_main_process(self, function: Callable) -> Callable:
+    def on_local_main_process(self, function: Callable | None = None) -> Callable:
+        if function is None:
+            return self.on_local_main_process
         return self._only_if(function, lambda: self.is_local_main_process)
 
     def on_last_process(self, function: Callable) -> Callable:
