@@ -805,7 +805,12 @@ class Accelerator(AccelerateMembers):
                                self._custom_objects, self.scaler, self.gradient_state.step,
                                save_hooks=list(self._save_model_state_pre_hook.values()),
                                load_hooks=list(self._load_model_state_pre_hook.values()),
-                               trackers=tracker_record(self.trackers))
+                               trackers=tracker_record(self.trackers),
+                               hook_view=lambda m: self.unwrap_model(m, keep_torch_compile=False))
+
+    def _replicated(self) -> bool:
+        """Every process holds the whole training state (DDP): the main process may save it alone."""
+        return bool(getattr(self.backend, "replicated_state", False))
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    async_save: bool | None = None, **_: Any) -> str:
@@ -830,7 +835,9 @@ class Accelerator(AccelerateMembers):
             if output_dir is not None:
                 raise ValueError("save_state: output_dir is chosen by automatic_checkpoint_naming; pass no path")
             target = automatic = project.checkpoints_dir() / f"checkpoint_{project.iteration}"
-            if automatic.exists():
+            # where the main process saves alone (replicated state), it may have published this folder already
+            alone = self.num_processes > 1 and self._replicated()
+            if automatic.exists() and (self.is_main_process or not alone):
                 raise ValueError(f"save_state: {automatic} already exists; set ProjectConfiguration(iteration=...) "
                                  "past the existing checkpoints")
         elif output_dir is None:
@@ -889,8 +896,11 @@ class Accelerator(AccelerateMembers):
 
         from accel.checkpoint.layout import fsync_dir, fsync_file
 
-        if self.is_main_process:
-            path = Path(f)
+        from accel.checkpoint.main_save import main_process_writes
+
+        path = Path(f)
+
+        def write() -> None:
             tmp = path.with_name(f".{path.name}.tmp")
             if safe_serialization:
                 from safetensors.torch import save_file
@@ -901,7 +911,8 @@ class Accelerator(AccelerateMembers):
             fsync_file(tmp)
             tmp.replace(path)
             fsync_dir(path.parent)
-        self.wait_for_everyone()
+
+        main_process_writes("save", path, write, self.is_main_process, self._replicated())
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The full (unsharded) state dict, on CPU, with the user's parameter names; tied weights are one tensor
@@ -921,15 +932,20 @@ class Accelerator(AccelerateMembers):
         other files kept (model_io.save_state_dict_sharded)."""
         from accel.checkpoint.model_io import save_state_dict_sharded
 
+        from accel.checkpoint.main_save import main_process_writes
+
         state = self.get_state_dict(model)
-        if self.is_main_process:
+
+        def write() -> None:
             config = getattr(self.unwrap_model(model), "config", None)
             # a transformers model: from_pretrained(save_directory) works; config.json is published with the weights
             extra = ({"config.json": lambda path: config.to_json_file(str(path))}
                      if config is not None and hasattr(config, "to_json_file") else None)
             save_state_dict_sharded(state, save_directory, max_shard_size=max_shard_size,
                                     safe_serialization=safe_serialization, extra_files=extra)
-        self.wait_for_everyone()
+
+        # under DDP it may be called on the main process alone, as Accelerate allows
+        main_process_writes("save_model", save_directory, write, self.is_main_process, self._replicated())
 
     # -- experiment trackers (accel/tracking.py): started, fed and finished on the main process only ----------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:

@@ -42,7 +42,7 @@ def add_launch_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _shim_version() -> str:
-    from accel.shim import ShimVersionError, accelerate_version
+    from accel.core.shim_version import ShimVersionError, accelerate_version
 
     try:
         return accelerate_version()
@@ -55,7 +55,7 @@ def environment_lines() -> list[str]:
     import torch.distributed as dist
 
     from accel.core.version import __version__
-    from accel.shim import VERSION_ENV
+    from accel.core.shim_version import VERSION_ENV
 
     lines = [
         f"- accel version: {__version__}",

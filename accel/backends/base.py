@@ -33,6 +33,9 @@ class Backend:
 
     name = "base"
     holds_part_of_model = False  # True: each process has only some of the model's tensors (pipeline stages)
+    # True: every process holds the whole training state (model, optimizer), so the main process can save a
+    # checkpoint on its own (save_state called there alone, as Accelerate allows under DDP)
+    replicated_state = False
     partial_gradients = False  # True: a rank holds only part of the gradients (the precision policy's scaler)
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",

@@ -38,6 +38,7 @@ class _Pending:
     tmp: Path  # the temporary folder it writes (removed after a failure)
     done: threading.Event
     error: str | None = None
+    alone: bool = False  # one process's own save, with nothing to agree on with the others (main_save.py)
 
 
 class AsyncCheckpointer:
@@ -75,10 +76,10 @@ class AsyncCheckpointer:
         return self._stagers[key]
 
     def start(self, target: Path, tmp: Path, upload: Future, finish: Callable[[], None],
-              describe: Callable[[BaseException], str]) -> None:
+              describe: Callable[[BaseException], str], alone: bool = False) -> None:
         """Follow `upload` (this rank's background write) in a thread; then run `finish` (the main process
         publishes); a failure of either is kept, as one line, for the next wait."""
-        pending = _Pending(target, tmp, threading.Event())
+        pending = _Pending(target, tmp, threading.Event(), alone=alone)
 
         def follow() -> None:
             try:
@@ -94,14 +95,15 @@ class AsyncCheckpointer:
         _wait_at_exit(self)
 
     # -- waiting ------------------------------------------------------------------------------------------
-    def wait(self) -> tuple[Path, Path, str | None] | None:
+    def wait(self) -> tuple[Path, Path, str | None, bool] | None:
         """Wait for this rank's save in flight, if any: (its folder, its temporary folder, this rank's failure as
-        one line or None). The ranks' agreement on the outcome is the caller's (training_state.wait_for_save)."""
+        one line or None, whether it was this process's own). The ranks' agreement on the outcome is the caller's
+        (training_state.wait_for_save)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         pending.done.wait()
-        return pending.target, pending.tmp, pending.error
+        return pending.target, pending.tmp, pending.error, pending.alone
 
     def wait_quietly(self) -> None:
         """At exit (the other ranks may be gone): wait for this rank's part, print a failure, raise nothing."""

@@ -18,6 +18,7 @@ No pickle anywhere: tensors are safetensors, everything else JSON.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import errno
 import json
@@ -25,6 +26,7 @@ import math
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,7 +37,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from accel.checkpoint import layout, tree
+from accel.checkpoint import layout, main_save, tree
 from accel.checkpoint.async_save import AsyncCheckpointer
 from accel.checkpoint.layout import CheckpointError
 from accel.runtime.progress import stages
@@ -58,21 +60,46 @@ class TrainingObjects:
     save_hooks: list = field(default_factory=list)
     load_hooks: list = field(default_factory=list)
     trackers: dict | None = None  # the main process's file-tracker run (accel.tracking.tracker_record), resumed
+    # what the hooks see of a prepared model: the user's module (Accelerate hands them its `_models`: the module
+    # before the DDP wrapper and torch.compile)
+    hook_view: Callable[[Any], Any] | None = None
+
+    def hook_models(self) -> list:
+        return [self.hook_view(m) if self.hook_view is not None else m for m in self.models]
+
+
+_ALONE = contextvars.ContextVar("accel_checkpoint_alone", default=False)  # the main process saves on its own
+
+
+def _distributed() -> bool:
+    """Whether this save or load runs with the other processes (not inside `alone()`)."""
+    return dist.is_available() and dist.is_initialized() and not _ALONE.get()
+
+
+@contextlib.contextmanager
+def alone():
+    """The main process writes a checkpoint without the others (replicated state, accel/checkpoint/main_save.py):
+    no collective runs, as on one process."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
 def _broadcast_from_main(value: Any) -> Any:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -82,7 +109,7 @@ def _broadcast_from_main(value: Any) -> Any:
 def _one_folder_everywhere(folder: Path, verb: str) -> None:
     """A checkpoint is one folder that every process writes its part of and reads back: processes naming different
     folders (e.g. each its own tempfile.mkdtemp()) would split it, so they are refused, the same way everywhere."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed() or dist.get_world_size() == 1:
         return
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, str(folder))
@@ -232,7 +259,7 @@ def _dedupe_aliases(tensors: dict[str, Any]) -> dict[str, str]:
 def _first_failure(message: str | None, name_rank: bool = False) -> str | None:
     """Every rank's outcome of a step (None: it worked) -> the first failure, the same on every rank; with
     `name_rank`, '(rank r)' is added where the ranks did not all fail alike."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return message
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, message)
@@ -287,6 +314,8 @@ def _save_failure(target: Path, tmp: Path, rank: int, world: int, exc: BaseExcep
         text = first_cause(cause)
     code = getattr(cause, "errno", None)
     hint = None if code is None else _SAVE_HINTS.get(code)
+    if _ALONE.get() and dist.is_available() and dist.is_initialized():  # the main process saving alone
+        world = dist.get_world_size()
     who = f" on rank {failed_rank}" if world > 1 else ""
     return (f"{target}: could not be saved{who}: {text}" + (f"; {hint}" if hint else "")
             + "; nothing was published (a checkpoint already there is unchanged)")
@@ -313,16 +342,29 @@ def _load_failure(folder: Path, exc: BaseException) -> str:
 
 def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects, mode: str = "no",
                         checkpointer: AsyncCheckpointer | None = None,
-                        on_published: Callable[[], None] | None = None) -> Path:
+                        on_published: Callable[[], None] | None = None,
+                        announce_failure: Callable[[str], str] = lambda message: message,
+                        others_rng: Callable[[Path], list[int]] | None = None) -> Path:
     """Write a checkpoint of `objects` to `output_dir` atomically (all ranks call this); `on_published` runs on the
     main process once it is in place (rotation). With `mode` "thread" or "process" (and a `checkpointer`), return as
     soon as the tensors are staged and write them in the background (accel/checkpoint/async_save.py).
 
     The ranks agree after each step whether it worked everywhere. A failure on any rank (full disk, read-only
     or forbidden folder, a value that cannot be saved) removes the temporary folder and raises the same
-    one-line CheckpointError on every rank, without a hang; a checkpoint already at `output_dir` is unchanged."""
+    one-line CheckpointError on every rank, without a hang; a checkpoint already at `output_dir` is unchanged.
+
+    Where every process holds the whole state (`backend.replicated_state`: DDP), the main process saves on its own
+    and the others add their RNG states (main_save.py), so that save_state may be called on the main process
+    alone, as Accelerate allows."""
     rank, world = _rank_world()
+    if world > 1 and getattr(objects.backend, "replicated_state", False) and checkpointer is not None:
+        kv = main_save.store()
+        if kv is not None:
+            return _save_from_main(Path(output_dir).absolute(), objects, mode, checkpointer, on_published, kv, rank)
     target = Path(output_dir).absolute()
+    if world > 1 and (kv := main_save.store()) is not None:
+        main_save.join_everyone(kv, main_save.announcement_key(objects.step, target), rank, world,
+                                _layout_name(objects.backend))
     _one_folder_everywhere(target, "save_state")
     tmp = Path(_broadcast_from_main(str(layout.temporary_sibling(target))))
 
@@ -333,7 +375,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects,
     background = mode != "no" and checkpointer is not None
     if mode == "process" and world == 1:  # torch's checkpoint process needs a process group: one process writes
         mode = "thread"                   # in a thread instead
-    group = checkpointer.group() if background else None  # type: ignore[union-attr]  # made by every rank
+    group = checkpointer.group() if background and world > 1 else None  # type: ignore[union-attr]  # every rank
     with stages("save_state", 3) as begin:  # DCP writes in one call: the bar names the step, with elapsed time
         begin("collecting state")
         run(lambda: _make_temporary(target, tmp) if rank == 0 else None)
@@ -341,11 +383,12 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects,
         tensors, meta = run(lambda: _split_state(objects, weights, owners))
         if world > 1 and objects.backend.holds_part_of_model:  # pipeline stages hold different tensors: merge them
             meta = run(lambda: _merged_over_stages(meta, world))
-        publish = _publisher(tmp, target, meta, world, objects, on_published) if rank == 0 else (lambda: None)
+        publish = _publisher(tmp, target, meta, world, objects, on_published, others_rng) if rank == 0 else (
+            lambda: None)
         if background:
             begin("staging tensors")
             run(lambda: _start_background_write(cast(AsyncCheckpointer, checkpointer), mode, group, tensors, meta,
-                                                publish, tmp, target, rank, world))
+                                                publish, tmp, target, rank, world, announce_failure))
             return target
         begin("writing tensors")
         run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
@@ -354,8 +397,72 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects,
     return target
 
 
+def _layout_name(backend) -> str:
+    par = getattr(backend, "parallelism", None)
+    if par is None:
+        return type(backend).__name__
+    parts = [f"ZeRO-{par.zero_stage}"] if par.zero_stage else []
+    parts += [f"{name} {size}" for name, size in (("tp", par.tp_size), ("pp", par.pp_size),
+                                                  ("ep", getattr(par, "ep_size", 1))) if size > 1]
+    return " x ".join(parts) or type(backend).__name__
+
+
+def _save_from_main(target: Path, objects: TrainingObjects, mode: str, checkpointer: AsyncCheckpointer,
+                    on_published: Callable[[], None] | None, kv, rank: int) -> Path:
+    """The main process writes the checkpoint without a collective, with the RNG states the others hand over, and
+    announces the outcome; another process joins, hands over its RNG states and follows (main_save.py)."""
+    key = main_save.announcement_key(objects.step, target)
+    if rank != 0:
+        kv.set(f"{key}/joined/{rank}", "1")
+        if objects.save_hooks:  # run here too, as Accelerate runs them on every process that saves; the weights
+            weights = [objects.backend.checkpoint_model_state(m) for m in objects.models]  # are the main's
+            for hook in objects.save_hooks:
+                hook(objects.hook_models(), weights, str(target))
+        snapshot = rng_snapshot()
+        kv.set(f"{key}/rng/{rank}", main_save.encode_rng(snapshot))
+        checkpointer.start(target, target, main_save.done_future(),
+                           lambda: main_save.follow_main_save(target, rank, snapshot, write_rng, kv, key,
+                                                              main_save.timeout()),
+                           lambda exc: str(exc) if isinstance(exc, CheckpointError) else
+                           f"save_state: rank {rank} could not add its RNG states to {target} ({first_cause(exc)})",
+                           alone=True)
+        if mode == "no":  # a synchronous save returns once the checkpoint is complete, as the collective one does
+            wait_for_save(checkpointer)
+        return target
+
+    started, world = time.monotonic(), dist.get_world_size()
+    included: list[int] = []
+
+    def others_rng(folder: Path) -> list[int]:
+        for other, snapshot in main_save.collect_rng(kv, key, world, started, main_save.timeout()).items():
+            write_rng(folder, other, snapshot)
+            included.append(other)
+        return [0, *included]
+
+    def published() -> None:
+        if on_published is not None:
+            on_published()
+        main_save.announce(kv, key, " ".join(["ok", *map(str, included)]))
+
+    def failed(message: str) -> str:
+        main_save.announce(kv, key, f"failed: {message}")
+        return message
+
+    with alone():
+        try:
+            return save_training_state(target, objects, mode, checkpointer, published, announce_failure=failed,
+                                       others_rng=others_rng)
+        except CheckpointError as exc:
+            failed(str(exc))
+            raise
+        except BaseException as exc:
+            failed(f"save_state on the main process failed ({first_cause(exc)})")
+            raise
+
+
 def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, tensors: dict, meta: dict,
-                            publish: Callable[[], None], tmp: Path, target: Path, rank: int, world: int) -> None:
+                            publish: Callable[[], None], tmp: Path, target: Path, rank: int, world: int,
+                            announce_failure: Callable[[str], str] = lambda message: message) -> None:
     """Write the RNG states now, stage the tensors (copied off the live ones) and hand them to torch's async_save;
     the checkpointer follows the write and then publishes (main process)."""
     from torch.distributed.checkpoint import async_save
@@ -371,7 +478,9 @@ def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, t
                             no_dist=world == 1)
     if not isinstance(upload, Future):  # an AsyncSaveResponse (staging in the background): not asked for here
         upload = upload.upload_completion
-    checkpointer.start(target, tmp, upload, publish, lambda exc: _save_failure(target, tmp, rank, world, exc))
+    told = dist.get_world_size() if _ALONE.get() else world  # the message names the rank (the thread has no context)
+    checkpointer.start(target, tmp, upload, publish,
+                       lambda exc: announce_failure(_save_failure(target, tmp, rank, told, exc)), alone=_ALONE.get())
 
 
 def wait_for_save(checkpointer: AsyncCheckpointer) -> Path | None:
@@ -382,7 +491,13 @@ def wait_for_save(checkpointer: AsyncCheckpointer) -> Path | None:
         return None
     rank, world = _rank_world()
     outcome = checkpointer.wait()
-    target, tmp, error = outcome if outcome is not None else (None, None, None)
+    target, tmp, error, alone_ = outcome if outcome is not None else (None, None, None, False)
+    if alone_:  # the main process's own save (or another process's RNG states for it): nothing to agree on
+        if error:
+            if tmp is not None and rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(error)
+        return target
     failure = _first_failure(error)  # the message names the rank that failed (_save_failure)
     if failure:
         if tmp is not None:
@@ -447,13 +562,19 @@ def _write_tensors_and_rng(tensors: dict, meta: dict, tmp: Path, rank: int, worl
 
 
 def _publisher(tmp: Path, target: Path, meta: dict, world: int, objects: TrainingObjects,
-               on_published: Callable[[], None] | None) -> Callable[[], None]:
+               on_published: Callable[[], None] | None,
+               others_rng: Callable[[Path], list[int]] | None = None) -> Callable[[], None]:
     """What the main process does once every rank's files are written: fsync, the manifest (last), the rename
     into place, then `on_published`. The values it needs are taken now (a background save publishes later)."""
+    if _ALONE.get():  # the main process saved alone: the others' RNG states come later, if they called save_state
+        world = dist.get_world_size()
     content = {"world_size": world, "step": objects.step, "aliases": meta["aliases"], "layouts": meta["layouts"],
-               "skeleton": meta["skeleton"], **({} if objects.trackers is None else {"trackers": objects.trackers})}
+               "skeleton": meta["skeleton"], **({} if objects.trackers is None else {"trackers": objects.trackers}),
+               }
 
     def publish() -> None:
+        if others_rng is not None:  # the main process saved alone: the RNG states the others handed over
+            content["rng_ranks"] = others_rng(tmp / "rng")
         layout.fsync_tree(tmp)
         layout.write_manifest(tmp, content)
         layout.publish(tmp, target)
@@ -469,10 +590,18 @@ def _saved_weights(objects: TrainingObjects, folder: Path) -> tuple[list, list]:
     hook writes there are part of the checkpoint), and the model each belongs to (by identity, else position)."""
     models = objects.models
     weights = [objects.backend.checkpoint_model_state(m) for m in models]
+    original = list(weights)
     index = {id(w): i for i, w in enumerate(weights)}
     for hook in objects.save_hooks:
-        hook(list(models), weights, str(folder))
+        hook(objects.hook_models(), weights, str(folder))
     owners = [index.get(id(w), i) for i, w in enumerate(weights)]
+    if objects.save_hooks and _distributed() and dist.get_world_size() > 1:
+        # the main process's hooks decide which weights the checkpoint holds (Accelerate writes its list): a hook
+        # that saves a model its own way and pops its weights on the main process only must not split the ranks
+        chosen = _broadcast_from_main(owners)
+        mine = dict(zip(owners, weights, strict=True))
+        weights = [mine.get(i, original[i] if i < len(original) else None) for i in chosen]
+        owners = chosen
     return weights, [models[i] if i < len(models) else None for i in owners]
 
 
@@ -528,9 +657,12 @@ def _checked_files(folder: Path, objects: TrainingObjects, rank: int) -> _LoadPl
     specs, aliases = _checked_manifest(folder / layout.MANIFEST, manifest)
     _check_state_files(folder, manifest, specs, aliases)
     rng = _read_rng(folder, rank, manifest)
-    models = list(objects.models)
+    views = objects.hook_models()
+    shown = list(views)
     for hook in objects.load_hooks:
-        hook(models, str(folder))
+        hook(shown, str(folder))
+    # the prepared models whose module the hooks left in the list (in the list's order): those are loaded here
+    models = [objects.models[i] for view in shown for i, v in enumerate(views) if v is view]
     return _LoadPlan(manifest, specs, aliases, rng, models)
 
 
@@ -816,9 +948,8 @@ def _check_layouts(folder: Path, saved: list[dict], backend, models: list) -> No
 
 # -- RNG states, per rank ---------------------------------------------------------------------------------
 
-def _save_rng(folder: Path, rank: int) -> None:
-    from safetensors.torch import save_file
-
+def rng_snapshot() -> tuple[dict, dict]:
+    """This process's RNG states now: (tensors, plain JSON values)."""
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, st in enumerate(torch.cuda.get_rng_state_all()):
@@ -830,8 +961,19 @@ def _save_rng(folder: Path, rank: int) -> None:
         plain["numpy"] = tree.split(np.random.get_state(), "numpy", {})
     except ImportError:
         pass
+    return tensors, plain
+
+
+def write_rng(folder: Path, rank: int, snapshot: tuple[dict, dict]) -> None:
+    from safetensors.torch import save_file
+
+    tensors, plain = snapshot
     save_file(tensors, str(folder / f"rank_{rank}.safetensors"))
     (folder / f"rank_{rank}.json").write_text(json.dumps(plain))
+
+
+def _save_rng(folder: Path, rank: int) -> None:
+    write_rng(folder, rank, rng_snapshot())
 
 
 def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
@@ -843,6 +985,12 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
     if rank >= saved_world:
         warnings.warn(f"load_state: checkpoint has RNG states for {saved_world} processes; rank {rank} keeps its own",
                       stacklevel=1)
+        return None
+    written = manifest.get("rng_ranks")
+    if isinstance(written, list) and rank not in written and not all(  # a late joiner adds its own after publishing
+            (folder / "rng" / f"rank_{rank}.{ext}").is_file() for ext in ("safetensors", "json")):
+        warnings.warn(f"load_state: {folder} was saved by the main process alone (save_state called there only): no "
+                      f"RNG states for rank {rank}, which keeps its own", stacklevel=1)
         return None
     tensors_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.safetensors", folder / layout.MANIFEST)
     json_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.json", folder / layout.MANIFEST)

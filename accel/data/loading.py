@@ -513,13 +513,18 @@ class DataLoaderShard(DataLoader):
             self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        state: dict[str, Any] = {"iteration": self.iteration, "seed": self.seed}
+        """The loader's place: its epoch (`iteration`), and mid-epoch what its shuffle was drawn from. Once the
+        epoch's last batch is handed out (a checkpoint taken on it, where diffusers' scripts and
+        run_glue_no_trainer save) the epoch counts as done, as in the run that goes on: the next pass starts the
+        next epoch and draws its order afresh."""
+        done = self.__dict__.get("_in_epoch") and self.__dict__.get("_last_batch_out")
+        state: dict[str, Any] = {"iteration": self.iteration + 1 if done else self.iteration, "seed": self.seed}
         generator = followed_generator(self)
         if generator is not None:  # mid-epoch: the state the epoch's shuffle was drawn from
-            started = self.__dict__.get("_epoch_start_state")
+            started = None if done else self.__dict__.get("_epoch_start_state")
             state["generator_state"] = (generator.get_state() if started is None else started).clone()
         sampler = self._order_sampler()
-        if isinstance(sampler, GlobalSeedRandomSampler) and self.__dict__.get("_in_epoch"):
+        if isinstance(sampler, GlobalSeedRandomSampler) and self.__dict__.get("_in_epoch") and not done:
             state["sampler_seed"] = sampler.epoch_seed  # mid-epoch: the global draw this epoch shuffled from
         return state
 
@@ -549,6 +554,7 @@ class DataLoaderShard(DataLoader):
         self._resuming = self._resumes_mid_epoch()
         for loader in (self, self._parent) if self._parent is not None else (self,):  # the parent is what is saved
             loader._in_epoch = True
+            loader._last_batch_out = False
         if self.gradient_state is not None:
             self.gradient_state._add_dataloader(self)
         try:
@@ -593,6 +599,8 @@ class DataLoaderShard(DataLoader):
             if following is done:
                 self.end_of_dataloader = True
                 self.remainder = self._last_remainder()
+                for loader in (self, self._parent) if self._parent is not None else (self,):
+                    loader._last_batch_out = True
             yield self._to_device(current)
             current = following
 
@@ -615,9 +623,11 @@ class DataLoaderShard(DataLoader):
         self.iteration = epoch + 1
         self._epoch_start_state = None
         self._in_epoch = False
+        self._last_batch_out = False
         if self._parent is not None:  # a skip_first_batches view: the real loader moves to the next epoch
             self._parent.iteration += 1
             self._parent._in_epoch = False
+            self._parent._last_batch_out = False
 
     def _clone(self, **overrides) -> "DataLoaderShard":
         """A loader with the same sharding and settings but its own sampler state."""

@@ -22,31 +22,17 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
-import re
 import shutil
 import sys
 import types
 from typing import cast
 
+from accel.core.shim_version import ACCELERATE_VERSION, VERSION_ENV, ShimVersionError, accelerate_version
+
 PATH = os.path.dirname(os.path.abspath(__file__))  # holds accelerate/__init__.py and accelerate-*.dist-info
 REAL_ONLY = ("accelerate.test_utils",)  # taken from a real Accelerate installation
-ACCELERATE_VERSION = "1.15.0"  # the Accelerate release the shim answers as (its dist-info folder beside this file)
-VERSION_ENV = "ACCEL_ACCELERATE_VERSION"  # pins another: the version libraries see, for their version checks
-
-
-class ShimVersionError(ValueError):
-    """$ACCEL_ACCELERATE_VERSION is not a release version."""
-
-
-def accelerate_version() -> str:
-    """The version `accelerate` answers as: `$ACCEL_ACCELERATE_VERSION` when set (checked), else ACCELERATE_VERSION."""
-    pinned = os.environ.get(VERSION_ENV, "").strip()
-    if not pinned:
-        return ACCELERATE_VERSION
-    if not re.fullmatch(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}", pinned):
-        raise ShimVersionError(f"{VERSION_ENV}={pinned!r} is not a release version; allowed: numbers with dots, such "
-                               f"as {ACCELERATE_VERSION} (the default), or unset")
-    return pinned
+__all__ = ["ACCELERATE_VERSION", "PATH", "VERSION_ENV", "AccelerateAlias", "ShimVersionError", "accelerate_version",
+           "active", "install", "register_alias", "search_path"]
 
 
 def _metadata_text(version: str) -> str:

@@ -76,9 +76,13 @@ def test_resume_mid_epoch_is_bit_exact(request, isolated_env, tmp_path, num_proc
 
 @pytest.mark.multiproc
 def test_two_process_checkpoint_loads_on_one_process(two_process_runs, isolated_env):
-    """Written by 2 ranks (each its own shard file), loaded by 1: the weights are exactly those saved."""
+    """Written under DDP on 2 ranks (the main process writes the replicated state, rank 1 hands over its RNG states:
+    one shard file, both ranks' RNG files), loaded by 1: the weights are exactly those saved."""
     script, out = SCRIPTS / "resume_train.py", two_process_runs / "c"
-    assert len(list((out / "checkpoints" / "checkpoint_1" / "state").glob("*.safetensors"))) == 2
+    folder = out / "checkpoints" / "checkpoint_1"
+    assert len(list((folder / "state").glob("*.safetensors"))) == 1
+    rng = {f"rank_{r}.{ext}" for r in (0, 1) for ext in ("json", "safetensors")}
+    assert {p.name for p in (folder / "rng").iterdir()} == rng
     run(isolated_env, 1, script, "--out", str(out), "--mode", "load")
     saved, loaded = load_file(str(out / "at_stop.safetensors")), load_file(str(out / "loaded.safetensors"))
     assert saved.keys() == loaded.keys()
@@ -131,8 +135,10 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, t
 def test_a_failure_on_one_rank_is_one_line_everywhere(isolated_env, tmp_path):
     """Rank 1's disk fills inside DCP's writer, then while it writes its RNG states (rank 0 never waits for
     it), then only rank 1's RNG file is damaged: both ranks raise the same one line each time, no temporary
-    folder is left, the first checkpoint still loads, and the failed load changed nothing."""
-    accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPTS / "failing_save.py", tmp_path, timeout=90)
+    folder is left, the first checkpoint still loads, and the failed load changed nothing. Under ZeRO-3, where
+    each rank writes its part (under DDP the main process writes everything: test_main_process_save.py)."""
+    accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--zero_stage", 3, SCRIPTS / "failing_save.py",
+                 tmp_path, timeout=90)
     reports = [dict(line.split(" ", 1) for line in (tmp_path / f"report_{r}.txt").read_text().splitlines())
                for r in (0, 1)]
     assert reports[0] == reports[1], reports  # the same lines on both ranks

@@ -193,3 +193,31 @@ def test_shim_dist_info_matches_its_version():
 
     found = list(md.distributions(name="accelerate", path=[PATH]))
     assert [d.version for d in found] == [ACCELERATE_VERSION]
+
+
+@pytest.mark.parametrize("kind", ["generator", "global", "seedable"])
+def test_checkpoint_on_an_epochs_last_batch_resumes_at_the_next_epoch(kind):
+    """A checkpoint taken while the epoch's last batch is processed (where diffusers' scripts and run_glue_no_trainer
+    save) resumes at the next epoch, with the order the uninterrupted run draws for it (was: epoch 1 again)."""
+    data = torch.arange(12)
+
+    def make(seed):
+        generator = torch.Generator().manual_seed(seed) if kind == "generator" else None
+        return prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True, generator=generator),
+                                   put_on_device=False, use_seedable_sampler=kind == "seedable")
+
+    torch.manual_seed(0)
+    loader = make(3)
+    epoch0 = [b.tolist() for b in loader]
+    state, rng = None, None
+    for batch in loader:  # epoch 1: the checkpoint is taken on its last batch
+        if loader.end_of_dataloader:
+            state, rng = loader.state_dict(), torch.get_rng_state()
+    epoch2 = [b.tolist() for b in loader]
+    assert state is not None and state["iteration"] == 2 and epoch2 != epoch0
+    torch.manual_seed(1)
+    resumed = make(99)
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert [b.tolist() for b in resumed] == epoch2
+    assert resumed.iteration == 3

@@ -6,8 +6,9 @@ checkpoint (FileNotFoundError: start fresh), after a restart it loads the latest
 its run's log from there) and skips the batches already done in its epoch.
 
 --out DIR      project_dir; rank 0 writes final.safetensors there, each rank attempt<i>_rank<r>.json
---kill_at N    on the first attempt rank 1 SIGKILLs itself inside step N's save_state, after its tensors are on
-               disk and before the checkpoint is complete (N must be a checkpoint step)
+--kill_at N    on the first attempt rank 1 SIGKILLs itself inside step N's save_state, as it takes its RNG states
+               (under DDP the main process writes the tensors; rank 1 has joined the save and is waited for),
+               before the checkpoint is complete (N must be a checkpoint step)
 """
 
 import argparse
@@ -31,7 +32,7 @@ def die_inside_the_next_save() -> None:
     def die(*_args, **_kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    training_state._save_rng = die  # called after this rank's tensors are written, before the manifest
+    training_state.rng_snapshot = die  # called once this rank joined the save, before the manifest
 
 
 def main() -> None:
