@@ -121,3 +121,15 @@ class CustomDtype(enum.Enum):
     FP8 = "fp8"
     INT4 = "int4"
     INT2 = "int2"
+
+
+def get_module_class_from_name(module, name: str):
+    """The class named `name` of `module` or of its first submodule (depth first) of that class; None if none is
+    (Accelerate's helper, which PEFT imports)."""
+    if type(module).__name__ == name:
+        return type(module)
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None

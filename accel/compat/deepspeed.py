@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from accel.compat.hf_deepspeed_config import HfDeepSpeedConfig  # noqa: F401 (accelerate.utils.deepspeed's name)
 from accel.config import ConfigError
+from accel.scheduler import AcceleratedScheduler
 
 _AUTO = "auto"
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
@@ -420,3 +422,15 @@ def replace_dummies(args: tuple | list, deepspeed_plugin: Any, num_processes: in
                              f"parameter when using `DummyScheduler`: {source} has no 'scheduler' section")
     return result
 
+
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """Accelerate's wrapper of a DeepSpeed engine's scheduler, whose `step` does nothing (the engine steps it).
+    accel runs no DeepSpeed engine; transformers' Trainer imports the name and tests schedulers against it."""
+
+    def __init__(self, scheduler, optimizers) -> None:
+        from accel.runtime.state import GradientState
+
+        super().__init__(scheduler, optimizers if isinstance(optimizers, list) else [optimizers], GradientState(), 1)
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing: the engine would step it."""

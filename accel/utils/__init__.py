@@ -53,7 +53,12 @@ _LAZY = {
     "tqdm": "accel.runtime.progress",
     **dict.fromkeys(("convert_model_to_fp8_ao", "filter_first_and_last_linear_layers", "has_ao_layers"),
                     "accel.compat.ao"),
-    **dict.fromkeys(("DummyOptim", "DummyScheduler"), "accel.compat.deepspeed"),
+    **dict.fromkeys(("DummyOptim", "DummyScheduler", "DeepSpeedSchedulerWrapper", "HfDeepSpeedConfig"),
+                    "accel.compat.deepspeed"),
+    "get_module_class_from_name": "accel.compat.dataclasses",
+    **dict.fromkeys(("disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading",
+                     "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "get_fsdp2_grad_scaler"),
+                    "accel.utils.fsdp_utils"),
     # Accelerate's small helpers, each in the module of Accelerate's name
     **dict.fromkeys((
         "MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "SCALER_NAME", "RNG_STATE_NAME",

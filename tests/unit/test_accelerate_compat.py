@@ -221,3 +221,31 @@ def test_checkpoint_on_an_epochs_last_batch_resumes_at_the_next_epoch(kind):
     torch.set_rng_state(rng)
     assert [b.tolist() for b in resumed] == epoch2
     assert resumed.iteration == 3
+
+
+def test_names_consumers_import_from_accelerate_utils(tmp_path):
+    """transformers' DeepSpeed integration (HfDeepSpeedConfig, DeepSpeedSchedulerWrapper) and PEFT
+    (get_module_class_from_name) import these; tests/accelerate_compat/consumer_imports.py checks every import."""
+    import json
+
+    from accel.utils import DeepSpeedSchedulerWrapper, HfDeepSpeedConfig, get_module_class_from_name
+
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "train_batch_size": 8}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    for given in (config, str(path), json.dumps(config)):
+        ds = HfDeepSpeedConfig(given)
+        assert ds.is_zero3() and not ds.is_zero2() and ds.is_offload()
+        assert ds.get_value("zero_optimization.offload_param.device") == "cpu" and ds.get_value("a.b", 5) == 5
+        assert ds.is_true("zero_optimization.stage") and not ds.is_false("zero_optimization.stage")
+    ds.del_config_sub_tree("zero_optimization.offload_param")
+    assert ds.get_value("zero_optimization.offload_param") is None and config["zero_optimization"]["offload_param"]
+    with pytest.raises(ValueError, match="Expected a string path"):
+        HfDeepSpeedConfig("not json {")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    assert get_module_class_from_name(model, "ReLU") is torch.nn.ReLU
+    assert get_module_class_from_name(model, "GELU") is None
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    wrapper = DeepSpeedSchedulerWrapper(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), opt)
+    wrapper.step()
+    assert opt.param_groups[0]["lr"] == 1.0  # the engine would step it
