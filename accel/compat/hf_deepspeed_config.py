@@ -44,7 +44,7 @@ class HfDeepSpeedConfig:
 
     def find_config_node(self, ds_key_long: str):
         """(the dict holding the last key, the last key); (None, key) where a parent is missing."""
-        config = self.config
+        config: Any = self.config
         *nodes, key = ds_key_long.split(".")
         for node in nodes:
             config = config.get(node)
@@ -57,7 +57,9 @@ class HfDeepSpeedConfig:
         return default if config is None else config.get(key, default)
 
     def del_config_sub_tree(self, ds_key_long: str, must_exist: bool = False) -> None:
-        config, parent, node = self.config, None, None
+        config: Any = self.config
+        parent: Any = None
+        node = None
         for node in ds_key_long.split("."):
             parent, config = config, config.get(node)
             if config is None:
