@@ -55,10 +55,15 @@ class ProjectConfiguration:
     save_on_each_node: bool = False
 
     def __post_init__(self) -> None:
-        if self.logging_dir is None:
-            self.logging_dir = self.project_dir
+        self.set_directories(self.project_dir)
         if self.total_limit is not None and self.total_limit < 1:
             raise ValueError(f"ProjectConfiguration: total_limit={self.total_limit}; allowed: None or an integer >= 1")
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        """Set `project_dir`, and `logging_dir` to it where none was given (Accelerate's; Trainer calls it)."""
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
 
     def checkpoints_dir(self) -> Path:
         if not self.project_dir:
