@@ -87,6 +87,8 @@ class SequenceParallel:
         self.mesh = topology.submesh(self.kind, device_type)
         self.layout = SequenceLayout(self.degree, topology.seq_rank(state.process_index), balanced=self.kind == "cp")
         self.ring = getattr(parallelism, "cp_comm_strategy", "allgather") == "ring" and self.kind == "cp"
+        handler = getattr(parallelism, "sp_handler", None)  # Accelerate 1.16's DeepSpeedSequenceParallelConfig
+        self.allow_recurrent = bool(getattr(handler, "sp_allow_recurrent_layers", False))
         self.shifts_labels = False  # set when a model that shifts its labels (a causal LM) is prepared
         self.adds_positions = False  # set when a transformers model (positions from the local length) is prepared
         self.context: StepContext | None = None  # kept after forward: activation checkpointing recomputes in backward
@@ -105,6 +107,7 @@ class SequenceParallel:
         config = getattr(model, "config", None)
         transformers_model = config is not None and hasattr(config, "_attn_implementation")
         if transformers_model:
+            self._refuse_recurrent_layers(model, config)
             self._check_heads(config)
             self._use_registry(model, config)
             self.adds_positions = True
@@ -118,6 +121,20 @@ class SequenceParallel:
 
             _enable_cp_dtensor_dispatcher()  # torch's ring attention for SDPA on DTensors sharded on the sequence
         self._wrap_forward(model, transformers_model)
+
+    def _refuse_recurrent_layers(self, model: torch.nn.Module, config) -> None:
+        """Linear-attention (recurrent) layers carry a state along the sequence outside the attention function: cut
+        over ranks, each rank restarts it and the gradients are wrong without any error (Accelerate 1.16 refuses
+        them too, unless `DeepSpeedSequenceParallelConfig(sp_allow_recurrent_layers=True)`)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        recurrent = sorted({t for t in getattr(text, "layer_types", None) or () if "linear_attention" in str(t)})
+        if recurrent and not self.allow_recurrent:
+            raise ConfigError(
+                f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {type(model).__name__} has attention "
+                f"layers of type {recurrent} ({type(text).__name__}.layer_types), whose recurrent state would restart "
+                f"on every {self.kind} rank and give wrong gradients; allowed: a full-attention model, "
+                f"{self.kind}_size 1, or ParallelismConfig(sp_handler=DeepSpeedSequenceParallelConfig("
+                "sp_allow_recurrent_layers=True)) for a model that passes that state between the ranks itself")
 
     def _check_heads(self, config) -> None:
         if self.kind != "sp":

@@ -4,6 +4,11 @@ import enum
 
 from accel.runtime.accumulation import GradientAccumulationPlugin  # noqa: F401
 from accel.checkpoint.layout import ProjectConfiguration  # noqa: F401
+from accel.compat.parallel_handlers import (  # noqa: F401 (Accelerate's names in this module)
+    DeepSpeedSequenceParallelConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
 from accel.config import ParallelismConfig  # noqa: F401
 from accel.data.loading import DataLoaderConfiguration  # noqa: F401
 from accel.config.kwargs import (  # noqa: F401
