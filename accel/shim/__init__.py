@@ -35,9 +35,12 @@ __all__ = ["ACCELERATE_VERSION", "PATH", "VERSION_ENV", "AccelerateAlias", "Shim
            "active", "install", "register_alias", "search_path"]
 
 
-def _metadata_text(version: str) -> str:
+def metadata_text(version: str) -> str:
+    """The dist-info METADATA the shim answers with: Accelerate's name, version and home page (sentence-transformers
+    checks that the home page is Hugging Face's), accel's summary."""
     return (f"Metadata-Version: 2.1\nName: accelerate\nVersion: {version}\n"
-            f"Summary: accel's Accelerate shim: answers as Accelerate {version}; the code is accel's\n")
+            f"Summary: accel's Accelerate shim: answers as Accelerate {version}; the code is accel's\n"
+            "Home-page: https://github.com/huggingface/accelerate\n")
 
 
 def _pinned_metadata_folder(version: str) -> str:
@@ -54,7 +57,7 @@ def _pinned_metadata_folder(version: str) -> str:
             os.makedirs(folder, exist_ok=True)
             staging = tempfile.mkdtemp(dir=folder, prefix=".staging-")
             with open(os.path.join(staging, "METADATA"), "w", encoding="utf-8") as out:
-                out.write(_metadata_text(version))
+                out.write(metadata_text(version))
             with open(os.path.join(staging, "top_level.txt"), "w", encoding="utf-8") as out:
                 out.write("accelerate\n")
             try:

@@ -191,8 +191,12 @@ def test_shim_dist_info_matches_its_version():
 
     from accel.shim import ACCELERATE_VERSION, PATH
 
+    from accel.shim import metadata_text
+
     found = list(md.distributions(name="accelerate", path=[PATH]))
     assert [d.version for d in found] == [ACCELERATE_VERSION]
+    assert found[0].read_text("METADATA") == metadata_text(ACCELERATE_VERSION)
+    assert "huggingface" in found[0].metadata["Home-page"]  # sentence-transformers' check of the owner
 
 
 @pytest.mark.parametrize("kind", ["generator", "global", "seedable"])
