@@ -429,6 +429,7 @@ class Accelerator(AccelerateMembers):
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
         prepared.batch_transform = self.backend.batch_transform
+        prepared.exact_resume = self._exact_resume()
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu
         if expected and prepared.batch_size not in (None, expected):
@@ -436,6 +437,16 @@ class Accelerator(AccelerateMembers):
                           f"loader gives each process batches of {prepared.batch_size}; the loader's size is used",
                           stacklevel=2)
         return prepared
+
+    def _exact_resume(self) -> bool:
+        """DataLoaderConfiguration.exact_resume; unset: Accelerate's resume where the script imported Accelerate (the
+        shim: the drop-in gives Accelerate's numbers), accel's exact resume otherwise."""
+        chosen = getattr(self.dataloader_config, "exact_resume", None)
+        if chosen is None:
+            from accel.shim import active
+
+            return not active()
+        return bool(chosen)
 
     def _seedable_shuffle(self) -> bool:
         """Whether shuffles are a function of (seed, epoch): asked for, or a `data_seed` given (else Accelerate's
@@ -806,7 +817,8 @@ class Accelerator(AccelerateMembers):
                                save_hooks=list(self._save_model_state_pre_hook.values()),
                                load_hooks=list(self._load_model_state_pre_hook.values()),
                                trackers=tracker_record(self.trackers),
-                               hook_view=lambda m: self.unwrap_model(m, keep_torch_compile=False))
+                               hook_view=lambda m: self.unwrap_model(m, keep_torch_compile=False),
+                               exact_resume=self._exact_resume())
 
     def _replicated(self) -> bool:
         """Every process holds the whole training state (DDP): the main process may save it alone."""

@@ -63,6 +63,9 @@ class TrainingObjects:
     # what the hooks see of a prepared model: the user's module (Accelerate hands them its `_models`: the module
     # before the DDP wrapper and torch.compile)
     hook_view: Callable[[Any], Any] | None = None
+    # load_state restores plain loaders' place (epoch, shuffle) too: accel's exact resume (DataLoaderConfiguration's
+    # exact_resume); False: as Accelerate, only stateful loaders
+    exact_resume: bool = True
 
     def hook_models(self) -> list:
         return [self.hook_view(m) if self.hook_view is not None else m for m in self.models]
@@ -755,7 +758,9 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
              enumerate(zip(objects.custom, state["custom"], strict=False))]
     small += [(f"data loader {i}", d, sd) for i, (d, sd) in
               enumerate(zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"],
-                             strict=False))]
+                             strict=False))
+              # Accelerate restores only stateful loaders (torchdata's position); accel's exact resume all of them
+              if objects.exact_resume or getattr(d, "use_stateful_dataloader", False)]
     if objects.scaler is not None and state["scaler"] is not None:
         small.append(("the gradient scaler", objects.scaler, state["scaler"]))
     small += [(f"scheduler {i} ({type(s).__name__})", s, sd) for i, (s, sd) in

@@ -76,8 +76,16 @@ class DataLoaderConfiguration:
     data_seed: Optional[int] = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
+    # accel's: whether load_state puts plain loaders back where the checkpoint was taken (their epoch and the order
+    # they drew) and a resumed pass draws nothing more, so a resumed run repeats the uninterrupted one bit for bit.
+    # False: Accelerate's resume (only stateful loaders are restored; a resumed pass draws as a fresh one). None:
+    # Accelerate's where the script imported Accelerate (the shim), accel's exact resume otherwise.
+    exact_resume: Optional[bool] = None
 
     def __post_init__(self):
+        if self.exact_resume is not None and not isinstance(self.exact_resume, bool):
+            raise ValueError(f"DataLoaderConfiguration: exact_resume={self.exact_resume!r}; allowed: True, False or "
+                             "None (Accelerate's resume under the shim, accel's exact resume otherwise)")
         if self.use_stateful_dataloader:
             stateful_classes()  # fail here, where the user asked for it, when torchdata is missing
 
@@ -567,8 +575,10 @@ class DataLoaderShard(DataLoader):
                 self.gradient_state._remove_dataloader(self)
 
     def _resumes_mid_epoch(self) -> bool:
-        """Whether this pass continues an epoch a checkpoint cut (whose draws the restored RNG already holds)."""
-        return self.skip_batches > 0
+        """Whether this pass continues an epoch a checkpoint cut (whose draws the restored RNG already holds); under
+        Accelerate's resume (exact_resume False) a resumed pass draws as a fresh one, as Accelerate's does."""
+        owner = self._parent if self._parent is not None else self
+        return self.skip_batches > 0 and owner.__dict__.get("exact_resume", True)
 
     def _base_iterator(self) -> Iterator:
         """torch's iterator over the base loader. It draws the workers' base seed from `self.generator` (the global

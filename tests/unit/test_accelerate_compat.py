@@ -253,3 +253,30 @@ def test_names_consumers_import_from_accelerate_utils(tmp_path):
     wrapper = DeepSpeedSchedulerWrapper(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), opt)
     wrapper.step()
     assert opt.param_groups[0]["lr"] == 1.0  # the engine would step it
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_exact_resume_chooses_what_load_state_restores(tmp_path, exact):
+    """accel's exact resume puts a plain loader back where the checkpoint was taken (its epoch, the order it drew);
+    Accelerate's (exact_resume=False, the default under the shim) restores no plain loader, as Accelerate's
+    load_state does, and a resumed pass draws from the restored RNG as a fresh one."""
+    from accel.data.loading import DataLoaderConfiguration
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(exact_resume=exact))
+    loader = accelerator.prepare(DataLoader(torch.arange(12), batch_size=4, shuffle=True))
+    [b.tolist() for b in loader]  # epoch 0
+    running = iter(loader)
+    next(running)
+    accelerator.save_state(str(tmp_path / "c"))  # mid-epoch 1
+    rest = [b.tolist() for b in running]
+    [b.tolist() for b in loader]  # epoch 2
+    accelerator.load_state(str(tmp_path / "c"))
+    assert loader.iteration == (1 if exact else 3)  # Accelerate's: not restored (epochs 0-2 were read)
+    resumed = [b.tolist() for b in accelerator.skip_first_batches(loader, 1)]
+    if exact:
+        assert resumed == rest
+    else:
+        assert resumed != rest  # the restored RNG drew this epoch's order afresh, as Accelerate's loader does
+    with pytest.raises(ValueError, match="exact_resume='yes'"):
+        DataLoaderConfiguration(exact_resume="yes")
