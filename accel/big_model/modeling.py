@@ -912,26 +912,21 @@ def convert_file_size_to_int(size: int | str) -> int:
     return result
 
 
-_FLOAT8_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _CUSTOM_DTYPE_BYTES = {"int2": 1 / 4, "int4": 1 / 2, "fp8": 1}
 
 
 def dtype_byte_size(dtype: torch.dtype) -> int | float:
-    """Bytes one element of ``dtype`` takes: ``1/8`` for bool, fractions for ``CustomDtype.INT2``/``INT4``, else the
-    bit width at the end of the dtype's name divided by 8."""
+    """Bytes one element of ``dtype`` takes: ``1/8`` for bool, fractions for ``CustomDtype.INT2``/``INT4``, else
+    torch's ``itemsize`` (Accelerate 1.16's rule: packed 4-bit dtypes such as ``uint4`` count 1 byte, not 0)."""
     import enum
-    import re
 
     if dtype == torch.bool:
         return 1 / 8
     if isinstance(dtype, enum.Enum) and type(dtype).__name__ == "CustomDtype":
         return _CUSTOM_DTYPE_BYTES[dtype.value]
-    if dtype in [getattr(torch, name) for name in _FLOAT8_NAMES if hasattr(torch, name)]:
-        return 1
-    bits = re.search(r"[^\d](\d+)$", str(dtype))
-    if bits is None:
+    if not isinstance(dtype, torch.dtype):
         raise ValueError(f"`dtype` is not a valid dtype: {dtype}.")
-    return int(bits.group(1)) // 8
+    return dtype.itemsize
 
 
 def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:

@@ -83,6 +83,30 @@ def is_torch_distributed_available() -> bool:
     return torch.distributed.is_available()
 
 
+_DISTRIBUTED_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}  # of Accelerate 1.16's table, the devices torch here may have
+
+
+def get_torch_accelerator_backend(check_available: bool = True):
+    """(device type, its torch module) of the accelerator torch sees, or (None, None) on a CPU-only machine
+    (Accelerate 1.16's; its test helpers call it). `check_available=False`: without probing the device."""
+    try:
+        device = torch.accelerator.current_accelerator()
+    except RuntimeError:  # torch 2.6 on a CPU-only build
+        device = None
+    if device is None:
+        return None, None
+    if check_available and not torch.accelerator.is_available():
+        return None, None
+    if device.type in ("cuda", "mps", "xpu"):
+        return device.type, torch.get_device_module(device.type)
+    return device.type, torch.accelerator
+
+
+def get_distributed_backend(device_type: str | None) -> str | None:
+    """The default torch.distributed backend of a device type (nccl for cuda), None where there is none."""
+    return _DISTRIBUTED_BACKENDS.get(device_type) if device_type is not None else None
+
+
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
     return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
 

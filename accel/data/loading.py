@@ -882,6 +882,12 @@ def _global_batches_of(batch_sampler, shuffle: _Shuffle):
     (sharded batch by batch)."""
     if type(batch_sampler) is BatchSampler:
         return BatchSampler(shuffle.sampler(batch_sampler.sampler), batch_sampler.batch_size, batch_sampler.drop_last)
+    inner = getattr(batch_sampler, "sampler", None)
+    if (isinstance(inner, RandomSampler) and (shuffle.use_seedable_sampler or shuffle.seed is not None)
+            and not isinstance(inner, (SeedableRandomSampler, GlobalSeedRandomSampler))):
+        # Accelerate's set_sampler: a custom batch sampler's RandomSampler becomes the seedable one, in place
+        # (transformers' Trainer asks for use_seedable_sampler; sentence-transformers gives its own batch samplers)
+        batch_sampler.sampler = shuffle.sampler(inner)
     return batch_sampler
 
 

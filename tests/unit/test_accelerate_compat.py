@@ -280,3 +280,30 @@ def test_exact_resume_chooses_what_load_state_restores(tmp_path, exact):
         assert resumed != rest  # the restored RNG drew this epoch's order afresh, as Accelerate's loader does
     with pytest.raises(ValueError, match="exact_resume='yes'"):
         DataLoaderConfiguration(exact_resume="yes")
+
+
+def test_seedable_sampler_replaces_the_sampler_inside_a_custom_batch_sampler():
+    """Accelerate's prepare (use_seedable_sampler, which transformers' Trainer turns on) puts its seedable sampler
+    inside a custom batch sampler too (sentence-transformers' DefaultBatchSampler): the order is then a function of
+    (seed, epoch), not the user's generator running on (measured against Accelerate 1.15: the same 3 epochs)."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    from accel.data.loading import DataLoaderConfiguration
+    from accel.utils import set_seed
+
+    class EpochBatchSampler(BatchSampler):
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    set_seed(42)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    data = list(range(10))
+    batches = EpochBatchSampler(RandomSampler(data, generator=torch.Generator().manual_seed(42)), 4, False)
+    loader = accelerator.prepare(DataLoader(data, batch_sampler=batches))
+    assert isinstance(batches.sampler, SeedableRandomSampler)
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        orders.append([b.tolist() for b in loader])
+    assert orders == [[[2, 6, 1, 8], [4, 5, 0, 9], [3, 7]], [[8, 4, 9, 0], [5, 1, 6, 7], [2, 3]],
+                      [[2, 6, 3, 8], [7, 9, 1, 4], [5, 0]]]

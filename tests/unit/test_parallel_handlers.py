@@ -38,8 +38,8 @@ def test_linear_attention_layers_are_refused_unless_allowed(kind):
     assert "linear_attention" in config.layer_types
     model = torch.nn.Linear(2, 2)
     sequence = types.SimpleNamespace(kind=kind, allow_recurrent=False)
-    with pytest.raises(ConfigError, match=rf"parallelism: Linear has attention layers of type \['linear_attention'\] "
-                                          rf"\(BambaConfig.layer_types\).*sp_allow_recurrent_layers=True"):
+    with pytest.raises(ConfigError, match=r"parallelism: Linear has attention layers of type \['linear_attention'\] "
+                                          r"\(BambaConfig.layer_types\).*sp_allow_recurrent_layers=True"):
         SequenceParallel._refuse_recurrent_layers(sequence, model, config)
     sequence.allow_recurrent = True
     SequenceParallel._refuse_recurrent_layers(sequence, model, config)  # the user says the model passes the state

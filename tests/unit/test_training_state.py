@@ -176,7 +176,7 @@ def test_save_state_needs_a_place():
         accelerator.load_state()
 
 
-def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
+def test_tied_weights_are_saved_once_under_one_name(tmp_path):
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
     model[1].weight = model[0].weight
