@@ -70,7 +70,7 @@ def without_own_format(checkpoints: dict, impl: str) -> dict:
 def _format_free(record: dict, impl: str) -> dict:
     """A diffusers record with each checkpoint listing reduced to what the hooks and the user wrote."""
     full = record.get("full")
-    if not isinstance(full, dict) or "checkpoints" not in full:
+    if not isinstance(full, dict) or not isinstance(full.get("checkpoints"), dict):  # diffusers' {folder: files}
         return record
     return {**record, "full": {**full, "checkpoints": without_own_format(full["checkpoints"], impl)}}
 
