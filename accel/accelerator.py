@@ -443,9 +443,9 @@ class Accelerator(AccelerateMembers):
         shim: the drop-in gives Accelerate's numbers), accel's exact resume otherwise."""
         chosen = getattr(self.dataloader_config, "exact_resume", None)
         if chosen is None:
-            from accel.shim import active
+            from accel.core.shim_version import shim_active
 
-            return not active()
+            return not shim_active()
         return bool(chosen)
 
     def _seedable_shuffle(self) -> bool:

@@ -13,6 +13,8 @@ from typing import cast
 
 import torch
 
+from accel.core.probes import is_torch_distributed_available
+
 from accel.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -87,7 +89,10 @@ def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Modul
 
 
 def model_has_dtensor(model: torch.nn.Module) -> bool:
-    """Whether some parameter of `model` is a DTensor (sharded by FSDP2 or tensor parallelism)."""
+    """Whether some parameter of `model` is a DTensor (sharded by FSDP2 or tensor parallelism); False on a torch
+    built without distributed support."""
+    if not is_torch_distributed_available():
+        return False
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())

@@ -65,3 +65,35 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
         logger.setLevel(log_level.upper())
         logger.root.setLevel(log_level.upper())
     return MultiProcessAdapter(logger, {})
+
+
+_LIBRARY_LOGGERS = ("accelerate", "accel")  # Accelerate's library logger, and accel's own modules'
+
+
+def get_verbosity() -> int:
+    """The effective level of the library's loggers (Accelerate 1.16's)."""
+    return logging.getLogger("accelerate").getEffectiveLevel()
+
+
+def set_verbosity(verbosity: int | str) -> None:
+    """Set the level of the library's loggers (`accelerate` and `accel`): a logging level or a level name, any case.
+    Loggers given a level of their own (`get_logger(..., log_level=)`, ACCELERATE_LOG_LEVEL) keep it."""
+    level = verbosity.upper() if isinstance(verbosity, str) else verbosity
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+def set_verbosity_debug() -> None:
+    set_verbosity(logging.DEBUG)
+
+
+def set_verbosity_info() -> None:
+    set_verbosity(logging.INFO)
+
+
+def set_verbosity_warning() -> None:
+    set_verbosity(logging.WARNING)
+
+
+def set_verbosity_error() -> None:
+    set_verbosity(logging.ERROR)

@@ -27,7 +27,14 @@ import sys
 import types
 from typing import cast
 
-from accel.core.shim_version import ACCELERATE_VERSION, VERSION_ENV, ShimVersionError, accelerate_version
+from accel.core.shim_version import (
+    ACCELERATE_VERSION,
+    FACADE,
+    VERSION_ENV,
+    ShimVersionError,
+    accelerate_version,
+    shim_active,
+)
 
 PATH = os.path.dirname(os.path.abspath(__file__))  # holds accelerate/__init__.py and accelerate-*.dist-info
 REAL_ONLY = ("accelerate.test_utils",)  # taken from a real Accelerate installation
@@ -161,9 +168,4 @@ def install() -> None:
     spec.loader.exec_module(module)
 
 
-FACADE = os.path.join(PATH, "accelerate", "__init__.py")
-
-
-def active() -> bool:
-    """Whether `accelerate` is the shim's module in this process."""
-    return getattr(sys.modules.get("accelerate"), "__file__", None) == FACADE
+active = shim_active
