@@ -443,6 +443,12 @@ class Accelerator(AccelerateMembers):
         shim: the drop-in gives Accelerate's numbers), accel's exact resume otherwise."""
         chosen = getattr(self.dataloader_config, "exact_resume", None)
         if chosen is None:
+            given = os.environ.get("ACCEL_EXACT_RESUME", "").strip().lower()
+            if given:  # for an unchanged Accelerate script that wants accel's exact resume
+                if given not in ("1", "true", "0", "false"):
+                    raise ValueError(f"ACCEL_EXACT_RESUME={given!r}; allowed: 1/true (accel's exact resume), 0/false "
+                                     "(Accelerate's), or unset (Accelerate's under the shim, exact otherwise)")
+                return given in ("1", "true")
             from accel.core.shim_version import shim_active
 
             return not shim_active()

@@ -27,7 +27,7 @@ from accel.checkpoint.layout import CheckpointError
 
 ANNOUNCE_POLL = 0.02  # seconds between two looks at the store
 JOIN_WAIT = 2.0  # seconds the main process waits for the others to call save_state too ($ACCEL_SAVE_STATE_JOIN_WAIT)
-_calls: dict[tuple[int, str], int] = {}  # (step, folder) -> this process's save_state calls for it
+_calls: dict[tuple[int, str], int] = {}  # (step, what) -> this process's calls of it at that step
 
 
 def store():
@@ -38,10 +38,17 @@ def store():
         return None
 
 
-def announcement_key(step: int, target: Path) -> str:
-    """The same key on every process that saves `target` at `step` for the n-th time."""
-    count = _calls[(step, str(target))] = _calls.get((step, str(target)), 0) + 1
-    return f"accel/save_state/{step}/{count}/{target}"
+def announcement_key(step: int, tag: str = "save_state") -> str:
+    """The same key on every process at its n-th `tag` call at `step` (not the folder: processes naming different
+    folders meet under one key, and are told so in one line)."""
+    count = _calls[(step, tag)] = _calls.get((step, tag), 0) + 1
+    return f"accel/{tag}/{step}/{count}"
+
+
+def different_folders(folders: dict[int, str]) -> CheckpointError:
+    shown = ", ".join(f"rank {r}: {f}" for r, f in sorted(folders.items()))
+    return CheckpointError(f"save_state: the processes named different folders ({shown}); allowed: the same folder "
+                           "on every process (one folder they all see, e.g. on a shared disk)")
 
 
 def timeout() -> timedelta:
@@ -57,10 +64,10 @@ def timeout() -> timedelta:
                               "number, or unset (30 min)") from None
 
 
-def join_everyone(kv, key: str, rank: int, world: int, what: str) -> None:
+def join_everyone(kv, key: str, rank: int, world: int, what: str, target: Path) -> None:
     """Before a collective save: wait until every process has called save_state too, else one line naming those
-    that did not (instead of a hang until the collective times out)."""
-    kv.set(f"{key}/joined/{rank}", "1")
+    that did not (instead of a hang until the collective times out); they must name the same folder."""
+    kv.set(f"{key}/joined/{rank}", str(target))
     limit = timeout()
     deadline = time.monotonic() + limit.total_seconds()
     keys = [f"{key}/joined/{r}" for r in range(world)]
@@ -72,6 +79,9 @@ def join_everyone(kv, key: str, rank: int, world: int, what: str) -> None:
                                   f"{limit.total_seconds():.0f} s; allowed: call save_state on every process, "
                                   "not only under `if accelerator.is_main_process`")
         time.sleep(ANNOUNCE_POLL)
+    folders = {r: kv.get(keys[r]).decode() for r in range(world)}
+    if len(set(folders.values())) > 1:
+        raise different_folders(folders)
 
 
 def join_wait() -> float:
@@ -99,9 +109,11 @@ def decode_rng(blob: bytes) -> tuple[dict, dict]:
     return load(blob[8:8 + size]), json.loads(blob[8 + size:].decode())
 
 
-def collect_rng(kv, key: str, world: int, started: float, limit: timedelta) -> dict[int, tuple[dict, dict]]:
+def collect_rng(kv, key: str, world: int, started: float, limit: timedelta,
+                target: Path) -> dict[int, tuple[dict, dict]]:
     """(Main process, before the manifest.) The RNG states of the processes that joined: those that joined within
-    the join wait of `started`, each waited for until it handed them over."""
+    the join wait of `started`, each waited for until it handed them over; a process that named another folder
+    fails the save in one line."""
     found: dict[int, tuple[dict, dict]] = {}
     deadline = time.monotonic() + limit.total_seconds()
     for rank in range(1, world):
@@ -114,6 +126,9 @@ def collect_rng(kv, key: str, world: int, started: float, limit: timedelta) -> d
                                       f"states within {limit.total_seconds():.0f} s")
             time.sleep(ANNOUNCE_POLL)
         else:
+            named = kv.get(joined).decode()
+            if named != str(target):
+                raise different_folders({0: str(target), rank: named})
             found[rank] = decode_rng(kv.get(handed))
     return found
 
@@ -175,7 +190,7 @@ def main_process_writes(tag: str, target, write, is_main: bool, replicated: bool
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return
-    key = announcement_key(-1, Path(os.path.abspath(str(target))) / f".{tag}")
+    key = announcement_key(-1, tag)
     if not is_main:
         outcome = wait_for_announcement(kv, key, timeout())
         if outcome != "ok":

@@ -311,6 +311,8 @@ _SAVE_HINTS = {errno.ENOSPC: "free space on that disk or save elsewhere",
 def _save_failure(target: Path, tmp: Path, rank: int, world: int, exc: BaseException) -> str:
     """'<folder>: could not be saved[ on rank r]: <cause>[ (<file>)]; <what to do>; nothing was published ...'"""
     failed_rank, cause = _root_cause(exc, rank)
+    if isinstance(cause, CheckpointError) and str(cause).startswith("save_state: "):  # already says it all
+        return str(cause)
     if isinstance(cause, OSError) and cause.strerror:
         text = cause.strerror + _where(cause.filename, tmp, target)
     else:
@@ -366,8 +368,8 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects,
             return _save_from_main(Path(output_dir).absolute(), objects, mode, checkpointer, on_published, kv, rank)
     target = Path(output_dir).absolute()
     if world > 1 and (kv := main_save.store()) is not None:
-        main_save.join_everyone(kv, main_save.announcement_key(objects.step, target), rank, world,
-                                _layout_name(objects.backend))
+        main_save.join_everyone(kv, main_save.announcement_key(objects.step), rank, world,
+                                _layout_name(objects.backend), target)
     _one_folder_everywhere(target, "save_state")
     tmp = Path(_broadcast_from_main(str(layout.temporary_sibling(target))))
 
@@ -414,9 +416,9 @@ def _save_from_main(target: Path, objects: TrainingObjects, mode: str, checkpoin
                     on_published: Callable[[], None] | None, kv, rank: int) -> Path:
     """The main process writes the checkpoint without a collective, with the RNG states the others hand over, and
     announces the outcome; another process joins, hands over its RNG states and follows (main_save.py)."""
-    key = main_save.announcement_key(objects.step, target)
+    key = main_save.announcement_key(objects.step)
     if rank != 0:
-        kv.set(f"{key}/joined/{rank}", "1")
+        kv.set(f"{key}/joined/{rank}", str(target))
         if objects.save_hooks:  # run here too, as Accelerate runs them on every process that saves; the weights
             weights = [objects.backend.checkpoint_model_state(m) for m in objects.models]  # are the main's
             for hook in objects.save_hooks:
@@ -437,7 +439,8 @@ def _save_from_main(target: Path, objects: TrainingObjects, mode: str, checkpoin
     included: list[int] = []
 
     def others_rng(folder: Path) -> list[int]:
-        for other, snapshot in main_save.collect_rng(kv, key, world, started, main_save.timeout()).items():
+        for other, snapshot in main_save.collect_rng(kv, key, world, started, main_save.timeout(),
+                                                            target).items():
             write_rng(folder, other, snapshot)
             included.append(other)
         return [0, *included]

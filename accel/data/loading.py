@@ -525,7 +525,9 @@ class DataLoaderShard(DataLoader):
         epoch's last batch is handed out (a checkpoint taken on it, where diffusers' scripts and
         run_glue_no_trainer save) the epoch counts as done, as in the run that goes on: the next pass starts the
         next epoch and draws its order afresh."""
-        done = self.__dict__.get("_in_epoch") and self.__dict__.get("_last_batch_out")
+        # (a stateful loader's own position already says where the epoch ends: torchdata resumes from it)
+        done = (self.__dict__.get("_in_epoch") and self.__dict__.get("_last_batch_out")
+                and not self._on_stateful_loader)
         state: dict[str, Any] = {"iteration": self.iteration + 1 if done else self.iteration, "seed": self.seed}
         generator = followed_generator(self)
         if generator is not None:  # mid-epoch: the state the epoch's shuffle was drawn from

@@ -1,7 +1,9 @@
 """The drop-in promise in numbers: a script written for Accelerate (dropout, a shuffled loader, accumulation, a
 scheduler: tests/multiproc/scripts/same_numbers.py) gives the real Accelerate's losses and weights on accel, on 1
 and 2 CPU processes, because accel's prepared loaders draw from the global RNG exactly as Accelerate's do (the
-dropout masks are then the same); and a run resumed mid-epoch from `save_state` equals the uninterrupted one."""
+dropout masks are then the same); and, with ACCEL_EXACT_RESUME=1 (accel's exact resume for an unchanged Accelerate
+script; under the shim the default is Accelerate's resume, whose numbers tests/consumers compares), a run resumed
+mid-epoch from `save_state` equals the uninterrupted one."""
 
 import importlib.util
 import json
@@ -56,6 +58,6 @@ def test_accelerate_scripts_give_accelerates_numbers_and_resume_exactly(isolated
     for i, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
         assert _close(a, b), f"step {i}: accel {a} vs Accelerate {b}"
     assert _close(ours["weights"], reference["weights"])
-    resumed = _run(isolated_env, "accel", procs, "--load", str(state))
+    resumed = _run({**isolated_env, "ACCEL_EXACT_RESUME": "1"}, "accel", procs, "--load", str(state))
     assert resumed["losses"] == ours["losses"][ours["cut"]:]  # bit for bit
     assert resumed["weights"] == ours["weights"]

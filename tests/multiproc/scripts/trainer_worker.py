@@ -103,7 +103,7 @@ def common(trainer) -> dict:
     import accelerate
 
     state = trainer.accelerator.state
-    return {"impl": "accel" if "accelerate" not in Path(accelerate.__file__).parts else "accelerate",
+    return {"impl": "accel" if accelerate.Accelerator.__module__.startswith("accel.") else "accelerate",
             "world": trainer.args.world_size, "distributed_type": str(trainer.accelerator.distributed_type),
             "is_fsdp_enabled": trainer.is_fsdp_enabled,
             "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
