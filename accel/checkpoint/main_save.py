@@ -190,7 +190,8 @@ def main_process_writes(tag: str, target, write, is_main: bool, replicated: bool
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return
-    key = announcement_key(-1, tag)
+    # the path in the key: a main-process-only call to another path is not this one
+    key = announcement_key(-1, f"{tag}{os.path.abspath(str(target))}")
     if not is_main:
         outcome = wait_for_announcement(kv, key, timeout())
         if outcome != "ok":
