@@ -9,7 +9,6 @@ larger than memory never has to be materialised whole.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import warnings
@@ -373,8 +372,8 @@ def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict
     """Bytes usable per device, ordered GPUs (by index), ``"cpu"``, ``"disk"``.
 
     Without ``max_memory``: the free memory of every GPU and the available RAM. Otherwise only the devices
-    given, with sizes as ints (bytes) or strings such as ``"2GiB"``, ``"500MB"`` (see ``parse_size``); keys are
-    GPU indices (``"cuda:i"`` is accepted), ``"cpu"`` and ``"disk"``.
+    given, with sizes as ints or floats (bytes) or strings such as ``"2GiB"``, ``"500MB"`` (see ``parse_size``);
+    keys are GPU indices (``"cuda:i"`` is accepted), ``"cpu"`` and ``"disk"``.
     """
     if max_memory is None:
         found: dict[int | str, int] = {i: torch.cuda.mem_get_info(i)[0] for i in range(_gpu_count())}
@@ -386,8 +385,8 @@ def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict
     for key, size in list(max_memory.items()):
         device = _resolve_device(key, f"max_memory key {key!r}", planning=True)
         name = device if isinstance(device, str) else device.index
-        try:
-            result[name] = parse_size(size)
+        try:  # a float count of bytes too: transformers passes 90% of the available memory
+            result[name] = int(size) if isinstance(size, float) and 0 <= size < float("inf") else parse_size(size)
         except ValueError as exc:
             raise ValueError(f"max_memory[{key!r}]: {exc}") from None
         if isinstance(size, str) and isinstance(max_memory, dict):
@@ -803,14 +802,14 @@ def _accelerate_index(checkpoint) -> Path | list[Path] | None:
     if not (path.is_file() and path.name.endswith(".json")):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError):
+        index = model_io.read_json(path)
+    except OSError:
         return path  # model_io names the problem
     if not isinstance(index, dict) or "weight_map" in index or not index or not all(
             isinstance(v, str) for v in index.values()):
         return path
-    return [model_io._checked_shard_path(path.parent, entry, path) for entry in dict.fromkeys(index.values())]
+    keys = {entry: key for key, entry in index.items()}
+    return [model_io._checked_shard_path(path.parent, entry, path, key) for entry, key in keys.items()]
 
 
 def _load_shards(model, shards: list[Path], device_map, **kwargs) -> tuple[list[str], list[str]]:
@@ -1111,6 +1110,10 @@ def load_offloaded_weights(model: nn.Module, index: Mapping[str, Mapping] | None
         if "safetensors_file" in info:
             weight = load_offloaded_weight(info, offload_folder)
         else:
+            if not name or any(c in name for c in "/\\\0") or name.startswith("."):  # names <name>.dat in the folder
+                raise ValueError(f"offload index of {str(offload_folder)!r}: entry {name[:200]!r} is not a tensor name "
+                                 "(its .dat file would lie outside the offload folder); allowed: dotted names such as "
+                                 "'h.0.weight'")
             weight = _read_dat_weight(os.path.join(offload_folder, f"{name}.dat"), info)
         set_module_tensor_to_device(model, name, "cpu", value=weight)
 
@@ -1150,7 +1153,7 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
     model_io.verify_saved_file(checkpoint_file)
     checkpoint_file = str(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
-        return torch.load(checkpoint_file, map_location=torch.device("cpu"), weights_only=True)
+        return model_io.torch_load_weights(checkpoint_file)
     from safetensors import safe_open
     from safetensors.torch import load_file
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -51,7 +52,14 @@ def offload_weight(
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()  # a view of a bigger storage: write only what it shows
     file_name = f"{weight_name}.safetensors"
-    save_file({weight_name: tensor}, str(folder / file_name))
+    # a new file renamed over the name: a link already there is replaced, never written through (no fsync: scratch)
+    tmp = folder / f".{file_name}.{secrets.token_hex(6)}.tmp"
+    try:
+        save_file({weight_name: tensor}, str(tmp))
+        os.replace(tmp, folder / file_name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     index = {} if index is None else index
     index[weight_name] = {"safetensors_file": file_name, "weight_name": weight_name,
                           "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}

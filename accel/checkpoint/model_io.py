@@ -48,6 +48,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -57,7 +58,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
-from pathlib import Path, PurePath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import cast
 
 import torch
@@ -617,7 +618,7 @@ def _move_into(staging: Path, folder: Path, names: list[str]) -> None:
 
 def _has_checksums(index_path: Path) -> bool:
     try:
-        meta = json.loads(index_path.read_text(encoding="utf-8")).get("metadata") or {}
+        meta = read_json(index_path).get("metadata") or {}
         return isinstance(meta, dict) and _CHECKSUMS_KEY in meta
     except (OSError, ValueError, AttributeError):
         return False
@@ -640,60 +641,76 @@ def _parse_tied(raw, source: str) -> dict[str, str]:
     if raw is None:
         return {}
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"Invalid {_TIED_KEY!r} record in {source}: {exc}") from exc
+        raw = loads_json(raw, f"{_TIED_KEY!r} record in {source}")
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
         raise ValueError(f"Invalid {_TIED_KEY!r} record in {source}: expected a mapping of alias name to saved name.")
     return raw
 
 
-def _checked_shard_path(folder: Path, entry, index_path: Path) -> Path:
-    """The shard file an index entry names, refusing anything that leaves the index's folder."""
+_JSON_ALLOWED = "allowed: UTF-8 JSON, integers of at most 4300 digits, nesting the interpreter's stack can hold"
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > 4300:  # int() of more digits is refused by Python anyway; say it in a few words
+        raise ValueError(f"a number of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
+def loads_json(text: str | bytes, source: str | os.PathLike, problem: str = "not valid JSON"):
+    """``json.loads`` whose bombs (a number of thousands of digits, nesting deeper than the stack, bytes that are
+    not UTF-8, invalid JSON) are one ``ValueError`` line naming ``source``."""
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _parse_int's
+        reason = _first_line(exc)
+    raise ValueError(f"{source}: {problem} ({reason}); {_JSON_ALLOWED}")
+
+
+def read_json(path: Path, problem: str = "not valid JSON"):
+    """The JSON content of ``path`` (an index, a checksum record), read by :func:`loads_json`."""
+    return loads_json(path.read_bytes(), path, problem)
+
+
+_SHARD_ENTRY_ALLOWED = ("allowed: a file name, or a relative path without '..', inside the index's folder, ending in "
+                        ".safetensors, .bin, .pt or .pth")
+
+
+def _checked_shard_path(folder: Path, entry, index_path: Path, key: str | None = None) -> Path:
+    """The shard file an index entry names: a relative name inside the index's folder, checked lexically (no
+    absolute path, no '..', no backslash). The folder's own symbolic links are followed, as every loader follows
+    them: a model in the Hugging Face Hub cache is a folder of links into ``../../blobs``."""
+    what = f"{index_path}: shard file entry {str(entry)[:200]!r}" + (f" (for {key[:200]!r})" if key else "")
     if not isinstance(entry, str) or not entry:
-        raise ValueError(f"Index {str(index_path)!r} has an invalid shard file entry {entry!r}.")
-    pure = PurePath(entry)
-    if pure.is_absolute() or pure.drive or pure.root or ".." in pure.parts or "\\" in entry or "\x00" in entry:
-        raise ValueError(
-            f"Index {str(index_path)!r} names shard file {entry!r}, which is outside the checkpoint folder; refused."
-        )
+        raise ValueError(f"{what} is not a file name; {_SHARD_ENTRY_ALLOWED}")
+    pure = PurePosixPath(entry)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in entry or "\x00" in entry or PureWindowsPath(entry).drive:
+        raise ValueError(f"{what} names a file outside the index's folder; {_SHARD_ENTRY_ALLOWED}")
     if not (entry.endswith(".safetensors") or entry.endswith(_TORCH_LOAD_SUFFIXES)):
-        raise ValueError(
-            f"Index {str(index_path)!r} names shard file {entry!r}: expected a .safetensors, .bin, .pt or .pth file."
-        )
+        raise ValueError(f"{what} is not a weights file; {_SHARD_ENTRY_ALLOWED}")
     path = folder / pure
-    real_folder = folder.resolve()
-    real = path.resolve()
-    if real != real_folder and real_folder not in real.parents:
-        raise ValueError(
-            f"Index {str(index_path)!r} names shard file {entry!r}, which resolves outside the checkpoint "
-            f"folder ({str(real)!r}); refused."
-        )
     if not path.is_file():
-        raise FileNotFoundError(f"Shard file {entry!r} listed in index {str(index_path)!r} is missing.")
+        raise FileNotFoundError(f"{path}: missing or not a regular file (listed in {index_path.name})")
     return path
 
 
 def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"Index file {str(index_path)!r} is not valid JSON: {exc}") from exc
+    index = read_json(index_path)
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise ValueError(f"Index file {str(index_path)!r} has no 'weight_map' mapping.")
+        raise ValueError(f"{index_path}: no 'weight_map' mapping; allowed: a JSON object with 'weight_map' (tensor "
+                         "name -> shard file) and optionally 'metadata' (an object)")
     meta = index.get("metadata") or {}
     if not isinstance(meta, dict):
-        raise ValueError(f"Index file {str(index_path)!r} has an invalid 'metadata' entry.")
+        raise ValueError(f"{index_path}: 'metadata' is {type(meta).__name__}; allowed: a JSON object")
     tied = _parse_tied(meta.get(_TIED_KEY), f"index {str(index_path)!r}")
 
     folder = index_path.parent
     paths: dict[str, Path] = {}
     files: dict[str, list[str]] = {}
     for key, entry in index["weight_map"].items():
-        if entry not in paths:
-            paths[entry] = _checked_shard_path(folder, entry, index_path)
+        if not isinstance(entry, str) or entry not in paths:
+            paths[entry] = _checked_shard_path(folder, entry, index_path, key)
             files[entry] = []
         files[entry].append(key)
     if _CHECKSUMS_KEY in meta or _INDEX_CHECKSUM_KEY in meta:  # else written by another tool: nothing to verify
@@ -713,7 +730,7 @@ def _check_own_checksum(record: Path, saved, body: dict) -> None:
     algorithm = saved.partition(":")[0] if isinstance(saved, str) else None
     try:
         ok = algorithm is not None and saved == manifest_checksum(body, algorithm)
-    except ValueError:  # an unknown algorithm
+    except (ValueError, RecursionError):  # an unknown algorithm; content nested too deeply to encode again
         ok = False
     if not ok:
         raise CheckpointError(f"{record}: damaged (its content does not match its checksum: edited or corrupted)")
@@ -754,9 +771,9 @@ def _verify_files(record: Path, checksums: dict) -> None:
 
 def _load_record(path: Path) -> dict:
     try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: damaged (not valid JSON: {exc})") from None
+        content = read_json(path, "damaged, not valid JSON")
+    except ValueError as exc:  # loads_json's one line names the file
+        raise CheckpointError(str(exc)) from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(content, dict):
@@ -805,7 +822,7 @@ def _described_by(path: Path, save_id) -> bool:
     try:
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(min(length, 100_000_000)))
+            header = loads_json(f.read(min(length, 100_000_000)), path)
         return (header.get("__metadata__") or {}).get(_SAVE_ID_KEY) == save_id
     except (OSError, ValueError, AttributeError, TypeError):
         return True
@@ -847,18 +864,56 @@ def _safe_open(path: Path):
         raise RuntimeError(f"Could not read safetensors file {str(path)!r}: {exc}") from exc
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+_PICKLE_ALLOWED = ("allowed: tensors and plain containers (dict, list, tuple, str, int, float, bool, None); "
+                   "convert the file to safetensors to load it without pickle")
+
+
+class UnsafeWeightsError(pickle.UnpicklingError, RuntimeError):
+    """A torch file the weights-only unpickler refuses: an ``UnpicklingError`` as Accelerate's load raises, and a
+    ``RuntimeError`` as accel's did."""
+
+
+def torch_load_weights(path: str | os.PathLike):
+    """``torch.load(path, weights_only=True)`` on the CPU. A file the weights-only unpickler refuses (a pickle that
+    would import a function or build an object: ``os.system``, a class of the saving script) is one line naming the
+    file and what it asked for (:class:`UnsafeWeightsError`); nothing of the file runs. Another failure (not a torch
+    file, a truncated archive) is one ``RuntimeError`` line."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeWeightsError(f"{path}: refused by torch.load(weights_only=True): {_refused_global(exc)}; "
+                                 f"{_PICKLE_ALLOWED}") from None
     except Exception as exc:
-        raise RuntimeError(
-            f"Could not load {str(path)!r} with torch.load(weights_only=True) (only tensors and plain "
-            f"containers are accepted; arbitrary pickled objects are refused): {exc}"
-        ) from exc
+        raise RuntimeError(f"{path}: cannot be read by torch.load(weights_only=True) ({_first_line(exc)}); "
+                           f"{_PICKLE_ALLOWED}") from None
+
+
+def _refused_global(exc: BaseException) -> str:
+    """What torch's weights-only unpickler refused, from its message (``GLOBAL posix.system``), in a few words."""
+    text = str(exc)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return f"the pickle imports {found.group(1)}"
+    found = re.search(r"[Uu]nsupported operand (\S+)", text)
+    if found:
+        return f"the pickle uses opcode {found.group(1)}"
+    for line in text.splitlines():  # torch's first line is the generic 'Weights only load failed. ...'
+        if line.strip() and not line.startswith("Weights only load failed") and "torch.load" not in line:
+            return line.strip()[:200]
+    return "the pickle holds something other than tensors"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0][:200] if lines else type(exc).__name__)
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    obj = torch_load_weights(path)
     if not isinstance(obj, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
     ):
-        raise ValueError(f"{str(path)!r} does not hold a flat dict of tensor name to tensor.")
+        raise ValueError(f"{path}: does not hold a flat dict of tensor name to tensor; {_PICKLE_ALLOWED}")
     return obj
 
 

@@ -432,8 +432,8 @@ def test_bin_loaded_with_weights_only_and_pickled_objects_refused(tmp_path, monk
     assert "evil.bin" in str(info.value) and "weights_only" in str(info.value)
     import pickle
 
-    assert isinstance(info.value.__cause__, pickle.UnpicklingError)
-    assert "Payload" in str(info.value)
+    assert isinstance(info.value, pickle.UnpicklingError)  # as Accelerate's load raises; one line, torch's not chained
+    assert "Payload" in str(info.value) and "\n" not in str(info.value) and info.value.__cause__ is None
 
 
 # ------------------------------------------------------------------------------------ key mismatches
@@ -500,14 +500,18 @@ def test_index_escaping_folder_refused(tmp_path, entry):
     assert entry in str(info.value)
 
 
-def test_index_symlink_escaping_folder_refused(tmp_path):
+def test_index_shard_that_is_a_link_in_the_folder_loads(tmp_path):
+    """The folder's own links are followed (the Hub cache's layout: tests/unit/test_hub_cache_and_links.py); only
+    what the index names is checked."""
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    save_file({"a.weight": torch.zeros(10, 15)}, tmp_path / "evil.safetensors")
-    (folder / "model-00001-of-00001.safetensors").symlink_to(tmp_path / "evil.safetensors")
+    save_file({"a.weight": torch.ones(10, 15)}, tmp_path / "blob.safetensors")
+    (folder / "model-00001-of-00001.safetensors").symlink_to(tmp_path / "blob.safetensors")
     _write_index(folder, {"a.weight": "model-00001-of-00001.safetensors"})
-    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors"):
-        load_checkpoint_in_model(Tiny(), folder)
+    model = Tiny()
+    with pytest.warns(UserWarning, match="missing keys"):
+        load_checkpoint_in_model(model, folder)
+    assert torch.equal(model.a.weight, torch.ones(10, 15))
 
 
 def test_missing_shard_named(tmp_path):
