@@ -12,10 +12,18 @@ main process fsyncs, writes the manifest (checksums included) and renames the fo
 One save is pending at a time: the next save, `load_state`, `wait_for_checkpoint()`, `end_training` and interpreter
 exit wait for it. A failure in the background is raised at that wait as a one-line `CheckpointError`, the same on
 every rank (the ranks agree, as in a synchronous save), and the temporary folder is removed.
+
+A failure no wait raises (the script ended without waiting, or Accelerate's `destroy_process_group` waited for it) is
+never lost: the temporary folder is removed, one line names the folder and the cause, and the process exits with
+`EXIT_CODE` (74) instead of 0 (also instead of a script's own `sys.exit(N)`, which exit hooks cannot read; a script
+that failed with an uncaught exception keeps its exit code 1), so `accel launch` exits non-zero, never with the
+preemption code 75.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import threading
 import weakref
@@ -28,6 +36,10 @@ import torch
 import torch.distributed as dist
 
 MODES = ("no", "thread", "process")
+# the exit code of a process whose asynchronous save failed with no wait left to raise it (sysexits.h's EX_IOERR: "an
+# error occurred while doing I/O on some file"); README "Exit codes"
+EXIT_CODE = 74
+_UNRAISED: list[str] = []  # those failures, one line each: the process exits with EXIT_CODE
 
 
 @dataclass
@@ -106,13 +118,20 @@ class AsyncCheckpointer:
         return pending.target, pending.tmp, pending.error, pending.alone
 
     def wait_quietly(self) -> None:
-        """At exit (the other ranks may be gone): wait for this rank's part, print a failure, raise nothing."""
+        """At exit or teardown (the other ranks may be gone): wait for this rank's part, raise nothing. A failure
+        removes the temporary folder, is one line on stderr, and makes the process exit with EXIT_CODE."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         pending.done.wait()
         if pending.error:
-            sys.stderr.write(f"accel: save_state (asynchronous) failed: {pending.error}\n")
+            if pending.tmp != pending.target:  # (another process's part of the main's save names the folder itself)
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            _UNRAISED.append(pending.error)
+            code = "" if getattr(sys, "last_value", None) is not None else f"; exit code {EXIT_CODE}"
+            sys.stderr.write(f"accel: error: {pending.error} (an asynchronous save_state, not waited for by the "
+                             f"script){code}\n")
+            sys.stderr.flush()
 
     def close(self) -> None:
         self.wait_quietly()
@@ -146,3 +165,30 @@ def _wait_at_exit(checkpointer: AsyncCheckpointer) -> None:
 def _wait_for_all() -> None:
     for checkpointer in list(_AT_EXIT):
         checkpointer.wait_quietly()
+    if _UNRAISED and getattr(sys, "last_value", None) is None:  # (an uncaught exception already made it exit 1)
+        _exit_after_shutdown(EXIT_CODE)
+
+
+def _exit_after_shutdown(code: int) -> None:
+    """Finish the interpreter's shutdown as it would (the threading exit hooks after this one, the non-daemon threads,
+    the atexit functions: PartialState's teardown, loggers, child processes), then exit with `code`: an exit hook
+    cannot change the exit status otherwise."""
+    import atexit
+
+    hooks = getattr(threading, "_threading_atexits", None)
+    if isinstance(hooks, list) and _wait_for_all in hooks:  # CPython: we run among threading's exit hooks
+        for hook in reversed(hooks[:hooks.index(_wait_for_all)]):
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 (as threading's shutdown would print it and go on)
+                sys.stderr.write(f"accel: warning: an exit hook failed: {exc!r}\n")
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 (a closed or broken stream: nothing more to say)
+            pass
+    os._exit(code)

@@ -154,3 +154,55 @@ def test_checkpoint_async_is_validated():
 
     with pytest.raises(ConfigError, match="checkpoint_async.*'sometimes'.*no, thread, process"):
         config_from_dict({"checkpoint_async": "sometimes"})
+
+
+FAILING = """
+import errno, sys, torch
+from accel import Accelerator
+from accel.checkpoint import layout
+out, how = sys.argv[1], sys.argv[2]
+accelerator = Accelerator(cpu=True)
+model = accelerator.prepare(torch.nn.Linear(3, 4))
+accelerator.save_state(out + "/ckpt")  # the previous checkpoint, synchronous
+def full_disk(folder, content):
+    raise OSError(errno.ENOSPC, "No space left on device", str(folder / layout.MANIFEST))
+layout.write_manifest = full_disk
+accelerator.save_state(out + "/ckpt", async_save=True)  # fails in the background
+if how == "destroy":  # Accelerate's end of a distributed run: waits for the save, then the script goes on
+    accelerator.state.destroy_process_group()
+    print("the script went on", flush=True)
+elif how == "end_training":  # raises the failure into the script
+    accelerator.end_training()
+elif how == "raise":  # the script fails itself meanwhile: its own exit code stays
+    raise RuntimeError("the script's own error")
+elif how == "exit3":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "destroy", "end_training", "raise", "exit3"])
+def test_a_failed_asynchronous_save_never_exits_0_and_leaves_no_temporary_folder(tmp_path, how):
+    """An asynchronous save that fails with no wait left to raise it (the script ended, or Accelerate's
+    destroy_process_group waited for it quietly) makes the process exit with async_save.EXIT_CODE (74), after one line
+    naming the folder and the cause, also after sys.exit(3) (Python's exit hooks cannot read that code); a failure
+    raised into the script (end_training) or a script's uncaught exception is exit code 1. The temporary folder is
+    removed every time."""
+    from accel.checkpoint.async_save import EXIT_CODE
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(FAILING))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), how], capture_output=True, text=True,
+                          timeout=120)
+    expected = {"exit": EXIT_CODE, "destroy": EXIT_CODE, "end_training": 1, "raise": 1, "exit3": EXIT_CODE}[how]
+    assert proc.returncode == expected, proc.stderr
+    cause = (f"{tmp_path / 'ckpt'}: could not be saved: No space left on device (writing accel_checkpoint.json); "
+             "free space on that disk or save elsewhere")
+    lines = [line for line in proc.stderr.splitlines() if cause in line]
+    assert lines, proc.stderr
+    if how in ("exit", "destroy", "exit3"):
+        assert lines == [f"accel: error: {cause}; nothing was published (a checkpoint already there is unchanged) "
+                         f"(an asynchronous save_state, not waited for by the script); exit code {EXIT_CODE}"]
+    if how == "destroy":
+        assert "the script went on" in proc.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")], proc.stderr
+    assert json.loads((tmp_path / "ckpt" / layout.MANIFEST).read_text())["step"] == 0  # the previous one, intact

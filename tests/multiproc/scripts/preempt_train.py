@@ -7,11 +7,14 @@ trains to the end and writes final.safetensors, unless the job is asked to stop:
                  reading preemption_requested, until it turns True (at most 60 s: the test fails then)
 --stubborn       after the marker, never read it again and sleep (a save that takes too long): only a second signal
                  or the grace period stops the job
+--failing_save   the grace save is asynchronous and its publication fails (a full disk, simulated), and the script
+                 returns without end_training: the failure is found only at exit
 
 When preemption_requested turns True, each rank writes preempted_rank<R>.json (the step), saves the state and exits 0.
 """
 
 import argparse
+import errno
 import json
 import os
 import time
@@ -22,6 +25,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, ProjectConfiguration
+from accel.checkpoint import layout
 from accel.utils import set_seed
 
 from resume_train import Progress  # registered for checkpointing: how many optimizer steps were done
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--marker_step", type=int, default=0)
     parser.add_argument("--stubborn", action="store_true")
+    parser.add_argument("--failing_save", action="store_true")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
 
@@ -77,6 +82,11 @@ def main() -> None:
             if accelerator.preemption_requested:  # the documented pattern, once per step on every rank
                 (out / f"preempted_rank{rank}.json").write_text(json.dumps({"step": progress.steps,
                                                                            "epoch": epoch}))
+                if args.failing_save:
+                    if accelerator.is_main_process:
+                        layout.write_manifest = full_disk
+                    accelerator.save_state(async_save=True)
+                    return
                 accelerator.save_state()
                 accelerator.end_training()
                 return
@@ -85,6 +95,10 @@ def main() -> None:
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "final.safetensors"))
     accelerator.end_training()
+
+
+def full_disk(folder, content):
+    raise OSError(errno.ENOSPC, "No space left on device", str(folder / layout.MANIFEST))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""A failed asynchronous save never looks like success to a job runner (issue 40, point 4), on 2 real processes.
+
+* The script ends without waiting for its asynchronous save, whose publication fails (a full disk, simulated): every
+  process whose save failed prints one line naming the folder and the cause and exits with async_save.EXIT_CODE
+  (74); `accel launch` exits 74; the temporary folder is gone and the previous checkpoint is intact. Under DDP in a
+  thread (the main process saves alone, rank 1 follows it) and under ZeRO-3 in torch's checkpoint process
+  (`checkpoint_async: process`).
+* The preemption grace save fails the same way: `accel launch` exits 74, not 75 ("saved, run again").
+
+The waits that raise the failure into the script (the next save_state, load_state, wait_for_checkpoint, end_training)
+are tested on one process in tests/unit/test_async_save.py and on 2 in test_async_save_multiproc.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from _launch import SCRIPTS, accel_launch
+
+from accel.checkpoint import layout
+from accel.checkpoint.async_save import EXIT_CODE
+from accel.runtime.preemption import EXIT_CODE as PREEMPTED
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.mark.parametrize("case", [["--mode", "thread"], ["--mode", "process", "--zero_stage", "3"]],
+                         ids=["ddp_thread", "zero3_process"])
+def test_a_save_failing_after_the_script_ended_exits_74(isolated_env, tmp_path, case):
+    out = tmp_path / "run"
+    proc = accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPTS / "async_save_fails_at_exit.py",
+                        "--out", out, *case, expect=EXIT_CODE, timeout=120)
+    cause = f"accel: error: {out / 'ckpt'}: could not be saved"
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(cause)]
+    assert lines and all("No space left on device" in line and line.endswith(f"; exit code {EXIT_CODE}")
+                         for line in lines), proc.stderr
+    assert f"exited with code {EXIT_CODE}" in proc.stderr
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")], proc.stderr
+    layout.read_manifest(out / "ckpt")  # the previous checkpoint, complete
+
+
+def test_a_failed_grace_save_is_not_exit_code_75(isolated_env, tmp_path):
+    from test_preemption import MARKER_STEP, finish, markers, start, wait_for
+
+    out = tmp_path / "preempted"
+    proc, err = start(isolated_env, out, "--marker_step", str(MARKER_STEP), "--failing_save")
+    wait_for(lambda: markers(out), proc, err)
+    proc.send_signal(signal.SIGTERM)
+    rc, stderr = finish(proc, err)
+    assert rc == EXIT_CODE, stderr
+    assert f"exit code {PREEMPTED}" not in stderr
+    assert f"accel: error: {out / 'checkpoints' / 'checkpoint_0'}: could not be saved" in stderr
+    assert json.loads((out / "preempted_rank0.json").read_text())["step"] == MARKER_STEP  # it did see the request
+    assert not [p for p in (out / "checkpoints").iterdir()], stderr  # no checkpoint, no temporary folder
