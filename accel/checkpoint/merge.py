@@ -100,12 +100,13 @@ def checkpoint_kind(path: Path) -> tuple[str, Path]:
     if not path.is_dir():
         raise MergeError(f"checkpoint {path} is a file, not a folder; allowed: a folder written by accel's save_state "
                          "or by torch.distributed.checkpoint (with a .metadata file)")
-    if (path / DCP_METADATA).is_file():
-        return "dcp", path
+    # accel's manifest first: a `.metadata` dropped into a save_state folder (or its state/) is never read
     if (path / MANIFEST).is_file():
         return "accel", path
     if path.name == "state" and (path.parent / MANIFEST).is_file():
         return "accel", path.parent
+    if (path / DCP_METADATA).is_file():
+        return "dcp", path
     raise MergeError(f"{path} is not a sharded checkpoint: it has no {DCP_METADATA} (torch.distributed.checkpoint, "
                      f"Accelerate's SHARDED_STATE_DICT) and no {MANIFEST} (accel's save_state)"
                      f"{_accelerate_hint(path)}")
@@ -153,12 +154,20 @@ def _read_dcp(reader, planner) -> dict:
 
 
 def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
-    """A DCP folder's tensors; a single top-level entry (Accelerate's {"model": {...}}) is unwrapped."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    """A DCP folder's tensors; a single top-level entry (Accelerate's {"model": {...}}) is unwrapped. `.metadata`
+    is read through dcp_reader's allow-list and checked against the folder's files first; non-tensor items (pickles
+    torch would load with weights_only=False) are never read."""
+    from accel.checkpoint.dcp_reader import MetadataError, SafeFileSystemReader, TensorsOnlyPlanner
 
-    state = _read_dcp(dcp.FileSystemReader(str(folder)), _EmptyStateDictLoadPlanner())
-    if len(state) == 1 and isinstance(next(iter(state.values())), dict):
+    reader = SafeFileSystemReader(str(folder))
+    try:
+        metadata = reader.read_metadata()
+    except MetadataError as exc:
+        raise MergeError(f"cannot read the checkpoint: {exc}") from None
+    state = _read_dcp(reader, TensorsOnlyPlanner())
+    paths = metadata.planner_data or {}
+    tops = {(paths.get(name) or (name,))[0] for name in metadata.state_dict_metadata}  # non-tensor entries too
+    if len(state) == 1 and len(tops) == 1 and isinstance(next(iter(state.values())), dict):
         state = next(iter(state.values()))
     tensors = _flat_tensors(state, "")
     if not tensors:
@@ -181,13 +190,9 @@ def _flat_tensors(tree, prefix: str) -> dict[str, torch.Tensor]:
 def _models_only_planner():
     """DCP's metadata-rebuilding planner, reading only the models' tensors of an accel checkpoint (not the
     optimizer's state, which would triple the memory)."""
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from accel.checkpoint.dcp_reader import TensorsOnlyPlanner
 
-    class ModelsOnly(_EmptyStateDictLoadPlanner):
-        def _should_include_key(self, key, metadata) -> bool:
-            return key.startswith("/models/")
-
-    return ModelsOnly()
+    return TensorsOnlyPlanner(keep=lambda key: key.startswith("/models/"))
 
 
 def _check_manifest_shape(path: Path, manifest: dict) -> None:

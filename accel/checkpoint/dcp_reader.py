@@ -1,0 +1,361 @@
+"""Reading a torch.distributed.checkpoint (DCP) folder that may come from anywhere, running nothing from it.
+
+torch's `FileSystemReader.read_metadata` reads the folder's `.metadata` with plain `pickle.load`: a planted file
+runs any code it names. `SafeFileSystemReader` is that reader with `read_metadata` replaced:
+
+* the file is a regular file of at most MAX_METADATA_BYTES, read whole and unpickled by `_MetadataUnpickler`, the
+  pure-Python unpickler (its memo is a dict: C pickle's memo array grows to the index a 9-byte pickle names) with
+  an allow-list: `find_class` admits only what torch's own `Metadata` pickles hold (the dataclasses of
+  torch.distributed.checkpoint.metadata, `_StorageInfo`, `torch.Size`, torch dtypes, layouts through
+  `torch.serialization._get_layout`, the memory-format enum, `collections.OrderedDict`, pathlib paths as pure
+  paths), and every other global is refused in one line naming the file and the global;
+* what may be called is narrower still: REDUCE only `torch.Size`, the layout lookup, the enum, OrderedDict and pure
+  paths (none of which does more than build a small value), NEWOBJ only those dataclasses without arguments,
+  BUILD only instances of them with a state of their own fields; INST/OBJ and persistent ids are refused;
+* the result is then checked as a whole (`check_metadata`): the types of every field, sizes and offsets small
+  integers, chunks inside their tensor, every tensor's bytes (its size x its dtype) within the bytes its chunks'
+  slices hold, slices inside their files and not overlapping, the files regular files inside the folder. So what
+  DCP's planner allocates (`torch.empty` of each saved size) is bounded by the folder's size, and a path names
+  nothing outside it.
+
+`TensorsOnlyPlanner` rebuilds a folder's tensors only: DCP reads a non-tensor item with `torch.load(...,
+weights_only=False)` (DefaultLoadPlanner.load_bytes), so non-tensor items are never read. The tensor items are
+read by torch with `torch.load(weights_only=True)` from slices checked as above.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import stat
+from collections import OrderedDict
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+MAX_METADATA_BYTES = 256 << 20  # 256 MiB: a 70B model's optimizer state over 512 ranks is about 100 MB
+MAX_DIMS = 64
+MAX_SIZE = 2**62  # a dimension, an offset, a byte count
+_ALLOWED_TEXT = ("the classes torch.distributed.checkpoint's Metadata holds (its dataclasses, _StorageInfo, "
+                 "torch.Size, torch dtypes and layouts, collections.OrderedDict, pathlib paths)")
+
+
+class MetadataError(ValueError):
+    """A DCP folder whose `.metadata` (or the files it names) is refused; one line naming the file."""
+
+
+def _layout(name: Any) -> torch.layout:
+    """`torch.serialization._get_layout`, for the layouts torch has only."""
+    found = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in found:
+        raise pickle.UnpicklingError(f"unknown torch layout {str(name)[:40]!r}")
+    return found[name]
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for name in _DATACLASS_NAMES:
+        allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(dcp_md, name)
+    allowed[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = dcp_md._MEM_FORMAT_ENCODING
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+    # torch 2.0's names of the same classes (Accelerate's FSDP checkpoints of that time)
+    allowed[("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")] = dcp_md.TensorProperties
+    allowed[("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")] = dcp_md._MEM_FORMAT_ENCODING
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = _layout
+    allowed[("collections", "OrderedDict")] = OrderedDict
+    for module in ("pathlib", "pathlib._local"):  # a StorageMeta's checkpoint_id: a pure path touches nothing
+        for name in ("Path", "PosixPath", "PurePath", "PurePosixPath"):
+            allowed[(module, name)] = PurePosixPath
+        for name in ("WindowsPath", "PureWindowsPath"):
+            allowed[(module, name)] = PureWindowsPath
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+_DATACLASS_NAMES = ("Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+                    "BytesStorageMetadata", "TensorProperties")
+_GLOBALS: dict[tuple[str, str], Any] = {}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler
+    """pickle's own pure-Python unpickler, its dispatch table narrowed to what a DCP Metadata pickle needs."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle's own, set by load()
+
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+        if not _GLOBALS:
+            _GLOBALS.update(_allowed_globals())
+        self.dataclasses = {_GLOBALS[("torch.distributed.checkpoint.metadata", n)] for n in _DATACLASS_NAMES}
+        self.dataclasses.add(_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")])
+        self.callables = {torch.Size, _layout, OrderedDict, PurePosixPath, PureWindowsPath,
+                          _GLOBALS[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")]}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise MetadataError(f"{self.source}: refused global {module}.{name} (a pickle naming it could run "
+                                f"code); allowed: {_ALLOWED_TEXT}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise MetadataError(f"{self.source}: refused a persistent id; allowed: {_ALLOWED_TEXT}")
+
+    def _refuse(self, what: str) -> None:
+        raise MetadataError(f"{self.source}: refused {what}; allowed: {_ALLOWED_TEXT}")
+
+    def _reduce(self) -> None:
+        func, args = self.stack[-2], self.stack[-1]
+        if not any(func is c for c in self.callables) or type(args) is not tuple:
+            self._refuse(f"a call of {_name(func)}")
+        if func is PurePosixPath or func is PureWindowsPath:
+            fits = len(args) <= 256 and all(type(a) is str and len(a) <= 4096 for a in args)
+        elif func is OrderedDict:
+            fits = args == ()
+        elif func is torch.Size:
+            fits = len(args) == 1 and type(args[0]) in (list, tuple) and len(args[0]) <= MAX_DIMS and all(
+                type(n) is int for n in args[0])
+        else:  # the layout lookup (a name), the memory-format enum (a small integer)
+            fits = len(args) == 1 and type(args[0]) in (str, int) and len(str(args[0])) <= 40
+        if not fits:
+            self._refuse(f"a call of {_name(func)} with {str(args)[:60]}")
+        pickle._Unpickler.load_reduce(self)  # type: ignore[attr-defined]
+
+    def _newobj(self) -> None:
+        cls, args = self.stack[-2], self.stack[-1]
+        if not any(cls is c for c in self.dataclasses) or args != ():
+            self._refuse(f"creating {_name(cls)}")
+        pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
+
+    def _build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        kind = type(inst)
+        if not any(kind is c for c in self.dataclasses):
+            self._refuse(f"setting the state of {_name(kind)}")
+        if kind.__name__ == "TensorProperties":
+            if type(state) is not tuple or len(state) != 5:
+                self._refuse("a TensorProperties state that is not 5 values")
+        elif type(state) is not dict or not set(state) <= {f for f in kind.__dataclass_fields__}:
+            self._refuse(f"a {kind.__name__} state with fields it does not have")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    def _refused_opcode(self) -> None:
+        self._refuse("an instance built by the INST/OBJ/NEWOBJ_EX opcodes")
+
+
+_D: dict[int, Any] = _MetadataUnpickler.dispatch
+_D[pickle.REDUCE[0]] = _MetadataUnpickler._reduce
+_D[pickle.NEWOBJ[0]] = _MetadataUnpickler._newobj
+_D[pickle.BUILD[0]] = _MetadataUnpickler._build
+for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX):
+    _D[_op[0]] = _MetadataUnpickler._refused_opcode
+
+
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+def read_metadata_file(path: Path) -> Any:
+    """The Metadata pickled in `path`, through the allow-list; a MetadataError (one line naming `path`) for
+    anything else: another global, a file too large, not a regular file, a damaged pickle."""
+    import io
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise MetadataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise MetadataError(f"{path}: not a regular file; allowed: the .metadata file torch writes")
+        if info.st_size > MAX_METADATA_BYTES:
+            raise MetadataError(f"{path}: {info.st_size} bytes; allowed: a .metadata file of at most "
+                                f"{MAX_METADATA_BYTES >> 20} MiB")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise MetadataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_METADATA_BYTES:
+        raise MetadataError(f"{path}: over {MAX_METADATA_BYTES >> 20} MiB; allowed: a .metadata file of at most "
+                            f"{MAX_METADATA_BYTES >> 20} MiB")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), str(path)).load()
+    except MetadataError:
+        raise
+    except RecursionError:
+        raise MetadataError(f"{path}: damaged (nested too deeply); allowed: the .metadata file torch writes") from None
+    except Exception as exc:  # a truncated or malformed pickle, a refused value inside an allowed call
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise MetadataError(f"{path}: damaged ({detail}); allowed: the .metadata file torch writes") from None
+    return metadata
+
+
+# -- the whole, checked -----------------------------------------------------------------------------------------
+
+def _size(value: Any, what: str, path: Path) -> tuple[int, ...]:
+    if type(value) is not torch.Size or len(value) > MAX_DIMS or not all(0 <= n < MAX_SIZE for n in value):
+        raise MetadataError(f"{path}: {what} is {str(value)[:80]}; allowed: a torch.Size of at most {MAX_DIMS} "
+                            f"sizes from 0 to 2**62")
+    return tuple(value)
+
+
+def check_metadata(metadata: Any, folder: Path, path: Path) -> None:
+    """Refuse (MetadataError naming `path`) a Metadata whose fields are not what torch writes, or that would make
+    DCP allocate more than the folder's files hold, or read outside them."""
+    import torch.distributed.checkpoint.metadata as dcp_md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def bad(what: str, allowed: str) -> MetadataError:
+        return MetadataError(f"{path}: {what}; allowed: {allowed}")
+
+    if type(metadata) is not dcp_md.Metadata:
+        raise bad(f"holds a {type(metadata).__name__}", "a torch.distributed.checkpoint Metadata")
+    entries, planner_data, storage = metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data
+    if type(entries) is not dict or not all(type(k) is str for k in entries):
+        raise bad("state_dict_metadata is not a dict of names", "a dict of names to storage metadata")
+    if metadata.storage_meta is not None and type(metadata.storage_meta) is not dcp_md.StorageMeta:
+        raise bad("storage_meta is not a StorageMeta", "a StorageMeta or None")
+    if type(storage) is not dict:
+        raise bad("storage_data is not a dict", "a dict of MetadataIndex to _StorageInfo")
+    if planner_data is not None:
+        if type(planner_data) is not dict:
+            raise bad("planner_data is not a dict", "a dict of names to key paths")
+        for name, keys in planner_data.items():
+            if (type(keys) not in (tuple, list) or not 0 < len(keys) <= MAX_DIMS
+                    or not all(type(k) is str or (type(k) is int and 0 <= k <= len(entries)) for k in keys)):
+                raise bad(f"planner_data[{str(name)[:60]!r}] is {str(keys)[:80]}",
+                          f"a path of names and list indices up to {len(entries)}")
+    slices: dict[str, list[tuple[int, int]]] = {}
+    for index, info in storage.items():
+        if type(index) is not dcp_md.MetadataIndex or type(info) is not _StorageInfo:
+            raise bad("storage_data holds something other than MetadataIndex -> _StorageInfo", "what torch writes")
+        rel, offset, length = info.relative_path, info.offset, info.length
+        if not (type(offset) is int and type(length) is int and 0 <= offset < MAX_SIZE and 0 <= length < MAX_SIZE):
+            raise bad(f"the slice of {str(index.fqn)[:60]!r} is offset {str(offset)[:30]} length {str(length)[:30]}",
+                      "byte offsets and lengths from 0 to 2**62")
+        if info.transform_descriptors:
+            raise bad(f"{str(index.fqn)[:60]!r} is stored through {str(info.transform_descriptors)[:60]}",
+                      "items stored as they are (no compression or other transform)")
+        slices.setdefault(_data_file(rel, folder, path), []).append((offset, length))
+    sizes = {}
+    for rel, spans in slices.items():
+        sizes[rel] = os.stat(folder / rel).st_size
+        end = 0
+        for offset, length in sorted(spans):
+            if offset < end or offset + length > sizes[rel]:
+                raise bad(f"{rel}: a slice at byte {offset} of {length} bytes overlaps another or ends past the "
+                          f"file ({sizes[rel]} bytes)", "slices inside the file, each byte in one slice")
+            end = offset + length
+    for name, entry in entries.items():
+        if type(entry) is dcp_md.BytesStorageMetadata:
+            continue
+        if type(entry) is not dcp_md.TensorStorageMetadata:
+            raise bad(f"{name[:60]!r} is a {type(entry).__name__}", "TensorStorageMetadata or BytesStorageMetadata")
+        props = entry.properties
+        if (type(props) is not dcp_md.TensorProperties or type(props.dtype) is not torch.dtype
+                or props.layout is not torch.strided):
+            raise bad(f"{name[:60]!r} has properties {str(props)[:80]}", "a strided tensor of a torch dtype")
+        shape = _size(entry.size, f"the size of {name[:60]!r}", path)
+        held = 0
+        if type(entry.chunks) is not list:
+            raise bad(f"the chunks of {name[:60]!r} are not a list", "a list of ChunkStorageMetadata")
+        for chunk in entry.chunks:
+            if type(chunk) is not dcp_md.ChunkStorageMetadata:
+                raise bad(f"a chunk of {name[:60]!r} is a {type(chunk).__name__}", "ChunkStorageMetadata")
+            offsets = _size(chunk.offsets, f"a chunk offset of {name[:60]!r}", path)
+            sizes_ = _size(chunk.sizes, f"a chunk size of {name[:60]!r}", path)
+            if len(offsets) != len(shape) or len(sizes_) != len(shape) or any(
+                    o + s > d for o, s, d in zip(offsets, sizes_, shape, strict=True)):
+                raise bad(f"a chunk of {name[:60]!r} at {list(offsets)} of {list(sizes_)} lies outside its size "
+                          f"{list(shape)}", "chunks inside their tensor")
+            info = storage.get(dcp_md.MetadataIndex(name, chunk.offsets))
+            if info is None:
+                raise bad(f"a chunk of {name[:60]!r} at {list(offsets)} is in no file", "a slice for every chunk")
+            if math.prod(sizes_) * props.dtype.itemsize > info.length:
+                raise bad(f"a chunk of {name[:60]!r} of {list(sizes_)} x {props.dtype} is larger than its slice of "
+                          f"{info.length} bytes", "chunks no larger than the bytes stored for them")
+            held += info.length
+        if math.prod(shape) * props.dtype.itemsize > held:
+            raise bad(f"{name[:60]!r} of size {list(shape)} x {props.dtype} needs more bytes than its chunks hold "
+                      f"({held})", "tensors no larger than the bytes stored for them")
+
+
+def _data_file(rel: Any, folder: Path, path: Path) -> str:
+    """`rel`, a data file named by the metadata: a relative path inside `folder`, reached through real folders,
+    naming a regular file."""
+    parts = PurePosixPath(rel).parts if type(rel) is str and rel and "\\" not in rel and "\0" not in rel else ()
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise MetadataError(f"{path}: names the data file {str(rel)[:80]!r}; allowed: a file inside {folder}")
+    current = folder
+    for i, part in enumerate(parts):
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except OSError as exc:
+            raise MetadataError(f"{current}: named by {path} but cannot be read ({exc.strerror})") from None
+        wanted = stat.S_ISREG if i == len(parts) - 1 else stat.S_ISDIR
+        if not wanted(mode):
+            kind = "file" if i == len(parts) - 1 else "folder"
+            raise MetadataError(f"{current}: named by {path}, not a regular {kind}; allowed: regular files and "
+                                "folders inside the checkpoint (no links)")
+    return rel
+
+
+# -- torch's reader and planner, with the above -----------------------------------------------------------------
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's FileSystemReader (its storage data, file system and data reads unchanged) whose `read_metadata`
+    reads `.metadata` (or a rank's `__<rank>.metadata`) through the allow-list and checks it against the folder."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed.checkpoint.metadata as dcp_md
+
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        checked = getattr(self, "_checked", {})
+        if path not in checked:  # read once: the caller's first read names a refusal, DCP's load reuses it
+            metadata = read_metadata_file(path)
+            check_metadata(metadata, Path(self.path), path)
+            self._checked = {**checked, path: metadata}
+        metadata = self._checked[path]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the saved state from the metadata, for the tensors only: a non-tensor item is a
+    pickle DCP would read with `torch.load(weights_only=False)`, so it is never read. `keep(name)` narrows further
+    (accel's checkpoints: the models' tensors)."""
+
+    def __init__(self, keep=None):
+        super().__init__()
+        self.keep = keep
+
+    def _should_include_key(self, key: str, metadata: Any) -> bool:
+        import torch.distributed.checkpoint.metadata as dcp_md
+
+        entry = metadata.state_dict_metadata.get(key)
+        return type(entry) is dcp_md.TensorStorageMetadata and (self.keep is None or self.keep(key))
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise MetadataError(f"refused to unpickle the non-tensor item {read_item.dest_index.fqn!r}; allowed: tensors")
+
+
+__all__ = ["MAX_METADATA_BYTES", "MetadataError", "SafeFileSystemReader", "TensorsOnlyPlanner", "check_metadata",
+           "read_metadata_file"]
