@@ -228,6 +228,14 @@ class HangWatch:
                 outcome.detail = f"failed without {names(leavers)}"
         return sorted(outcomes + [o for o in leavers if o.rank not in by_rank], key=lambda o: o.rank)
 
+    def stopped_by_launcher(self, rank: int) -> bool:
+        """`rank` was still running when the agent stopped the workers (of the last attempt): the signal it ended by
+        was the launcher's, sent because another rank failed."""
+        folder = self._last_attempt()
+        if folder is not None and folder in self.running_at_stop:
+            return rank in self.running_at_stop[folder]
+        return any(rank in ranks for ranks in self.running_at_stop.values())
+
     def cleanup(self, keep: bool) -> None:
         """Remove the run folder unless a report points to it."""
         if not keep:
@@ -432,6 +440,37 @@ def how_it_left(exitcode: int) -> str:
     return f"was killed by signal {-exitcode}{signal_name(-exitcode)}"
 
 
+# what a worker's end by a signal says about its cause (a worker the launcher stopped is named as such elsewhere)
+_CRASHES = {
+    "SIGSEGV": "it crashed (a segmentation fault in native code: a C/C++ extension, a CUDA kernel or driver, a library "
+               "built for another torch; Python's own frames, if it printed them, are in its output above)",
+    "SIGBUS": "it crashed (a bus error in native code: often a memory-mapped file that shrank or was on a full disk, "
+              "or a full /dev/shm, where DataLoader workers share tensors)",
+    "SIGILL": "it crashed (an illegal instruction in native code: a library built for another CPU, e.g. with "
+              "AVX-512, or a failed check compiled as a trap)",
+    "SIGFPE": "it crashed (an arithmetic fault in native code, e.g. an integer division by zero in a C/C++ "
+              "extension)",
+    "SIGABRT": "it aborted itself (abort() in native code: a C++ std::terminate after an uncaught C++ exception, or a "
+               "failed assertion; the reason is the last thing it printed above)",
+    "SIGKILL": "SIGKILL cannot be caught and no worker sends it to itself: most often the kernel's out-of-memory "
+               "killer (check `dmesg` or `journalctl -k` for 'Out of memory', or the scheduler's memory limit: "
+               "SLURM's --mem, the container's), else another process",
+    "SIGPIPE": "it wrote to a pipe nobody reads any more (its output piped into a command that ended)",
+    "SIGXCPU": "it ran past its CPU-time limit (ulimit -t, or the scheduler's)",
+    "SIGXFSZ": "it wrote past its file-size limit (ulimit -f)",
+}
+
+
+def signal_meaning(signum: int) -> str:
+    """Why a worker ended by signal `signum` (one clause): its own crash or abort, the OOM killer, or another
+    process than accel launch."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = ""
+    return _CRASHES.get(name, "sent by another process than accel launch (a scheduler, a `kill`, a closed terminal)")
+
+
 def rank_line(outcome: RankOutcome, first: bool) -> str:
     label = f"rank {outcome.rank} (local rank {outcome.local_rank}, pid {outcome.pid})"
     ended = how_it_ended(outcome.exitcode) + (", first failure" if first else "")
@@ -439,7 +478,7 @@ def rank_line(outcome: RankOutcome, first: bool) -> str:
         how = f"exited with code {outcome.exitcode}" if outcome.exitcode >= 0 else how_it_left(outcome.exitcode)
         why = (": its script returned or called sys.exit(0)" if outcome.exitcode == 0
                else ": see its output above for why" if outcome.exitcode > 0
-               else ", by another process than accel launch")
+               else f": {signal_meaning(-outcome.exitcode)}")
         return f"accel launch: {label} {how}{' (first failure)' if first else ''} outside any collective{why}"
     if outcome.role == "stopped":
         return (f"accel launch: {label} was stopped outside any collective ({ended})"
@@ -449,7 +488,7 @@ def rank_line(outcome: RankOutcome, first: bool) -> str:
     elif outcome.role == "waiting":
         said = f"waited in {outcome.op} and {outcome.detail} ({ended})"
     else:
-        said = f"failed ({ended})"
+        said = f"failed ({ended})" + (f": {signal_meaning(-outcome.exitcode)}" if outcome.exitcode < 0 else "")
     if outcome.role == "stuck" and outcome.detail:
         return f"accel launch: {label} {said}; {outcome.detail}"
     return f"accel launch: {label} {said}" + ("; its stack, most recent call last:" if outcome.frames else "")

@@ -56,6 +56,7 @@ import sys
 from accel.cli import accelerate_flags, checks, forked_workers, multinode, output
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
+from accel.cli import hang_report
 from accel.cli.hang_report import HangWatch
 from accel.config.errors import shown
 from accel.config.schema import C_INT_MAX, MAX_SECONDS
@@ -275,10 +276,12 @@ def build_torchrun_args(cfg: AccelConfig, script_argv: list[str], max_restarts: 
         rdzv_conf = ",".join(filter(None, (f"is_host={int(cfg.machine_rank == 0)}", rdzv_conf)))
     if rdzv_conf:
         argv += ["--rdzv_conf", rdzv_conf]
+    # "--": the script's own arguments are never read as torchrun's (argparse took `--signal` for an ambiguous
+    # abbreviation of --signals_to_handle and refused the launch)
     if script_argv and script_argv[0] == "-m":
-        argv += ["--module", *script_argv[1:]]
-    else:
-        argv += list(script_argv)
+        argv += ["--module", "--", *script_argv[1:]]
+    elif script_argv:
+        argv += ["--", *script_argv]
     return argv
 
 
@@ -482,8 +485,13 @@ def _announcing_restarts():
         LocalElasticAgent._monitor_workers = original_monitor
 
 
-def _ended(exitcode: int) -> str:
-    return f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
+def _ended(exitcode: int, note: str = "") -> str:
+    """How a worker ended (then `note`), and for a signal what it means (its own crash, the OOM killer, another
+    process)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}{note}"
+    signum = -exitcode
+    return f"was killed by signal {signum}{hang_report.signal_name(signum)}{note}: {hang_report.signal_meaning(signum)}"
 
 
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool = True) -> int:
@@ -515,10 +523,12 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         if order:
             first_rank, first = order[0], exc.failures[order[0]]
         for rank, failure in sorted(exc.failures.items()):
-            how = _ended(failure.exitcode)
             note = " (first failure)" if rank == first_rank and len(exc.failures) > 1 else ""
-            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-                             f"{how}{note}\n")
+            how = _ended(failure.exitcode, note)
+            if rank != first_rank and failure.exitcode < 0 and watch.stopped_by_launcher(rank):
+                how = (f"was stopped by accel launch (signal {-failure.exitcode}, "
+                       f"{hang_report.signal_name(-failure.exitcode).strip(' ()')}) after rank {first_rank} failed")
+            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}\n")
         return _exit_code(first.exitcode)
     except SignalException as exc:
         stopped = stop.stopped_message()

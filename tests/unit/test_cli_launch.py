@@ -62,7 +62,7 @@ def test_two_machines_static_passes_machine_rank_as_node_rank():
     assert option(argv, "--node_rank") == "1"
     assert option(argv, "--master_addr") == "10.0.0.5"
     assert option(argv, "--master_port") == "29500"  # default port for several machines
-    assert argv[-4:] == ["--module", "pkg.train", "--epochs", "3"]
+    assert argv[-5:] == ["--module", "--", "pkg.train", "--epochs", "3"]
     assert "--rdzv_endpoint" not in argv
 
 
@@ -330,3 +330,19 @@ def test_sequence_flags_in_a_dry_run(run_accel, script):
 ], ids=["cp-and-sp", "cp-and-pp", "sp-does-not-divide", "bad-strategy", "sp-zero"])
 def test_sequence_flags_one_line_errors(run_accel, script, flags, needle):
     assert_one_line_error(run_accel("launch", "--cpu", *flags, script), needle)
+
+
+def test_the_scripts_arguments_are_never_read_as_torchruns():
+    """`--signal` is an ambiguous abbreviation of torchrun's --signals_to_handle: torchrun's parser refused the launch
+    (`accel launch train.py --signal X` exited 2) before the script's arguments were put after `--`."""
+    from accel.cli import checks
+
+    cfg = cfg_of(num_processes=2, use_cpu=True)
+    for script in (["train.py"], ["-m", "pkg.train"]):
+        argv = launch.build_torchrun_args(cfg, [*script, "--signal", "SIGSEGV", "--", "x"], 0, 0)
+        checks.check_torchrun_argv(argv)
+        from torch.distributed import run as torchrun
+
+        parsed = torchrun.parse_args(argv)
+        assert parsed.training_script == script[-1] and parsed.module == (script[0] == "-m")
+        assert parsed.training_script_args == ["--signal", "SIGSEGV", "--", "x"]
