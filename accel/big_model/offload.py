@@ -11,7 +11,6 @@ Accelerate reads it (transformers records its files that way). The names and sig
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from collections.abc import Iterator, Mapping
@@ -46,6 +45,9 @@ def offload_weight(
     """Write ``weight`` to ``offload_folder/<weight_name>.safetensors`` and return ``index`` with its entry."""
     from safetensors.torch import save_file
 
+    if not isinstance(weight_name, str) or not weight_name or any(c in weight_name for c in "/\\\0"):
+        raise ValueError(f"offload_weight: weight name {str(weight_name)[:200]!r} cannot name a file in the offload "
+                         f"folder {str(offload_folder)!r}; allowed: tensor names without '/', '\\' or NUL")
     folder = Path(offload_folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensor = weight.detach().to("cpu").contiguous()
@@ -67,15 +69,50 @@ def offload_weight(
 
 
 def load_offload_index(offload_folder: str | os.PathLike) -> dict:
-    """The folder's ``index.json`` ({} when there is none)."""
+    """The folder's ``index.json`` ({} when there is none), read with accel's bounded JSON reader and every entry
+    checked before anything is read or allocated: ``dtype`` a torch dtype name, ``shape`` a list of at most 64 sizes
+    whose product fits 2**62, ``safetensors_file`` / ``weight_name`` strings. A refusal is one ValueError line
+    naming the file, the key, the value and what is allowed."""
+    from accel.core.safe_json import read_json
+
     path = Path(offload_folder) / OFFLOAD_INDEX_NAME
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    if not isinstance(index, dict):
-        raise ValueError(f"Offload index {str(path)!r} is not a JSON object of tensor name to entry.")
+    index = read_json(path)
+    for name, entry in index.items():
+        _check_entry(path, name, entry)
     return index
+
+
+_MAX_ELEMENTS = 2**62
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    return {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+def _check_entry(path: Path, name: str, entry) -> None:
+    """One index entry as accel and Accelerate write it (Accelerate's ``.dat`` entries have no file name)."""
+    import math
+
+    from accel.core.safe_json import key_path, short
+
+    def refuse(key: str | None, value, allowed: str) -> ValueError:
+        where = key_path([name] if key is None else [name, key])
+        return ValueError(f"{path}: key {where!r}: {short(value, 40)}; allowed: {allowed}")
+
+    if not isinstance(entry, dict):
+        raise refuse(None, entry, "an object of safetensors_file, weight_name, dtype and shape")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in _torch_dtypes()):
+        raise refuse("dtype", dtype, "a torch dtype name (float32, bfloat16, int8, ...)")
+    if shape is not None and (not isinstance(shape, list) or len(shape) > 64
+                              or not all(type(n) is int and 0 <= n < _MAX_ELEMENTS for n in shape)
+                              or math.prod(shape) >= _MAX_ELEMENTS):
+        raise refuse("shape", shape, "a list of at most 64 sizes >= 0 whose product is below 2**62")
+    for key in ("safetensors_file", "weight_name"):
+        if key in entry and not isinstance(entry[key], str):
+            raise refuse(key, entry[key], "a string")
 
 
 def save_offload_index(index: Mapping[str, dict], offload_folder: str | os.PathLike) -> None:
@@ -111,11 +148,20 @@ def load_offloaded_weight(
             f"Offloaded weight {weight_info.get('weight_name')!r}: file {str(path)!r} is missing "
             "(was the offload folder or the checkpoint moved or deleted?)."
         )
+    wanted, shape = weight_info.get("dtype"), weight_info.get("shape")
+    dtypes = _torch_dtypes()
+    if wanted and wanted not in dtypes:
+        raise ValueError(f"Offloaded weight {weight_info.get('weight_name')!r}: dtype {str(wanted)[:40]!r}; allowed: a "
+                         "torch dtype name")
     with safe_open(str(path), framework="pt", device=str(device or "cpu")) as f:
-        tensor = f.get_tensor(weight_info["weight_name"])
-    wanted = weight_info.get("dtype")
+        name = weight_info["weight_name"]
+        held = f.get_slice(name).get_shape() if shape is not None else None  # the header only: nothing read yet
+        if held is not None and shape is not None and list(held) != list(shape):
+            raise ValueError(f"Offloaded weight {name!r}: the index gives shape {list(shape)}, but {str(path)!r} holds "
+                             f"{list(held)}; allowed: the shape the file holds (an index written for another file?)")
+        tensor = f.get_tensor(name)
     if wanted and _dtype_name(tensor.dtype) != wanted:
-        tensor = tensor.to(getattr(torch, wanted))
+        tensor = tensor.to(dtypes[wanted])
     return tensor
 
 

@@ -185,7 +185,7 @@ def read_metadata_file(path: Path) -> Any:
                                 f"{MAX_METADATA_BYTES >> 20} MiB")
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_METADATA_BYTES + 1)
+            data = fh.read(min(info.st_size, MAX_METADATA_BYTES) + 1)  # read(n) allocates n bytes first
     except OSError as exc:
         raise MetadataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     finally:

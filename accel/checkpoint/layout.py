@@ -22,7 +22,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from accel.core.safe_json import JSONFileError, read_json
+
 MANIFEST = "accel_checkpoint.json"
+MANIFEST_BYTES = 256 << 20  # a manifest lists every tensor (models and optimizer state): ~150 bytes each
 FORMAT = "accel-checkpoint"
 VERSION = 1
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -236,8 +239,8 @@ def _inline_checksums(folder: Path) -> dict[str, tuple[int, str]]:
     where there are none (or they cannot be read: every file is then hashed here)."""
     path = folder / INLINE_CHECKSUMS
     try:
-        found = json.loads(path.read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        found = read_json(path)["files"]
+    except (JSONFileError, KeyError, TypeError):
         found = {}
     finally:
         try:
@@ -489,13 +492,9 @@ def read_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> dict:
         raise CheckpointError(f"{path}: missing; {folder} is not a complete accel checkpoint (partial or foreign)")
     regular_file(folder, MANIFEST, path)
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: damaged ({exc})") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: damaged (JSON nested too deeply)") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+        manifest = read_json(path, max_bytes=MANIFEST_BYTES, top=None)  # bounded: integers, depth, each key once
+    except JSONFileError as exc:
+        raise CheckpointError(str(exc).replace(f"{path}: ", f"{path}: damaged: ", 1)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an accel checkpoint manifest")
     version = manifest.get("version", 0)

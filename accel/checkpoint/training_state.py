@@ -40,6 +40,7 @@ import torch.distributed as dist
 from accel.checkpoint import layout, main_save, tree
 from accel.checkpoint.async_save import AsyncCheckpointer
 from accel.checkpoint.layout import CheckpointError
+from accel.core.safe_json import JSONFileError, parse_json, read_json
 from accel.runtime.progress import stages
 
 
@@ -840,7 +841,9 @@ def _checked_manifest(path: Path, manifest: dict) -> tuple[dict, dict]:
             raise CheckpointError(f"{path}: damaged ({name} is {value!r}; allowed: {allowed})")
     try:
         specs = tree.tensor_specs(skeleton)
-        tree.join(skeleton, {})  # every JSON value decodes (tuples, numpy arrays, non-finite floats)
+        tree.join(skeleton, {}, ("skeleton",))  # every JSON value decodes (tuples, numpy arrays, non-finite floats)
+    except tree.BadTree as exc:
+        raise CheckpointError(f"{path}: damaged ({exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{path}: damaged ({first_cause(exc)})") from None
     for key, (shape, dtype) in specs.items():
@@ -885,8 +888,11 @@ def _read_header(file: Path, size: int, chunks: dict) -> None:
         if not 0 < length <= min(size - 8, _MAX_HEADER):
             raise CheckpointError(f"{file}: damaged (not a safetensors file: header length {length}, file size {size})")
         try:
-            header = json.loads(fh.read(length))
-            sharding = json.loads((header.get("__metadata__") or {}).get("DCP_SHARDING_INFO") or "{}")
+            header = parse_json(fh.read(length), "the header")
+            sharding = parse_json((header.get("__metadata__") or {}).get("DCP_SHARDING_INFO") or "{}",
+                                  "its DCP_SHARDING_INFO")
+        except JSONFileError as exc:
+            raise CheckpointError(f"{file}: damaged (header: {exc})") from None
         except (ValueError, AttributeError, TypeError) as exc:
             raise CheckpointError(f"{file}: damaged (header: {first_cause(exc)})") from None
     data_bytes = size - 8 - length
@@ -1012,16 +1018,21 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
     except Exception as exc:
         raise CheckpointError(f"{tensors_file}: damaged ({first_cause(exc)})") from None
     try:
-        plain = json.loads(json_file.read_text())
-        python = tree.join(plain["python"], {})
+        plain = read_json(json_file, max_bytes=1 << 20, error=CheckpointError)  # about 16 KB: two RNG states
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc).replace(f"{json_file}: ", f"{json_file}: damaged: ", 1)) from None
+    try:
+        python = tree.join(plain["python"], {}, ("python",))
         random.Random().setstate(python)
-        numpy = tree.join(plain["numpy"], {}) if "numpy" in plain else None
+        numpy = tree.join(plain["numpy"], {}, ("numpy",)) if "numpy" in plain else None
         if numpy is not None:
             import numpy as np
 
             np.random.RandomState().set_state(numpy)
     except ImportError:
         numpy = None
+    except tree.BadTree as exc:
+        raise CheckpointError(f"{json_file}: damaged ({exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{json_file}: damaged ({first_cause(exc)})") from None
     return {"torch": tensors["torch"], "cuda": cuda, "python": python, "numpy": numpy}

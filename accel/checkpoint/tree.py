@@ -3,6 +3,12 @@
 Every non-tensor value of a checkpoint (optimizer hyper-parameters, scheduler counters, sampler position,
 Python's RNG state) goes to JSON, so loading never unpickles anything. Containers are tagged where JSON
 would lose their type: tuples, dicts with non-string keys, and the tensors' places.
+
+A skeleton read back comes from a file anyone may have edited (its checksum recomputed), so `join` decodes only
+what `split` writes, and nothing it builds is larger than the JSON it came from: a numpy value has a dtype of
+NUMPY_DTYPES (the numbers `tolist()` gives back as JSON numbers) and its data is numbers, so its bytes are at most
+8 per number in the file; `__float__` is one of the non-finite floats; `__dict__` a list of key-value pairs. Any
+other value is a BadTree naming its key path, the value (shortened) and what is allowed.
 """
 
 from __future__ import annotations
@@ -12,11 +18,19 @@ from typing import Any
 
 import torch
 
-_TENSOR, _TUPLE, _DICT, _FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
+_TENSOR, _TUPLE, _DICT, _FLOAT, _NUMPY = "__tensor__", "__tuple__", "__dict__", "__float__", "__numpy__"
+# the numpy dtypes a checkpoint holds: those whose `tolist()` values are JSON numbers (not complex, strings, objects)
+NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                "float32", "float64")
+_NON_FINITE = ("inf", "-inf", "nan")
 
 
 class NotSerializable(TypeError):
     """A value that is neither a tensor nor representable in JSON."""
+
+
+class BadTree(ValueError):
+    """A skeleton value `split` never writes: one line, `key 'a.b[0]': <what>; allowed: <what is>`."""
 
 
 def split(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -42,7 +56,10 @@ def split(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return tree
     if hasattr(tree, "tolist") and hasattr(tree, "dtype"):  # numpy arrays and scalars (numpy's RNG state)
-        return {"__numpy__": tree.tolist(), "dtype": str(tree.dtype)}
+        if str(tree.dtype) not in NUMPY_DTYPES:
+            raise NotSerializable(f"{prefix}: a numpy value of dtype {tree.dtype} cannot be saved; allowed: numpy "
+                                  f"dtypes {', '.join(NUMPY_DTYPES)}")
+        return {_NUMPY: tree.tolist(), "dtype": str(tree.dtype)}
     raise NotSerializable(f"{prefix}: value of type {type(tree).__name__} is neither a tensor nor JSON-serialisable")
 
 
@@ -85,22 +102,61 @@ def empty_like_spec(shape: list[int], dtype: str) -> torch.Tensor:
     return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
-def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Rebuild the tree from its skeleton and the loaded tensors."""
+def join(skeleton: Any, tensors: dict[str, torch.Tensor], where: tuple = ()) -> Any:
+    """Rebuild the tree from its skeleton and the loaded tensors; `where` is the skeleton's key path in its file
+    (for the messages). A value `split` never writes is a BadTree."""
     if isinstance(skeleton, list):
-        return [join(v, tensors) for v in skeleton]
+        return [join(v, tensors, (*where, i)) for i, v in enumerate(skeleton)]
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
-            return tensors.get(skeleton[_TENSOR])  # None: a tensor another pipeline stage holds
+            key = skeleton[_TENSOR]
+            if not isinstance(key, str):
+                raise _bad(where, _TENSOR, key, "a tensor key (a string)")
+            return tensors.get(key)  # None: a tensor another pipeline stage holds
         if _TUPLE in skeleton:
-            return tuple(join(v, tensors) for v in skeleton[_TUPLE])
+            items = skeleton[_TUPLE]
+            if not isinstance(items, list):
+                raise _bad(where, _TUPLE, items, "a list")
+            return tuple(join(v, tensors, (*where, _TUPLE, i)) for i, v in enumerate(items))
         if _DICT in skeleton:
-            return {k: join(v, tensors) for k, v in skeleton[_DICT]}
+            pairs = skeleton[_DICT]
+            if not isinstance(pairs, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and (p[0] is None or isinstance(p[0], (str, int, float)))
+                    for p in pairs):
+                raise _bad(where, _DICT, pairs, "a list of [key, value] pairs, each key a string, number or null")
+            return {k: join(v, tensors, (*where, _DICT, i, 1)) for i, (k, v) in enumerate(pairs)}
         if _FLOAT in skeleton:
+            if skeleton[_FLOAT] not in _NON_FINITE:
+                raise _bad(where, _FLOAT, skeleton[_FLOAT], "'inf', '-inf' or 'nan'")
             return float(skeleton[_FLOAT])
-        if "__numpy__" in skeleton:
-            import numpy as np
-
-            return np.asarray(skeleton["__numpy__"], dtype=skeleton["dtype"])
-        return {k: join(v, tensors) for k, v in skeleton.items()}
+        if _NUMPY in skeleton:
+            return _numpy(skeleton, where)
+        return {k: join(v, tensors, (*where, k)) for k, v in skeleton.items()}
     return skeleton
+
+
+def _numpy(node: dict, where: tuple) -> Any:
+    """A numpy value `split` wrote: a dtype of NUMPY_DTYPES and numbers (a rectangular nesting of lists of them),
+    checked before numpy allocates anything."""
+    import numpy as np
+
+    dtype, data = node.get("dtype"), node[_NUMPY]
+    if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
+        raise _bad(where, "dtype", dtype, f"a numpy dtype of {', '.join(NUMPY_DTYPES)}")
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, (int, float)):  # bool is an int
+            raise _bad(where, _NUMPY, item, "numbers, or lists of numbers")
+    try:
+        return np.asarray(data, dtype=dtype)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise _bad(where, _NUMPY, data, f"a rectangular list of numbers that fit {dtype} ({exc})") from None
+
+
+def _bad(where: tuple, field: str, value: Any, allowed: str) -> BadTree:
+    from accel.core.safe_json import key_path, short
+
+    return BadTree(f"key {key_path(where)!r}: {field} {short(value, 40)}; allowed: {allowed}")

@@ -95,7 +95,7 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, max_depth:
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(max_bytes + 1)
+            data = fh.read(min(info.st_size, max_bytes) + 1)  # read(n) allocates n bytes first
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
     finally:

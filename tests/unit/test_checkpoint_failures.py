@@ -265,7 +265,7 @@ def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
     if case == "shard header":
         without_checksums(folder)
         same_size_garbage(shard(folder), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-        return f"{shard(folder)}: damaged (header: JSONDecodeError"
+        return f"{shard(folder)}: damaged (header: the header: not JSON (line 1 column 2"
     if case == "optimizer dtype":
         edit_manifest(folder, lambda m: set_spec(m, "optimizers", "dtype", "float16"))
         return f"{manifest_path}: tensor /optimizers/0/state/0.weight/step: dtype float16, but"
@@ -274,7 +274,8 @@ def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
         return f"{manifest_path}: scheduler 0 (AcceleratedScheduler) refused its saved state (TypeError"
     if case == "non-tensor value":
         edit_manifest(folder, lambda m: m["skeleton"]["schedulers"][0].update({"x": {"__float__": "many"}}))
-        return f"{manifest_path}: damaged (ValueError: could not convert string to float: 'many')"
+        return (f"{manifest_path}: damaged (key 'skeleton.schedulers[0].x': __float__ 'many'; allowed: 'inf', '-inf' "
+                "or 'nan')")
     if case == "rng json":
         without_checksums(folder)
         same_size_garbage(folder / "rng" / "rank_0.json", b'{"python": [3, [1, 2], null]}')

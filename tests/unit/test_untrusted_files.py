@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
+import numpy as np
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
+from accel.checkpoint import layout
+from accel.checkpoint.layout import CheckpointError
+from accel.checkpoint.merge import MergeError, merge_fsdp_weights
 from accel.core.safe_json import JSONFileError, parse_json, read_json
 
 
@@ -55,3 +63,242 @@ def test_json_reads_what_accel_writes(tmp_path):
     path.write_text(json.dumps(value))
     assert read_json(path) == value
     assert parse_json(b"\xef\xbb\xbf[1]", "x", top=list) == [1]
+
+
+# -- planted pickles --------------------------------------------------------------------------------------------
+
+
+
+class _Planted:
+    """Unpickled, it creates its marker file: proof that the pickle ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker) -> None:
+    path.write_bytes(pickle.dumps(_Planted(marker)))
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class _Counter:
+    """A registered object whose state holds a numpy array (the manifest's `__numpy__` values)."""
+
+    def __init__(self):
+        self.values = np.arange(3, dtype=np.uint32)
+
+    def state_dict(self):
+        return {"values": self.values}
+
+    def load_state_dict(self, state):
+        self.values = state["values"]
+
+
+def _saved(tmp_path, name="ckpt"):
+    from accel import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(torch.randn(2, 3)).sum())
+    optimizer.step()
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    folder = tmp_path / name
+    accelerator.save_state(str(folder))
+    return accelerator, model, folder
+
+
+def test_planted_metadata_in_a_save_state_folder_runs_nothing_cli(tmp_path, run_accel):
+    """`accel merge-weights` of a save_state folder (and of its state/) holding a planted `.metadata`: accel's
+    manifest wins, the pickle is never opened, the merge is the model's."""
+    accelerator, model, folder = _saved(tmp_path)
+    marker = tmp_path / "ran"
+    _plant(folder / ".metadata", marker)
+    _plant(folder / "state" / ".metadata", marker)
+    expected = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    for source, out in ((folder, tmp_path / "out1"), (folder / "state", tmp_path / "out2")):
+        proc = run_accel("merge-weights", source, out)
+        assert proc.returncode == 0, proc.stderr
+        assert not marker.exists()
+        merged = load_file(out / "model.safetensors")
+        assert merged.keys() == expected.keys() and all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
+def test_planted_metadata_in_a_dcp_folder_is_refused_by_name(tmp_path):
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    dcp.save({"model": torch.nn.Linear(2, 2).state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    marker = tmp_path / "ran"
+    _plant(folder / ".metadata", marker)
+    with pytest.raises(MergeError) as info:
+        merge_fsdp_weights(folder, tmp_path / "out")
+    message = str(info.value)
+    assert str(folder / ".metadata") in message and "io.open" in message and "\n" not in message, message
+    assert "allowed: " in message
+    assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_planted_pickle_in_a_distcp_item_runs_nothing(tmp_path):
+    """A non-tensor item of a DCP folder is a pickle torch reads with weights_only=False: a merge never reads it
+    (a model file holds tensors only), and the tensors still merge exactly."""
+    marker = tmp_path / "ran"
+    folder = tmp_path / "dcp"
+    state = torch.nn.Linear(2, 3).state_dict()
+    dcp.save({"model": dict(state), "evil": _Planted(marker)}, checkpoint_id=str(folder), no_dist=True)
+    assert not marker.exists()
+    merge_fsdp_weights(folder, tmp_path / "out")
+    assert not marker.exists()
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert merged.keys() == {f"model.{k}" for k in state}
+    assert all(torch.equal(merged[f"model.{k}"], v) for k, v in state.items())
+
+
+def test_planted_metadata_is_ignored_by_load_state(tmp_path):
+    accelerator, model, folder = _saved(tmp_path)
+    marker = tmp_path / "ran"
+    _plant(folder / ".metadata", marker)  # not listed in the manifest: never opened
+    accelerator.load_state(str(folder))
+    assert not marker.exists()
+    _plant(folder / "state" / ".metadata", marker)  # state/ holds only the files the manifest lists
+    with pytest.raises(CheckpointError, match=r"state/.metadata: not listed in"):
+        accelerator.load_state(str(folder))
+    assert not marker.exists()
+
+
+def test_a_real_dcp_folder_merges_exactly(tmp_path):
+    """Everything torch's own dcp.save writes reads through the allow-list: nested dicts, optimizer state with
+    scalars and bytes, every dtype and memory format; the tensors come back bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    tensors = {"bf16": torch.randn(3).to(torch.bfloat16), "i8": torch.arange(4, dtype=torch.int8),
+               "flag": torch.tensor([True, False]), "f8": torch.ones(2).to(torch.float8_e4m3fn),
+               "c64": torch.randn(2, dtype=torch.complex64), "t": torch.randn(4, 4).t(), "scalar": torch.tensor(3.0),
+               "nhwc": torch.randn(1, 2, 3, 3).to(memory_format=torch.channels_last)}
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "nested": {"a": {"b": tensors}},
+             "extra": {"s": "text", "b": b"bytes", "i": 3, "f": 1.5, "l": [1, 2], "n": None}}
+    folder = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    merge_fsdp_weights(folder, tmp_path / "out")
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    expected = {f"model.{k}": v for k, v in model.state_dict().items()}
+    expected.update({f"nested.a.b.{k}": v for k, v in tensors.items()})
+    for param, values in optimizer.state_dict()["state"].items():
+        expected.update({f"optim.state.{param}.{k}": v for k, v in values.items()})
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():
+        got = merged[key]
+        assert got.dtype == value.dtype and got.shape == value.shape, key
+        assert torch.equal(got.reshape(-1).view(torch.uint8), value.reshape(-1).contiguous().view(torch.uint8)), key
+
+
+# -- JSON values that allocate ----------------------------------------------------------------------------------
+
+def _rewrite_manifest(folder, change) -> None:
+    """Change the manifest as a tamperer would: the checksum recomputed."""
+    path = folder / layout.MANIFEST
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    manifest["checksum"] = layout.manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_numpy_dtype_in_the_manifest_cannot_allocate(tmp_path):
+    import tracemalloc
+
+    accelerator, _, folder = _saved(tmp_path)
+
+    def bomb(manifest):
+        entry = manifest["skeleton"]["custom"][0]["values"]
+        assert entry["dtype"] == "uint32"
+        entry["dtype"] = "S300000000"
+
+    _rewrite_manifest(folder, bomb)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            accelerator.load_state(str(folder))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert str(folder / layout.MANIFEST) in message and "skeleton.custom[0].values" in message, message
+    assert "'S300000000'" in message and "allowed: " in message and "uint32" in message and "\n" not in message
+    assert peak < 50 << 20
+
+
+def test_a_numpy_dtype_in_the_rng_file_cannot_allocate(tmp_path):
+    accelerator, _, folder = _saved(tmp_path)
+    path = folder / "rng" / "rank_0.json"
+    plain = json.loads(path.read_text())
+    plain["numpy"]["__tuple__"][1] = {"__numpy__": [1, 2], "dtype": "S300000000"}
+    path.write_text(json.dumps(plain))
+    _rewrite_manifest(folder, lambda m: m["checksums"].update({"rng/rank_0.json": layout.file_checksum(path)})
+                      or m["files"].update({"rng/rank_0.json": path.stat().st_size}))
+    with pytest.raises(CheckpointError) as info:
+        accelerator.load_state(str(folder))
+    message = str(info.value)
+    assert str(path) in message and "numpy" in message and "'S300000000'" in message and "allowed: " in message
+
+
+def test_numpy_values_must_be_numbers_of_an_allowed_dtype(tmp_path):
+    from accel.checkpoint import tree
+
+    assert tree.join({"__numpy__": [1, 2], "dtype": "uint32"}, {}).tolist() == [1, 2]
+    for bad, needle in (({"__numpy__": [1, 2], "dtype": "object"}, "dtype 'object'"),
+                        ({"__numpy__": ["12"], "dtype": "int64"}, "allowed: numbers"),
+                        ({"__numpy__": [[1], [2, 3]], "dtype": "int64"}, "numpy"),
+                        ({"__float__": "1" * 5000}, "__float__"),
+                        ({"__dict__": [[["a"], 1]]}, "__dict__")):
+        with pytest.raises(tree.BadTree, match=needle):
+            tree.join({"x": [bad]}, {})
+
+
+def test_a_huge_number_in_the_manifest_names_the_file_and_key(tmp_path):
+    accelerator, _, folder = _saved(tmp_path)
+    path = folder / layout.MANIFEST
+    text = path.read_text()
+    assert '"step": 0' in text
+    path.write_text(text.replace('"step": 0', '"step": ' + "9" * 5000))
+    with pytest.raises(CheckpointError) as info:
+        accelerator.load_state(str(folder))
+    message = str(info.value)
+    assert message.startswith(f"{path}: damaged: key 'skeleton.step': an integer of 5000 digits"), message
+    with pytest.raises(MergeError, match=r"accel_checkpoint.json: damaged: key 'skeleton.step': an integer of 5000"):
+        merge_fsdp_weights(folder, tmp_path / "out")
+
+
+def test_offload_index_is_checked_before_anything_is_read(tmp_path):
+    from accel.big_model.offload import load_offload_index, load_offloaded_weight, offload_state_dict
+
+    offload_state_dict(tmp_path, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    index = load_offload_index(tmp_path)
+    assert torch.equal(load_offloaded_weight(index["w"], tmp_path), torch.arange(6.0).reshape(2, 3))
+    path = tmp_path / "index.json"
+    for entry, needle in (({"shape": [10**12, 10**12, 10**12]}, "key 'w.shape'"),
+                          ({"dtype": "S300000000"}, "key 'w.dtype': 'S300000000'"),
+                          ({"dtype": "save"}, "key 'w.dtype'"),
+                          ({"shape": [2, "3"]}, "key 'w.shape'")):
+        path.write_text(json.dumps({"w": {**index["w"], **entry}}))
+        with pytest.raises(ValueError) as info:
+            load_offload_index(tmp_path)
+        assert str(path) in str(info.value) and needle in str(info.value) and "allowed: " in str(info.value)
+    path.write_text(json.dumps({"w": {**index["w"], "shape": [3, 2]}}))  # a shape the file does not hold
+    with pytest.raises(ValueError, match=r"shape \[3, 2\].*holds \[2, 3\]"):
+        load_offloaded_weight(load_offload_index(tmp_path)["w"], tmp_path)
+    path.write_text('{"w": {"shape": [' + "9" * 5000 + "]}}")
+    with pytest.raises(ValueError, match=r"index.json: key 'w.shape\[0\]': an integer of 5000 digits"):
+        load_offload_index(tmp_path)
