@@ -68,7 +68,7 @@ def resolve_checked(config_file: str | None, overrides: dict, prog: str, flags_s
     check_worker_env_size(cfg)
     for warning in caught:  # only for a config that passed: an error is the one line
         if issubclass(warning.category, DeepSpeedConfigWarning):
-            _held.append(f"{prog}: warning: {warning.message}\n")
+            _held.append(f"{prog}: warning: {' '.join(str(warning.message).split())}\n")  # one line each
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if not hold_warnings:

@@ -123,7 +123,8 @@ class HangWatch:
             try:
                 self.before_stop(pcontext)
             except Exception as exc:  # the stop itself must happen whatever goes wrong here
-                sys.stderr.write(f"accel launch: warning: could not collect the workers' stacks: {exc}\n")
+                said = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the exception says
+                sys.stderr.write(f"accel launch: warning: could not collect the workers' stacks: {said}\n")
             return original(pcontext, death_sig, timeout)
 
         def capture_and_note(pcontext, done_local_ranks: set[int]) -> None:

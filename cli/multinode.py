@@ -439,8 +439,12 @@ def ssh_command(args: argparse.Namespace, environ: Mapping[str, str]) -> list[st
 # -------------------------------------------------------------------------------------------------------
 
 def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"was killed by signal {-code}"
+    if code < 0:  # the ssh client itself (the host's launcher's own signal comes back as 128 + N)
+        try:
+            name = f" ({signal.Signals(-code).name})"
+        except ValueError:
+            name = ""
+        return f"was killed by signal {-code}{name} (its ssh client, on this machine)"
     if code == 255:
         return "exited with code 255 (ssh could not reach it, or the connection dropped)"
     return f"exited with code {code}"
