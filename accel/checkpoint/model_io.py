@@ -641,36 +641,35 @@ def _parse_tied(raw, source: str) -> dict[str, str]:
     if raw is None:
         return {}
     if isinstance(raw, str):
-        raw = loads_json(raw, f"{_TIED_KEY!r} record in {source}")
+        raw = loads_json(raw, f"{_TIED_KEY!r} record in {source}", top=None)
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
         raise ValueError(f"Invalid {_TIED_KEY!r} record in {source}: expected a mapping of alias name to saved name.")
     return raw
 
 
-_JSON_ALLOWED = "allowed: UTF-8 JSON, integers of at most 4300 digits, nesting the interpreter's stack can hold"
+def loads_json(text: str | bytes, source: str | os.PathLike, *, top: type | None = dict,
+               error: type[Exception] = ValueError):
+    """JSON text from a file (a safetensors header, a metadata string), read by ``accel.core.safe_json``: a number of
+    thousands of digits, nesting deeper than it allows, a repeated key or bytes that are not UTF-8 are one line naming
+    ``source`` and the key (a ``ValueError``, or ``error``)."""
+    from accel.core.safe_json import JSONFileError, parse_json
 
-
-def _parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > 4300:  # int() of more digits is refused by Python anyway; say it in a few words
-        raise ValueError(f"a number of {len(text.lstrip('-'))} digits")
-    return int(text)
-
-
-def loads_json(text: str | bytes, source: str | os.PathLike, problem: str = "not valid JSON"):
-    """``json.loads`` whose bombs (a number of thousands of digits, nesting deeper than the stack, bytes that are
-    not UTF-8, invalid JSON) are one ``ValueError`` line naming ``source``."""
     try:
-        return json.loads(text, parse_int=_parse_int)
-    except RecursionError:
-        reason = "nested too deeply"
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _parse_int's
-        reason = _first_line(exc)
-    raise ValueError(f"{source}: {problem} ({reason}); {_JSON_ALLOWED}")
+        return parse_json(text, str(source), top=top)
+    except JSONFileError as exc:
+        raise error(str(exc)) from None
 
 
-def read_json(path: Path, problem: str = "not valid JSON"):
-    """The JSON content of ``path`` (an index, a checksum record), read by :func:`loads_json`."""
-    return loads_json(path.read_bytes(), path, problem)
+def read_json(path: Path, *, top: type | None = dict, error: type[Exception] = ValueError):
+    """The JSON content of ``path`` (an index, a checksum record), read by ``accel.core.safe_json`` (at most its
+    ``MAX_BYTES``, a regular file; a link is followed); every refusal is one line naming the file."""
+    from accel.core.safe_json import JSONFileError
+    from accel.core.safe_json import read_json as safe_read_json
+
+    try:
+        return safe_read_json(path, top=top)
+    except JSONFileError as exc:
+        raise error(str(exc)) from None
 
 
 _SHARD_ENTRY_ALLOWED = ("allowed: a file name, or a relative path without '..', inside the index's folder, ending in "
@@ -770,12 +769,7 @@ def _verify_files(record: Path, checksums: dict) -> None:
 
 
 def _load_record(path: Path) -> dict:
-    try:
-        content = read_json(path, "damaged, not valid JSON")
-    except ValueError as exc:  # loads_json's one line names the file
-        raise CheckpointError(str(exc)) from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    content = read_json(path, top=None, error=CheckpointError)  # its one line names the file (unreadable too)
     if not isinstance(content, dict):
         raise CheckpointError(f"{path}: damaged (not a JSON object)")
     return content

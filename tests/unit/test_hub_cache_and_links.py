@@ -267,6 +267,15 @@ def test_offload_weight_through_a_link_writes_no_file_outside(tmp_path):
     assert torch.equal(load_offloaded_weight(index["a.weight"], folder), value)
 
 
+def test_offload_weight_named_out_of_its_folder_is_refused(tmp_path):
+    from accel.big_model.offload import offload_state_dict
+
+    with pytest.raises(ValueError) as info:
+        offload_state_dict(tmp_path / "off", {"../escaped": torch.zeros(2)})
+    assert "\n" not in str(info.value) and "'../escaped'" in str(info.value) and "allowed" in str(info.value)
+    assert not (tmp_path / "escaped.safetensors").exists()
+
+
 def test_offloaded_weights_index_naming_a_dat_file_outside_is_refused(tmp_path):
     from accel.big_model.modeling import load_offloaded_weights
 
