@@ -39,10 +39,28 @@ from accel.backends.launchable import check_launchable
 # -------------------------------------------------------------------------------------------------------
 
 
+# flags whose empty value is a mistake, not "the default" (a variable that expanded to nothing: `--log_dir $LOGS`):
+# flag -> what is allowed. (--include/--exclude '' are DeepSpeed's own defaults, no filter; the config keys' flags
+# refuse '' with their allowed values.)
+NON_EMPTY_FLAGS = {
+    "config_file": "the path of a config file (leave the flag out for the default one)",
+    "deepspeed_config_file": "the path of a DeepSpeed JSON file",
+    "hostfile": "the path of a hostfile (leave the flag out to run on this machine)",
+    "deepspeed_hostfile": "the path of a hostfile (leave the flag out to run on this machine)",
+    "log_dir": "a folder (leave the flag out for no log files)",
+    "ssh_command": "a command line such as 'ssh -p 2222' (leave the flag out for $ACCEL_SSH_COMMAND, else 'ssh -o "
+                   "BatchMode=yes')",
+}
+
+
 def check_flag_conflicts(args) -> None:
-    """Flags that contradict each other (`accel launch` and `accel env` take the same ones)."""
+    """Flags that contradict each other, or given empty (`accel launch` and `accel env` take the same ones)."""
     if args.cpu and args.multi_gpu:
         raise UsageError("--cpu and --multi_gpu contradict each other; give one of them")
+    for name, allowed in NON_EMPTY_FLAGS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{name} {value!r}: empty; allowed: {allowed}")
 
 
 def config_source(config_file: str | None, overrides: dict, flags_source: str) -> str:

@@ -364,7 +364,8 @@ MAX_ARG_BYTES = 128 * 1024 - 1  # Linux's MAX_ARG_STRLEN: the longest one argume
 
 
 def environ_file_name(environ: Mapping[str, str] = os.environ) -> str:
-    return environ.get(ENV_FILE_ENV, DEFAULT_ENV_FILE)
+    """The env files' name: $ACCEL_ENV_FILE, else (unset or empty) `.accel_env`."""
+    return environ.get(ENV_FILE_ENV) or DEFAULT_ENV_FILE
 
 
 def forwarded_env(environ: dict, cwd: str, home: str) -> dict[str, str]:
@@ -372,9 +373,11 @@ def forwarded_env(environ: dict, cwd: str, home: str) -> dict[str, str]:
     (`~/.accel_env`, then `./.accel_env`, later ones winning)."""
     env = {key: value for key, value in environ.items()
            if key.startswith(FORWARDED_ENV_PREFIXES) and key not in NOT_FORWARDED_ENV}
-    name = environ.get(ENV_FILE_ENV, DEFAULT_ENV_FILE)
+    name = environ_file_name(environ)
     for folder in dict.fromkeys((home, cwd)):
         path = os.path.join(folder, name)
+        if os.path.isdir(path):  # not silently skipped as a missing file is
+            raise UsageError(f"{path}: is a folder; allowed: a file of KEY=VALUE lines (or none)")
         if os.path.isfile(path):
             env.update(read_env_file(path))
     return env

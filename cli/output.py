@@ -66,13 +66,37 @@ def torchrun_flags(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     log_dir = getattr(args, "log_dir", None)
     if log_dir:
-        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            raise UsageError(f"--log_dir {log_dir}: it is a file; allowed: a directory (created when missing)")
+        check_log_dir(log_dir, create=not getattr(args, "dry_run", False))
         argv += ["--log_dir", os.path.abspath(log_dir), "--tee", "3"]
     ranks = parse_ranks_filter(getattr(args, "local_ranks_filter", None))
     if ranks is not None:
         argv += ["--local_ranks_filter", ",".join(map(str, ranks))]
     return argv
+
+
+def check_log_dir(log_dir: str, create: bool) -> None:
+    """`--log_dir` must be a folder or creatable as one: not a file, not under a file, writable; with `create` it is
+    made now, so that a folder that cannot be made is one line before any process starts (not a traceback in
+    torchrun's agent)."""
+    path = os.path.abspath(log_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--log_dir {log_dir}: it is a file; allowed: a folder (created when missing)")
+    existing = path
+    while not os.path.lexists(existing):  # the nearest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--log_dir {log_dir}: {existing} is a file; allowed: a folder (created when missing) that is "
+                         "not under a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        which = "it is" if existing == path else f"{existing} is"
+        raise UsageError(f"--log_dir {log_dir}: {which} not writable by this user; allowed: a folder this user can "
+                         "create and write")
+    if create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--log_dir {log_dir}: cannot create it ({exc.strerror or exc}); allowed: a folder this "
+                             "user can create and write") from None
 
 
 def usable_cores() -> int:

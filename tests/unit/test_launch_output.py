@@ -54,7 +54,7 @@ def test_bad_filter_is_one_line(argv, needle):
 
 def test_log_dir_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("")
-    with pytest.raises(UsageError, match="it is a file; allowed: a directory"):
+    with pytest.raises(UsageError, match="it is a file; allowed: a folder"):
         output.torchrun_flags(_args("--log_dir", str(tmp_path / "f")))
 
 
