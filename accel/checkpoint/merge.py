@@ -147,6 +147,9 @@ def _read_dcp(reader, planner) -> dict:
         dcp_format._load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:  # a damaged or truncated file; DCP's carries tracebacks
         first = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
+        refused = "dcp_reader.MetadataError: "  # a refused item names its file itself
+        if refused in first:
+            raise MergeError(f"cannot read the checkpoint: {first.split(refused, 1)[1]}") from None
         raise MergeError(f"cannot read the checkpoint in {reader.path}: {first}") from None
     finally:
         root.disabled = was_disabled

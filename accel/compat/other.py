@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import pickle
 import platform
 import re
+import secrets
 import socket
 import sys
 import types
@@ -192,17 +194,45 @@ def save(obj, f, save_on_each_node: bool = False, safe_serialization: bool = Fal
         write(obj, f)
 
 
+class _NDArrayName:
+    """What the name `numpy.ndarray` gives a pickle read by `load`: a marker `_reconstruct` takes (torch would let a
+    pickle call `numpy.ndarray(shape)` itself, which allocates any shape, zero-filled for object arrays)."""
+
+    def __new__(cls, *args, **kwargs):
+        raise pickle.UnpicklingError("numpy.ndarray(...) refused; allowed: numpy arrays as numpy pickles them")
+
+
+def _bounded_reconstruct(subtype, shape, dtype):
+    """numpy's `_reconstruct` for what numpy itself pickles: an empty array (shape (0,)) that the pickle's BUILD then
+    fills from bytes present in the file (numpy checks their size). numpy's own allocates any shape a pickle names."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    if subtype is not _NDArrayName or tuple(shape) != (0,):
+        raise pickle.UnpicklingError(f"numpy _reconstruct({getattr(subtype, '__name__', subtype)}, {str(shape)[:40]}) "
+                                     "refused; allowed: numpy arrays as numpy pickles them (shape (0,))")
+    return core.multiarray._reconstruct(np.ndarray, (0,), dtype)
+
+
+_HIDDEN_NAME = f"accel_never_pickled_{secrets.token_hex(16)}.ndarray"  # ndarray for BUILD, unnameable by a pickle
+
+
 def _load_safe_globals() -> list:
     """What `load` allows `torch.load(weights_only=True)` to rebuild beyond tensors: numpy arrays and dtypes (the
-    numpy RNG state in a checkpoint) and `codecs.encode` (how numpy pickles its arrays' bytes)."""
+    numpy RNG state in a checkpoint) and `codecs.encode` (how numpy pickles its arrays' bytes). `_reconstruct` and
+    `numpy.ndarray` are admitted bounded (`_bounded_reconstruct`): an array's bytes come from the file."""
     import codecs
 
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, codecs.encode, np.dtype]
-    if hasattr(np, "dtypes") and hasattr(np.dtypes, "UInt32DType"):
-        allowed.append(np.dtypes.UInt32DType)
+    allowed: list = [codecs.encode, np.dtype, (np.ndarray, _HIDDEN_NAME)]
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        allowed.append((_bounded_reconstruct, f"{module}._reconstruct"))
+    allowed.append((_NDArrayName, "numpy.ndarray"))
+    for name in ("BoolDType", "Int8DType", "Int16DType", "Int32DType", "Int64DType", "UInt8DType", "UInt16DType",
+                 "UInt32DType", "UInt64DType", "Float16DType", "Float32DType", "Float64DType"):
+        if hasattr(getattr(np, "dtypes", None), name):  # numeric arrays' dtypes (numpy >= 1.25 pickles their class)
+            allowed.append(getattr(np.dtypes, name))
     return allowed
 
 

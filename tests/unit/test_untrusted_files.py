@@ -5,6 +5,7 @@ more than the file holds; every refusal is one line naming the file (and the key
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -302,3 +303,54 @@ def test_offload_index_is_checked_before_anything_is_read(tmp_path):
     path.write_text('{"w": {"shape": [' + "9" * 5000 + "]}}")
     with pytest.raises(ValueError, match=r"index.json: key 'w.shape\[0\]': an integer of 5000 digits"):
         load_offload_index(tmp_path)
+
+
+def test_a_tensor_item_is_checked_before_torch_load(tmp_path):
+    """torch reads a tensor item with torch.load(weights_only=True), which still calls `bytearray(n)`: an item whose
+    pickle makes one (here 2 GiB, zero-filled) is refused before torch reads it, naming the file and the global."""
+    import zipfile
+
+    folder = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(folder), no_dist=True)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:  # stored records, as torch.save writes them
+        archive.writestr("archive/data.pkl", b"\x80\x02cbuiltins\nbytearray\nJ\x00\x00\x00\x80\x85R.")  # 2 GiB
+        archive.writestr("archive/version", b"3\n")
+    (folder / "__0_0.distcp").write_bytes(buffer.getvalue())
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # the test's own file
+    (info,) = metadata.storage_data.values()
+    info.offset, info.length = 0, len(buffer.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(MergeError) as info_:
+        merge_fsdp_weights(folder, tmp_path / "out")
+    message = str(info_.value)
+    assert "__0_0.distcp" in message and "builtins.bytearray" in message and "allowed: " in message, message
+
+
+class _ArrayOfShape:
+    """Pickles as numpy's `_reconstruct` (or `numpy.ndarray` itself) asked for a 80 GB array."""
+
+    def __init__(self, direct: bool):
+        self.direct = direct
+
+    def __reduce__(self):
+        if self.direct:
+            return (np.ndarray, ((10**5, 10**5), np.dtype("float64")))
+        return (np._core.multiarray._reconstruct, (np.ndarray, (10**5, 10**5), np.dtype("float64")))
+
+
+def test_accelerate_load_reads_numpy_without_a_shape_from_the_pickle(tmp_path):
+    """`accelerate.utils.load` (torch.load weights_only with numpy admitted): numpy's RNG state and arrays load; a
+    pickle that names an array's shape itself is refused before numpy allocates."""
+    from accel.compat.other import load
+
+    path = tmp_path / "state.bin"
+    state = {"rng": np.random.get_state(), "array": np.arange(5, dtype=np.float32), "t": torch.arange(3)}
+    torch.save(state, path)
+    loaded = load(path)
+    assert loaded["rng"][0] == "MT19937" and np.array_equal(loaded["rng"][1], state["rng"][1])
+    assert np.array_equal(loaded["array"], state["array"]) and torch.equal(loaded["t"], state["t"])
+    for direct in (False, True):
+        torch.save({"x": _ArrayOfShape(direct)}, path)
+        with pytest.raises(pickle.UnpicklingError, match="refused; allowed: numpy arrays as numpy pickles them"):
+            load(path)
