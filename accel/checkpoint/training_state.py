@@ -896,6 +896,7 @@ def _read_header(file: Path, size: int, chunks: dict) -> None:
         except (ValueError, AttributeError, TypeError) as exc:
             raise CheckpointError(f"{file}: damaged (header: {first_cause(exc)})") from None
     data_bytes = size - 8 - length
+    spans = []  # each tensor's bytes, which no other tensor may share: the shapes a load allocates fit the file
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -911,6 +912,12 @@ def _read_header(file: Path, size: int, chunks: dict) -> None:
         if not valid:
             raise CheckpointError(f"{file}: damaged (tensor {key}: {str(info)[:200]})")
         chunks.setdefault(key, []).append((code, offsets, shape))
+        spans.append((begin, end, key))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise CheckpointError(f"{file}: damaged (tensors {first} and {second} share bytes; allowed: each tensor's "
+                                  "own data_offsets)")
 
 
 def _check_chunks(path: Path, state: Path, key: str, shape: list, dtype: str, found: list) -> None:

@@ -354,3 +354,16 @@ def test_accelerate_load_reads_numpy_without_a_shape_from_the_pickle(tmp_path):
         torch.save({"x": _ArrayOfShape(direct)}, path)
         with pytest.raises(pickle.UnpicklingError, match="refused; allowed: numpy arrays as numpy pickles them"):
             load(path)
+
+
+def test_state_file_tensors_may_not_share_bytes(tmp_path):
+    """A manifest naming many tensors over the same bytes of a state file would make load_state allocate each of
+    them (optimizer state has no live tensor to check the shape against): the header's pieces may not overlap."""
+    from accel.checkpoint import training_state
+
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointError, match=r"shard.safetensors: damaged \(tensors a and b share bytes"):
+        training_state._read_header(path, path.stat().st_size, {})
