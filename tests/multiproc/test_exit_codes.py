@@ -1,0 +1,132 @@
+"""README "Exit codes": each code the table documents is what `accel launch` returns (issue 40).
+
+Most codes are already asserted by the tests of their feature, listed in COVERED (not launched again here); this file
+launches only what no other test returns: a worker killed by SIGKILL (137), the launcher interrupted by SIGINT (130),
+torchrun itself failing (1, without processes) and ssh failing to reach a host (255, without ssh)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accel.cli import multinode
+from accel.cli import output as output_cmd
+from accel.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "scripts" / "hang_worker.py"
+
+# README's code column -> the tests that assert the launcher returns it (file::test); 128 + N: 139 (SIGSEGV), 134
+# (SIGABRT), 137 (SIGKILL), 143 (SIGTERM, twice), 130 (SIGINT)
+COVERED = {
+    "0": ["tests/multiproc/test_launch.py::test_two_processes_get_ranks_the_config_and_untouched_args"],
+    "1": ["tests/multiproc/test_quiet_output.py::test_quiet_output_log_dir_and_rank_filter",  # a worker's exception
+          "tests/multiproc/test_main_process_save.py::test_collective_save_called_on_the_main_process_alone_says_so",
+          "tests/multiproc/test_exit_codes.py::test_torchrun_failing_is_1_in_one_line"],
+    "2": ["tests/unit/test_launch_path_flags.py::test_a_log_dir_under_a_file",
+          "tests/unit/test_launch_path_flags.py::test_an_empty_value_is_refused_not_taken_for_the_default",
+          "tests/unit/test_cli_launch.py::test_the_scripts_arguments_are_never_read_as_torchruns"],
+    "74": ["tests/multiproc/test_failed_save_exit_code.py::test_a_save_failing_after_the_script_ended_exits_74",
+           "tests/multiproc/test_failed_save_exit_code.py::test_a_failed_grace_save_is_not_exit_code_75",
+           "tests/unit/test_async_save.py::test_a_failed_asynchronous_save_never_exits_0_and_leaves_no_temporary_folder"],
+    "75": ["tests/multiproc/test_preemption.py::test_sigterm_mid_epoch_saves_and_the_next_launch_resumes_bit_exactly"],
+    "128 + N": ["tests/multiproc/test_worker_signals.py::test_a_segfault_while_the_other_rank_waits_is_a_crash",
+                "tests/multiproc/test_worker_signals.py::test_an_abort_outside_any_collective_is_the_workers_own",
+                "tests/multiproc/test_exit_codes.py::test_a_worker_killed_by_sigkill_is_137",
+                "tests/multiproc/test_preemption.py::test_a_second_signal_stops_the_workers",  # 143
+                "tests/multiproc/test_hang_report.py::test_the_job_stops_soon_after_the_timeout_with_the_stuck_ranks_exit_code",
+                "tests/multiproc/test_exit_codes.py::test_sigint_to_the_launcher_is_130"],
+    "255": ["tests/multiproc/test_exit_codes.py::test_a_host_ssh_cannot_reach_is_255"],
+    "another": ["tests/multiproc/test_launch.py::test_failing_worker_stops_the_group_and_sets_the_exit_code",  # 3
+                "tests/multiproc/test_launch.py::test_one_process_runs_without_torchrun_and_keeps_the_exit_code",  # 5
+                "tests/multiproc/test_multinode_launch.py::test_a_failing_host_stops_the_other_and_is_named"],  # 3
+}
+
+
+def readme_codes() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n### Exit codes\n", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Code")]
+    return [row.split("|")[1].strip().strip("`") for row in rows]
+
+
+def test_every_documented_code_is_tested():
+    assert readme_codes() == list(COVERED)
+    for code, tests in COVERED.items():
+        for test in tests:
+            path, name = test.split("::")
+            tree = ast.parse((ROOT / path).read_text())
+            assert name in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, (code, test)
+
+
+def launch(tmp_path, *worker_args: str) -> subprocess.Popen:
+    from conftest import make_isolated_env
+
+    env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                             "--collective_timeout", "30", str(WORKER), *worker_args],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.multiproc
+def test_a_worker_killed_by_sigkill_is_137(tmp_path):
+    proc = launch(tmp_path, "--signal", "SIGKILL", "--sleep", "0.5", "--late")
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    assert re.search(r"accel launch: rank 1 \(local rank 1, pid \d+\) was killed by signal 9 \(SIGKILL\)"
+                     r"( \(first failure\))?: SIGKILL cannot be caught .* out-of-memory killer \(check `dmesg`",
+                     stderr), stderr
+
+
+@pytest.mark.multiproc
+def test_sigint_to_the_launcher_is_130(tmp_path):
+    proc = launch(tmp_path, "--sleep", "60")  # rank 1 sleeps, rank 0 waits in an all_reduce
+    deadline, seen = time.monotonic() + 60, ""
+    try:
+        while "entering the all_reduce" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                seen += proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "accel launch: stopped by signal 2; the workers were stopped" in stderr
+
+
+def test_torchrun_failing_is_1_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ACCEL_CONFIG_FILE", raising=False)
+    (tmp_path / "s.py").write_text("")
+
+    def rendezvous_fails(argv):
+        raise RuntimeError("The rendezvous timed out\n  after 900 seconds\n")
+
+    monkeypatch.setattr(output_cmd, "run_agent", rendezvous_fails)
+    assert main(["launch", "--cpu", "--num_processes", "2", "s.py"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "accel launch: error: torchrun failed: RuntimeError: The rendezvous timed out after 900 seconds"
+
+
+def test_a_host_ssh_cannot_reach_is_255(capsys):
+    """Two "hosts" without ssh: node-b exits 255 as ssh does when it cannot connect; node-a runs until the head closes
+    its stdin, as a launcher started by --hostfile does."""
+    machines = [multinode.Machine("node-a", (0,)), multinode.Machine("node-b", (0,))]
+    code = multinode.run_hosts(machines, [[sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                          [sys.executable, "-c", "raise SystemExit(255)"]])
+    assert code == 255
+    assert capsys.readouterr().err.strip() == ("accel launch: host node-b (machine_rank 1) failed first: it exited "
+                                               "with code 255 (ssh could not reach it, or the connection dropped); "
+                                               "stopped node-a")
