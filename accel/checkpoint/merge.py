@@ -232,6 +232,14 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
     except CheckpointError as exc:
         raise MergeError(str(exc)) from None
     _check_manifest_shape(folder / MANIFEST, manifest)
+    try:  # as load_state checks them: state/ holds only the listed files, whose headers span the manifest's shapes
+        # (DCP's reader reads every .safetensors file there, and sizes a tensor from its pieces' offsets)
+        from accel.checkpoint import training_state
+
+        checked_specs, checked_aliases = training_state._checked_manifest(folder / MANIFEST, manifest)
+        training_state._check_state_files(folder, manifest, checked_specs, checked_aliases)
+    except CheckpointError as exc:
+        raise MergeError(str(exc)) from None
     specs = manifest.get("skeleton", {}).get("models")
     if not isinstance(specs, list) or not specs:
         raise MergeError(f"{folder}: the checkpoint holds no model (nothing was prepared before save_state)")

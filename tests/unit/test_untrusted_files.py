@@ -122,19 +122,25 @@ def _saved(tmp_path, name="ckpt"):
 
 
 def test_planted_metadata_in_a_save_state_folder_runs_nothing_cli(tmp_path, run_accel):
-    """`accel merge-weights` of a save_state folder (and of its state/) holding a planted `.metadata`: accel's
-    manifest wins, the pickle is never opened, the merge is the model's."""
+    """`accel merge-weights` of a save_state folder holding a planted `.metadata`: accel's manifest wins, the pickle
+    is never opened, the merge is the model's; one planted in state/ (given as the folder or as state/) is refused in
+    one line, as load_state refuses it, and never opened either."""
     accelerator, model, folder = _saved(tmp_path)
     marker = tmp_path / "ran"
     _plant(folder / ".metadata", marker)
-    _plant(folder / "state" / ".metadata", marker)
     expected = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    for source, out in ((folder, tmp_path / "out1"), (folder / "state", tmp_path / "out2")):
-        proc = run_accel("merge-weights", source, out)
-        assert proc.returncode == 0, proc.stderr
-        assert not marker.exists()
-        merged = load_file(out / "model.safetensors")
-        assert merged.keys() == expected.keys() and all(torch.equal(merged[k], v) for k, v in expected.items())
+    proc = run_accel("merge-weights", folder, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], v) for k, v in expected.items())
+    _plant(folder / "state" / ".metadata", marker)
+    for source in (folder, folder / "state"):
+        proc = run_accel("merge-weights", source, tmp_path / "out2")
+        assert proc.returncode == 2 and not marker.exists()
+        assert proc.stderr.strip().splitlines() == [f"accel merge-weights: error: {folder / 'state' / '.metadata'}: "
+                                                    f"not listed in {folder / layout.MANIFEST}; a checkpoint's "
+                                                    "state/ holds only the files its manifest lists"], proc.stderr
+    assert not marker.exists()
 
 
 def test_planted_metadata_in_a_dcp_folder_is_refused_by_name(tmp_path):
@@ -367,3 +373,15 @@ def test_state_file_tensors_may_not_share_bytes(tmp_path):
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
     with pytest.raises(CheckpointError, match=r"shard.safetensors: damaged \(tensors a and b share bytes"):
         training_state._read_header(path, path.stat().st_size, {})
+
+
+def test_merge_reads_only_the_state_files_the_manifest_lists(tmp_path):
+    """DCP's safetensors reader reads every .safetensors file in state/ and sizes a tensor from its pieces' offsets:
+    a merge checks state/ as load_state does first."""
+    from safetensors.torch import save_file
+
+    _, _, folder = _saved(tmp_path)
+    save_file({"/models/0/0.weight": torch.zeros(1)}, str(folder / "state" / "planted.safetensors"),
+              metadata={"DCP_SHARDING_INFO": json.dumps({"/models/0/0.weight": {"saved_offsets": [10**12]}})})
+    with pytest.raises(MergeError, match=r"state/planted.safetensors: not listed in .*accel_checkpoint.json"):
+        merge_fsdp_weights(folder, tmp_path / "out")
