@@ -9,9 +9,27 @@ The seam is torch's own: torchrun's `SubprocessContext` asks `get_subprocess_han
 `ForkingSubprocessHandler` returns a `ForkedProcess`, which answers as the `subprocess.Popen` it replaces does (pid,
 poll, wait, returncode, send_signal), so the agent, its log files and tees, restarts, accel's hang report and the
 preemption watch work on it unchanged. The forked child then makes itself what `python -u SCRIPT ARGS` would be:
-its own session, stdout/stderr on the agent's files (unbuffered), the worker's environment, Python's default
-signal handlers, fresh `random`/NumPy seeds, `sys.argv` and `sys.path[0]` of the script, the script run as
-`__main__`, and at the end what the interpreter does at exit (join non-daemon threads, `atexit` handlers, flush).
+its own session (it exits at once if its launcher died before that: cli/job_reaper.py ends the sessions it knows),
+stdout/stderr on the agent's files (unbuffered), the worker's environment, Python's default signal handlers and no
+faulthandler of the agent's, fresh `random`/NumPy seeds, `sys.argv` and `sys.path[0]` of the script, the script run
+as `__main__`, and at the end what the interpreter does at exit (join non-daemon threads, `atexit` handlers, flush).
+
+What the agent did to the interpreter while it ran is undone, what importing modules did is kept (a fresh worker
+imports the same modules and gets the same):
+
+* `atexit`: from this module's import on (in the launcher, before torch is imported), each registration made
+  outside an import is noted; the child unregisters those (the agent's) and keeps the others (logging's shutdown,
+  multiprocessing's `_exit_function`, torch's, a `.pth` file's), so a buffered log handler is flushed at exit and
+  multiprocessing ends its daemonic children (`--checkpoint_async process`'s saver) as in a fresh interpreter. The
+  agent's `weakref.finalize` objects do not run at the worker's exit;
+* logging: no root handler (level WARNING); each logger as it was once torch was imported here, before the agent
+  ran; the agent's handlers are neither flushed nor closed at the worker's exit;
+* multiprocessing: a main process of its own (name, authkey), no children, finalizers, start method or resource
+  tracker of the agent's;
+* warnings: the filters as they were before the agent ran, and every "already shown" registry starts over.
+
+The one difference left: torch._dynamo (and what it imports: filters, exit handlers, inductor's cache folder
+variable) is loaded before the script's first line.
 
 Only where it is safe: CPU launches (a launcher that has touched CUDA must not fork), `python` entry points (not
 `--no_python`, not numactl-wrapped), on Linux only. `ACCEL_FRESH_WORKERS=1` starts fresh interpreters anyway.
@@ -132,11 +150,17 @@ def forking_workers():
             for stream in (sys.stdout, sys.stderr, self._stdout, self._stderr):
                 if stream is not None:
                     stream.flush()
+            launcher = os.getpid()
             pid = os.fork()
             if pid == 0:  # the worker: never returns into the agent's code
                 code = 1
                 try:
-                    code = _run_worker(target, env, self._stdout, self._stderr)
+                    code = _run_worker(target, env, self._stdout, self._stderr, launcher)
+                except BaseException:  # noqa: BLE001 - a failure before the script: said, exit 1
+                    import traceback
+
+                    with contextlib.suppress(Exception):
+                        traceback.print_exc()
                 finally:
                     os._exit(code)
             return ForkedProcess(pid, args)
@@ -145,6 +169,7 @@ def forking_workers():
         return ForkingSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
 
     preload()
+    _LAUNCHER_STATE.update(_launcher_state())
     original = api.get_subprocess_handler
     api.get_subprocess_handler = handler
     try:
@@ -153,12 +178,14 @@ def forking_workers():
         api.get_subprocess_handler = original
 
 
-def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout, stderr) -> int:
+def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout, stderr, launcher: int) -> int:
     """In the forked child: become `python -u TARGET ARGS` and run it; returns the exit code."""
     import gc
 
     gc.freeze()  # the agent's objects stay as they are: never collected (nor finalized) in the worker
     os.setsid()  # as torchrun's Popen(start_new_session=True): the agent signals the worker's process group
+    if os.getppid() != launcher:  # the launcher died before the group existed (its sentinel ended the groups it had)
+        return 128 + signal.SIGKILL
     for fd, stream in ((1, stdout), (2, stderr)):
         if stream is not None:
             os.dup2(stream.fileno(), fd)
@@ -166,7 +193,9 @@ def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout,
     sys.stderr = _unbuffered(2, sys.stderr)
     os.environ.clear()
     os.environ.update(env)
+    _fresh_faulthandler()
     _default_signals()
+    _fresh_interpreter_state()  # before what accel's import does again below (the rank's warnings filters)
     _fresh_seeds()
     _threads_from_env()
     from accel.core.rank_warnings import warn_once_per_job
@@ -185,7 +214,6 @@ def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout,
     import threading
 
     importlib.invalidate_caches()
-    atexit._clear()  # the agent's exit handlers are not the worker's
     code = 0
     try:
         if kind == "module":
@@ -204,6 +232,128 @@ def _run_worker(target: tuple[str, str, list[str]], env: dict[str, str], stdout,
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+# -- what a fresh interpreter starts with: noted in the launcher, put back in the forked child ------------------
+
+_LAUNCHER_STATE: dict = {}  # logging's loggers and the warnings filters once torch is imported, before the agent runs
+_RUNTIME_EXITS: list = []  # what the launcher registered with atexit outside any import: the agent's, not the worker's
+_ATEXIT: dict = {}  # the real atexit.register / unregister
+
+
+def _record_runtime_exits() -> None:
+    """From here on, note each `atexit.register` made outside an import. What modules register while they are
+    imported (logging's shutdown, multiprocessing's `_exit_function`, torch's DataLoader exit flag, a `.pth` file's
+    at startup, ...) a fresh worker registers too when it imports them; what the agent registers while it runs is
+    its own, and the forked worker drops it."""
+    import atexit
+
+    real_register, real_unregister = atexit.register, atexit.unregister
+
+    def register(func, *args, **kwargs):
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith("<frozen importlib"):
+            frame = frame.f_back
+        if frame is None:  # not within an import
+            _RUNTIME_EXITS.append(func)
+        return real_register(func, *args, **kwargs)
+
+    def unregister(func) -> None:
+        _RUNTIME_EXITS[:] = [known for known in _RUNTIME_EXITS if known != func]
+        real_unregister(func)
+
+    _ATEXIT.update(register=real_register, unregister=real_unregister)
+    atexit.register, atexit.unregister = register, unregister  # type: ignore[assignment]
+
+
+def _launcher_state() -> dict:
+    import logging
+    import warnings
+
+    loggers = {name: (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+               for name, logger in logging.Logger.manager.loggerDict.items() if isinstance(logger, logging.Logger)}
+    return {"loggers": loggers, "warnings": list(warnings.filters)}
+
+
+def _fresh_interpreter_state() -> None:
+    """In the forked child, before the script: what the agent changed at run time, as a fresh interpreter has it."""
+    _fresh_exit_handlers()
+    _fresh_logging()
+    _fresh_multiprocessing()
+    import warnings
+
+    if "warnings" in _LAUNCHER_STATE:
+        warnings.filters[:] = _LAUNCHER_STATE["warnings"]  # type: ignore[index]
+    warnings.onceregistry.clear()  # type: ignore[attr-defined]
+    warnings._filters_mutated()  # type: ignore[attr-defined]  # every module's "already shown" registry starts over
+
+
+def _fresh_exit_handlers() -> None:
+    """The exit handlers a fresh interpreter has after importing what is imported here: the agent's are dropped
+    (and its `weakref.finalize` objects do not run at the worker's exit)."""
+    import atexit
+    import weakref
+
+    if _ATEXIT:
+        atexit.register, atexit.unregister = _ATEXIT["register"], _ATEXIT["unregister"]
+    for func in _RUNTIME_EXITS:
+        atexit.unregister(func)
+    finalize = weakref.finalize
+    if any(func == finalize._exitfunc for func in _RUNTIME_EXITS):  # type: ignore[attr-defined]
+        finalize._registered_with_atexit = False  # type: ignore[attr-defined]  # registered again at first use
+    for info in list(finalize._registry.values()):  # type: ignore[attr-defined]
+        info.atexit = False
+
+
+def _fresh_logging() -> None:
+    """Logging unconfigured, as a fresh interpreter has it: no root handlers (level WARNING), each logger as it was
+    when the launcher had imported torch (a handler set at import stays), the agent's handlers neither flushed nor
+    closed at the worker's exit."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return
+    saved = _LAUNCHER_STATE.get("loggers", {})
+    root = logging.root
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    kept: set[int] = set()
+    manager = logging.Logger.manager
+    manager.disable = 0
+    for name, logger in list(manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger):
+            continue
+        handlers, level, propagate, disabled = saved.get(name, ([], logging.NOTSET, True, False))
+        logger.handlers[:] = handlers
+        logger.level, logger.propagate, logger.disabled = level, propagate, disabled
+        kept.update(map(id, handlers))
+    logging._handlerList[:] = [ref for ref in logging._handlerList if ref() is not None and id(ref()) in kept]
+    manager._clear_cache()
+
+
+def _fresh_multiprocessing() -> None:
+    """multiprocessing as in a fresh main process: its own identity and authkey, no children, no finalizers of the
+    agent's (they would run at the worker's exit), no start method chosen, no resource tracker of the agent's."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return
+    import itertools
+    from multiprocessing import context, util
+
+    main = process._current_process
+    if type(main).__name__ == "_MainProcess":  # the launcher's; a new one draws its own authkey
+        process._current_process = type(main)()  # type: ignore[attr-defined]
+    process._parent_process = None  # type: ignore[attr-defined]
+    process._children = set()  # type: ignore[attr-defined]
+    process._process_counter = itertools.count(1)  # type: ignore[attr-defined]
+    util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    util._exiting = False  # type: ignore[attr-defined]
+    util._run_after_forkers()  # type: ignore[attr-defined]
+    context._default_context._actual_context = None  # type: ignore[attr-defined]
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    if tracker is not None and getattr(tracker, "_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
 
 
 def _script_frames(tb):
@@ -245,6 +395,21 @@ def _default_signals() -> None:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
+def _fresh_faulthandler() -> None:
+    """faulthandler as a fresh interpreter has it: on only with PYTHONFAULTHANDLER, no timer or signal of the
+    agent's (a signal registered with faulthandler answers below Python's handlers)."""
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    for sig in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            faulthandler.unregister(sig)
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    else:
+        faulthandler.disable()
+
+
 def _fresh_seeds() -> None:
     """Seed `random` (and NumPy's global generator, if loaded) from the OS, as a fresh interpreter would: forked
     workers would otherwise all draw the agent's numbers. torch's default seed is a constant in both cases."""
@@ -264,3 +429,7 @@ def _threads_from_env() -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+
+
+if sys.platform.startswith("linux"):
+    _record_runtime_exits()  # in the launcher, before torch is imported

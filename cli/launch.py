@@ -53,7 +53,7 @@ import os
 import socket
 import sys
 
-from accel.cli import accelerate_flags, checks, forked_workers, multinode, output
+from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, multinode, output
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli import hang_report
@@ -510,6 +510,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         forking = forked_workers.wanted(on_cpu=(cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
                                         and not _CUDA_QUERIED[0])
         with (watch.around_agent(), _announcing_restarts(), stop.around_agent(),
+              job_reaper.reaping_workers(stop.stop_mark),  # no worker's process group outlives the job (or us)
               forked_workers.forking_workers() if forking else contextlib.nullcontext()):
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:

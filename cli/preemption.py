@@ -8,7 +8,9 @@ torchrun's `--signals_to_handle`, its list of the signals it turns into "stop th
    step), one line says so, and the workers keep running. Without a listening worker it stops them as before.
 2. A second signal, or `grace_period` seconds after the first: the workers are stopped as torchrun stops them (the
    SignalException torchrun's handler raises: SIGTERM to the workers, SIGKILL 30 s later); exit code 128 + the
-   signal's number, as before.
+   signal's number, as before. First the `stop` mark goes into the folder: a worker that takes SIGTERM itself (it
+   may have got the same signal from the scheduler, see accel/runtime/preemption.py) then stops at once. The mark is
+   also left around every other stop of the workers by torchrun's agent (cli/job_reaper.py).
 3. The workers all exit 0 and at least one saw the request (this launcher's, or another machine's, which reached
    them through the all_reduce): the exit code is `EXIT_CODE` (75); with `requeue` under SLURM, machine_rank 0
    first runs `scontrol requeue <job id>`.
@@ -95,6 +97,19 @@ class PreemptionWatch:
     def listening(self) -> bool:
         return any(self.folder.glob("listening_rank*"))
 
+    def stop_mark(self, stopping: bool) -> None:
+        """Leave (`stopping`) or take away the `stop` mark: while it is there, a worker takes a signal as "stop now",
+        not as a preemption request (torchrun stops workers with SIGTERM). cli/job_reaper.py calls it around each
+        stop of the worker group."""
+        if not self.enabled:
+            return
+        path = preemption.stop_path(self.folder)
+        with contextlib.suppress(OSError):
+            if stopping:
+                path.touch()
+            else:
+                path.unlink(missing_ok=True)
+
     def _on_signal(self, signum: int, frame) -> None:
         if self.requested_by is None and self.listening():
             self.requested_by = signum
@@ -109,6 +124,7 @@ class PreemptionWatch:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         self.stopped_by = signum
+        self.stop_mark(True)  # before torchrun's SIGTERM reaches a worker that takes signals itself
         # torchrun's handler raises the same; its agent then stops the workers with SIGTERM whatever stopped us
         raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
                               sigval=signal.SIGTERM)

@@ -3,10 +3,9 @@
 SLURM and Kubernetes send SIGTERM (or the signal `#SBATCH --signal` names) some time before they kill a job. Under a
 multi-process `accel launch` the launcher receives it and, instead of stopping the workers, asks them to stop: it
 writes a request file into the folder `ACCEL_PREEMPTION_DIR` names (see accel/cli/preemption.py). A file rather than
-a signal to the workers because torchrun's agent stops workers with SIGTERM (a worker that caught SIGTERM could no
-longer be stopped at once), the workers already use SIGUSR1 for their stack dumps (accel/core/diagnostics.py), and a
-signal whose default action kills (SIGUSR2) would kill a worker that has not installed its handler yet; a file is
-seen whenever the worker looks, even by a worker (re)started after the request.
+a signal from the launcher to the workers because the workers already use SIGUSR1 for their stack dumps
+(accel/core/diagnostics.py), a signal whose default action kills (SIGUSR2) would kill a worker that has not installed
+its handler yet, and a file is seen whenever the worker looks, even by a worker (re)started after the request.
 
 `requested(state)` (the `Accelerator.preemption_requested` property) is read once per step on every rank:
 
@@ -19,12 +18,19 @@ The worker leaves two marks in the folder for the launcher: `listening_rank<R>` 
 workers never read the property stops them at once on SIGTERM, as before) and `seen_rank<R>` once the answer is True
 (the launcher then knows the workers stopped for the request, not because training was over).
 
-Without a launcher's agent (`accel launch` of one process, which replaces itself with the script, or `python
-script.py`), the process receives the signal itself: at its first read, handlers that only set a flag are installed
-for SIGTERM and the config's `preemption_signal` (only for signals still at their default action). A second signal,
-or `grace_period` seconds after the first, ends the process by that signal, as it would have without them. Under
-plain `torchrun` nothing is installed (torchrun stops its workers with SIGTERM): name the signals to catch in
-`ACCEL_PREEMPTION_SIGNALS` (e.g. `SIGTERM`; torchrun then waits 30 s for the workers before killing them).
+The process may receive the signal itself as well: `python script.py`, `accel launch` of one process (which replaces
+itself with the script), and, under a multi-process `accel launch`, a signal sent to every process of the job at once
+(systemd's control-group kill, SLURM's signal to every process of a job step, `kill` of each pid) or to the workers
+only. At its first read, handlers that only set a flag are installed for SIGTERM and the config's
+`preemption_signal` (only for signals still at their default action: before its first read, a worker dies of them,
+as the launcher's rule for workers that do not listen has it). The flag is this rank's local answer, so the ranks
+still agree at the same step. A second signal, or `grace_period` seconds after the first, ends the process by that
+signal, as it would have without them. Under `accel launch` the launcher's own stop must still stop a worker at once:
+torchrun's agent stops workers with SIGTERM (at the grace period's end, at a second signal, when a worker failed,
+at a restart), so before it does the launcher leaves a `stop` mark in the folder (cli/preemption.py,
+cli/job_reaper.py), and a signal that finds the mark ends the worker at once. Under plain `torchrun` nothing is
+installed (torchrun stops its workers with SIGTERM): name the signals to catch in `ACCEL_PREEMPTION_SIGNALS` (e.g.
+`SIGTERM`; torchrun then waits 30 s for the workers before killing them).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from accel.config.schema import PREEMPTION_SIGNALS as SIGNALS
 DIR_ENV = "ACCEL_PREEMPTION_DIR"  # set by a multi-process `accel launch`: where the request file appears
 SIGNALS_ENV = "ACCEL_PREEMPTION_SIGNALS"  # comma-separated signals the process itself turns into a request
 REQUEST_FILE = "request"
+STOP_FILE = "stop"  # the launcher is stopping the workers (torchrun's SIGTERM follows): a signal now stops at once
 # `accel launch`'s exit code when the workers stopped for a preemption request: sysexits.h's EX_TEMPFAIL, "a
 # temporary failure; the user is invited to retry" (SLURM's RequeueExit, a Kubernetes podFailurePolicy can name it)
 EXIT_CODE = 75
@@ -59,6 +66,10 @@ def seen_path(folder: str | os.PathLike, rank: int) -> Path:
 
 def request_path(folder: str | os.PathLike) -> Path:
     return Path(folder) / REQUEST_FILE
+
+
+def stop_path(folder: str | os.PathLike) -> Path:
+    return Path(folder) / STOP_FILE
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,11 +123,13 @@ def _mark(folder: str | None, path_of, rank: int) -> None:
 
 def signals_to_handle(environ=os.environ) -> list[signal.Signals]:
     """The signals this process turns into a request itself: `ACCEL_PREEMPTION_SIGNALS` when set, else SIGTERM and
-    the config's `preemption_signal` unless a launcher's agent runs this process (it handles them)."""
+    the config's `preemption_signal`, unless plain torchrun's agent runs this process (it stops workers with
+    SIGTERM). Under `accel launch` too: a signal sent to every process of the job (or to the workers only) is the
+    same request as the launcher's; the launcher's own stop is told apart by its `stop` mark."""
     given = environ.get(SIGNALS_ENV)
     if given is not None:
         return [parse_signal(name, SIGNALS_ENV) for name in given.split(",") if name.strip()]
-    if DIR_ENV in environ or "TORCHELASTIC_RUN_ID" in environ:  # accel launch's agent, or torchrun's
+    if DIR_ENV not in environ and "TORCHELASTIC_RUN_ID" in environ:  # plain torchrun's agent
         return []
     names = ["SIGTERM"]
     extra = _config_value("preemption_signal")
@@ -152,16 +165,22 @@ def _install_handlers() -> None:
 
 
 def _on_signal(signum: int, frame) -> None:
-    """The first signal only sets the flag; a second one (the timer sends it when the grace period runs out) ends
-    the process as the signal would have."""
-    if _local["signal"] is not None:
+    """The first signal only sets the flag; a second one (the timer sends it when the grace period runs out), or
+    any signal once the launcher left its `stop` mark (it is stopping the workers), ends the process as the signal
+    would have."""
+    folder = os.environ.get(DIR_ENV)
+    if _local["signal"] is not None or (folder is not None and stop_path(folder).exists()):
         _stop(signum)
         return
     _local["signal"] = signum
     grace = _config_value("grace_period") or DEFAULT_GRACE_PERIOD
     name = signal.Signals(signum).name
-    say(f"accel: got {name}: preemption_requested turns true at the next step; save and stop within {grace:g} s (a "
-        f"second {name} stops the process now)")
+    if folder is None:
+        say(f"accel: got {name}: preemption_requested turns true at the next step; save and stop within {grace:g} s "
+            f"(a second {name} stops the process now)")
+    elif not request_path(folder).exists():  # not asked by the launcher (it says so itself): the worker says it
+        say(f"accel: rank {os.environ.get('RANK', '?')} got {name}: preemption_requested turns true at the next step "
+            f"on every rank; save and stop within {grace:g} s (a second {name} stops the process now)")
     timer = threading.Timer(grace, signal.pthread_kill, args=(threading.get_ident(), signum))  # runs in main
     timer.daemon = True
     timer.start()

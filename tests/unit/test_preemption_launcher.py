@@ -187,7 +187,7 @@ def test_worker_reads_the_request_file_and_leaves_its_marks(tmp_path, monkeypatc
     try:
         assert preemption.requested(_OneProcess()) is False
         assert preemption.listening_path(tmp_path, 0).exists() and not preemption.seen_path(tmp_path, 0).exists()
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # under the launcher's agent: no handler here
+        assert signal.getsignal(signal.SIGTERM) is preemption._on_signal  # a job-wide SIGTERM asks too (issue 40)
         preemption.request_path(tmp_path).write_text("SIGTERM\n")
         assert preemption.requested(_OneProcess()) is True
         assert preemption.seen_path(tmp_path, 0).exists()
@@ -200,7 +200,8 @@ def test_worker_reads_the_request_file_and_leaves_its_marks(tmp_path, monkeypatc
 def test_which_signals_a_process_handles_itself():
     assert preemption.signals_to_handle({}) == [signal.SIGTERM]  # python script.py, or a one-process accel launch
     assert preemption.signals_to_handle({"TORCHELASTIC_RUN_ID": "x"}) == []  # plain torchrun: it stops with SIGTERM
-    assert preemption.signals_to_handle({preemption.DIR_ENV: "/tmp/x"}) == []  # accel launch's agent: the file
+    # accel launch's agent: the file, and the worker's own SIGTERM (a signal to every process of the job) too
+    assert preemption.signals_to_handle({preemption.DIR_ENV: "/tmp/x"})[0] == signal.SIGTERM
     assert preemption.signals_to_handle({"TORCHELASTIC_RUN_ID": "x", preemption.SIGNALS_ENV: "sigterm, SIGUSR2"}) \
         == [signal.SIGTERM, signal.SIGUSR2]
     with pytest.raises(ValueError, match=r"ACCEL_PREEMPTION_SIGNALS: bad value 'SIGKILL'; allowed: one of SIGTERM"):
