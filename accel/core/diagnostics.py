@@ -231,16 +231,24 @@ def collective_name(frames: list[Frame], entry: dict | None = None) -> str:
 # reading (the launcher's side)
 # ---------------------------------------------------------------------------------------------------------
 
-class _PlainUnpickler(pickle.Unpickler):
-    """A flight recorder dump holds only dicts, lists, strings and numbers: refuse anything else."""
+class _PlainUnpickler(pickle._Unpickler):
+    """A flight recorder dump holds only dicts, lists, strings and numbers: refuse anything else (no global, so
+    nothing can be called). The pure-Python unpickler: its memo is a dict, where C pickle's memo array grows to the
+    index a 9-byte pickle names (gigabytes)."""
 
     def find_class(self, module: str, name: str):
         raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a flight recorder dump")
 
 
+MAX_FLIGHT_RECORDER_BYTES = 256 << 20
+
+
 def load_flight_recorder(data: bytes) -> dict:
     import io
 
+    if len(data) > MAX_FLIGHT_RECORDER_BYTES:
+        raise pickle.UnpicklingError(f"a flight recorder dump of {len(data)} bytes; allowed: at most "
+                                     f"{MAX_FLIGHT_RECORDER_BYTES} bytes")
     loaded = _PlainUnpickler(io.BytesIO(data)).load()
     return loaded if isinstance(loaded, dict) else {}
 

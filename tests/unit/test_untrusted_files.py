@@ -385,3 +385,20 @@ def test_merge_reads_only_the_state_files_the_manifest_lists(tmp_path):
               metadata={"DCP_SHARDING_INFO": json.dumps({"/models/0/0.weight": {"saved_offsets": [10**12]}})})
     with pytest.raises(MergeError, match=r"state/planted.safetensors: not listed in .*accel_checkpoint.json"):
         merge_fsdp_weights(folder, tmp_path / "out")
+
+
+def test_flight_recorder_dumps_are_read_without_cpickles_memo():
+    """A 9-byte pickle whose LONG_BINPUT names memo index 2**31 makes C pickle allocate 16 GiB (zeroed); the dump
+    reader is the pure-Python unpickler, whose memo is a dict, and admits no global."""
+    import resource
+    import struct
+
+    from accel.core.diagnostics import load_flight_recorder
+
+    assert load_flight_recorder(pickle.dumps({"entries": [{"state": "completed"}]})) == {
+        "entries": [{"state": "completed"}]}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert load_flight_recorder(b"\x80\x04Nr" + struct.pack("<I", 2**31) + b".") == {}
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: under 100 MiB
+    with pytest.raises(pickle.UnpicklingError, match="unexpected object io.open"):
+        load_flight_recorder(pickle.dumps(_Planted("/nonexistent/marker")))
