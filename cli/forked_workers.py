@@ -28,8 +28,9 @@ imports the same modules and gets the same):
   tracker of the agent's;
 * warnings: the filters as they were before the agent ran, and every "already shown" registry starts over.
 
-The one difference left: torch._dynamo (and what it imports: filters, exit handlers, inductor's cache folder
-variable) is loaded before the script's first line.
+The one difference left: what the launcher imported (torch, torch._dynamo, torchrun's agent, accel's CLI; with
+their import-time filters, exit handlers and inductor's cache folder variable) is in `sys.modules` before the
+script's first line.
 
 Only where it is safe: CPU launches (a launcher that has touched CUDA must not fork), `python` entry points (not
 `--no_python`, not numactl-wrapped), on Linux only. `ACCEL_FRESH_WORKERS=1` starts fresh interpreters anyway.
