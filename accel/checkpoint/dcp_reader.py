@@ -321,134 +321,15 @@ def _data_file(rel: Any, folder: Path, path: Path) -> str:
 MAX_ITEM_PICKLE = 1 << 20  # a torch.save of one tensor pickles a few hundred bytes
 
 
-class _Storage:
-    """Stands in for a storage while a tensor item's pickle is checked: its element size and count."""
-
-    def __init__(self, itemsize: int, numel: int):
-        self.itemsize, self.numel = itemsize, numel
-
-
-class _Tensor:
-    """Stands in for the tensor a checked pickle rebuilds."""
-
-
-def _storage_types() -> dict[tuple[str, str], int]:
-    """torch's typed storage classes (`torch.FloatStorage`, ...) by pickled name, with their element size; the
-    untyped storage counts bytes."""
-    found = {("torch.storage", "UntypedStorage"): 1, ("torch", "UntypedStorage"): 1}
-    for name in dir(torch):
-        cls = getattr(torch, name, None)
-        if name.endswith("Storage") and isinstance(cls, type) and hasattr(cls, "dtype"):
-            try:
-                found[("torch", name)] = cls.dtype.itemsize
-            except (AttributeError, TypeError):
-                continue
-    return found
-
-
-class _TensorItemUnpickler(pickle._Unpickler):
-    """Checks (never builds) the pickle of one DCP tensor item, as torch.save wrote it: `_rebuild_tensor_v2/v3` of
-    one storage record, the view inside the record's bytes; every other global or opcode that builds is refused."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-    stack: list[Any]
-
-    def __init__(self, file, source: str, records: dict[str, int]):
-        super().__init__(file)
-        self.source, self.records = source, records
-        self.storages = _storage_types()
-        self.dtypes = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
-
-    def _refuse(self, what: str) -> None:
-        raise MetadataError(f"{self.source}: refused {what}; allowed: one tensor as torch.save writes it "
-                            "(_rebuild_tensor_v2/v3 of a storage record)")
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.storages:
-            return ("storage", self.storages[(module, name)])
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return self._rebuild
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        if module == "torch" and name in self.dtypes:
-            return self.dtypes[name]
-        self._refuse(f"global {module}.{name} (a pickle naming it could run code)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[1]) is tuple
-                and type(pid[2]) is str and type(pid[4]) is int and pid[4] >= 0):
-            self._refuse(f"a persistent id {str(pid)[:60]}")
-        itemsize, key, numel = pid[1][1], pid[2], pid[4]
-        if self.records.get(f"data/{key}") != numel * itemsize:
-            self._refuse(f"storage {key[:20]!r} of {numel} x {itemsize} bytes, not the size of its record")
-        return _Storage(itemsize, numel)
-
-    def _rebuild(self, storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Tensor:
-        if type(storage) is not _Storage or not all(type(v) is tuple for v in (size, stride)):
-            self._refuse("a tensor that is not a view of a storage record")
-        numbers = [offset, *size, *stride]
-        if len(size) != len(stride) or len(size) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in numbers):
-            self._refuse(f"a tensor of size {str(size)[:60]} and stride {str(stride)[:60]}")
-        if 0 not in size:
-            itemsize = rest[2].itemsize if len(rest) >= 3 and isinstance(rest[2], torch.dtype) else storage.itemsize
-            last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-            if (last + 1) * itemsize > storage.numel * storage.itemsize:
-                self._refuse(f"a tensor of size {list(size)} reaching past its storage of {storage.numel} elements")
-        return _Tensor()
-
-    def _reduce(self) -> None:
-        func, args = self.stack[-2], self.stack[-1]
-        if not (func == self._rebuild or (func is OrderedDict and args == ())) or type(args) is not tuple:
-            self._refuse(f"a call of {_name(func)}")
-        pickle._Unpickler.load_reduce(self)  # type: ignore[attr-defined]
-
-    def _refused_opcode(self) -> None:
-        self._refuse("an object built by NEWOBJ/BUILD/INST/OBJ")
-
-
-_T: dict[int, Any] = _TensorItemUnpickler.dispatch
-_T[pickle.REDUCE[0]] = _TensorItemUnpickler._reduce
-for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.BUILD):
-    _T[_op[0]] = _TensorItemUnpickler._refused_opcode
-
-
 def check_tensor_item(view: Any, source: str) -> None:
-    """The bytes of one tensor item (a torch.save zip inside a .distcp file) hold one tensor and nothing else that
-    torch's `torch.load(weights_only=True)` would build: records stored uncompressed, each name once, within the
-    slice; `data.pkl` passing `_TensorItemUnpickler`. `view` is left at its start."""
-    import io
-    import zipfile
+    """The bytes of one tensor item (a torch.save archive inside a .distcp file) hold one tensor and nothing else
+    torch's `torch.load(weights_only=True)` would build (accel.checkpoint.torch_file); a MetadataError otherwise."""
+    from accel.checkpoint.torch_file import TorchFileError, check_torch_zip
 
     try:
-        with zipfile.ZipFile(view) as archive:
-            infos = archive.infolist()
-            names = [i.filename for i in infos]
-            prefix = names[0].split("/", 1)[0] + "/" if names and "/" in names[0] else ""
-            if len(set(names)) != len(names) or not all(n.startswith(prefix) for n in names):
-                raise MetadataError(f"{source}: a tensor item whose records are named twice or outside "
-                                    f"{prefix!r}; allowed: one torch.save archive")
-            if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-                raise MetadataError(f"{source}: a compressed tensor item; allowed: records stored as torch.save "
-                                    "writes them")
-            records = {i.filename[len(prefix):]: i.file_size for i in infos}
-            if records.get("data.pkl", MAX_ITEM_PICKLE + 1) > MAX_ITEM_PICKLE:
-                raise MetadataError(f"{source}: a tensor item without a data.pkl of at most {MAX_ITEM_PICKLE} "
-                                    "bytes; allowed: one torch.save archive")
-            data = archive.read(prefix + "data.pkl")
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        if isinstance(exc, MetadataError):
-            raise
-        raise MetadataError(f"{source}: damaged tensor item ({str(exc)[:120]})") from None
-    try:
-        result = _TensorItemUnpickler(io.BytesIO(data), source, records).load()
-    except MetadataError:
-        raise
-    except Exception as exc:  # a malformed pickle
-        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-        raise MetadataError(f"{source}: damaged tensor item ({detail})") from None
-    if type(result) is not _Tensor:
-        raise MetadataError(f"{source}: a tensor item that holds a {type(result).__name__}; allowed: one tensor")
-    view.seek(0)
+        check_torch_zip(view, f"{source}: tensor item", max_pickle=MAX_ITEM_PICKLE, single_tensor=True)
+    except TorchFileError as exc:
+        raise MetadataError(str(exc)) from None
 
 
 # -- torch's reader and planner, with the above -----------------------------------------------------------------

@@ -238,9 +238,23 @@ def _load_safe_globals() -> list:
 
 def load(f, map_location=None, **kwargs):
     """`torch.load` with `weights_only=True` unless given otherwise, numpy arrays allowed (for the duration of the
-    call only: torch's list of allowed globals is as it was afterwards)."""
+    call only: torch's list of allowed globals is as it was afterwards). With weights_only the file is checked first
+    (`accel.checkpoint.torch_file.check_torch_zip`): weights_only still lets a pickle call `bytearray(n)`, so what
+    it would build beyond tensors views of their records, containers, numbers and numpy arrays is refused in one
+    ValueError line naming the file."""
+    import os
+
+    from accel.checkpoint.torch_file import check_torch_zip
+
     saved = torch.serialization.get_safe_globals()
     kwargs.setdefault("weights_only", True)
+    if kwargs["weights_only"]:
+        if isinstance(f, (str, os.PathLike)):
+            check_torch_zip(f, str(f), numpy=True)
+        elif hasattr(f, "seek") and hasattr(f, "tell"):
+            start = f.tell()
+            check_torch_zip(f, getattr(f, "name", None) or "the file given to load", numpy=True)
+            f.seek(start)
     try:
         torch.serialization.add_safe_globals(_load_safe_globals())
         return torch.load(f, map_location=map_location, **kwargs)

@@ -358,8 +358,11 @@ def test_accelerate_load_reads_numpy_without_a_shape_from_the_pickle(tmp_path):
     assert np.array_equal(loaded["array"], state["array"]) and torch.equal(loaded["t"], state["t"])
     for direct in (False, True):
         torch.save({"x": _ArrayOfShape(direct)}, path)
-        with pytest.raises(pickle.UnpicklingError, match="refused; allowed: numpy arrays as numpy pickles them"):
+        with pytest.raises(pickle.UnpicklingError, match=r"state.bin: refused numpy(.ndarray| _reconstruct)"):
             load(path)
+    torch.save({"x": bytearray(8)}, path)  # weights_only would call bytearray(n) with any n
+    with pytest.raises(pickle.UnpicklingError, match=r"state.bin: refused global builtins.bytearray; allowed: "):
+        load(path)
 
 
 def test_state_file_tensors_may_not_share_bytes(tmp_path):
@@ -402,3 +405,20 @@ def test_flight_recorder_dumps_are_read_without_cpickles_memo():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: under 100 MiB
     with pytest.raises(pickle.UnpicklingError, match="unexpected object io.open"):
         load_flight_recorder(pickle.dumps(_Planted("/nonexistent/marker")))
+
+
+def test_accelerate_load_still_reads_what_torch_save_writes(tmp_path):
+    from accel.compat.other import load
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    state = {"sd": model.state_dict(), "p": torch.nn.Parameter(torch.randn(2)), "device": torch.device("cpu"),
+             "size": torch.Size([2, 3]), "c": 1 + 2j, "set": {1, 2}, "b": b"xy", "view": torch.arange(10)[2:5],
+             "bf16": torch.ones(2, dtype=torch.bfloat16), "empty": torch.zeros(0, 3), "t": (1, 2.5, None, "s"),
+             "np": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    torch.save(state, tmp_path / "s.pt")
+    loaded = load(tmp_path / "s.pt")
+    assert loaded.keys() == state.keys() and loaded["sd"]._metadata == state["sd"]._metadata
+    assert all(torch.equal(loaded["sd"][k], v) for k, v in state["sd"].items())
+    assert torch.equal(loaded["view"], state["view"]) and np.array_equal(loaded["np"], state["np"])
+    assert (loaded["device"], loaded["size"], loaded["c"], loaded["set"], loaded["t"]) == (
+        state["device"], state["size"], state["c"], state["set"], state["t"])
