@@ -40,6 +40,7 @@ MODES = ("no", "thread", "process")
 # error occurred while doing I/O on some file"); README "Exit codes"
 EXIT_CODE = 74
 _UNRAISED: list[str] = []  # those failures, one line each: the process exits with EXIT_CODE
+_UNCAUGHT: list[bool] = []  # sys.excepthook reported an uncaught exception: the process exits 1 as it would
 
 
 @dataclass
@@ -128,7 +129,7 @@ class AsyncCheckpointer:
             if pending.tmp != pending.target:  # (another process's part of the main's save names the folder itself)
                 shutil.rmtree(pending.tmp, ignore_errors=True)
             _UNRAISED.append(pending.error)
-            code = "" if getattr(sys, "last_value", None) is not None else f"; exit code {EXIT_CODE}"
+            code = "" if _uncaught() else f"; exit code {EXIT_CODE}"
             sys.stderr.write(f"accel: error: {pending.error} (an asynchronous save_state, not waited for by the "
                              f"script){code}\n")
             sys.stderr.flush()
@@ -159,13 +160,25 @@ def _wait_at_exit(checkpointer: AsyncCheckpointer) -> None:
 
             register = atexit.register
         register(_wait_for_all)
+        previous = sys.excepthook
+
+        def note_uncaught(exc_type, exc, tb) -> None:  # (a forked worker of accel launch calls it, sets no last_value)
+            _UNCAUGHT.append(True)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = note_uncaught
     _AT_EXIT.add(checkpointer)
+
+
+def _uncaught() -> bool:
+    """The script ended by an uncaught exception (its exit code is 1 already)."""
+    return bool(_UNCAUGHT) or getattr(sys, "last_value", None) is not None
 
 
 def _wait_for_all() -> None:
     for checkpointer in list(_AT_EXIT):
         checkpointer.wait_quietly()
-    if _UNRAISED and getattr(sys, "last_value", None) is None:  # (an uncaught exception already made it exit 1)
+    if _UNRAISED and not _uncaught():  # (an uncaught exception already made it exit 1)
         _exit_after_shutdown(EXIT_CODE)
 
 

@@ -13,7 +13,10 @@ are tested on one process in tests/unit/test_async_save.py and on 2 in test_asyn
 from __future__ import annotations
 
 import json
+import re
 import signal
+import subprocess
+import sys
 
 import pytest
 from _launch import SCRIPTS, accel_launch
@@ -38,6 +41,19 @@ def test_a_save_failing_after_the_script_ended_exits_74(isolated_env, tmp_path, 
     assert f"exited with code {EXIT_CODE}" in proc.stderr
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")], proc.stderr
     layout.read_manifest(out / "ckpt")  # the previous checkpoint, complete
+
+
+def test_a_workers_own_exception_stays_exit_code_1(isolated_env, tmp_path):
+    """In a worker forked by accel launch too (it reports the exception itself, without sys.last_value)."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                           str(SCRIPTS / "async_save_fails_at_exit.py"), "--out", str(out), "--raise_after"],
+                          cwd=tmp_path, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode in (1, EXIT_CODE), proc.stderr  # the first to end: rank 0 (1) or rank 1 (74)
+    assert re.search(r"accel launch: rank 0 \(local rank 0, pid \d+\) exited with code 1\b", proc.stderr), proc.stderr
+    assert "RuntimeError: the script's own error" in proc.stderr
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")], proc.stderr
 
 
 def test_a_failed_grace_save_is_not_exit_code_75(isolated_env, tmp_path):

@@ -5,7 +5,8 @@ Trains one step, saves OUT/ckpt synchronously (the previous checkpoint), then as
 process's publication failing (a full disk, simulated as the other failure tests do: `layout.write_manifest` raises
 ENOSPC), and returns without end_training or wait_for_checkpoint: the failure is only found at interpreter exit.
 `--mode process` writes in torch's checkpoint process (under ZeRO-3: a save DDP's main process makes alone runs
-as `thread`)."""
+as `thread`). `--raise_after`: the main process then fails on its own (an uncaught exception: its exit code stays 1).
+"""
 
 import argparse
 import errno
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=["thread", "process"], default="thread")
     parser.add_argument("--zero_stage", type=int, default=0)
+    parser.add_argument("--raise_after", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     accelerator = Accelerator(parallelism_config=ParallelismConfig(zero_stage=args.zero_stage))
@@ -38,6 +40,8 @@ def main() -> None:
     if accelerator.is_main_process:
         layout.write_manifest = full_disk
     accelerator.save_state(f"{args.out}/ckpt")  # asynchronous (checkpoint_async); the script ends at once
+    if args.raise_after and accelerator.is_main_process:
+        raise RuntimeError("the script's own error")
 
 
 if __name__ == "__main__":
