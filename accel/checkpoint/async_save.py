@@ -142,6 +142,33 @@ class AsyncCheckpointer:
         self._group = None
 
 
+def spawn_checkpoint_process_without_main() -> None:
+    """torch's checkpoint process (`process` mode) is started with multiprocessing's spawn, which runs the parent's
+    `__main__` again in the child (as `__mp_main__`): a training script without an `if __name__ == "__main__":`
+    guard then trains again in that child, and the child, joining the job's process group, waits forever (the save
+    and the job hang). The child needs nothing of `__main__` (torch's function, accel's writer, tensors): for the
+    processes torch's checkpoint executor starts, spawn is told not to load it."""
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+    if getattr(original, "_accel_without_main", False):
+        return
+
+    def get_preparation_data(name):
+        data = original(name)
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename.endswith(os.path.join("checkpoint", "_async_process_executor.py")):
+                data.pop("init_main_from_path", None)
+                data.pop("init_main_from_name", None)
+                break
+            frame = frame.f_back
+        return data
+
+    get_preparation_data._accel_without_main = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
 _registered: list[bool] = []
 _AT_EXIT: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()  # those with a save started (weak: its buffers)
 

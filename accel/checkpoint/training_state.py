@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from accel.checkpoint import layout, main_save, tree
-from accel.checkpoint.async_save import AsyncCheckpointer
+from accel.checkpoint.async_save import AsyncCheckpointer, spawn_checkpoint_process_without_main
 from accel.checkpoint.layout import CheckpointError
 from accel.core.safe_json import JSONFileError, parse_json, read_json
 from accel.runtime.progress import stages
@@ -479,6 +479,8 @@ def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, t
     if world == 1:  # the background write warns, outside _quiet_single_process, that it assumes one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    if mode == "process":  # its checkpoint process must not run an unguarded script again (it hung)
+        spawn_checkpoint_process_without_main()
     with _quiet_single_process():
         upload = async_save(tensors, storage_writer=_storage_writer(meta, tmp), process_group=group,
                             async_checkpointer_type=kind, async_stager=checkpointer.stager(mode, tensors),

@@ -81,3 +81,29 @@ def test_changed_bytes_and_another_optimizer_are_refused_on_every_rank(runs, bac
         "torch.optim.adamw.AdamW, the prepared one is a torch.optim.sgd.SGD; prepare the optimizer type the checkpoint "
         "was saved with")
     assert other[0]["other_optimizer_unchanged"]
+
+
+UNGUARDED = """
+import sys, torch
+from accel import Accelerator, ParallelismConfig
+accelerator = Accelerator(parallelism_config=ParallelismConfig(zero_stage=3))
+accelerator.config.checkpoint_async = "process"
+model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+accelerator.save_state(sys.argv[1])
+print("published", accelerator.wait_for_checkpoint(), flush=True)
+"""
+
+
+@pytest.mark.multiproc
+def test_the_checkpoint_process_does_not_run_an_unguarded_script_again(isolated_env, tmp_path):
+    """torch's checkpoint process is spawned, and spawn runs the parent's __main__ again: a script without an
+    `if __name__ == "__main__":` guard trained again in it and joined the process group, and the job hung."""
+    from _launch import accel_launch
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = accel_launch(isolated_env, "--cpu", "--num_processes", 2, script, tmp_path / "ckpt", timeout=90)
+    assert proc.stdout.count(f"published {tmp_path / 'ckpt'}") == 2, proc.stdout
+    assert (tmp_path / "ckpt" / "accel_checkpoint.json").is_file()
