@@ -494,6 +494,15 @@ def _ended(exitcode: int, note: str = "") -> str:
     return f"was killed by signal {signum}{hang_report.signal_name(signum)}{note}: {hang_report.signal_meaning(signum)}"
 
 
+def _not_preempted(stop: preempt.PreemptionWatch, rank: int, code: int) -> None:
+    """After a preemption request, a failed worker means no exit code 75: say so, in one line (a failed grace save
+    must never pass for "saved, run again")."""
+    if stop.requested_by is not None or stop.seen():
+        sys.stderr.write(f"accel launch: the workers were asked to save and stop, but rank {rank} failed: exit code "
+                         f"{code}, not {preempt.preemption.EXIT_CODE} (their grace save may be missing; see the lines "
+                         "above)\n")
+
+
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool = True) -> int:
     os.environ.update(worker_env(cfg))
     watch = HangWatch(cfg.collective_timeout)  # a collective that times out is reported by its stuck rank
@@ -518,7 +527,9 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         hang = watch.report(exc.failures)
         if hang is not None:  # printed last: which rank never came (or left), what the others waited in, stacks
             sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
-            return _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
+            code = _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
+            _not_preempted(stop, hang.first_rank, code)
+            return code
         first_rank, first = exc.get_first_failure()
         order = forked_workers.by_end(exc.failures)  # the first to end first (torchrun knows the second only)
         if order:
@@ -530,6 +541,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
                 how = (f"was stopped by accel launch (signal {-failure.exitcode}, "
                        f"{hang_report.signal_name(-failure.exitcode).strip(' ()')}) after rank {first_rank} failed")
             sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}\n")
+        _not_preempted(stop, first_rank, _exit_code(first.exitcode))
         return _exit_code(first.exitcode)
     except SignalException as exc:
         stopped = stop.stopped_message()

@@ -65,7 +65,9 @@ def test_a_failed_grace_save_is_not_exit_code_75(isolated_env, tmp_path):
     proc.send_signal(signal.SIGTERM)
     rc, stderr = finish(proc, err)
     assert rc == EXIT_CODE, stderr
-    assert f"exit code {PREEMPTED}" not in stderr
+    assert f"exit code {PREEMPTED} (run the same command again" not in stderr
+    assert re.search(rf"accel launch: the workers were asked to save and stop, but rank [01] failed: exit code "
+                     rf"{EXIT_CODE}, not {PREEMPTED} \(their grace save may be missing", stderr), stderr
     assert f"accel: error: {out / 'checkpoints' / 'checkpoint_0'}: could not be saved" in stderr
     assert json.loads((out / "preempted_rank0.json").read_text())["step"] == MARKER_STEP  # it did see the request
     assert not [p for p in (out / "checkpoints").iterdir()], stderr  # no checkpoint, no temporary folder
