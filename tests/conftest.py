@@ -41,15 +41,31 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """os.environ as it was before each test: a test running `accel launch` in this process (main(["launch", ...]))
+    leaves the workers' variables (ACCEL_PREEMPTION_DIR, ...), and a later test's subprocess took itself for a
+    launched worker."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+HARNESS_VARIABLES = ("ACCEL_UNIT_SUITE", "ACCEL_CONSUMER_", "ACCEL_FUZZ_", "ACCEL_ACCELERATE116")  # the suite's own
+
+
 def make_isolated_env(tmp_path: Path) -> dict:
     """os.environ for a subprocess, with HOME in a temp dir (the real user config is never read or written)
     and no accel variables inherited from the caller."""
     home = tmp_path / "home"
     home.mkdir()
     env = dict(os.environ)
-    for name in ("ACCEL_CONFIG_FILE", "ACCEL_LAUNCH_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
+    for name in [name for name in env if name.startswith("ACCEL_") and not name.startswith(HARNESS_VARIABLES)]:
+        env.pop(name)  # a launcher run in this process (a unit test) may have left its workers' variables here
     env["HOME"] = str(home)
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -870,8 +870,18 @@ class UnsafeWeightsError(pickle.UnpicklingError, RuntimeError):
 def torch_load_weights(path: str | os.PathLike):
     """``torch.load(path, weights_only=True)`` on the CPU. A file the weights-only unpickler refuses (a pickle that
     would import a function or build an object: ``os.system``, a class of the saving script) is one line naming the
-    file and what it asked for (:class:`UnsafeWeightsError`); nothing of the file runs. Another failure (not a torch
-    file, a truncated archive) is one ``RuntimeError`` line."""
+    file and what it asked for (:class:`UnsafeWeightsError`); nothing of the file runs. What weights_only admits but
+    could allocate at the pickle's word (``bytearray(2**28)`` from a 150-byte record, a tensor reaching past its
+    storage) is refused first by accel.checkpoint.torch_file, as is a pre-1.6 (non-zip) file. Another failure (a
+    truncated archive) is one ``RuntimeError`` line."""
+    from accel.checkpoint.torch_file import TorchFileError, check_torch_zip
+
+    try:
+        check_torch_zip(path, str(path))
+    except TorchFileError as exc:
+        what = str(exc).removeprefix(f"{path}: ").split("; allowed:")[0]
+        raise UnsafeWeightsError(f"{path}: refused before torch.load(weights_only=True): {what}; "
+                                 f"{_PICKLE_ALLOWED}") from None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

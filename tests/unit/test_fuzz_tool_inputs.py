@@ -698,8 +698,11 @@ def test_torchrun_refusing_its_arguments_is_exit_2_and_one_line(place, monkeypat
         raise SystemExit(2)
 
     monkeypatch.setattr(output, "run_agent", refuse)
-    for name in ("OMP_NUM_THREADS", "ACCEL_LAUNCH_CONFIG"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # _run_torchrun sets the workers' variables: restored
-    assert launch._run_torchrun(AccelConfig(num_processes=2, use_cpu=True), ["--bogus"], preemptible=False) == 2
+    before = dict(os.environ)
+    try:
+        assert launch._run_torchrun(AccelConfig(num_processes=2, use_cpu=True), ["--bogus"], preemptible=False) == 2
+    finally:  # _run_torchrun sets the workers' variables (ACCEL_PREEMPTION_DIR, ...): later tests must not inherit them
+        os.environ.clear()
+        os.environ.update(before)
     err = capsys.readouterr().err
     assert err == "accel launch: error: torchrun refused its arguments (exit code 2)\n", err

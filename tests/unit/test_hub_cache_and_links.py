@@ -325,6 +325,66 @@ def test_malicious_pickle_is_refused_in_one_line(tmp_path, how):
     assert not marker.exists()
 
 
+class _Bytes:
+    """Pickles as `bytearray(n)`, which torch.load(weights_only=True) admits: a 150-byte file asks for n bytes."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __reduce__(self):
+        return (bytearray, (self.n,))
+
+
+@pytest.mark.parametrize("how", ["model_io", "modeling", "load_state_dict", "sharded"])
+def test_a_bin_file_that_would_allocate_at_its_word_is_refused_before_torch_reads_it(tmp_path, how):
+    """What weights_only admits can still allocate: bytearray(2**31) zero-fills 2 GiB from a tiny file. Each .bin
+    loader checks the archive (accel.checkpoint.torch_file) first: one line naming the file, nothing allocated."""
+    import resource
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    weights = folder / ("pytorch_model.bin" if how != "sharded" else "pytorch_model-00001-of-00001.bin")
+    torch.save({"a.weight": _Bytes(2**31)}, weights)
+    assert weights.stat().st_size < 2000
+    if how == "sharded":
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a.weight": weights.name}}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(Exception) as info:
+        if how == "model_io":
+            model_io.load_checkpoint_in_model(_net(), folder)
+        elif how == "modeling":
+            accel.load_checkpoint_in_model(_net(), folder, device_map={"": "cpu"})
+        elif how == "load_state_dict":
+            from accel.big_model.modeling import load_state_dict
+
+            load_state_dict(weights)
+        else:
+            accel.load_checkpoint_in_model(_net(), folder)
+    message = str(info.value)
+    assert "\n" not in message and weights.name in message and "builtins.bytearray" in message, message
+    assert "safetensors" in message, message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: far below 2 GiB
+
+
+def test_real_bin_files_still_load_tied_views_and_parameters(tmp_path):
+    """The check admits what torch.save writes for real models: tied weights (one storage, two names), a slice
+    saved as a view of a bigger storage, parameters, bf16, an OrderedDict with _metadata."""
+    from accel.big_model.modeling import load_state_dict
+
+    net = _net()
+    state = net.state_dict()
+    fused = torch.arange(12.0).reshape(3, 4)
+    state_in = {**state, "tied": state[next(iter(state))], "view": fused[1:], "param": nn.Parameter(torch.ones(2)),
+                "half": torch.ones(3, dtype=torch.bfloat16)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(state_in, path)
+    loaded = load_state_dict(path)
+    assert set(loaded) == set(state_in)
+    assert all(torch.equal(loaded[k], v.detach()) for k, v in state_in.items())
+    torch.save(net.state_dict(), path)  # an OrderedDict carrying _metadata
+    model_io.load_checkpoint_in_model(net, tmp_path)
+
+
 # --------------------------------------------------------------------------------------------- JSON bombs
 
 
