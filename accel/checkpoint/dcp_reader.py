@@ -296,8 +296,8 @@ def check_metadata(metadata: Any, folder: Path, path: Path) -> None:
 
 
 def _data_file(rel: Any, folder: Path, path: Path) -> str:
-    """`rel`, a data file named by the metadata: a relative path inside `folder`, reached through real folders,
-    naming a regular file."""
+    """`rel`, a data file named by the metadata: a relative path inside `folder` (checked on the name), reaching a
+    regular file under folders; the folder's own links are followed (a Hub download is links into ../../blobs)."""
     parts = PurePosixPath(rel).parts if type(rel) is str and rel and "\\" not in rel and "\0" not in rel else ()
     if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
         raise MetadataError(f"{path}: names the data file {str(rel)[:80]!r}; allowed: a file inside {folder}")
@@ -305,14 +305,14 @@ def _data_file(rel: Any, folder: Path, path: Path) -> str:
     for i, part in enumerate(parts):
         current = current / part
         try:
-            mode = os.lstat(current).st_mode
+            mode = os.stat(current).st_mode
         except OSError as exc:
             raise MetadataError(f"{current}: named by {path} but cannot be read ({exc.strerror})") from None
         wanted = stat.S_ISREG if i == len(parts) - 1 else stat.S_ISDIR
         if not wanted(mode):
             kind = "file" if i == len(parts) - 1 else "folder"
             raise MetadataError(f"{current}: named by {path}, not a regular {kind}; allowed: regular files and "
-                                "folders inside the checkpoint (no links)")
+                                "folders inside the checkpoint")
     return rel
 
 

@@ -540,9 +540,11 @@ def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, sha
 
 
 def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:
-    """`folder/rel` and its size, for a manifest entry naming a regular file inside `folder` reached through real
-    folders: no absolute path, no '..', no symbolic link, no device or pipe, so loading never reads outside the
-    checkpoint (nor blocks on a FIFO). Nothing outside the folder is opened or stat'ed."""
+    """`folder/rel` and its size, for a manifest entry naming a regular file inside `folder`: no absolute path, no
+    '..', no backslash (checked on the name, so the manifest cannot point outside), and what the name reaches is a
+    regular file under folders, never a device or pipe (reading would not end, or block). Links inside the folder
+    are followed, as every loader follows them: a checkpoint downloaded with huggingface_hub is a folder of links
+    into ../../blobs."""
     parts = PurePosixPath(rel).parts if isinstance(rel, str) and rel and "\\" not in rel and "\0" not in rel else ()
     if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
         raise CheckpointError(f"{manifest}: file entry {rel!r} is not inside the checkpoint; allowed: relative "
@@ -551,14 +553,12 @@ def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:
     for i, part in enumerate(parts):
         path = path / part
         try:
-            mode = os.lstat(path)
+            mode = os.stat(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing from checkpoint {folder}") from None
+            link = " (a link to nothing)" if os.path.islink(path) else ""
+            raise CheckpointError(f"{path}: missing from checkpoint {folder}{link}") from None
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
-        if stat.S_ISLNK(mode.st_mode):
-            raise CheckpointError(f"{path}: a symbolic link; a checkpoint holds only regular files and folders "
-                                  "(load_state reads nothing outside it)")
         wanted, kind = (stat.S_ISREG, "a regular file") if i == len(parts) - 1 else (stat.S_ISDIR, "a folder")
         if not wanted(mode.st_mode):
             raise CheckpointError(f"{path}: not {kind}; a checkpoint holds only regular files and folders")

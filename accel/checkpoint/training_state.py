@@ -867,7 +867,7 @@ def _check_state_files(folder: Path, manifest: dict, specs: dict, aliases: dict)
     listed = {rel: size for rel, size in manifest["files"].items() if rel.startswith("state/")}
     if not listed and not specs:
         return
-    if not state.is_dir() or state.is_symlink():
+    if not state.is_dir():
         raise CheckpointError(f"{state}: missing or not a folder; {folder} is not a complete accel checkpoint")
     for entry in sorted(os.listdir(state)):
         if f"state/{entry}" not in listed:

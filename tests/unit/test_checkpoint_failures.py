@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -233,17 +234,20 @@ def shard(folder: Path) -> Path:
 def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
     """Damage one part of the checkpoint; the start of the one-line error expected."""
     manifest_path = folder / layout.MANIFEST
-    if case == "shard symlink":  # same bytes, but outside the checkpoint
-        outside = tmp_path / "outside.safetensors"
-        outside.write_bytes(shard(folder).read_bytes())
+    if case == "shard links to a device":  # links are followed (a Hub download): what they reach must be a file
         target = shard(folder)
         target.unlink()
-        target.symlink_to(outside)
-        return f"{target}: a symbolic link"
-    if case == "rng folder symlink":
-        os.rename(folder / "rng", tmp_path / "rng-outside")
-        (folder / "rng").symlink_to(tmp_path / "rng-outside")
-        return f"{folder / 'rng'}: a symbolic link"
+        target.symlink_to("/dev/zero")
+        return f"{target}: not a regular file"
+    if case == "shard links to nothing":
+        target = shard(folder)
+        target.unlink()
+        target.symlink_to(tmp_path / "gone.safetensors")
+        return f"{target}: missing from checkpoint {folder} (a link to nothing)"
+    if case == "rng folder links to a file":
+        shutil.rmtree(folder / "rng")
+        (folder / "rng").symlink_to(folder / layout.MANIFEST)
+        return f"{folder / 'rng'}: not a folder"
     if case == "unlisted shard":
         (folder / "state" / "shard-00009-model-00001-of-00001.safetensors").write_bytes(shard(folder).read_bytes())
         return f"{folder / 'state'}/shard-00009-model-00001-of-00001.safetensors: not listed in {manifest_path}"
@@ -287,7 +291,8 @@ def corrupt(case: str, folder: Path, tmp_path: Path) -> str:
     raise AssertionError(case)
 
 
-CASES = ["shard symlink", "rng folder symlink", "unlisted shard", "manifest ..", "manifest absolute path",
+CASES = ["shard links to a device", "shard links to nothing", "rng folder links to a file",
+         "unlisted shard", "manifest ..", "manifest absolute path",
          "model dtype", "model huge shape", "model negative shape", "shard header", "optimizer dtype",
          "scheduler state", "non-tensor value", "rng json", "rng tensors"]
 
@@ -302,6 +307,36 @@ def test_a_damaged_checkpoint_changes_nothing(trained, tmp_path, case):
     message = str(caught.value)
     assert message.startswith(expected) and "\n" not in message, message
     assert_same(before, snapshot(*objects))
+
+
+def as_hub_download(folder: Path, cache: Path) -> Path:
+    """`folder` as huggingface_hub lays out a downloaded repository: snapshots/<commit>/ holds relative links (a
+    subfolder's too) into ../../blobs/<sha256>."""
+    import hashlib
+
+    snapshot_dir, blobs = cache / "snapshots" / "0123abc", cache / "blobs"
+    blobs.mkdir(parents=True)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder)
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        link = snapshot_dir / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot_dir
+
+
+def test_a_checkpoint_downloaded_from_the_hub_loads(trained, tmp_path):
+    """Every file of a Hub download is a link into ../../blobs: load_state follows the folder's own links (as
+    Accelerate does) and restores exactly what the plain folder restores."""
+    folder, objects = trained
+    objects[0].load_state(str(folder))
+    expected = snapshot(*objects)
+    train_step(*objects)
+    hub = as_hub_download(folder, tmp_path / "models--me--run")
+    assert all(p.is_symlink() for p in hub.rglob("*") if not p.is_dir())
+    objects[0].load_state(str(hub))
+    assert_same(expected, snapshot(*objects))
 
 
 def test_an_entry_outside_the_folder_is_never_opened(trained, tmp_path, monkeypatch):
