@@ -172,27 +172,9 @@ def read_metadata_file(path: Path) -> Any:
     anything else: another global, a file too large, not a regular file, a damaged pickle."""
     import io
 
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise MetadataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise MetadataError(f"{path}: not a regular file; allowed: the .metadata file torch writes")
-        if info.st_size > MAX_METADATA_BYTES:
-            raise MetadataError(f"{path}: {info.st_size} bytes; allowed: a .metadata file of at most "
-                                f"{MAX_METADATA_BYTES >> 20} MiB")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(min(info.st_size, MAX_METADATA_BYTES) + 1)  # read(n) allocates n bytes first
-    except OSError as exc:
-        raise MetadataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_METADATA_BYTES:
-        raise MetadataError(f"{path}: over {MAX_METADATA_BYTES >> 20} MiB; allowed: a .metadata file of at most "
-                            f"{MAX_METADATA_BYTES >> 20} MiB")
+    from accel.core.safe_json import read_bounded
+
+    data = read_bounded(path, MAX_METADATA_BYTES, "the .metadata file torch writes", MetadataError)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), str(path)).load()
     except MetadataError:

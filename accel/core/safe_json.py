@@ -81,6 +81,14 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, max_depth:
               top: type | tuple[type, ...] | None = dict, error: type[Exception] = JSONFileError) -> Any:
     """The parsed content of the JSON file `path`, checked as the module says; `error(one line)` otherwise. A
     missing or unreadable file is `error` too (`<file>: cannot be read (No such file or directory)`)."""
+    data = read_bounded(path, max_bytes, "a JSON file", error)
+    return parse_json(data, str(path), max_depth=max_depth, top=top, error=error)
+
+
+def read_bounded(path: str | os.PathLike, max_bytes: int, allowed: str, error: type[Exception]) -> bytes:
+    """The bytes of `path`, a regular file (a link to one is followed) of at most `max_bytes`, read without blocking
+    on a pipe and without allocating beyond the bound; `error(one line)` naming the file and `allowed` (what the
+    file should be) otherwise."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
@@ -89,9 +97,9 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, max_depth:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise error(f"{path}: not a regular file; allowed: a JSON file")
+            raise error(f"{path}: not a regular file; allowed: {allowed}")
         if info.st_size > max_bytes:
-            raise error(f"{path}: {info.st_size} bytes; allowed: a JSON file of at most {_size(max_bytes)}")
+            raise error(f"{path}: {info.st_size} bytes; allowed: {allowed} of at most {_size(max_bytes)}")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as fh:
@@ -101,8 +109,8 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, max_depth:
     finally:
         os.close(fd)
     if len(data) > max_bytes:  # it grew while being read
-        raise error(f"{path}: over {max_bytes} bytes; allowed: a JSON file of at most {_size(max_bytes)}")
-    return parse_json(data, str(path), max_depth=max_depth, top=top, error=error)
+        raise error(f"{path}: over {max_bytes} bytes; allowed: {allowed} of at most {_size(max_bytes)}")
+    return data
 
 
 def parse_json(data: bytes | str, source: str, *, max_depth: int = MAX_DEPTH,
@@ -187,5 +195,5 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
-__all__ = ["JSONFileError", "MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "key_path", "parse_json", "read_json",
-           "short"]
+__all__ = ["JSONFileError", "MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "key_path", "parse_json", "read_bounded",
+           "read_json", "short"]

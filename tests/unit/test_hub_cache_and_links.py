@@ -298,6 +298,20 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _load_bin(how: str, folder: Path, weights: Path) -> None:
+    """Load a .bin checkpoint through one of the loaders that read torch files."""
+    if how == "model_io":
+        model_io.load_checkpoint_in_model(_net(), folder)
+    elif how == "modeling":
+        accel.load_checkpoint_in_model(_net(), folder, device_map={"": "cpu"})
+    elif how == "load_state_dict":
+        from accel.big_model.modeling import load_state_dict
+
+        load_state_dict(weights)
+    else:
+        accel.load_checkpoint_in_model(_net(), folder)
+
+
 @pytest.mark.parametrize("how", ["model_io", "modeling", "load_state_dict", "sharded"])
 def test_malicious_pickle_is_refused_in_one_line(tmp_path, how):
     marker = tmp_path / "pwned"
@@ -308,16 +322,7 @@ def test_malicious_pickle_is_refused_in_one_line(tmp_path, how):
     if how == "sharded":
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a.weight": weights.name}}))
     with pytest.raises(Exception) as info:
-        if how == "model_io":
-            model_io.load_checkpoint_in_model(_net(), folder)
-        elif how == "modeling":
-            accel.load_checkpoint_in_model(_net(), folder, device_map={"": "cpu"})
-        elif how == "load_state_dict":
-            from accel.big_model.modeling import load_state_dict
-
-            load_state_dict(weights)
-        else:
-            accel.load_checkpoint_in_model(_net(), folder)
+        _load_bin(how, folder, weights)
     message = str(info.value)
     assert "\n" not in message, message
     assert weights.name in message and "posix.system" in message and "safetensors" in message, message
@@ -350,16 +355,7 @@ def test_a_bin_file_that_would_allocate_at_its_word_is_refused_before_torch_read
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a.weight": weights.name}}))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(Exception) as info:
-        if how == "model_io":
-            model_io.load_checkpoint_in_model(_net(), folder)
-        elif how == "modeling":
-            accel.load_checkpoint_in_model(_net(), folder, device_map={"": "cpu"})
-        elif how == "load_state_dict":
-            from accel.big_model.modeling import load_state_dict
-
-            load_state_dict(weights)
-        else:
-            accel.load_checkpoint_in_model(_net(), folder)
+        _load_bin(how, folder, weights)
     message = str(info.value)
     assert "\n" not in message and weights.name in message and "builtins.bytearray" in message, message
     assert "safetensors" in message, message
