@@ -5,8 +5,9 @@ clipped gradient norms must be equal and the final weights torch.equal.
 
 Before accel fixed DDP's gradient buckets at prepare (accel/backends/ddp.py: fix_bucket_layout), torch rebuilt
 them after each process's first backward, and on 3 or more ranks the all-reduce rounds an element by where it lies
-in its bucket: the resumed runs of dp 2 x sp 2 (Llama and Mixtral), dp 2 x cp 2 and DDP over 4 ranks ended up to
-6e-08 away from the uninterrupted ones (2 ranks add a + b = b + a, so sp 2 alone and 2-process DDP never showed it).
+in its bucket: the resumed runs ended 6.0e-08 (dp 2 x sp 2 and dp 2 x cp 2, Llama), 1.2e-07 (Mixtral) and 3.0e-08
+(DDP over 4 ranks) away from the uninterrupted ones, 16-19 of 21 tensors differing (2 ranks add a + b = b + a, so
+sp 2 alone and 2-process DDP never showed it); ZeRO-3 x cp 2 (FSDP2, fixed layout) was already exact.
 The uninterrupted Mixtral run is also checked against plain PyTorch on one process (losses within 1e-5): MoE runs
 under sp. All runs share one launch (scripts/seq_resume_train.py --jobs)."""
 
