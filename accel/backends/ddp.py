@@ -51,7 +51,9 @@ def fix_bucket_layout(ddp: DDP) -> None:
     gradients from the second step on, measured): torch rebuilds then, after the second backward, and a resume on
     3 or more ranks is not bit-exact (1.2e-07 after 4 steps on 4 processes)."""
     reducer = getattr(ddp, "reducer", None)
-    if reducer is None or ddp.find_unused_parameters or ddp.static_graph or not hasattr(reducer, "_autograd_hook") \
+    internals = (hasattr(reducer, "_autograd_hook") and hasattr(reducer, "_rebuild_buckets")
+                 and hasattr(ddp, "_build_params_for_reducer"))  # torch's private API: another torch keeps its own
+    if reducer is None or not internals or ddp.find_unused_parameters or ddp.static_graph \
             or getattr(ddp, "mixed_precision", None) is not None:  # DDP's own mixed precision fires hooks itself
         return
     params, _ = ddp._build_params_for_reducer()
