@@ -128,22 +128,14 @@ def _check_sequence(parallelism: ParallelismConfig) -> None:
 
 
 def _check_expert(parallelism: ParallelismConfig) -> None:
-    """Expert parallelism (ep_size) runs with DDP and ZeRO 2/3 over the data-parallel ranks it is taken from, and
-    with tensor parallelism; what it has not been made to work with is refused here, by name
-    (accel/backends/expert.py)."""
+    """Expert parallelism (ep_size) runs with DDP, ZeRO 1-3, HSDP, sequence/context parallelism and tensor
+    parallelism over the data-parallel ranks it is taken from (accel/backends/expert.py); what it has not been made
+    to work with is refused here, by name."""
     ep = getattr(parallelism, "ep_size", 1)
     if ep <= 1:
         return
-    others = [(f"pipeline parallelism (pp_size={parallelism.pp_size})", parallelism.pp_size > 1),
-              (f"sequence parallelism (sp_size={parallelism.sp_size})", parallelism.sp_size > 1),
-              (f"context parallelism (cp_size={parallelism.cp_size})", parallelism.cp_size > 1),
-              (f"ZeRO-1 (zero_stage={parallelism.zero_stage})", parallelism.zero_stage == 1),
-              (f"HSDP (dp_replicate_size={parallelism.dp_replicate_size} x dp_shard_size="
-               f"{parallelism.dp_shard_size})", (parallelism.dp_replicate_size or 1) > 1
-               and (parallelism.dp_shard_size or 1) > 1)]
-    for what, on in others:
-        if on:
-            raise BackendNotAvailable(
-                f"parallelism: expert parallelism (ep_size={ep}) with {what} is not available yet in accel; "
-                "allowed: ep_size > 1 with DDP (zero_stage 0) or ZeRO 2/3 and tensor parallelism; pp_size, sp_size "
-                "and cp_size 1")
+    if parallelism.pp_size > 1:
+        raise BackendNotAvailable(
+            f"parallelism: expert parallelism (ep_size={ep}) with pipeline parallelism (pp_size="
+            f"{parallelism.pp_size}) is not available yet in accel; allowed: ep_size > 1 with DDP, ZeRO 1-3, HSDP, "
+            "sp_size/cp_size and tp_size, and pp_size 1")

@@ -12,8 +12,11 @@ What is recognised:
 - a MoE block of the user's own whose class (or instance) has `accel_expert_plan = ExpertPlan(...)`.
 
 Expert gradients: the all-to-all's backward returns to each expert the gradient of every ep rank's tokens; summed
-over the expert's replicas (the `edp` group) and divided by the data-parallel degree, they equal the
-single-process gradient of the mean loss. With DDP (which ignores the experts) the backend does this by hand
+over the expert's replicas (the `edp` group: with sequence/context parallelism its sequence ranks too, which hold
+other tokens of the same samples and route them themselves) and divided by the data-parallel x sequence degree
+(`Topology.expert_divisor`, as the other gradients are over dp x sp/cp), they equal the single-process gradient of
+the mean loss. With HSDP the edp group spans dp_replicate x dp_shard; with ZeRO-1 the optimizer shards its state
+over edp (accel/backends/zero.py). With DDP (which ignores the experts) the backend does this by hand
 (`reduce_expert_gradients`). With ZeRO 2/3 stacked experts become DTensors sharded over ep and FSDP2 shards them
 again over edp, reduce-scattering there with that divisor (`shard_over_replicas`, torchtitan's layout): each
 rank keeps E/dp of them. A ModuleList's experts stay whole on their ep rank (FSDP2's ignored_params), reduced by hand.
@@ -333,12 +336,13 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
     layout.shards.append(shard)
 
 
-def shard_over_replicas(layout: ExpertLayout, expert_mesh, dp_size: int, options: dict) -> None:
+def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options: dict) -> None:
     """ZeRO 2/3 (FSDP2): shard the stacked experts again over their replicas, as torchtitan does, so each rank
     keeps E/dp of them (not E/ep). Each stacked parameter becomes a DTensor sharded over `ep` (its whole shape
     [E, ...]: checkpoints and full state dicts need nothing else), then `fully_shard` over `edp` makes it 2-D
-    and reduce-scatters its gradient there, divided by the data-parallel degree: each rank's share already sums
-    its ep group's tokens (the all-to-all's backward), so the sum over edp / dp is the mean loss's gradient.
+    and reduce-scatters its gradient there, divided by `divisor` (dp x the sequence degree): each rank's share
+    already sums its ep group's tokens (the all-to-all's backward), so the sum over edp / divisor is the mean
+    loss's gradient.
     Afterwards the layout's hand-reduced `params` no longer hold them. ModuleList experts stay whole."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -356,7 +360,7 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, dp_size: int, options
                 whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(module, pname, torch.nn.Parameter(whole, requires_grad=local.requires_grad))
         fully_shard(module, mesh=edp_mesh, **options)
-        module.set_gradient_divide_factor(float(dp_size))
+        module.set_gradient_divide_factor(float(divisor))
         if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:  # gloo has no PREMUL_SUM: sum, then divide
             module.set_force_sum_reduction_for_comms(True)  # (not on one replica: torch 2.13 then divides twice)
     layout.params.clear()
@@ -380,11 +384,12 @@ def set_aside(layout: ExpertLayout) -> Callable[[], None]:
     return restore
 
 
-def reduce_expert_gradients(layout: ExpertLayout, edp_group, dp_size: int) -> None:
+def reduce_expert_gradients(layout: ExpertLayout, edp_group, divisor: int) -> None:
     """Each expert gradient holds the sum over its ep group's tokens (the all-to-all's backward); sum it over the
-    replicas of the expert (edp) and divide by the data-parallel degree: the gradient of the mean loss."""
+    replicas of the expert (edp, sequence ranks included) and divide by `divisor` (dp x the sequence degree): the
+    gradient of the mean loss."""
     grads = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
-    sum_gradients(grads, edp_group, divide_by=dp_size)
+    sum_gradients(grads, edp_group, divide_by=divisor)
 
 
 def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group) -> torch.Tensor:

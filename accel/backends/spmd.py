@@ -205,7 +205,7 @@ class SpmdBackend(Backend):
         if self.data_parallel == "fsdp":  # stacked experts: sharded again over their replicas; listed: whole
             recipe.fsdp_ignored = set(layout.listed.values()) or None
             recipe.fsdp_first = functools.partial(shard_over_replicas, layout, self.topology.expert_mesh(device_type),
-                                                  self.topology.dp_size)
+                                                  self.topology.expert_divisor)
         elif self.data_parallel == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(expert_names(layout)))
 
@@ -228,7 +228,7 @@ class SpmdBackend(Backend):
         if sync:
             edp = self.topology.group("edp", self.state.device.type)
             for layout in self.experts:
-                reduce_expert_gradients(layout, edp, self.topology.dp_size)
+                reduce_expert_gradients(layout, edp, self.topology.expert_divisor)
             for restore in aside:
                 restore()
 

@@ -16,14 +16,22 @@ import torch
 
 from accel.backends.base import refuse_stepped_optimizer, register_backend
 from accel.backends.spmd import SpmdBackend
+from accel.config.errors import ConfigError
 
 
 @register_backend("zero")
 class ZeroBackend(SpmdBackend):
     @property
+    def optimizer_dim(self) -> str:
+        """The ranks ZeRO-1's optimizer shards its state over: the gradient ranks (dp, or dp_cp), or with expert
+        parallelism the expert's replicas (edp: the ranks holding the same experts, which step them alike; the
+        other parameters' state is then sharded over them too, not over all of dp)."""
+        return "edp" if self.topology.ep_size > 1 else self.topology.gradient_dim
+
+    @property
     def sharded(self) -> bool:
         """Whether there is anything to shard with (one process keeps everything)."""
-        return self.topology.sizes[self.topology.gradient_dim] > 1
+        return self.topology.sizes[self.optimizer_dim] > 1
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
@@ -41,7 +49,7 @@ class ZeroBackend(SpmdBackend):
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # e.g. AdamW lacks one of Adam's
         self.replacements.repoint(optimizer)  # a meta-device model's parameters -> the allocated ones
         groups = [dict(group) for group in optimizer.param_groups]
-        group = self.topology.group(self.topology.gradient_dim, self.state.device.type)
+        group = self.topology.group(self.optimizer_dim, self.state.device.type)
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
@@ -49,6 +57,10 @@ class ZeroBackend(SpmdBackend):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
+            if self.topology.ep_size > 1:
+                raise ConfigError(f"save_state: zero_stage=1 with ep_size={self.topology.ep_size} cannot save its "
+                                  "optimizer state yet (each ep rank's experts are sharded over their own replicas); "
+                                  "allowed: zero_stage 0, 2 or 3 with ep_size > 1, or save_model")
             # Consolidated on the first data-parallel rank (of each pipeline stage), which writes it, keyed by
             # parameter name like every other backend's (so stages do not collide and other backends load it).
             optimizer.consolidate_state_dict(to=0)

@@ -16,7 +16,9 @@ accel's code asks `submesh`/`group` by name, which answers `dp` the same way in 
 
 Expert parallelism (ep_size) takes its ranks from the data-parallel ones, as torchtitan does: data-parallel rank d
 has ep coordinate d % ep (the ep ranks are neighbours) and edp coordinate d // ep (which copy of the experts it
-holds). Its groups live on a second mesh (`expert_mesh`), since they cut the dp dimension.
+holds; with a sequence degree, (d // ep) x seq + the sequence coordinate: the sequence ranks hold the same experts
+and compute parts of their gradients, so they are replicas too). Each pipeline stage has its own ep and edp
+groups (pp is outside them). Its groups live on a second mesh (`expert_mesh`), since they cut the dp dimension.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ class Topology:
         """Every named dimension's size (dp is dp_replicate x dp_shard; dp_cp is dp x the sequence degree)."""
         replicate, shard = self._dp_sizes
         sizes = {**self.degrees, "dp_replicate": replicate, "dp_shard": shard}
-        if self.ep_size > 1:
-            sizes.update(ep=self.ep_size, edp=self.dp_size // self.ep_size)
+        if self.ep_size > 1:  # edp: the expert's replicas, the sequence ranks included (they reduce its gradients)
+            sizes.update(ep=self.ep_size, edp=self.dp_size // self.ep_size * self.seq_size)
         return {**sizes, "dp_cp": self.dp_size * self.seq_size} if self.seq_size > 1 else sizes
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -127,7 +129,7 @@ class Topology:
         shard = self._dp_sizes[1]
         coords = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp // shard, "dp_shard": dp % shard}
         if self.ep_size > 1:
-            coords.update(ep=dp % self.ep_size, edp=dp // self.ep_size)
+            coords.update(ep=dp % self.ep_size, edp=dp // self.ep_size * self.seq_size + seq)
         return {**coords, self.seq_name: seq, "dp_cp": dp * self.seq_size + seq} if self.seq_size > 1 else coords
 
     @property
@@ -177,10 +179,12 @@ class Topology:
 
     def expert_mesh(self, device_type: str):
         """The mesh of expert parallelism, built on first use (by every rank): the data-parallel ranks cut into
-        (edp, ep), ep inner (neighbours exchange tokens), then `tp` (with tensor parallelism), with the other
-        dimensions' ranks folded into a leading `ep_rest`. An `ep` group holds each expert once (its ranks
+        (edp, ep), ep inner (neighbours exchange tokens), then `tp` (with tensor parallelism), the pipeline stages
+        in a leading `ep_rest` (each stage's MoE layers exchange tokens within the stage), the sequence ranks
+        folded into `edp`. An `ep` group holds each expert once (its ranks
         exchange tokens by all-to-all); an `edp` group holds replicas of the same experts (the data-parallel
-        ranks with the same ep coordinate: expert gradients are averaged there)."""
+        ranks with the same ep coordinate, and their sequence ranks: expert gradients are summed there and divided
+        by `expert_divisor`)."""
         if self._expert_mesh is None:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
@@ -188,14 +192,22 @@ class Topology:
             self.mesh(device_type)  # the main mesh's groups first, in the same order on every rank
             edp = self.dp_size // self.ep_size
             ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
+            # (pp, edp x seq, ep, tp): a sequence rank is one more replica of its dp rank's experts
+            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp_size, edp * self.seq_size, self.ep_size, self.tp_size)
             if self.tp_size > 1:  # its own dimension: experts split within by TP are DTensors over (ep, tp)
-                ranks = ranks.permute(0, 3, 1, 2, 4).reshape(-1, edp, self.ep_size, self.tp_size)
                 names: tuple[str, ...] = ("ep_rest", "edp", "ep", "tp")
             else:
-                ranks, names = ranks.permute(0, 3, 4, 1, 2).reshape(-1, edp, self.ep_size), ("ep_rest", "edp", "ep")
+                ranks, names = ranks[..., 0], ("ep_rest", "edp", "ep")
             self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
             self._expert_mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
         return self._expert_mesh
+
+    @property
+    def expert_divisor(self) -> int:
+        """What expert gradients summed over edp are divided by: the data-parallel x sequence degree, as the
+        other gradients are over `gradient_dim` (each sequence rank's loss counts its slice seq times:
+        sequence.reduce_loss), which gives the single-process gradient of the mean loss."""
+        return self.dp_size * self.seq_size
 
     def submesh(self, name: str, device_type: str):
         """One named dimension's mesh (flattened ones kept here: slicing those from the root is deprecated). With

@@ -9,7 +9,9 @@ Tiny transformers Mixtral and Qwen2-MoE (shared expert) and a MoE block of our o
 synced backward calls per step, and bf16. On 4: dp 2 x ep 2, ZeRO-3 x ep 2, ZeRO-2 x ep 2 (our own block), ep 4.
 Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism within the experts (tp 2 on
 Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). ZeRO-3
-with CPU offload x ep 2. The expert elements each process holds. save_model loads with `from_pretrained`;
+with CPU offload x ep 2. Issue 41, each refused before: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
+ep 2 (a Mixtral without the router's auxiliary loss, SDPA; the reference runs dp = 2 batches), HSDP (2 x 2) x ep 2,
+ZeRO-1 x ep 2 (Mixtral and our own ModuleList). The expert elements each process holds. save_model loads with `from_pretrained`;
 save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList and ZeRO-3 x Mixtral
 on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
@@ -54,6 +56,16 @@ RUNS = {
     "tp2-ep2-mixtral": (4, ["--tp_size", 2, "--ep_size", 2, "--save_model"]),
     "zero3-tp2-ep2-qwen2moe": (4, ["--tp_size", 2, "--ep_size", 2, "--zero_stage", 3, "--model", "qwen2moe"]),
     "zero3-offload-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 3, "--offload"]),  # experts' units offloaded too
+    # issue 41: ep composes with the other dimensions. Sequence (Ulysses) and context parallelism: dp 2 x sp/cp 2,
+    # ep 2 over the dp ranks, expert gradients summed over the expert's replicas and the sequence ranks
+    "sp2-ep2-mixtral": (4, ["--ep_size", 2, "--sp_size", 2, "--model", "mixtral-plain"]),
+    "cp2-ep2-mixtral": (4, ["--ep_size", 2, "--cp_size", 2, "--model", "mixtral-plain"]),
+    "zero3-sp2-ep2-mixtral": (4, ["--ep_size", 2, "--sp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain"]),
+    # HSDP (dp_replicate 2 x dp_shard 2) x ep 2: the experts' replicas (edp) span replicate x shard
+    "hsdp-ep2-mixtral": (4, ["--ep_size", 2, "--dp_replicate_size", 2, "--dp_shard_size", 2, "--zero_stage", 3]),
+    # ZeRO-1 x ep 2: the optimizer state sharded over the expert's replicas
+    "zero1-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 1]),
+    "zero1-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 1, "--model", "own"]),
 }
 
 
@@ -67,6 +79,12 @@ RUNS_ON = {"resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4}
 
 def option(args: list, name: str, default):
     return type(default)(args[args.index(name) + 1]) if name in args else default
+
+
+def data_parallel(args: list, processes: int) -> int:
+    """The data-parallel degree: the processes over tp x pp x sp x cp (each dp rank's batch of 2 samples)."""
+    return processes // (option(args, "--tp_size", 1) * option(args, "--pp_size", 1) * option(args, "--sp_size", 1)
+                         * option(args, "--cp_size", 1))
 
 
 def reference(args: list, dp: int):
@@ -119,7 +137,7 @@ def runs(tmp_path_factory):
 def test_matches_one_process(runs, name):
     processes, args = RUNS[name]
     args = [str(a) for a in args]
-    model, expected_losses, expected_norms, expected_aux = reference(args, processes // option(args, "--tp_size", 1))
+    model, expected_losses, expected_norms, expected_aux = reference(args, data_parallel(args, processes))
     result = json.loads((runs / name / "result.json").read_text())
     assert len(result["losses"]) == len(expected_losses)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses), atol=ATOL, rtol=0)

@@ -30,20 +30,42 @@ def test_ep_size_defaults_to_one_and_is_named_in_features():
     assert "ep" not in Topology.for_config(2, ParallelismConfig()).sizes
 
 
-@pytest.mark.parametrize("fields, what", [
-    ({"pp_size": 2}, "pipeline parallelism"),
-    ({"sp_size": 2}, "sequence parallelism"), ({"cp_size": 2}, "context parallelism"),
-    ({"zero_stage": 1}, "ZeRO-1")])
-def test_refused_combinations_name_both(fields, what):
-    with pytest.raises(BackendNotAvailable, match=rf"ep_size=2\) with {what}"):
-        check_available(ParallelismConfig(ep_size=2, **fields))
+def test_pipeline_with_experts_is_refused_naming_both():
+    with pytest.raises(BackendNotAvailable, match=r"ep_size=2\) with pipeline parallelism \(pp_size=2\).*allowed"):
+        check_available(ParallelismConfig(ep_size=2, pp_size=2))
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ddp_zero_and_tp_compose(stage):
     check_available(ParallelismConfig(ep_size=2, zero_stage=stage))
-    check_available(ParallelismConfig(ep_size=2, zero_stage=stage, tp_size=2))
+    if stage != 1:
+        check_available(ParallelismConfig(ep_size=2, zero_stage=stage, tp_size=2))
     check_available(ParallelismConfig(ep_size=2, zero_stage=3, offload_params=True, offload_optimizer=True))
+
+
+@pytest.mark.parametrize("fields", [{"sp_size": 2}, {"cp_size": 2}, {"sp_size": 2, "zero_stage": 3},
+                                    {"dp_replicate_size": 2, "dp_shard_size": 2, "zero_stage": 3}])
+def test_sequence_and_hsdp_compose(fields):
+    """issue 41: these were refused before (BackendNotAvailable naming ep and the other dimension)."""
+    check_available(ParallelismConfig(ep_size=2, **fields))
+
+
+def test_sequence_ranks_are_replicas_of_their_experts():
+    """With sp/cp, a dp rank's sequence ranks hold the same experts: edp spans (dp / ep) x seq and expert gradients
+    are divided by dp x seq; the ep group is the dp ranks with the same sequence coordinate."""
+    topology = Topology.for_config(8, ParallelismConfig(ep_size=2, sp_size=2))
+    assert topology.dp_size == 4 and topology.sizes["edp"] == 4 and topology.expert_divisor == 8
+    coords = [topology.coordinates(r) for r in range(8)]  # rank = dp x 2 + sp
+    assert [c["ep"] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [c["edp"] for c in coords] == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def test_hsdp_replicas_span_replicate_and_shard():
+    topology = Topology.for_config(8, ParallelismConfig(ep_size=2, dp_replicate_size=2, dp_shard_size=4,
+                                                        zero_stage=3))
+    coords = [topology.coordinates(r) for r in range(8)]
+    assert [c["ep"] for c in coords] == [0, 1] * 4 and [c["edp"] for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert topology.expert_divisor == 8
 
 
 def test_launch_flag_sets_the_field_and_is_checked_before_launch(tmp_path, monkeypatch):

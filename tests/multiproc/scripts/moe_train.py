@@ -115,6 +115,8 @@ def make_model(kind: str):
     common = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, vocab_size=VOCAB, output_router_logits=True,
                   router_aux_loss_coef=0.1, use_cache=False, attn_implementation="eager")
+    if kind == "mixtral-plain":  # for sp/cp: no router auxiliary loss (refused there), SDPA attention
+        common.update(output_router_logits=False, router_aux_loss_coef=0.0, attn_implementation="sdpa")
     if kind == "qwen2moe":
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -138,18 +140,23 @@ def expert_numel(model: torch.nn.Module) -> int:
 
 
 def aux_of(outputs) -> float:
-    aux = outputs["aux_loss"] if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
+    aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
     return 0.0 if aux is None else float(aux.detach())
 
 
 def run(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="mixtral", choices=["mixtral", "qwen2moe", "own", "stacked"])
+    parser.add_argument("--model", default="mixtral", choices=["mixtral", "mixtral-plain", "qwen2moe", "own", "stacked"])
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--ep_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--tp_size", type=int, default=1)
+    parser.add_argument("--sp_size", type=int, default=1)
+    parser.add_argument("--cp_size", type=int, default=1)
+    parser.add_argument("--pp_size", type=int, default=1)
+    parser.add_argument("--dp_replicate_size", type=int, default=None)
+    parser.add_argument("--dp_shard_size", type=int, default=None)
     parser.add_argument("--offload", action="store_true", help="ZeRO-3's CPU offload of parameters and optimizer")
     parser.add_argument("--fused", action="store_true", help="torch's fused AdamW (as transformers' Trainer picks)")
     parser.add_argument("--save_pretrained", action="store_true",
@@ -169,6 +176,8 @@ def run(argv):
     loader = torch.utils.data.DataLoader(make_samples(), batch_size=args.batch_size, shuffle=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=args.fused or None)
     layout = ParallelismConfig(ep_size=args.ep_size, tp_size=args.tp_size, zero_stage=args.zero_stage,
+                               sp_size=args.sp_size, cp_size=args.cp_size, pp_size=args.pp_size,
+                               dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
                                activation_checkpointing=args.checkpointing, offload_params=args.offload,
                                offload_optimizer=args.offload)
     accelerator = Accelerator(parallelism_config=layout,
