@@ -11,9 +11,9 @@ Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism w
 Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). ZeRO-3
 with CPU offload x ep 2. Issue 41, each refused before: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
 ep 2 (a Mixtral without the router's auxiliary loss, SDPA; the reference runs dp = 2 batches), HSDP (2 x 2) x ep 2,
-ZeRO-1 x ep 2 (Mixtral and our own ModuleList). The expert elements each process holds. save_model loads with `from_pretrained`;
-save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList and ZeRO-3 x Mixtral
-on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
+ZeRO-1 x ep 2 (Mixtral and our own ModuleList). The expert elements each process holds. save_model loads with
+`from_pretrained`; save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList
+and ZeRO-3 x Mixtral on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
 from __future__ import annotations
 

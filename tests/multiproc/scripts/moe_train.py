@@ -147,7 +147,8 @@ def aux_of(outputs) -> float:
 def run(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="mixtral", choices=["mixtral", "mixtral-plain", "qwen2moe", "own", "stacked"])
+    parser.add_argument("--model", default="mixtral",
+                        choices=["mixtral", "mixtral-plain", "qwen2moe", "own", "stacked"])
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--ep_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
