@@ -19,7 +19,8 @@ the mean loss. With HSDP the edp group spans dp_replicate x dp_shard; with ZeRO-
 over edp (accel/backends/zero.py). With DDP (which ignores the experts) the backend does this by hand
 (`reduce_expert_gradients`). With ZeRO 2/3 stacked experts become DTensors sharded over ep and FSDP2 shards them
 again over edp, reduce-scattering there with that divisor (`shard_over_replicas`, torchtitan's layout): each
-rank keeps E/dp of them. A ModuleList's experts stay whole on their ep rank (FSDP2's ignored_params), reduced by hand.
+rank keeps E/dp of them. A ModuleList's experts are each their own FSDP2 unit over edp (each rank keeps 1/edp of
+every expert its ep rank holds, the same E/dp in all), reduce-scattered there with the same divisor.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ class ExpertLayout:
     listed: dict[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)  # a ModuleList's own experts
     stacked: list = dataclasses.field(default_factory=list)  # (module, parameter names) of the stacked experts
     lists: list[str] = dataclasses.field(default_factory=list)  # the names of the ModuleList experts
+    modules: list = dataclasses.field(default_factory=list)  # (name, module) of each ModuleList expert held here
+    listed_sharded: bool = False  # the ModuleList experts are FSDP2 units (ZeRO 2/3): FSDP2 reduces them
     held: set[str] = dataclasses.field(default_factory=set)  # the model's tensor names on this rank (checkpoints)
     reduced: bool = False  # the experts' gradients (if any) are reduced already (the last backward was synced)
 
@@ -306,6 +309,7 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
             if shard.first <= j < shard.first + shard.local:
                 for pname, param in experts[j].named_parameters():
                     layout.listed[f"{prefix}.{j}.{pname}"] = param
+                layout.modules.append((f"{prefix}.{j}", experts[j]))
             else:
                 experts[j] = torch.nn.Module()  # held by another ep rank
     else:
@@ -342,9 +346,10 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options
     [E, ...]: checkpoints and full state dicts need nothing else), then `fully_shard` over `edp` makes it 2-D
     and reduce-scatters its gradient there, divided by `divisor` (dp x the sequence degree): each rank's share
     already sums its ep group's tokens (the all-to-all's backward), so the sum over edp / divisor is the mean
-    loss's gradient.
-    Afterwards the layout's hand-reduced `params` no longer hold them. ModuleList experts stay whole."""
-    from torch.distributed.fsdp import fully_shard
+    loss's gradient. Each ModuleList expert this ep rank holds becomes an FSDP2 unit over edp likewise (its
+    parameters sharded on dim 0 over the replicas, its gradients reduce-scattered there with the same divisor).
+    Afterwards the layout's hand-reduced `params` no longer hold them; `listed` holds the ModuleList experts' new
+    (DTensor) parameters, which FSDP2 reduces (`listed_sharded`)."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep_mesh, edp_mesh = expert_mesh["ep"], expert_mesh["edp"]
@@ -359,21 +364,39 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options
             else:
                 whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(module, pname, torch.nn.Parameter(whole, requires_grad=local.requires_grad))
-        fully_shard(module, mesh=edp_mesh, **options)
-        module.set_gradient_divide_factor(float(divisor))
-        if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:  # gloo has no PREMUL_SUM: sum, then divide
-            module.set_force_sum_reduction_for_comms(True)  # (not on one replica: torch 2.13 then divides twice)
+        _shard_unit(module, edp_mesh, divisor, options)
     layout.params.clear()
+    for name, module in layout.modules:
+        _shard_unit(module, edp_mesh, divisor, options)
+        for pname, param in module.named_parameters():
+            layout.listed[f"{name}.{pname}"] = param
+    layout.listed_sharded = bool(layout.modules)
+
+
+def _shard_unit(module: torch.nn.Module, edp_mesh, divisor: int, options: dict) -> None:
+    """One FSDP2 unit over the expert's replicas, its gradients summed there and divided by `divisor`."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=edp_mesh, **options)
+    module.set_gradient_divide_factor(float(divisor))  # type: ignore[operator]  # FSDP2's method
+    if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:  # gloo has no PREMUL_SUM: sum, then divide
+        module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # (not on one replica: torch 2.13
+        # then divides twice)
 
 
 def expert_names(layout: ExpertLayout) -> set[str]:
     return set(layout.params) | set(layout.listed)
 
 
+def hand_reduced(layout: ExpertLayout) -> list[torch.nn.Parameter]:
+    """The expert parameters accel reduces itself (those FSDP2 leaves alone: all with DDP; none with ZeRO 2/3)."""
+    return [*layout.params.values(), *(() if layout.listed_sharded else layout.listed.values())]
+
+
 def set_aside(layout: ExpertLayout) -> Callable[[], None]:
     """Take the (reduced) expert gradients off the parameters; the returned function adds them back to what the
     next backward leaves there."""
-    kept = [(p, p.grad) for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
+    kept = [(p, p.grad) for p in hand_reduced(layout) if p.grad is not None]
     for p, _ in kept:
         p.grad = None
 
@@ -388,14 +411,23 @@ def reduce_expert_gradients(layout: ExpertLayout, edp_group, divisor: int) -> No
     """Each expert gradient holds the sum over its ep group's tokens (the all-to-all's backward); sum it over the
     replicas of the expert (edp, sequence ranks included) and divide by `divisor` (dp x the sequence degree): the
     gradient of the mean loss."""
-    grads = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
+    grads = [p.grad for p in hand_reduced(layout) if p.grad is not None]
     sum_gradients(grads, edp_group, divide_by=divisor)
 
 
 def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group) -> torch.Tensor:
-    """sum |g|^p over all experts of the model (inf: max |g|), over the ep group (each expert counted once)."""
-    grads = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    """sum |g|^p over all experts of the model (inf: max |g|), over the ep group (each expert counted once). A
+    ModuleList expert FSDP2 shards over its replicas (a DTensor gradient) counts its whole norm over them."""
+    from torch.distributed.tensor import DTensor
+
+    from accel.backends.base import total_norm
+
+    every = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
+    grads = [g for g in every if not isinstance(g, DTensor)]
+    sharded: list[torch.Tensor] = [g for g in every if isinstance(g, DTensor)]
+    device = every[0].device if every else torch.device("cpu")
+    if sharded:  # the norm of this ep rank's sharded experts, reduced over their replicas' mesh
+        grads.append(total_norm(sharded, norm_type, device).reshape(1))
     if norm_type == float("inf"):
         value = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
         value = torch.as_tensor(value, device=device).clone()
@@ -417,7 +449,10 @@ def gather_full(layout: ExpertLayout, state: dict, ep_group, ep: int) -> dict:
         if key in state:
             state[key] = torch.cat(parts).cpu()
     if layout.listed:
-        mine = {k: v.detach().cpu() for k, v in layout.listed.items()}
+        mine = {}
+        for key in sorted(layout.listed):  # FSDP2's shards over the replicas: gathered (every edp rank, alike)
+            value = layout.listed[key].detach()
+            mine[key] = (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
         everyone: list = [None] * ep
         dist.all_gather_object(everyone, mine, group=ep_group)
         if state:  # a rank whose full state dict is empty (FSDP2 gathers to rank 0) stays so

@@ -111,8 +111,11 @@ def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, offload: bo
         first({k: v for k, v in options.items() if k != "mesh"})
     if ignored:
         options["ignored_params"] = ignored
+    from torch.distributed.fsdp import FSDPModule
+
     for block in reversed(repeated_blocks(model, parallelism)):  # inner blocks before their parents
-        fully_shard(block, **options)
+        if not isinstance(block, FSDPModule):  # `first` made it a unit of its own (a ModuleList's expert)
+            fully_shard(block, **options)
     fully_shard(model, **options)
 
 

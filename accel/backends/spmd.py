@@ -187,8 +187,8 @@ class SpmdBackend(Backend):
 
     def _shard_experts(self, model: torch.nn.Module, recipe: Recipe) -> None:
         """Divide the MoE layers' experts among the ep ranks (expert.py). DDP leaves them alone (their gradients are
-        reduced over the expert's replicas in `backward`); with FSDP2 the stacked ones are sharded again over those
-        replicas (`shard_over_replicas`), ModuleList ones stay whole and are reduced in `backward`."""
+        reduced over the expert's replicas in `backward`); with FSDP2 they (stacked ones, each expert of a ModuleList)
+        are sharded again over those replicas (`shard_over_replicas`)."""
         from accel.backends.expert import expert_names, shard_experts, shard_over_replicas
 
         device_type = self.state.device.type
@@ -202,8 +202,7 @@ class SpmdBackend(Backend):
         if recipe.tp_plan is not None and layout.lists:  # ModuleList experts stay whole on every tp rank
             recipe.tp_plan = {name: style for name, style in recipe.tp_plan.items()
                               if not any(name == owner or name.startswith(f"{owner}.") for owner in layout.lists)}
-        if self.data_parallel == "fsdp":  # stacked experts: sharded again over their replicas; listed: whole
-            recipe.fsdp_ignored = set(layout.listed.values()) or None
+        if self.data_parallel == "fsdp":  # experts (stacked, or each of a ModuleList) sharded over their replicas
             recipe.fsdp_first = functools.partial(shard_over_replicas, layout, self.topology.expert_mesh(device_type),
                                                   self.topology.expert_divisor)
         elif self.data_parallel == "ddp":

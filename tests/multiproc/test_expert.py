@@ -66,6 +66,8 @@ RUNS = {
     # ZeRO-1 x ep 2: the optimizer state sharded over the expert's replicas
     "zero1-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 1]),
     "zero1-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 1, "--model", "own"]),
+    # ModuleList experts resharded: each expert an FSDP2 unit over its replicas (edp)
+    "zero3-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 3, "--model", "own"]),
 }
 
 
@@ -153,15 +155,15 @@ def test_matches_one_process(runs, name):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_experts_held_per_rank(runs, name):
-    """Each process holds 1/ep of the experts; under ZeRO 2/3 stacked experts are sharded again over their
-    replicas, 1/dp (a ModuleList's experts stay whole on their ep rank); tensor parallelism divides by tp too."""
+    """Each process holds 1/ep of the experts; under ZeRO 2/3 they are sharded again over their replicas, 1/dp
+    (stacked ones, and since issue 41 each expert of a ModuleList: before, those stayed whole on their ep rank,
+    1/ep); tensor parallelism divides by tp too."""
     processes, args = RUNS[name]
     args = [str(a) for a in args]
     moe = worker_module("moe_train")
     whole = moe.expert_numel(moe.make_model(option(args, "--model", "mixtral")))
     fsdp = option(args, "--zero_stage", 0) >= 2 or option(args, "--tp_size", 1) > 1  # TP x dp: FSDP2
-    resharded = fsdp and option(args, "--model", "mixtral") != "own"
-    divisor = processes if resharded else option(args, "--ep_size", 1) * option(args, "--tp_size", 1)
+    divisor = processes if fsdp else option(args, "--ep_size", 1) * option(args, "--tp_size", 1)
     assert json.loads((runs / name / "result.json").read_text())["expert_numel"] == whole // divisor
 
 
