@@ -421,16 +421,27 @@ def _stage_rows(params: list[Param], tp: int, dp: int, ep: int = 1) -> dict:
     """{layout: (parameter, gradient, moment, step elements)} of one rank of a stage holding `params`. With expert
     parallelism (ep > 1) the expert parameters are held 1/ep per rank; under ZeRO 2/3 (and any layout with TP, which
     is FSDP2) the stacked ones ([E, ...], 3-D) are sharded again over their dp / ep replicas (FSDP2 on dim 0 of
-    the E/ep rows) and TP splits them within (1/tp); ModuleList ones stay whole."""
+    the E/ep rows) and TP splits them within (1/tp); a ModuleList's experts (each its own parameters) likewise, each
+    expert an FSDP2 unit over the replicas (1/ep of them held, each sharded on dim 0). `dp` here counts the sequence
+    ranks too: they are replicas of their dp rank's experts. ZeRO-1 shards the optimizer state over the expert's
+    replicas (dp / ep ranks), the dense parameters' too (accel/backends/zero.py)."""
     if ep > 1 and any(p.expert for p in params):
-        rows = _stage_rows([p for p in params if not p.expert], tp, dp)
+        dense = [p for p in params if not p.expert]
+        rows = _stage_rows(dense, tp, dp)
         experts = [p for p in params if p.expert]
+        replicas = dp // ep
         whole = sum(math.ceil(p.numel / ep) for p in experts)
-        resharded = sum(math.ceil(_shard_numel((p.shape[0] // ep, *p.shape[1:]), dp // ep) / tp)
-                        if len(p.shape) == 3 else math.ceil(p.numel / ep) for p in experts)
+        resharded = sum(math.ceil(_shard_numel((p.shape[0] // ep, *p.shape[1:]), replicas) / tp)
+                        if len(p.shape) == 3 else math.ceil(_shard_numel(p.shape, replicas) / ep) for p in experts)
         held = {name: resharded if tp > 1 or name.startswith(("zero2", "zero3")) else whole for name in rows}
-        return {name: (a + held[name], b + held[name], c + 2 * held[name], d + len(experts))
-                for name, (a, b, c, d) in rows.items()}
+        out = {name: (a + held[name], b + held[name], c + 2 * held[name], d + len(experts))
+               for name, (a, b, c, d) in rows.items()}
+        if tp == 1 and replicas > 1:  # ZeroRedundancyOptimizer over edp: the dense and this rank's experts
+            a, b, _, _ = out["zero1"]
+            numels = [p.numel for p in dense] + [math.ceil(p.numel / ep) for p in experts]
+            moments, steps = _zero1_max(numels, replicas)
+            out["zero1"] = (a, b, 2 * moments, steps)
+        return out
     local = [_tp_local(p, tp) for p in params]
     shapes = [s for s, _ in local]
     full = sum(math.prod(s) for s in shapes)

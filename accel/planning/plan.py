@@ -65,7 +65,8 @@ The model and its constants (documented so a plan can be checked by hand):
   token runs top_k / E of the experts' matmul parameters. Expert parallelism (ep, `ep_size` or each divisor of dp
   that divides E) keeps 1/ep of the experts on each rank; ZeRO 2/3 shard those again over their dp / ep copies
   (a unit of their own per MoE layer, gathered to E/ep), TP splits each expert within; the rest shards as usual;
-  layouts accel refuses (ep with pp, sp/cp or ZeRO-1) are not planned. Time:
+  with sp/cp the sequence ranks are more copies of each expert; ZeRO-1 shards the optimizer over the dp / ep
+  copies; layouts accel refuses (ep with pp) are not planned. Time:
   per MoE layer two all-to-alls of the routed tokens (tokens x top_k x hidden) over the ep neighbours in forward
   and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies
   (ZeRO 2/3: reduce-scattered, and the experts all-gathered per pass);
@@ -512,7 +513,7 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
     """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep) combinations accel can run: TP within a machine,
     PP at most the blocks (pp x stages per rank under `schedule`), the (sp, cp) degrees of `sequences` (default:
     none) where the heads divide for Ulysses, the ep degrees of `experts` (default: none) that divide dp, accel's
-    combination rules (accel.backends.check_available: expert parallelism with DDP, ZeRO 2/3 and TP only, the
+    combination rules (accel.backends.check_available: expert parallelism with anything but pipeline stages, the
     split-backward schedules with data parallelism only on DDP stages, DualPipeV with 2 x pp micro-batches or
     more)."""
     from accel.backends import check_available
@@ -664,15 +665,16 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
         early = gather if not hw.run_ahead else 0.0  # forward: hidden only where the host runs ahead
         late += gather if hw.run_ahead else 0.0
         dp_comm = early + _exposed(hw, late, (units - 1) / units, window)
-    if expert_numel and dp > ep:  # each expert's dp / ep copies (ep ranks apart): DDP all-reduces its gradient;
-        # ZeRO 2/3 shard it again over them: an all-gather per pass (ZeRO-3: two), a reduce-scatter per step
-        copies = dp // ep
+    if expert_numel and dp * seq > ep:  # each expert's dp x seq / ep copies (ep ranks apart, the sequence ranks
+        # too): DDP all-reduces its gradient; ZeRO 2/3 shard it again over them: an all-gather per pass (ZeRO-3:
+        # two), a reduce-scatter per step
+        copies = dp * seq // ep
         if zero <= 1:
-            expert_sync = collective(hw, "all_reduce", expert_numel * 4, copies, dp)
+            expert_sync = collective(hw, "all_reduce", expert_numel * 4, copies, span)
         else:
             passes = accum * (2 if zero == 3 else 1)
-            expert_sync = (collective(hw, "reduce_scatter", expert_numel * 4, copies, dp)
-                           + passes * collective(hw, "all_gather", expert_numel * pbytes, copies, dp))
+            expert_sync = (collective(hw, "reduce_scatter", expert_numel * 4, copies, span)
+                           + passes * collective(hw, "all_gather", expert_numel * pbytes, copies, span))
         dp_comm += _exposed(hw, _in_step(hw, expert_sync, 1), 0.5, window)
     elem = 4 if mixed_precision == "no" else 2
     act_mb = mb * local_len * shape.hidden * elem  # a micro-batch's activations on this rank

@@ -42,3 +42,46 @@ def test_mixtral_experts_are_recognised():
                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)
     names = {p.name for p in spec_from_module(MixtralForCausalLM(config)).params if p.expert}
     assert names == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+
+
+def own_modulelist() -> ModelSpec:
+    """A ModuleList of 4 experts, each two [16, 8] / [8, 16] matrices (2-D: not stacked)."""
+    params = [Param("embed.weight", (100, 8), 4, None)]
+    for j in range(4):
+        params += [Param(f"layers.0.mlp.experts.{j}.up.weight", (16, 8), 4, "layers.0"),
+                   Param(f"layers.0.mlp.experts.{j}.down.weight", (8, 16), 4, "layers.0")]
+    for p in params[1:]:
+        p.expert = True
+    return ModelSpec("own", params)
+
+
+def test_modulelist_experts_are_resharded_under_zero3():
+    """issue 41: each ModuleList expert is an FSDP2 unit over its dp / ep replicas (before: whole on its ep rank)."""
+    ep2 = training(own_modulelist(), num_processes=4, ep=2)["layouts"]
+    experts = 4 * (16 * 8 + 8 * 16)
+    assert ep2["zero3"]["params_bytes"] == (800 // 4 + experts // 4) * STATE
+    assert ep2["ddp"]["params_bytes"] == (800 + experts // 2) * STATE
+
+
+def test_sequence_ranks_are_expert_replicas():
+    """dp 2 x sp 2 x ep 2 on 4 processes: the experts 1/2 per ep rank, sharded again over their 2 replicas (the
+    sequence ranks) under ZeRO-3; the embedding over dp x sp = 4."""
+    moe = spec()
+    for p in moe.params[1:]:
+        p.expert = True
+    experts = 4 * 16 * 8 + 4 * 8 * 8
+    result = training(moe, num_processes=4, sp=2, ep=2)
+    assert result["ep_size"] == 2 and result["sp_size"] == 2
+    assert result["layouts"]["zero3"]["params_bytes"] == (800 // 4 + experts // 4) * STATE
+
+
+def test_zero1_shards_the_optimizer_over_the_expert_replicas():
+    """ZeRO-1 x ep 2 on 4 processes: ZeroRedundancyOptimizer over the 2 ranks holding the same experts, the
+    embedding (800) and this rank's experts (2 tensors of 256 and 128): the greedy partition's largest share."""
+    moe = spec()
+    for p in moe.params[1:]:
+        p.expert = True
+    zero1 = training(moe, num_processes=4, ep=2)["layouts"]["zero1"]
+    experts = 4 * 16 * 8 + 4 * 8 * 8
+    assert zero1["params_bytes"] == (800 + experts // 2) * STATE
+    assert zero1["optimizer_bytes"] == (2 * 800 + 1) * STATE  # rank 0: the embedding's moments and step
