@@ -128,14 +128,14 @@ def _check_sequence(parallelism: ParallelismConfig) -> None:
 
 
 def _check_expert(parallelism: ParallelismConfig) -> None:
-    """Expert parallelism (ep_size) runs with DDP, ZeRO 1-3, HSDP, sequence/context parallelism and tensor
-    parallelism over the data-parallel ranks it is taken from (accel/backends/expert.py); what it has not been made
-    to work with is refused here, by name."""
+    """Expert parallelism (ep_size) runs with DDP, ZeRO 1-3, HSDP, sequence/context parallelism, tensor
+    parallelism and pipeline stages (each stage's experts over its own ep group) over the data-parallel ranks it is
+    taken from (accel/backends/expert.py); what it has not been made to work with is refused here, by name."""
     ep = getattr(parallelism, "ep_size", 1)
     if ep <= 1:
         return
-    if parallelism.pp_size > 1:
+    if parallelism.pp_size > 1 and parallelism.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise BackendNotAvailable(
-            f"parallelism: expert parallelism (ep_size={ep}) with pipeline parallelism (pp_size="
-            f"{parallelism.pp_size}) is not available yet in accel; allowed: ep_size > 1 with DDP, ZeRO 1-3, HSDP, "
-            "sp_size/cp_size and tp_size, and pp_size 1")
+            f"parallelism: expert parallelism (ep_size={ep}) with pp_schedule {parallelism.pp_schedule} is not "
+            "available yet in accel: its split backward computes weight gradients past the expert gradients' "
+            "reduction; allowed: pp_schedule 1F1B, GPipe, Interleaved1F1B or LoopedBFS with ep_size > 1")

@@ -191,19 +191,43 @@ class PipelineBackend(Backend):
             for model in self._models:
                 model.sum_tied_grads()
         skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
-        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
+        experts = self._expert_ids()
+        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip and id(p) not in experts]
         device = self.state.device
         local = total_norm(grads, norm_type, device, foreach)
+        held = self._expert_norm_power([p for p in parameters if id(p) in experts], norm_type) if experts else None
         group = self.topology.group("pp", device.type)
         if norm_type == float("inf"):
+            if held is not None:
+                local = torch.maximum(local, held.to(local.device))
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
             total = local
         else:
             powered = local ** norm_type
+            if held is not None:
+                powered = powered + held.to(powered.device)
             dist.all_reduce(powered, group=group)
             total = powered ** (1.0 / norm_type)
         clip_grads_with_norm(parameters, max_norm, total, foreach)
         return total
+
+    def _expert_ids(self) -> set[int]:
+        """The expert parameters this process's stages hold (pp x ep), each held by one rank of its stage's ep group."""
+        return {id(p) for layout in getattr(self.inner, "experts", ()) for p in (*layout.params.values(),
+                                                                                  *layout.listed.values())}
+
+    def _expert_norm_power(self, held: list, norm_type: float) -> torch.Tensor:
+        """sum |g|^p (inf: max) of this stage's experts over its ep group: each expert counted once."""
+        from accel.backends.expert import ExpertLayout, expert_norm_power
+
+        mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
+        return expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
+
+    def _refuse_expert_checkpoint(self, what: str) -> None:
+        if getattr(self.inner, "experts", None):
+            raise ConfigError(f"{what}: pp_size={self.pp_size} with ep_size={self.topology.ep_size} cannot write or "
+                              "read a training checkpoint yet (each stage's ep ranks hold different experts under "
+                              "the same names); allowed: save_model / get_state_dict, or save_state with pp_size 1")
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     holds_part_of_model = True
@@ -212,6 +236,7 @@ class PipelineBackend(Backend):
         """Each name of a weight tied across stages saved as its own tensor, also where one process holds all of
         them (V placement: the embedding and the head both on rank 0), as where they are on different processes:
         a checkpoint's layout does not depend on the schedule, so any placement loads it."""
+        self._refuse_expert_checkpoint("save_state")
         state = super().checkpoint_model_state(model)
         for weight in model.tied if isinstance(model, PipelineModel) else ():
             for name in [n for n in weight.names if n in state][1:]:
@@ -219,6 +244,7 @@ class PipelineBackend(Backend):
         return state
 
     def load_checkpoint_model_state(self, model: nn.Module, state: dict) -> None:
+        self._refuse_expert_checkpoint("load_state")
         super().load_checkpoint_model_state(model, {k: v for k, v in state.items() if v is not None})
 
     def load_checkpoint_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -242,6 +268,12 @@ class PipelineBackend(Backend):
 
         mine: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         mine = fused.to_model_order({k: v.detach().to("cpu") for k, v in mine.items()}, model)  # this stage's
+        if getattr(self.inner, "experts", None):  # pp x ep: this stage's experts whole, gathered over its ep group
+            from accel.backends.expert import gather_full
+
+            for layout in getattr(self.inner, "experts"):  # noqa: B009 (SpmdBackend's: Backend has none)
+                mine = gather_full(layout, mine, self.topology.group("ep", self.state.device.type),
+                                   self.topology.ep_size)
         coords = self.topology.coordinates(self.state.process_index)
         if coords["dp"] or coords["tp"]:
             return {}

@@ -319,7 +319,29 @@ class SpmdBackend(Backend):
             yield
 
     def pipeline_stages_step(self, stages: list, skip_sync: bool, split_backward: bool = False):
+        if self.experts:
+            return self._expert_pipeline_step(stages, skip_sync, split_backward)
         return ddp_pipeline_stages(stages, skip_sync, split_backward)
+
+    @contextlib.contextmanager
+    def _expert_pipeline_step(self, stages: list, skip_sync: bool, split_backward: bool):
+        """A pipeline step whose stages hold experts (pp x ep): the step's backward runs inside the schedule, so the
+        expert gradients FSDP2 leaves alone (all under DDP) are reduced here after it, over the stage's edp group,
+        as `backward` does without stages (the schedule divides the loss by the micro-batches)."""
+        from accel.backends.expert import reduce_expert_gradients, set_aside
+
+        sync = not skip_sync
+        aside = [set_aside(layout) for layout in self.experts if layout.reduced] if sync else []
+        with ddp_pipeline_stages(stages, skip_sync, split_backward):
+            yield
+        for layout in self.experts:
+            layout.reduced = sync
+        if sync:
+            edp = self.topology.group("edp", self.state.device.type)
+            for layout in self.experts:
+                reduce_expert_gradients(layout, edp, self.topology.expert_divisor)
+            for restore in aside:
+                restore()
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     # With experts, each ep rank holds different rows of a stacked expert parameter under the same name: the

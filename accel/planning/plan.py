@@ -66,7 +66,8 @@ The model and its constants (documented so a plan can be checked by hand):
   that divides E) keeps 1/ep of the experts on each rank; ZeRO 2/3 shard those again over their dp / ep copies
   (a unit of their own per MoE layer, gathered to E/ep), TP splits each expert within; the rest shards as usual;
   with sp/cp the sequence ranks are more copies of each expert; ZeRO-1 shards the optimizer over the dp / ep
-  copies; layouts accel refuses (ep with pp) are not planned. Time:
+  copies; pipeline stages hold their layers' experts (each stage its own ep group); layouts accel refuses (ep
+  with the split-backward schedules) are not planned. Time:
   per MoE layer two all-to-alls of the routed tokens (tokens x top_k x hidden) over the ep neighbours in forward
   and again in backward (on the critical path), the experts' gradients all-reduced among their dp / ep copies
   (ZeRO 2/3: reduce-scattered, and the experts all-gathered per pass);
@@ -513,9 +514,9 @@ def candidates(hw: Hardware, shape: Shape, batch_size: int, sequences: list[tupl
     """(zero, tp, pp, dp, offload, ac, m, per_rank, sp, cp, ep) combinations accel can run: TP within a machine,
     PP at most the blocks (pp x stages per rank under `schedule`), the (sp, cp) degrees of `sequences` (default:
     none) where the heads divide for Ulysses, the ep degrees of `experts` (default: none) that divide dp, accel's
-    combination rules (accel.backends.check_available: expert parallelism with anything but pipeline stages, the
-    split-backward schedules with data parallelism only on DDP stages, DualPipeV with 2 x pp micro-batches or
-    more)."""
+    combination rules (accel.backends.check_available: expert parallelism with anything but the split-backward
+    schedules, the split-backward schedules with data parallelism only on DDP stages, DualPipeV with 2 x pp
+    micro-batches or more)."""
     from accel.backends import check_available
     from accel.config import ConfigError, ParallelismConfig
 

@@ -11,7 +11,8 @@ Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism w
 Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). ZeRO-3
 with CPU offload x ep 2. Issue 41, each refused before: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
 ep 2 (a Mixtral without the router's auxiliary loss, SDPA; the reference runs dp = 2 batches), HSDP (2 x 2) x ep 2,
-ZeRO-1 x ep 2 (Mixtral and our own ModuleList). The expert elements each process holds. save_model loads with
+ZeRO-1 x ep 2 (Mixtral and our own ModuleList), ModuleList experts resharded under ZeRO-3 x ep 2, pp 2 x ep 2 and
+ZeRO-3 x pp 2 x ep 2 (1F1B, 2 micro-batches). The expert elements each process holds. save_model loads with
 `from_pretrained`; save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList
 and ZeRO-3 x Mixtral on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
@@ -68,6 +69,9 @@ RUNS = {
     "zero1-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 1, "--model", "own"]),
     # ModuleList experts resharded: each expert an FSDP2 unit over its replicas (edp)
     "zero3-ep2-own-plan": (4, ["--ep_size", 2, "--zero_stage", 3, "--model", "own"]),
+    # pipeline stages x ep: each stage's MoE layer exchanges tokens over its own ep group (dp 2 = ep 2 per stage)
+    "pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain"]),
+    "zero3-pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain"]),
 }
 
 
@@ -163,7 +167,8 @@ def test_experts_held_per_rank(runs, name):
     moe = worker_module("moe_train")
     whole = moe.expert_numel(moe.make_model(option(args, "--model", "mixtral")))
     fsdp = option(args, "--zero_stage", 0) >= 2 or option(args, "--tp_size", 1) > 1  # TP x dp: FSDP2
-    divisor = processes if fsdp else option(args, "--ep_size", 1) * option(args, "--tp_size", 1)
+    divisor = processes if fsdp else option(args, "--ep_size", 1) * option(args, "--tp_size", 1) * option(
+        args, "--pp_size", 1)  # a pipeline stage holds its layers' experts (1 of the 2 layers)
     assert json.loads((runs / name / "result.json").read_text())["expert_numel"] == whole // divisor
 
 

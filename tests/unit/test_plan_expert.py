@@ -66,8 +66,13 @@ def test_ep2_layouts_on_4_processes_hold_less(mixtral):
     _, spec, module = mixtral
     rows = plan(spec, Hardware(num_processes=4, device_memory=16 * GB), 8, 128, module=module)["layouts"]
     ep2 = [r for r in rows if r["ep_size"] == 2]
-    assert ep2 and all(r["pp_size"] == 1 and r["dp_size"] % 2 == 0 for r in ep2)
+    assert ep2 and all(r["dp_size"] % 2 == 0 for r in ep2)
     assert {r["zero_stage"] for r in ep2} == {0, 1, 2, 3}  # ZeRO-1 x ep since issue 41
+    staged = [r for r in ep2 if r["pp_size"] == 2]  # pp 2 x ep 2 (dp 2) since issue 41: each stage 1/2 the layers
+    assert staged and all(r["dp_size"] == 2 and r["tp_size"] == 1 for r in staged)
+    flat = next(r for r in ep2 if r["pp_size"] == 1 and r["tp_size"] == 1 and r["zero_stage"] == 0)
+    assert max(r["model_state_bytes_per_rank"] for r in staged if r["zero_stage"] == 0) < \
+        flat["model_state_bytes_per_rank"]  # DDP: a stage's layers, not all of them
     assert any(r["offload"] for r in ep2)  # ZeRO-3's offload: the experts' own units too
     assert {r["tp_size"] for r in ep2} == {1, 2}  # ep x tp: dp 2 x tp 2
 

@@ -30,9 +30,17 @@ def test_ep_size_defaults_to_one_and_is_named_in_features():
     assert "ep" not in Topology.for_config(2, ParallelismConfig()).sizes
 
 
-def test_pipeline_with_experts_is_refused_naming_both():
-    with pytest.raises(BackendNotAvailable, match=r"ep_size=2\) with pipeline parallelism \(pp_size=2\).*allowed"):
-        check_available(ParallelismConfig(ep_size=2, pp_size=2))
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_with_experts_are_refused_naming_both(schedule):
+    with pytest.raises(BackendNotAvailable, match=rf"ep_size=2\) with pp_schedule {schedule} .*allowed: pp_schedule"):
+        check_available(ParallelismConfig(ep_size=2, pp_size=2, pp_schedule=schedule))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+def test_pipeline_with_experts_composes(schedule):
+    """issue 41: was refused (BackendNotAvailable naming ep and pp)."""
+    check_available(ParallelismConfig(ep_size=2, pp_size=2, pp_schedule=schedule))
+    check_available(ParallelismConfig(ep_size=2, pp_size=2, pp_schedule=schedule, zero_stage=3))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -128,6 +128,11 @@ def make_model(kind: str):
     return MixtralForCausalLM(MixtralConfig(num_local_experts=4, **common))
 
 
+def shifted_loss(logits, targets):
+    """What transformers' causal LM loss is on input_ids[:, :-1] -> labels[:, 1:] (the pipeline's loss_fn)."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
 def make_samples() -> list:
     tokens = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=torch.Generator().manual_seed(3))
     return [{"input_ids": row, "labels": row.clone()} for row in tokens]
@@ -183,7 +188,10 @@ def run(argv):
                                offload_optimizer=args.offload)
     accelerator = Accelerator(parallelism_config=layout,
                               gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.pp_size > 1:  # the loss on the last stage, per micro-batch: the causal LM's shifted cross-entropy
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=shifted_loss)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     start = 0
     if args.resume:
         accelerator.load_state(str(out / "state"))
@@ -202,6 +210,9 @@ def run(argv):
                     accelerator.backward(parts[-1]["loss"] * 0.5)
                 outputs = {"loss": (parts[0]["loss"] + parts[1]["loss"]) / 2,
                            "aux_loss": (parts[0]["aux_loss"] + parts[1]["aux_loss"]) / 2}
+            elif args.pp_size > 1:  # the schedule runs forward and backward; the loss on every rank
+                outputs = {"loss": model(batch["input_ids"][:, :-1], target=batch["labels"][:, 1:])}
+                accelerator.backward(outputs["loss"])
             else:
                 outputs = model(**batch)
                 accelerator.backward(outputs["loss"])
