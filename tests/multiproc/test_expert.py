@@ -12,7 +12,8 @@ Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2
 with CPU offload x ep 2. Issue 41, each refused before: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
 ep 2 (a Mixtral without the router's auxiliary loss, SDPA; the reference runs dp = 2 batches), HSDP (2 x 2) x ep 2,
 ZeRO-1 x ep 2 (Mixtral and our own ModuleList), ModuleList experts resharded under ZeRO-3 x ep 2, pp 2 x ep 2 and
-ZeRO-3 x pp 2 x ep 2 (1F1B, 2 micro-batches). The expert elements each process holds. save_model loads with
+ZeRO-3 x pp 2 x ep 2 (1F1B, 2 micro-batches; GPipe; Interleaved1F1B on 4 layers). The expert elements each
+process holds. save_model loads with
 `from_pretrained`; save_state resumes bit-exactly (DDP x Mixtral on 2 processes; ZeRO-3 x our own ModuleList
 and ZeRO-3 x Mixtral on 4). The runs share one launch per process count (scripts/moe_train.py --jobs)."""
 
@@ -72,6 +73,10 @@ RUNS = {
     # pipeline stages x ep: each stage's MoE layer exchanges tokens over its own ep group (dp 2 = ep 2 per stage)
     "pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain"]),
     "zero3-pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain"]),
+    "gpipe-pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--pp_schedule", "GPipe", "--model",
+                                  "mixtral-plain"]),
+    "interleaved-pp2-ep2-mixtral": (4, ["--ep_size", 2, "--pp_size", 2, "--pp_schedule", "Interleaved1F1B",
+                                        "--model", "mixtral-deep"]),  # 2 stages per process, each its MoE layers
 }
 
 

@@ -115,8 +115,10 @@ def make_model(kind: str):
     common = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, vocab_size=VOCAB, output_router_logits=True,
                   router_aux_loss_coef=0.1, use_cache=False, attn_implementation="eager")
-    if kind == "mixtral-plain":  # for sp/cp: no router auxiliary loss (refused there), SDPA attention
+    if kind.startswith("mixtral-"):  # for sp/cp/pp: no router auxiliary loss (refused there), SDPA attention
         common.update(output_router_logits=False, router_aux_loss_coef=0.0, attn_implementation="sdpa")
+    if kind == "mixtral-deep":  # 4 layers: 2 stages per process (Interleaved1F1B, pp 2)
+        common.update(num_hidden_layers=4)
     if kind == "qwen2moe":
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -153,7 +155,7 @@ def run(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="mixtral",
-                        choices=["mixtral", "mixtral-plain", "qwen2moe", "own", "stacked"])
+                        choices=["mixtral", "mixtral-plain", "mixtral-deep", "qwen2moe", "own", "stacked"])
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--ep_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
@@ -161,6 +163,7 @@ def run(argv):
     parser.add_argument("--sp_size", type=int, default=1)
     parser.add_argument("--cp_size", type=int, default=1)
     parser.add_argument("--pp_size", type=int, default=1)
+    parser.add_argument("--pp_schedule", default="1F1B")
     parser.add_argument("--dp_replicate_size", type=int, default=None)
     parser.add_argument("--dp_shard_size", type=int, default=None)
     parser.add_argument("--offload", action="store_true", help="ZeRO-3's CPU offload of parameters and optimizer")
@@ -183,6 +186,7 @@ def run(argv):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=args.fused or None)
     layout = ParallelismConfig(ep_size=args.ep_size, tp_size=args.tp_size, zero_stage=args.zero_stage,
                                sp_size=args.sp_size, cp_size=args.cp_size, pp_size=args.pp_size,
+                               pp_schedule=args.pp_schedule,
                                dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size,
                                activation_checkpointing=args.checkpointing, offload_params=args.offload,
                                offload_optimizer=args.offload)
