@@ -571,6 +571,30 @@ class Accelerator(AccelerateMembers):
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return ops.reduce(tensor, reduction, scale)
 
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of a causal LM's loss computed from its logits: `labels` ([batch, sequence], e.g. the
+        input_ids) shifted one token left, the last one -100. Under sequence or context parallelism (sp_size,
+        cp_size), `labels` is this process's slice and the shift runs over the WHOLE sequence (the slices are
+        gathered over the group), so each token of the slice gets the next token of the sequence; accel's padding is
+        -100. With reduce_sequence_loss, the loss is one process's (README, Long sequences)."""
+        from accel.backends.sequence_layout import real_length, shift_labels
+
+        sequence = getattr(self.backend, "sequence_parallel", None)
+        if sequence is None:
+            return shift_labels(labels, real_length(labels))
+        return sequence.shift_labels(labels, real=real_length(labels))
+
+    def reduce_sequence_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> torch.Tensor:
+        """The mean loss over the tokens, from this process's summed token losses (e.g. cross_entropy(...,
+        reduction="sum")) and its number of counted tokens. Under sequence or context parallelism it is the whole
+        sequence's mean on every process (counts summed over the group), with gradients that equal one process's;
+        else `loss_sum / num_tokens` (0 tokens: 0)."""
+        sequence = getattr(self.backend, "sequence_parallel", None)
+        if sequence is not None:
+            return sequence.reduce_token_loss(loss_sum, num_tokens)
+        count = torch.as_tensor(num_tokens, device=loss_sum.device).to(loss_sum.dtype)
+        return loss_sum / count.clamp(min=1)
+
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return ops.pad_across_processes(tensor, dim, pad_index, pad_first)
 

@@ -16,7 +16,11 @@ the user's through `torch.nn.functional.scaled_dot_product_attention` (patched w
 
 The loss: a model's loss on a slice is the mean over that slice's tokens. `reduce_loss` turns it into the mean over
 the whole sequence's tokens (counts all-reduced over the group), on every rank, with gradients that make the
-data-parallel average over dp x sp equal one process on the full sequence.
+data-parallel average over dp x sp equal one process on the full sequence. The labels of a model that shifts them
+(causal LMs) are shifted in the wrapped forward over the whole sequence (gathered over the group, shifted, this
+rank's positions kept), however they arrive: the loader cuts them as they are. A loss the user computes from the
+logits gets the same from `shift_labels` and `reduce_token_loss` (Accelerator.shift_labels and
+Accelerator.reduce_sequence_loss).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 import inspect
 import contextlib
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -32,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from accel.backends.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch
+from accel.backends.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, real_length
+from accel.backends.sequence_layout import shift_labels as shift_whole_labels
 from accel.config.errors import ConfigError
 
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -93,11 +99,12 @@ class SequenceParallel:
         self.adds_positions = False  # set when a transformers model (positions from the local length) is prepared
         self.context: StepContext | None = None  # kept after forward: activation checkpointing recomputes in backward
         self._in_forward = False
+        self._warned_no_labels = False
 
     # -- data -------------------------------------------------------------------------------------------------
     def cut_batch(self, batch):
         """This rank's slice of a batch (the prepared DataLoader's last step)."""
-        return cut_batch(batch, self.layout, self.shifts_labels, self.adds_positions)
+        return cut_batch(batch, self.layout, self.adds_positions)
 
     # -- model ------------------------------------------------------------------------------------------------
     def install(self, model: torch.nn.Module) -> None:
@@ -196,8 +203,10 @@ class SequenceParallel:
 
     def _wrap_forward(self, model: torch.nn.Module, transformers_model: bool) -> None:
         inner = model.forward
+        parameters = inspect.signature(inner).parameters
         accepts_kwargs = transformers_model and hasattr(model, "loss_function") and any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner).parameters.values())
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        takes_labels = transformers_model and "labels" in parameters
         sequence = self
 
         def forward(*args, **kwargs):
@@ -212,11 +221,24 @@ class SequenceParallel:
             labels = kwargs.get("labels")
             if transformers_model and kwargs.get("output_router_logits") and isinstance(labels, torch.Tensor):
                 sequence._refuse_router_loss(model, model.config, in_forward=True)
+            if takes_labels and labels is None and kwargs.get("shift_labels") is None:
+                sequence._warn_no_labels(type(model).__name__)
             summed = False
             count = None
             if isinstance(labels, torch.Tensor):
-                if sequence.shifts_labels and "shift_labels" not in kwargs:
-                    kwargs["shift_labels"] = labels  # shifted by the loader, before the cut
+                given = kwargs.get("shift_labels")
+                if isinstance(given, torch.Tensor):  # shifted by the user over the whole sequence: not again
+                    kwargs["shift_labels"] = sequence.local_part(given, reference.shape[1], "shift_labels")
+                elif sequence.shifts_labels:
+                    if not accepts_kwargs:
+                        raise ValueError(
+                            f"{'sequence' if sequence.kind == 'sp' else 'context'} parallelism: "
+                            f"{type(model).__name__}.forward takes no shift_labels (no **kwargs), so its loss would "
+                            f"lose the last label of every slice; allowed: a model whose forward passes **kwargs to "
+                            f"its loss_function, or its logits with accelerator.shift_labels and "
+                            f"accelerator.reduce_sequence_loss, or {sequence.kind}_size 1")
+                    kwargs["shift_labels"] = sequence.shift_labels(labels, reference.shape[1],
+                                                                   real_length(reference) or real_length(labels))
                 count = (kwargs.get("shift_labels", labels) != IGNORE_INDEX).sum()
                 if accepts_kwargs and "num_items_in_batch" not in kwargs:
                     kwargs["num_items_in_batch"] = sequence.all_reduce(count.clone())  # the slice's loss is S/N
@@ -234,6 +256,41 @@ class SequenceParallel:
 
         model.forward = forward
         model._accel_sequence_forward = inner  # type: ignore[assignment]  # a plain attribute: the model's own
+
+    def _warn_no_labels(self, name: str) -> None:
+        """Once per job, on rank 0: a loss computed from this forward's logits is not the whole sequence's unless it
+        uses shift_labels and reduce_sequence_loss."""
+        if self._warned_no_labels:
+            return
+        self._warned_no_labels = True
+        if dist.get_rank() == 0:
+            warnings.warn(
+                f"{self.kind}_size={self.degree}: {name} was called without labels, so accel cannot make its loss the "
+                "whole sequence's; for a loss computed from its logits use labels = accelerator.shift_labels("
+                "input_ids) and loss = accelerator.reduce_sequence_loss(loss_sum, num_tokens) (README, Long "
+                "sequences), else the numbers differ from one process", stacklevel=3)
+
+    def local_part(self, labels: torch.Tensor, local: int, what: str = "labels") -> torch.Tensor:
+        """This rank's slice of a [batch, sequence] tensor given either as the slice (`local` long: as it is) or as
+        the whole sequence (cut here)."""
+        if labels.dim() >= 2 and labels.shape[1] == local:
+            return labels
+        if labels.dim() >= 2 and labels.shape[1] == local * self.degree:
+            return self.layout.cut(labels)
+        raise ValueError(
+            f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {what} of shape {tuple(labels.shape)} "
+            f"with input_ids of {local} tokens per {self.kind} rank; allowed: {what} of this rank's {local} tokens "
+            f"(cut by the prepared DataLoader with the inputs) or of the whole sequence's {local * self.degree}")
+
+    def shift_labels(self, labels: torch.Tensor, local: int | None = None, real: int | None = None) -> torch.Tensor:
+        """This rank's slice of the labels shifted one token left over the WHOLE sequence: `labels` is this rank's
+        slice (gathered over the group here) or the whole sequence; `real` the length before accel's padding."""
+        local = labels.shape[1] if local is None else local
+        if labels.dim() >= 2 and labels.shape[1] == local and self.degree > 1:
+            labels = self.whole(labels)
+        elif labels.dim() < 2 or labels.shape[1] != local * self.degree:
+            labels = self.local_part(labels, local)  # refused in one line
+        return self.layout.cut(shift_whole_labels(labels, real))
 
     def _context(self, length: int, attention_mask, positions) -> StepContext:
         context = StepContext(length)
@@ -361,6 +418,13 @@ class SequenceParallel:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def reduce_token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
+        """The whole sequence's mean loss from this slice's summed token losses and counted tokens (counts summed over
+        the group), on every rank, with the gradient `reduce_loss` gives: one process's, on the whole sequence."""
+        count = torch.as_tensor(num_tokens, device=loss_sum.device).detach().clone().to(loss_sum.dtype)
+        total = self.all_reduce(count.reshape(()))
+        return self.reduce_loss(loss_sum / total.clamp(min=1), summed=True)
 
     def reduce_loss(self, loss: torch.Tensor, count: torch.Tensor | None = None, summed: bool = False):
         """The loss of the whole sequence from this slice's, on every rank of the group.

@@ -9,9 +9,11 @@ Two layouts over n ranks:
   load balancing).
 
 The cut happens in the prepared DataLoader (`cut_batch`), after each data-parallel rank got its samples: the sequence
-ranks of one data-parallel rank get the same samples and keep one slice each. Labels of a model that shifts them
-itself (transformers' causal LMs) are shifted before the cut, so the label of a slice's last token, which lives on
-the next slice, is not lost.
+ranks of one data-parallel rank get the same samples and keep one slice each. Every tensor is cut as it is, labels
+too: the prepared model's forward shifts the labels of a model that shifts them itself (transformers' causal LMs)
+over the whole sequence (`shift_local_labels`), however they reached it (a dict, tuple, list or namedtuple batch, or
+a labels= keyword built from any tensor), so the label of a slice's last token, which lives on the next slice, is not
+lost. That is the one place labels are shifted.
 """
 
 from __future__ import annotations
@@ -69,23 +71,36 @@ class SequenceLayout:
         return torch.cat([tensor.narrow(dim, self.rank * chunk, chunk), tensor.narrow(dim, tail, chunk)], dim=dim)
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Labels moved one token left (the label of token t is the token t+1), the last one ignored: what a causal LM's
-    loss computes from them, done before the sequence is cut."""
+REAL_LENGTH = "_accel_real_length"  # on the slices of a batch accel padded: the length before the padding
+
+
+def shift_labels(labels: torch.Tensor, real_length: int | None = None) -> torch.Tensor:
+    """Labels of the whole sequence moved one token left (the label of token t is the token t+1), the last one
+    ignored: what a causal LM's loss computes from them. Tokens from `real_length` on (accel's padding) are ignored
+    first, so the last real token does not predict a padding token, whatever tensor the labels were built from."""
+    if real_length is not None and real_length < labels.shape[1]:
+        labels = labels.clone()
+        labels[:, real_length:] = IGNORE_INDEX
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def cut_batch(batch, layout: SequenceLayout, shifts_labels: bool, adds_positions: bool):
+def real_length(tensor) -> int | None:
+    """The length before accel's padding of a slice cut from a padded batch (None: not padded by accel)."""
+    return getattr(tensor, REAL_LENGTH, None) if isinstance(tensor, torch.Tensor) else None
+
+
+def cut_batch(batch, layout: SequenceLayout, adds_positions: bool):
     """This rank's slice of a batch (see the module docstring).
 
     A dict batch (transformers style) has its sequence keys cut (`SEQUENCE_KEYS`, and any other tensor shaped like
     input_ids); it is first padded up to a multiple of `layout.multiple` (padding is masked out and its labels are
-    ignored, so the loss and gradients are those of the unpadded batch); position_ids are added when
-    `adds_positions` (a transformers model computes them from the local length otherwise) and labels are shifted
-    when `shifts_labels`. A tuple or list has each tensor whose dim 1 is the first tensor's length cut as it is
-    (labels aligned with the inputs, no padding: the length must divide). Anything else passes unchanged."""
+    ignored, so the loss and gradients are those of the unpadded batch; the slices remember the real length,
+    `real_length`); position_ids are added when `adds_positions` (a transformers model computes them from the local
+    length otherwise). A tuple or list (a namedtuple too) has each tensor whose dim 1 is the first tensor's length
+    cut as it is (no padding: the length must divide). Labels are never shifted here: the prepared model's forward
+    does it over the whole sequence. Anything else passes unchanged."""
     if isinstance(batch, Mapping):
-        return _cut_mapping(batch, layout, shifts_labels, adds_positions)
+        return _cut_mapping(batch, layout, adds_positions)
     if isinstance(batch, (tuple, list)):
         tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() >= 2]
         if not tensors:
@@ -114,7 +129,7 @@ def _check_length(length: int, layout: SequenceLayout, what: str) -> None:
             "or a dict batch with input_ids, which accel pads")
 
 
-def _cut_mapping(batch: Mapping, layout: SequenceLayout, shifts_labels: bool, adds_positions: bool):
+def _cut_mapping(batch: Mapping, layout: SequenceLayout, adds_positions: bool):
     reference = batch.get("input_ids")
     if not isinstance(reference, torch.Tensor):
         reference = batch.get("inputs_embeds")
@@ -132,8 +147,6 @@ def _cut_mapping(batch: Mapping, layout: SequenceLayout, shifts_labels: bool, ad
     if adds_positions and "position_ids" not in out:
         out["position_ids"] = torch.arange(length, device=reference.device).expand(size, length)
         keys.append("position_ids")
-    if shifts_labels and isinstance(out.get("labels"), torch.Tensor) and "shift_labels" not in out:
-        out["labels"] = shift_labels(out["labels"])
     padding = -length % layout.multiple
     if padding:
         if "attention_mask" not in out:
@@ -143,6 +156,8 @@ def _cut_mapping(batch: Mapping, layout: SequenceLayout, shifts_labels: bool, ad
             out[key] = _pad(key, out[key], padding)
     for key in keys:
         out[key] = layout.cut(out[key])
+        if padding:  # the forward ignores the padding's labels, even of labels built from input_ids
+            setattr(out[key], REAL_LENGTH, length)
     return type(batch)(out) if _rebuildable(batch) else out  # type: ignore[call-arg]  # dict-like types
 
 

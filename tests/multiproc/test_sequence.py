@@ -3,6 +3,12 @@ one process on the full sequences (fp32): per-step losses within atol 1e-5, clip
 relative, final weights after 4 AdamW steps within atol 5e-4 (AdamW divides each gradient by its own running size, so
 a parameter whose gradient is nearly 0, e.g. GPT-2's key bias, turns rounding differences into lr-sized steps).
 
+Every batch shape (issue 41), on tied Llama and GPT-2 under sp 2, cp 2 and dp 2 x cp 2: `for (x,) in loader:
+model(input_ids=x, labels=x)` (before: sp 2 first loss 3.598 against one process's 4.167), a list batch with a
+separate labels tensor and a padding mask, a namedtuple with packed position_ids, a dict with shift_labels the user
+shifted, labels=input_ids of a dict batch accel pads (cp 2, length 14), and a loss computed from the logits with
+accelerator.shift_labels / reduce_sequence_loss; same tolerances.
+
 Tiny transformers Llama (untied and tied), GPT-2 and a module of our own that calls scaled_dot_product_attention; sp 2
 and cp 2 alone, with a padding mask and with packed sequences, eager and sdpa kernels, activation checkpointing, a
 length that needs padding to divide; dp 2 x sp 2, dp 2 x cp 2, ZeRO-3 x cp 2 and TP 2 x sp 2 on 4 processes; and a
@@ -42,6 +48,23 @@ RUNS = {
     "zero3-cp2": (4, ["--cp_size", 2, "--zero_stage", 3], 2),
     "tp2-sp2": (4, ["--sp_size", 2, "--tp_size", 2, "--kv_heads", 4], 1),
 }
+
+# every batch shape (issue 41): the labels reach the model unshifted, however they arrive, and the wrapped forward
+# shifts them over the whole sequence; a loss computed from the logits uses shift_labels / reduce_sequence_loss
+LOOP_DATA = {"tuple": [], "list": ["--mask", "padding"], "namedtuple": ["--mask", "packed"], "shift_labels": [],
+             "user_loss": [], "ids_as_labels": ["--length", 14]}
+GPT2_LOOPS = ("tuple", "namedtuple", "user_loss")
+for _layout, _processes, _dp in ((["--sp_size", 2], 2, 1), (["--cp_size", 2], 2, 1), (["--cp_size", 2], 4, 2)):
+    _prefix = ("dp2-" if _dp > 1 else "") + _layout[0][2:4] + "2"
+    for _loop, _data in LOOP_DATA.items():
+        if _loop == "ids_as_labels" and _layout[0] == "--sp_size":
+            continue  # the padded length is cp's case (sp pads only to a multiple of 2: length 14 divides)
+        if _dp > 1 and "padding" in _data:  # dp ranks with different token counts average their own means (DDP's
+            _data = []                        # and Accelerate's semantics, not one process's batch mean)
+        RUNS[f"{_prefix}-llama-tied-{_loop}"] = (_processes, [*_layout, "--model", "llama_tied", "--loop", _loop,
+                                                              *_data], _dp)
+        if _loop in GPT2_LOOPS:
+            RUNS[f"{_prefix}-gpt2-{_loop}"] = (_processes, [*_layout, "--model", "gpt2", "--loop", _loop, *_data], _dp)
 
 
 def option(args: list, name: str, default):
@@ -101,6 +124,20 @@ def test_matches_one_process_on_the_whole_sequence(runs, name):
         if key in weights:
             torch.testing.assert_close(weights[key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
     assert set(weights) <= set(expected_weights) and len(weights) >= len(expected_weights) - 1  # lm_head when tied
+
+
+def test_a_model_called_without_labels_warns_once_naming_the_helpers(runs):
+    """The user-loss loops call the model without labels on every step: one warning, on rank 0, in one line, naming
+    accelerator.shift_labels and reduce_sequence_loss; the loops that pass labels get none."""
+    for name, (_, args, _) in RUNS.items():
+        if "--loop" not in args:
+            continue
+        seen = json.loads((runs / name / "result.json").read_text())["warnings"]
+        if "user_loss" in args:
+            assert len(seen) == 1 and "\n" not in seen[0], (name, seen)
+            assert "accelerator.shift_labels(input_ids)" in seen[0] and "reduce_sequence_loss" in seen[0]
+        else:
+            assert seen == [], (name, seen)
 
 
 def test_resume_from_save_state_is_bit_exact(runs):

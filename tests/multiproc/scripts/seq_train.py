@@ -5,12 +5,22 @@ that calls torch's scaled_dot_product_attention (trained with `loss_fn` and `mod
 result.json (per-step losses and clipped norms) and weights.safetensors; with --save_at K it saves the state after
 step K, with --resume it loads that state and runs the remaining steps.
 
+--loop picks how the batches reach the model (every loop trains on the same numbers, so one reference serves all):
+dict (`model(**batch)`), tuple (`for (x,) in loader: model(input_ids=x, labels=x)`), list (`[input_ids,
+attention_mask, labels]`, labels a separate tensor), namedtuple (`Batch(input_ids, position_ids, labels)`),
+shift_labels (a dict with `shift_labels` the user shifted, besides labels), ids_as_labels (a dict batch,
+`labels=batch["input_ids"]`) and user_loss (the loss computed outside the
+model from its logits with accelerator.shift_labels and accelerator.reduce_sequence_loss). The warnings rank 0 saw
+are written to result.json.
+
 Run on one process with --batch_size b x dp and no parallelism, it is the reference of the same data."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -102,6 +112,52 @@ def make_samples(kind: str, mask: str, length: int) -> list:
     return samples
 
 
+LOOPS = ["dict", "tuple", "list", "namedtuple", "shift_labels", "user_loss", "ids_as_labels"]
+Batch = collections.namedtuple("Batch", ["input_ids", "position_ids", "labels"])
+
+
+def collate(loop: str):
+    """The DataLoader's collate_fn of a loop: the same tensors as the dict batch, in another container."""
+    def to_batch(samples):
+        batch = torch.utils.data.default_collate(samples)
+        if loop in ("tuple", "user_loss"):
+            return (batch["input_ids"],)
+        if loop == "list":
+            return [batch["input_ids"], batch.get("attention_mask", torch.ones_like(batch["input_ids"])),
+                    batch["labels"]]
+        if loop == "namedtuple":
+            length = batch["input_ids"].shape[1]
+            positions = batch.get("position_ids", torch.arange(length).expand_as(batch["input_ids"]))
+            return Batch(batch["input_ids"], positions, batch["labels"])
+        if loop == "shift_labels":  # shifted by the user (Accelerate's context-parallel guide): not shifted again
+            batch["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        return batch
+    return to_batch
+
+
+def loop_loss(loop: str, model, batch, accelerator):
+    """One step's loss, as each loop computes it."""
+    if loop == "tuple":
+        (x,) = batch
+        return model(input_ids=x, labels=x).loss
+    if loop == "list":
+        ids, mask, labels = batch
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    if loop == "namedtuple":
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels).loss
+    if loop == "user_loss":  # transformers' *_no_trainer examples compute it from the logits
+        (x,) = batch
+        logits = model(input_ids=x).logits
+        labels = accelerator.shift_labels(x)
+        loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1),
+                                                     ignore_index=-100, reduction="sum")
+        return accelerator.reduce_sequence_loss(loss_sum, (labels != -100).sum())
+    if loop == "ids_as_labels":  # a dict batch, the labels= keyword built from input_ids itself
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     labels=batch["input_ids"]).loss
+    return model(**batch).loss
+
+
 def run(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -109,6 +165,7 @@ def run(argv):
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--mask", default="none", choices=["none", "padding", "packed"])
     parser.add_argument("--length", type=int, default=16)
+    parser.add_argument("--loop", default="dict", choices=LOOPS)
     parser.add_argument("--kv_heads", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--sp_size", type=int, default=1)
@@ -122,7 +179,8 @@ def run(argv):
     out = Path(args.out)
     model = make_model(args.model, args.attn, args.kv_heads)
     samples = make_samples(args.model, args.mask, args.length)
-    loader = torch.utils.data.DataLoader(samples, batch_size=args.batch_size, shuffle=False)
+    loader = torch.utils.data.DataLoader(samples, batch_size=args.batch_size, shuffle=False,
+                                         collate_fn=None if args.model == "sdpa" else collate(args.loop))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     parallelism = ParallelismConfig(sp_size=args.sp_size, cp_size=args.cp_size, tp_size=args.tp_size,
                                     zero_stage=args.zero_stage, activation_checkpointing=args.checkpointing)
@@ -139,6 +197,9 @@ def run(argv):
         loader = accelerator.skip_first_batches(loader, start)
     losses, norms = [], []
     model.train()
+    seen = warnings.catch_warnings(record=True)
+    caught = seen.__enter__()
+    warnings.simplefilter("always")
     for step, batch in enumerate(loader, start=start):
         if step >= STEPS:
             break
@@ -146,7 +207,7 @@ def run(argv):
             inputs, target = batch
             loss = model(inputs, target=target)
         else:
-            loss = model(**batch).loss
+            loss = loop_loss(args.loop, model, batch, accelerator)
         accelerator.backward(loss)
         norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
@@ -154,11 +215,13 @@ def run(argv):
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
         if args.save_at and not args.resume and step + 1 == args.save_at:
             accelerator.save_state(str(out / "state"))
+    seen.__exit__(None, None, None)
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         name = "resumed" if args.resume else "result"
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "norms": norms, "warnings": [
+            str(w.message) for w in caught if "sequence" in str(w.message)]}))
     return accelerator
 
 
