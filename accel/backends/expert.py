@@ -238,6 +238,21 @@ class ExpertLayout:
         return bool(self.shards)
 
 
+def merge_layouts(layouts: list[ExpertLayout]) -> ExpertLayout:
+    """Several models' layouts as one (a pipeline's stages on one process: their names are the whole model's)."""
+    merged = ExpertLayout()
+    for layout in layouts:
+        merged.shards += layout.shards
+        merged.params.update(layout.params)
+        merged.listed.update(layout.listed)
+        merged.stacked += layout.stacked
+        merged.lists += layout.lists
+        merged.modules += layout.modules
+        merged.held |= layout.held
+        merged.listed_sharded = merged.listed_sharded or layout.listed_sharded
+    return merged
+
+
 def shard_experts(model: torch.nn.Module, ep: int, rank: int, group) -> ExpertLayout:
     """Divide every recognised MoE layer's experts among the ep ranks (this rank keeps its E/ep) and route their
     tokens by all-to-all; returns what was sharded. A model without a recognised MoE layer is refused."""

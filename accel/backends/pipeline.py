@@ -117,11 +117,17 @@ class PipelineBackend(Backend):
             _retie(view, tied)
             self.materialized.record(before, view)
         stages = []
+        before_experts = len(getattr(self.inner, "experts", ()))
         for index, shell, run in shells:
             _install_stage_forward(shell, run, index, self.precision)
             prepared = self.inner.prepare_model(shell, device_placement=False)
             stages.append((index, shell, prepared))
         wrapped = PipelineModel(self, view, stages, tied, originals)
+        layouts = getattr(self.inner, "experts", [])[before_experts:]
+        if layouts:  # pp x ep: this process's stages' experts as one layout (the inner backend's checkpoints read it)
+            from accel.backends.expert import merge_layouts
+
+            wrapped._accel_experts = merge_layouts(layouts)  # type: ignore[assignment]  # a plain attribute
         if on_meta and tied:
             wrapped.broadcast_tied_weights()
         self._models.append(wrapped)
@@ -223,11 +229,11 @@ class PipelineBackend(Backend):
         mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
         return expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
 
-    def _refuse_expert_checkpoint(self, what: str) -> None:
-        if getattr(self.inner, "experts", None):
-            raise ConfigError(f"{what}: pp_size={self.pp_size} with ep_size={self.topology.ep_size} cannot write or "
-                              "read a training checkpoint yet (each stage's ep ranks hold different experts under "
-                              "the same names); allowed: save_model / get_state_dict, or save_state with pp_size 1")
+    def _expert_dtensors(self, model: nn.Module, state: dict) -> dict:
+        """pp x ep: each ep rank of a stage holds other rows of a stacked expert under the same name; given as
+        DTensors over the stage's (edp, ep) mesh, each row is written once in its place (as without stages)."""
+        wrap = getattr(self.inner, "_expert_dtensors", None)
+        return wrap(model, state) if wrap is not None and getattr(model, "_accel_experts", None) else state
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     holds_part_of_model = True
@@ -236,15 +242,16 @@ class PipelineBackend(Backend):
         """Each name of a weight tied across stages saved as its own tensor, also where one process holds all of
         them (V placement: the embedding and the head both on rank 0), as where they are on different processes:
         a checkpoint's layout does not depend on the schedule, so any placement loads it."""
-        self._refuse_expert_checkpoint("save_state")
-        state = super().checkpoint_model_state(model)
+        state = self._expert_dtensors(model, super().checkpoint_model_state(model))
         for weight in model.tied if isinstance(model, PipelineModel) else ():
             for name in [n for n in weight.names if n in state][1:]:
                 state[name] = state[name].detach().clone()
         return state
 
     def load_checkpoint_model_state(self, model: nn.Module, state: dict) -> None:
-        self._refuse_expert_checkpoint("load_state")
+        layout = getattr(model, "_accel_experts", None)
+        if layout:  # pp x ep: this rank's rows of the stacked experts
+            state = {k: _local(v) if k in layout.params and v is not None else v for k, v in state.items()}
         super().load_checkpoint_model_state(model, {k: v for k, v in state.items() if v is not None})
 
     def load_checkpoint_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -84,8 +84,12 @@ RUNS = {
 # ZeRO-3 x a ModuleList of our own (experts whole) and ZeRO-3 x Mixtral (experts sharded again over the replicas)
 RESUMES = {"resume-2": ["--ep_size", 2, "--save_at", 2],
            "resume-4-own": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3, "--model", "own"],
-           "resume-4-zero3": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3]}
-RUNS_ON = {"resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4}
+           "resume-4-zero3": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3],
+           # issue 41: pp 2 x ep 2 (each stage's ep ranks write their experts' rows), DDP and ZeRO-3 stages
+           "resume-4-pp": ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
+           "resume-4-pp-zero3": ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain",
+                                 "--save_at", 2]}
+RUNS_ON = {"resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4, "resume-4-pp": 4, "resume-4-pp-zero3": 4}
 
 
 def option(args: list, name: str, default):
