@@ -16,7 +16,6 @@ import torch
 
 from accel.backends.base import refuse_stepped_optimizer, register_backend
 from accel.backends.spmd import SpmdBackend
-from accel.config.errors import ConfigError
 
 
 @register_backend("zero")
@@ -57,25 +56,46 @@ class ZeroBackend(SpmdBackend):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            if self.topology.ep_size > 1:
-                raise ConfigError(f"save_state: zero_stage=1 with ep_size={self.topology.ep_size} cannot save its "
-                                  "optimizer state yet (each ep rank's experts are sharded over their own replicas); "
-                                  "allowed: zero_stage 0, 2 or 3 with ep_size > 1, or save_model")
             # Consolidated on the first data-parallel rank (of each pipeline stage), which writes it, keyed by
             # parameter name like every other backend's (so stages do not collide and other backends load it).
+            # With experts: on the first rank of each expert's replicas (one per ep rank), its stacked experts'
+            # state given as DTensors over (edp, ep), as under DDP, so each ep rank's rows are written once.
             optimizer.consolidate_state_dict(to=0)
-            if self.data_parallel_rank:
+            experts = self.topology.ep_size > 1
+            if self.topology.coordinates(self.state.process_index)["edp"] if experts else self.data_parallel_rank:
                 return {}
-            return _keyed_by_name(optimizer.state_dict(), self._parameter_order(model, optimizer))
+            state = _keyed_by_name(optimizer.state_dict(), self._parameter_order(model, optimizer))
+            return self._expert_dtensors(model, state) if experts else state
         return super().checkpoint_optimizer_state(model, optimizer)
 
     def load_checkpoint_optimizer_state(self, model, optimizer, state: dict) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
+            if self.topology.ep_size > 1:
+                state = self._expert_rows(model, state)
             optimizer.load_state_dict(_keyed_by_index(state, self._parameter_order(model, optimizer)))  # keeps
             return  # this rank's partition
         super().load_checkpoint_optimizer_state(model, optimizer, state)
+
+    def _expert_rows(self, model: torch.nn.Module, state: dict) -> dict:
+        """This ep rank's rows of each stacked expert's optimizer state: read into a DTensor (the rank that wrote
+        it) or whole [E, ...] (the expert's other replicas, which wrote nothing)."""
+        layout = self._expert_layout(model)
+        if not layout or not isinstance(state.get("state"), dict):
+            return state
+        ep, rank = self.topology.ep_size, self.topology.coordinates(self.state.process_index)["ep"]
+
+        def rows(key: str, value):
+            if hasattr(value, "to_local"):
+                return value.to_local()
+            local = layout.params[key].shape[0]
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == local * ep:
+                return value[rank * local:(rank + 1) * local]
+            return value
+
+        return {**state, "state": {k: {n: rows(k, v) for n, v in entry.items()} if k in layout.params else entry
+                                   for k, entry in state["state"].items()}}
 
     def _parameter_order(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """The names of the optimizer's parameters in its index order (ZeroRedundancyOptimizer's state keys)."""

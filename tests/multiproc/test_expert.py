@@ -89,7 +89,9 @@ RESUMES = {"resume-2": ["--ep_size", 2, "--save_at", 2],
            "resume-4-pp": ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
            "resume-4-pp-zero3": ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain",
                                  "--save_at", 2]}
-RUNS_ON = {"resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4, "resume-4-pp": 4, "resume-4-pp-zero3": 4}
+RESUMES["resume-4-zero1"] = ["--ep_size", 2, "--zero_stage", 1, "--save_at", 2]  # ZeroRedundancyOptimizer over edp
+RUNS_ON = {"resume-4-zero1": 4, "resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4, "resume-4-pp": 4,
+           "resume-4-pp-zero3": 4}
 
 
 def option(args: list, name: str, default):
