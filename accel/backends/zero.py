@@ -73,10 +73,21 @@ class ZeroBackend(SpmdBackend):
 
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             if self.topology.ep_size > 1:
-                state = self._expert_rows(model, state)
+                state = self._held_experts(model, optimizer, self._expert_rows(model, state))
             optimizer.load_state_dict(_keyed_by_index(state, self._parameter_order(model, optimizer)))  # keeps
             return  # this rank's partition
         super().load_checkpoint_optimizer_state(model, optimizer, state)
+
+    def _held_experts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        """A ModuleList's experts exist on the ep rank holding them: only their state is this rank's, and each
+        parameter group lists this rank's parameters (the saved groups may be another ep rank's)."""
+        layout = self._expert_layout(model)
+        if not layout or not layout.listed or not isinstance(state.get("param_groups"), list):
+            return state
+        names = {id(p): n for n, p in self.unwrap_model(model).named_parameters()}
+        live = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        return {**state, "state": {k: v for k, v in state["state"].items() if k in layout.held},
+                "param_groups": [{**g, "params": mine} for g, mine in zip(state["param_groups"], live, strict=True)]}
 
     def _expert_rows(self, model: torch.nn.Module, state: dict) -> dict:
         """This ep rank's rows of each stacked expert's optimizer state: read into a DTensor (the rank that wrote

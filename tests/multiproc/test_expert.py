@@ -89,9 +89,13 @@ RESUMES = {"resume-2": ["--ep_size", 2, "--save_at", 2],
            "resume-4-pp": ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
            "resume-4-pp-zero3": ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain",
                                  "--save_at", 2]}
-RESUMES["resume-4-zero1"] = ["--ep_size", 2, "--zero_stage", 1, "--save_at", 2]  # ZeroRedundancyOptimizer over edp
-RUNS_ON = {"resume-4-zero1": 4, "resume-2": 2, "resume-4-own": 4, "resume-4-zero3": 4, "resume-4-pp": 4,
-           "resume-4-pp-zero3": 4}
+RESUMES.update({  # issue 41: ZeroRedundancyOptimizer over edp (stacked; ModuleList), dp 2 x sp 2 x ep 2, HSDP
+    "resume-4-zero1": ["--ep_size", 2, "--zero_stage", 1, "--save_at", 2],
+    "resume-4-own-zero1": ["--ep_size", 2, "--zero_stage", 1, "--model", "own", "--save_at", 2],
+    "resume-4-sp": ["--ep_size", 2, "--sp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
+    "resume-4-hsdp": ["--ep_size", 2, "--dp_replicate_size", 2, "--dp_shard_size", 2, "--zero_stage", 3,
+                      "--save_at", 2]})
+RUNS_ON = {name: 2 if name == "resume-2" else 4 for name in RESUMES}
 
 
 def option(args: list, name: str, default):
