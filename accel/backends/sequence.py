@@ -231,7 +231,7 @@ class SequenceParallel:
                     kwargs["shift_labels"] = sequence.local_part(given, reference.shape[1], "shift_labels")
                 elif sequence.shifts_labels:
                     if not accepts_kwargs:
-                        raise ValueError(
+                        raise ConfigError(
                             f"{'sequence' if sequence.kind == 'sp' else 'context'} parallelism: "
                             f"{type(model).__name__}.forward takes no shift_labels (no **kwargs), so its loss would "
                             f"lose the last label of every slice; allowed: a model whose forward passes **kwargs to "
@@ -277,7 +277,7 @@ class SequenceParallel:
             return labels
         if labels.dim() >= 2 and labels.shape[1] == local * self.degree:
             return self.layout.cut(labels)
-        raise ValueError(
+        raise ConfigError(
             f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {what} of shape {tuple(labels.shape)} "
             f"with input_ids of {local} tokens per {self.kind} rank; allowed: {what} of this rank's {local} tokens "
             f"(cut by the prepared DataLoader with the inputs) or of the whole sequence's {local * self.degree}")

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 import torch
 
+from accel.config.errors import ConfigError
+
 IGNORE_INDEX = -100  # the label that no loss counts (torch's cross_entropy default, transformers' padding label)
 
 # keys of a transformers-style batch that run along the sequence (dim 1), with the value padding extends them with
@@ -30,8 +32,9 @@ SEQUENCE_KEYS = {"input_ids": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_
                  "position_ids": None, "token_type_ids": 0, "inputs_embeds": 0.0, "loss_mask": 0}
 
 
-class SequenceCutError(ValueError):
-    """A batch the sequence ranks cannot share (the message is one line)."""
+class SequenceCutError(ConfigError):
+    """A batch the sequence ranks cannot share (the message is one line: a ConfigError, so a launched job prints it
+    once, on rank 0, without a traceback per rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +125,9 @@ def _same_tuple(batch: tuple, items: list):
 
 def _check_length(length: int, layout: SequenceLayout, what: str) -> None:
     if length % layout.multiple:
+        name = "context" if layout.balanced else "sequence"
         raise SequenceCutError(
-            f"sequence parallelism: {what} has sequence length {length}, which does not divide into "
+            f"{name} parallelism: {what} has sequence length {length}, which does not divide into "
             f"{layout.multiple} equal parts ({'2 x cp_size' if layout.balanced else 'sp_size'}); allowed: lengths that "
             f"are a multiple of {layout.multiple} (pad in the collator, e.g. pad_to_multiple_of={layout.multiple}), "
             "or a dict batch with input_ids, which accel pads")

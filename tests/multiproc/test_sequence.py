@@ -162,3 +162,15 @@ def test_heads_that_do_not_divide_are_one_line_not_a_traceback_per_rank(isolated
     line = ("accel: error: sequence parallelism: sp_size=2 does not divide the model's num_key_value_heads=1 "
             "(LlamaConfig)")
     assert proc.stderr.count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_tuple_batch_that_needs_padding_is_one_line(isolated_env, tmp_path):
+    """`for (x,) in loader` with length 14 under cp 2 (a multiple of 4 needed): a tuple cannot be padded (no mask,
+    labels not told from inputs), so it is refused once, on rank 0, in one line naming the fix."""
+    from _launch import accel_launch
+
+    proc = accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path, "--cp_size", 2,
+                        "--model", "llama_tied", "--loop", "tuple", "--length", 14, expect=1)
+    line = ("accel: error: context parallelism: the batch's first tensor has sequence length 14, which does not "
+            "divide into 4 equal parts (2 x cp_size); allowed: lengths that are a multiple of 4")
+    assert proc.stderr.count(line) == 1 and "Traceback" not in proc.stderr, proc.stderr

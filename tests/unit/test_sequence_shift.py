@@ -52,10 +52,15 @@ def test_padding_added_by_accel_is_never_a_label_even_of_input_ids():
 
 
 def test_tuple_batches_needing_padding_are_refused_naming_the_fix():
+    """A tuple has no attention mask to mask padding with, nor a way to tell labels from inputs: refused, as a
+    ConfigError (one line on rank 0 in a launched job), naming the layout and the fixes."""
     from accel.backends.sequence_layout import SequenceCutError
+    from accel.config.errors import ConfigError
 
-    with pytest.raises(SequenceCutError, match="sequence length 14, which does not divide into 4 equal parts "
-                                               r"\(2 x cp_size\).*or a dict batch with input_ids, which accel pads"):
+    assert issubclass(SequenceCutError, ConfigError)
+    with pytest.raises(SequenceCutError, match="^context parallelism: the batch's first tensor has sequence length "
+                                               r"14, which does not divide into 4 equal parts \(2 x cp_size\).*or a "
+                                               "dict batch with input_ids, which accel pads$"):
         cut_batch((torch.zeros(2, 14, dtype=torch.long),), SequenceLayout(2, 0, True), True)
 
 
