@@ -4,6 +4,14 @@ and under ZeRO-3.
     python benchmarks/bench_moe.py            # Mixtral-style model, 8 experts, 6 launched jobs (about a minute)
     python benchmarks/bench_moe.py --quick    # smoke run (small model, 1 warm-up + 2 measured steps)
 
+Then ep 2 with the other dimensions (issue 41), each on 4 processes: dp 2 x sp 2, HSDP 2 x 2 (ZeRO-3), ZeRO-1 and
+pp 2 (1F1B, 2 micro-batches), the router's auxiliary loss off (refused under sp/cp; a pipeline computes only the
+loss_fn), batches from a prepared DataLoader (sp cuts them). Their expert bytes per rank against the theory: the
+experts / ep (DDP, sp: the sequence ranks hold their dp rank's experts), / 4 (HSDP: sharded over replicate x
+shard), / (ep x pp) (a stage holds its layers' experts); and the AdamW state per rank after the steps against
+ZeRO-1's: (dense + experts / ep) x 8 bytes / (dp / ep), ZeroRedundancyOptimizer over the ranks holding the same
+experts (its greedy partition rounds by whole tensors).
+
 Six jobs, each `accel launch --cpu --num_processes 4 --ep_size N --zero_stage Z benchmarks/bench_moe.py --worker
 ...` with OMP_NUM_THREADS=1, Z in (0, 3): ep 1 is plain DDP (or ZeRO-3) over 4 ranks, ep 2 and ep 4 divide each MoE
 layer's experts among 2 or 4 of the data-parallel ranks (tokens reach them by all-to-all); under ZeRO-3 the
@@ -38,7 +46,9 @@ MB = 1e6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return layout_parser(__doc__, 2, 5, "small model, 1 warm-up and 2 measured steps").parse_args(argv)
+    parser = layout_parser(__doc__, 2, 5, "small model, 1 warm-up and 2 measured steps")
+    parser.add_argument("--layout", default=None, help="worker: one layout of COMPOSED (ep 2 with another dimension)")
+    return parser.parse_args(argv)
 
 
 # launcher side -------------------------------------------------------------------------------------------
@@ -50,7 +60,40 @@ def run_all(args: argparse.Namespace) -> int:
     results: dict[tuple, dict] = run_layouts(__file__, jobs, passed, args.timeout, "bench_moe_")
     if results:
         print_table(results)
-    return 0 if len(results) == len(jobs) else 1
+    more: dict = {}
+    for name in COMPOSED:  # the worker builds the layout's ParallelismConfig itself (HSDP has no launch flag)
+        more.update(run_layouts(__file__, {name: ["--num_processes", "4"]}, [*passed, "--layout", name],
+                                args.timeout, "bench_moe_"))
+    if more:
+        print_composed(more)
+    return 0 if len(results) == len(jobs) and len(more) == len(COMPOSED) else 1
+
+
+# ep 2 with the other dimensions: layout -> (ParallelismConfig fields, the expert divisor of the theory)
+COMPOSED = {"sp2-ep2": ({"sp_size": 2, "ep_size": 2}, 2),
+            "hsdp2x2-ep2": ({"dp_replicate_size": 2, "dp_shard_size": 2, "zero_stage": 3, "ep_size": 2}, 4),
+            "zero1-ep2": ({"zero_stage": 1, "ep_size": 2}, 2),
+            "pp2-ep2": ({"pp_size": 2, "ep_size": 2}, 4)}
+
+
+def print_composed(results: dict[str, dict]) -> None:
+    header = (f"{'layout':<12} {'expert MB/rank':>14} {'theory MB':>9} {'params MB/rank':>14} {'AdamW MB/rank':>13} "
+              f"{'step ms':>8}")
+    print("\nep 2 with the other dimensions, 4 processes, router auxiliary loss off")
+    print(header)
+    print("-" * len(header))
+    for name, res in results.items():
+        theory = res["expert_total"] / COMPOSED[name][1]
+        print(f"{name:<12} {max(res['expert_bytes']) / MB:>14.3f} {theory / MB:>9.3f} "
+              f"{max(res['param_bytes']) / MB:>14.3f} {max(res['optimizer_bytes']) / MB:>13.3f} "
+              f"{median(res['step']) * 1e3:>8.1f}")
+        if name == "zero1-ep2":
+            dense = res["n_params"] * 4 - res["expert_total"]
+            print(f"{'':<12} ZeRO-1 AdamW theory: (dense {dense / MB:.3f} + experts / 2 "
+                  f"{res['expert_total'] / 2 / MB:.3f}) MB x 2 / 2 replicas = "
+                  f"{(dense + res['expert_total'] / 2) / MB:.3f} MB (+ steps; whole tensors per rank)")
+    print("theory: the model's experts / 2 (ep; sp), / 4 (HSDP over replicate x shard; pp 2 x ep 2: half the layers "
+          "per stage); AdamW MB/rank: the optimizer state each rank holds after the steps", flush=True)
 
 
 def print_table(results: dict[tuple, dict]) -> None:
@@ -80,6 +123,8 @@ def print_table(results: dict[tuple, dict]) -> None:
 # worker side ---------------------------------------------------------------------------------------------
 
 def worker(args: argparse.Namespace) -> int:
+    if args.layout:
+        return composed_worker(args)
     import torch
     import torch.distributed as dist
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -124,6 +169,70 @@ def worker(args: argparse.Namespace) -> int:
         record = {"torch": torch.__version__, "n_params": n_params, "layers": layers, "hidden": hidden,
                   "batch": batch, "tokens": tokens, "warmup": warmup, "steps": steps, "step": times,
                   "expert_total": expert_total, "expert_bytes": expert_ranks, "param_bytes": param_ranks}
+        Path(args.out).write_text(json.dumps(record))
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def composed_worker(args: argparse.Namespace) -> int:
+    """One layout of COMPOSED: prepare, train, and record the bytes each rank holds and the step times."""
+    import torch
+    import torch.distributed as dist
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from accel import Accelerator, ParallelismConfig
+    from accel.backends.expert import expert_param_names
+
+    fields, _ = COMPOSED[args.layout]
+    layers, hidden, batch, tokens = SIZES["quick" if args.quick else "full"]
+    warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(**fields))
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
+                           num_experts_per_tok=2, vocab_size=1024, use_cache=False, attn_implementation="sdpa")
+    model = MixtralForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    experts = expert_param_names(model)
+    params = dict(model.named_parameters())
+    expert_total = sum(params[n].numel() * params[n].element_size() for n in experts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 1024, ((warmup + steps) * batch * 4, tokens), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=batch)
+    pipeline = fields.get("pp_size", 1) > 1
+
+    def shifted(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    extra = {"loss_fn": shifted} if pipeline else {}
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, **extra)
+    held = dict(accelerator.unwrap_model(model).named_parameters())
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in held.items()}  # DTensor: its shard
+    mine = sum(local[n].numel() * local[n].element_size() for n in experts if n in local)
+    everything = sum(p.numel() * p.element_size() for p in local.values())
+    times = []
+    for i, batch_ in enumerate(loader):
+        if i >= warmup + steps:
+            break
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        if pipeline:
+            loss = model(batch_["input_ids"][:, :-1], target=batch_["labels"][:, 1:])
+        else:
+            loss = model(**batch_).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer: this rank's partition's optimizer
+    tensors = [t for entry in inner.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+    state_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+    expert_ranks, param_ranks, optimizer_ranks = per_rank(mine), per_rank(everything), per_rank(state_bytes)
+    if accelerator.is_main_process:
+        record = {"n_params": n_params, "step": times, "expert_total": expert_total, "expert_bytes": expert_ranks,
+                  "param_bytes": param_ranks, "optimizer_bytes": optimizer_ranks}
         Path(args.out).write_text(json.dumps(record))
     accelerator.wait_for_everyone()
     return 0
