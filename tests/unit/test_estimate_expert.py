@@ -85,3 +85,18 @@ def test_zero1_shards_the_optimizer_over_the_expert_replicas():
     experts = 4 * 16 * 8 + 4 * 8 * 8
     assert zero1["params_bytes"] == (800 + experts // 2) * STATE
     assert zero1["optimizer_bytes"] == (2 * 800 + 1) * STATE  # rank 0: the embedding's moments and step
+
+
+def test_pipeline_stages_hold_their_layers_experts():
+    """pp 2 x ep 2 on 4 processes (dp 2): each stage holds its layer's experts, 1/ep of them per rank; the fullest
+    stage (the first: the embedding too) is reported."""
+    params = [Param("embed.weight", (100, 8), 4, None)]
+    for b in range(2):
+        params += [Param(f"layers.{b}.mlp.experts.gate_up_proj", (4, 16, 8), 4, f"layers.{b}"),
+                   Param(f"layers.{b}.mlp.experts.down_proj", (4, 8, 8), 4, f"layers.{b}")]
+    for p in params[1:]:
+        p.expert = True
+    layer = 4 * 16 * 8 + 4 * 8 * 8
+    result = training(ModelSpec("moe2", params), num_processes=4, pp=2, ep=2)
+    assert result["ep_size"] == 2 and result["pp_size"] == 2 and result["dp_size"] == 2
+    assert result["layouts"]["ddp"]["params_bytes"] == (800 + layer // 2) * STATE
