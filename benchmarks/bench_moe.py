@@ -122,28 +122,36 @@ def print_table(results: dict[tuple, dict]) -> None:
 
 # worker side ---------------------------------------------------------------------------------------------
 
+def make_model(layers: int, hidden: int, **options):
+    """The benchmark's Mixtral (seed 0): the model, its parameter count, its expert parameters' names and bytes."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from accel.backends.expert import expert_param_names
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
+                           num_experts_per_tok=2, vocab_size=1024, use_cache=False, **options)
+    model = MixtralForCausalLM(config)
+    params = dict(model.named_parameters())
+    experts = expert_param_names(model)
+    total = sum(params[n].numel() * params[n].element_size() for n in experts)
+    return model, sum(p.numel() for p in model.parameters()), experts, total
+
+
 def worker(args: argparse.Namespace) -> int:
     if args.layout:
         return composed_worker(args)
     import torch
     import torch.distributed as dist
-    from transformers import MixtralConfig, MixtralForCausalLM
 
     from accel import Accelerator
-    from accel.backends.expert import expert_param_names
 
     layers, hidden, batch, tokens = SIZES["quick" if args.quick else "full"]
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
     accelerator = Accelerator()  # ep_size from the launch flag
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
-                           num_experts_per_tok=2, vocab_size=1024, output_router_logits=True, use_cache=False)
-    model = MixtralForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    experts = expert_param_names(model)
-    params = dict(model.named_parameters())
-    expert_total = sum(params[n].numel() * params[n].element_size() for n in experts)
+    model, n_params, experts, expert_total = make_model(layers, hidden, output_router_logits=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
@@ -178,24 +186,14 @@ def composed_worker(args: argparse.Namespace) -> int:
     """One layout of COMPOSED: prepare, train, and record the bytes each rank holds and the step times."""
     import torch
     import torch.distributed as dist
-    from transformers import MixtralConfig, MixtralForCausalLM
 
     from accel import Accelerator, ParallelismConfig
-    from accel.backends.expert import expert_param_names
 
     fields, _ = COMPOSED[args.layout]
     layers, hidden, batch, tokens = SIZES["quick" if args.quick else "full"]
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
     accelerator = Accelerator(parallelism_config=ParallelismConfig(**fields))
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=NUM_EXPERTS,
-                           num_experts_per_tok=2, vocab_size=1024, use_cache=False, attn_implementation="sdpa")
-    model = MixtralForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    experts = expert_param_names(model)
-    params = dict(model.named_parameters())
-    expert_total = sum(params[n].numel() * params[n].element_size() for n in experts)
+    model, n_params, experts, expert_total = make_model(layers, hidden, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 1024, ((warmup + steps) * batch * 4, tokens), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=batch)

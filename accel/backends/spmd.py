@@ -217,11 +217,17 @@ class SpmdBackend(Backend):
         (two backward calls per step, as DDP allows), those accumulated under no_sync are reduced with the new."""
         if not self.experts:
             return super().backward(loss, **kwargs)
+        with self._reducing_experts(sync=not self._expert_no_sync):
+            loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def _reducing_experts(self, sync: bool):
+        """Around a backward: the expert gradients are reduced after it (when `sync`), over the edp group with the
+        divisor of every other gradient; those a previous synced backward reduced are set aside meanwhile."""
         from accel.backends.expert import reduce_expert_gradients, set_aside
 
-        sync = not self._expert_no_sync
         aside = [set_aside(layout) for layout in self.experts if layout.reduced] if sync else []
-        loss.backward(**kwargs)
+        yield
         for layout in self.experts:
             layout.reduced = sync
         if sync:
@@ -328,20 +334,8 @@ class SpmdBackend(Backend):
         """A pipeline step whose stages hold experts (pp x ep): the step's backward runs inside the schedule, so the
         expert gradients FSDP2 leaves alone (all under DDP) are reduced here after it, over the stage's edp group,
         as `backward` does without stages (the schedule divides the loss by the micro-batches)."""
-        from accel.backends.expert import reduce_expert_gradients, set_aside
-
-        sync = not skip_sync
-        aside = [set_aside(layout) for layout in self.experts if layout.reduced] if sync else []
-        with ddp_pipeline_stages(stages, skip_sync, split_backward):
+        with self._reducing_experts(sync=not skip_sync), ddp_pipeline_stages(stages, skip_sync, split_backward):
             yield
-        for layout in self.experts:
-            layout.reduced = sync
-        if sync:
-            edp = self.topology.group("edp", self.state.device.type)
-            for layout in self.experts:
-                reduce_expert_gradients(layout, edp, self.topology.expert_divisor)
-            for restore in aside:
-                restore()
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     # With experts, each ep rank holds different rows of a stacked expert parameter under the same name: the
