@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.cli._common import UsageError
-from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for
 
 FORMATS = ("png", "svg", "pdf", "html")
 JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
@@ -384,7 +384,8 @@ def _grid(count: int) -> tuple[int, int]:
 
 def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     """A matplotlib Figure (Agg canvas, never a GUI) with one panel per metric; each run is a faint raw line
-    (gid `raw:<label>`) under its smoothed line (gid `smoothed:<label>`), or only the raw line at smoothing 0."""
+    (gid `raw:<label>`) under its smoothed line (gid `smoothed:<label>`), or only the raw line at smoothing 0 and
+    for a schedule such as the learning rate (`smoothing_for`)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -398,6 +399,7 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     handles: dict[str, Any] = {}  # run label -> its first line (matplotlib's Line2D)
     for ax, metric in zip(axes, metrics, strict=False):  # the grid may have more axes than metrics
         ax.set_title(_literal(metric))
+        weight = smoothing_for(metric, smoothing)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         for index, run in enumerate(runs):
@@ -405,10 +407,10 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
             if series is None:
                 continue
             color, ys = COLORS[index % len(COLORS)], drawable(series.y)
-            if smoothing > 0:
+            if weight > 0:
                 ax.plot(series.x, ys, color=color, alpha=RAW_ALPHA, linewidth=1,
                         label=f"_raw {run.label}", gid=f"raw:{run.label}")
-                (line,) = ax.plot(series.x, smooth(ys, smoothing), color=color, linewidth=1.6,
+                (line,) = ax.plot(series.x, smooth(ys, weight), color=color, linewidth=1.6,
                                   label=_literal(run.label), gid=f"smoothed:{run.label}")
             else:
                 (line,) = ax.plot(series.x, ys, color=color, linewidth=1.4,

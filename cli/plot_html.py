@@ -9,7 +9,7 @@ import math
 import sys
 from html import escape
 
-from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for
 
 WIDTH, HEIGHT = 440, 290
 LEFT, RIGHT, TOP, BOTTOM = 64, 14, 30, 40
@@ -98,6 +98,7 @@ def render_panel(runs: list, metric: str, smoothing: float) -> str:
                if metric in run.metrics]
     frame = _Frame([x for _, _, xs, _ in present for x in xs], [y for _, _, _, ys in present for y in ys])
     body = _axes(frame, metric)
+    smoothing = smoothing_for(metric, smoothing)
     for index, run, xs, ys in present:
         color, label = COLORS[index % len(COLORS)], escape(run.label)
         if smoothing > 0:

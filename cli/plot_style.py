@@ -4,6 +4,7 @@ line's alpha, TensorBoard's smoothing."""
 from __future__ import annotations
 
 import math
+import re
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -14,6 +15,24 @@ MAX_DRAWN = 1e300  # larger magnitudes are drawn as gaps, like nan and infinitie
 def drawable(values: list) -> list:
     """The values as both renderers draw them: a magnitude beyond MAX_DRAWN becomes nan (a gap)."""
     return [v if -MAX_DRAWN <= v <= MAX_DRAWN else math.nan for v in values]
+
+
+_COUNTERS = {"epoch", "step", "global_step", "globalstep"}  # a panel of the step or epoch itself
+_SCHEDULE_WORDS = ("lr", "learningrate", "learning rate", "momentum", "weight decay")
+
+
+def _is_schedule(metric: str) -> bool:
+    last = metric.lower().rsplit("/", 1)[-1]
+    words = " ".join(re.split(r"[/_.\-\s]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", metric).lower()))
+    padded = " " + re.sub(r"(?<=lr)\d+", "", words) + " "  # lr0, lr1: per-group learning rates
+    return last in _COUNTERS or any(f" {word} " in padded for word in _SCHEDULE_WORDS)
+
+
+def smoothing_for(metric: str, smoothing: float) -> float:
+    """The smoothing a metric's panel gets: `smoothing`, or 0 for a schedule (learning rate `lr`, `train/lr`,
+    `lr_group_0`, `learning_rate`, `epoch`, `momentum`, `weight_decay`...): set by the run, not measured, so an
+    average only makes it lag."""
+    return 0.0 if _is_schedule(metric) else smoothing
 
 
 def smooth(values: list, weight: float) -> list:

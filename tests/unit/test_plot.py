@@ -100,8 +100,30 @@ def test_figure_has_a_panel_per_metric_and_a_raw_and_smoothed_line_per_run(logs)
     assert list(loss["smoothed:gamma"].get_xdata()) == [0, 2, 4]
     assert loss["raw:beta"].get_alpha() == plot.RAW_ALPHA and loss["smoothed:beta"].get_alpha() is None
     assert loss["raw:beta"].get_color() == loss["smoothed:beta"].get_color() != loss["smoothed:alpha"].get_color()
-    assert sorted(_lines(fig.axes[3])) == ["raw:alpha", "raw:beta", "smoothed:alpha", "smoothed:beta"]  # lr
+    lr = _lines(fig.axes[3])  # a schedule: drawn as it is, never smoothed (a smoothed lr lags the real one)
+    assert sorted(lr) == ["raw:alpha", "raw:beta"]
+    assert list(lr["raw:alpha"].get_ydata()) == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025])
+    assert lr["raw:alpha"].get_alpha() is None  # drawn full, not faint
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["alpha", "beta", "gamma"]
+
+
+@pytest.mark.parametrize("metric", ["lr", "train/lr", "lr_group_0", "lr-AdamW", "lr0", "learning_rate",
+                                    "LearningRate", "epoch", "train/epoch", "global_step", "momentum", "weight_decay"])
+def test_schedules_are_not_smoothed(metric):
+    assert plot.smoothing_for(metric, 0.6) == 0.0
+
+
+@pytest.mark.parametrize("metric", ["loss", "train/loss", "eval/accuracy", "grad_norm", "clr_loss", "layer_norm",
+                                    "steps_per_second", "tokens_per_step"])
+def test_measurements_are_smoothed(metric):
+    assert plot.smoothing_for(metric, 0.6) == 0.6
+
+
+def test_html_draws_a_schedule_raw(logs):
+    from accel.cli.plot_html import render_panel
+
+    runs = plot.load_runs([str(logs / "runs")])
+    assert 'class="raw"' not in render_panel(runs, "lr", 0.6) and 'class="raw"' in render_panel(runs, "loss", 0.6)
 
 
 def test_metrics_flag_and_smoothing_zero_give_one_raw_line_per_run(logs):
@@ -137,7 +159,8 @@ def test_html_is_one_self_contained_page(logs, tmp_path, capsys, monkeypatch):
     assert page.count("<svg") == 4
     for name in ("eval/acc", "grad_norm", "loss", "lr", "alpha", "beta", "gamma"):
         assert f">{name}<" in page or f'"{name}"' in page, name
-    assert page.count('class="raw"') == page.count('class="smoothed"') == 8  # runs per panel: 2+1+3+2
+    assert page.count('class="smoothed"') == 8  # a main line per run and panel: 2+1+3+2
+    assert page.count('class="raw"') == 6  # and a faint raw one under it, but for the lr panel (a schedule)
 
 
 @pytest.mark.parametrize("case, expected", [
