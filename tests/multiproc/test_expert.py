@@ -229,7 +229,11 @@ def test_save_model_loads_with_from_pretrained(runs, name):
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_resume_from_save_state_is_bit_exact(runs, name):
     """The run saved after step 2 and the resumed run's last two steps and weights equal the uninterrupted run's."""
-    folder = runs / name
+    assert_resumed_bit_exact(runs / name)
+
+
+def assert_resumed_bit_exact(folder) -> None:
+    """A job's resumed.json/.safetensors (from step 2 on) equal its uninterrupted result's last steps and weights."""
     whole = json.loads((folder / "result.json").read_text())
     resumed = json.loads((folder / "resumed.json").read_text())
     assert resumed["losses"] == whole["losses"][2:] and resumed["norms"] == whole["norms"][2:]

@@ -48,10 +48,6 @@ def test_losses_and_weights_match_one_process(run):
 
 
 def test_resume_is_bit_exact(run):
-    whole = json.loads((run / "result.json").read_text())
-    resumed = json.loads((run / "resumed.json").read_text())
-    assert resumed["losses"] == whole["losses"][2:] and resumed["norms"] == whole["norms"][2:]
-    final, again = load_file(str(run / "result.safetensors")), load_file(str(run / "resumed.safetensors"))
-    assert final.keys() == again.keys()
-    for key in final:
-        assert torch.equal(final[key], again[key]), key
+    from test_expert import assert_resumed_bit_exact
+
+    assert_resumed_bit_exact(run)
