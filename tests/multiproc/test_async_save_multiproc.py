@@ -92,7 +92,8 @@ model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Linear(32, 1))
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
 accelerator.save_state(sys.argv[1])
-print("published", accelerator.wait_for_checkpoint(), flush=True)
+sys.stdout.write(f"published {accelerator.wait_for_checkpoint()}\\n")  # one write: two ranks share stdout
+sys.stdout.flush()
 """
 
 

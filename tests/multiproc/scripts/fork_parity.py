@@ -27,6 +27,13 @@ import torch
 from accel import Accelerator
 
 
+def say(line: str) -> None:
+    """One line in one write: the two ranks share the launcher's stdout, and print's separate writes of the text and
+    its newline interleave with the other rank's."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def square(x):
     return x * x
 
@@ -90,11 +97,11 @@ def main() -> None:
     log.info("rank %d started", rank)
 
     with multiprocessing.Pool(2) as pool:
-        print(f"rank {rank} pool {pool.map(square, [1, 2, 3])}")
+        say(f"rank {rank} pool {pool.map(square, [1, 2, 3])}")
     queue = multiprocessing.Queue()
     proc = multiprocessing.Process(target=child_says, args=(queue,))
     proc.start()
-    print(f"rank {rank} {queue.get(timeout=60)}")
+    say(f"rank {rank} {queue.get(timeout=60)}")
     proc.join()
 
     model = torch.nn.Linear(4, 4)
@@ -104,8 +111,8 @@ def main() -> None:
     log.info("rank %d saved", rank)
     with open(os.path.join(args.out, f"state_rank{rank}.json"), "w") as fh:  # at the end: torch._dynamo is loaded
         json.dump({"start": start, "end": interpreter_state()}, fh, indent=1, sort_keys=True)  # in fresh ones too
-    atexit.register(lambda: print(f"rank {rank} atexit"))
-    print(f"rank {rank} end")
+    atexit.register(lambda: say(f"rank {rank} atexit"))
+    say(f"rank {rank} end")
 
 
 if __name__ == "__main__":
