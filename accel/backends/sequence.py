@@ -81,6 +81,11 @@ def documents_from_positions(positions: torch.Tensor) -> torch.Tensor | None:
     return torch.nn.functional.pad(starts.long(), (1, 0)).cumsum(dim=1)
 
 
+def kind_name(kind: str) -> str:
+    """How messages name a sequence group's kind: "sequence parallelism" (sp) or "context parallelism" (cp)."""
+    return "sequence parallelism" if kind == "sp" else "context parallelism"
+
+
 class SequenceParallel:
     """The sequence group of one job: its layout, the batch cut, the attention and the loss reduction."""
 
@@ -138,7 +143,7 @@ class SequenceParallel:
         recurrent = sorted({t for t in getattr(text, "layer_types", None) or () if "linear_attention" in str(t)})
         if recurrent and not self.allow_recurrent:
             raise ConfigError(
-                f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {type(model).__name__} has attention "
+                f"{kind_name(self.kind)}: {type(model).__name__} has attention "
                 f"layers of type {recurrent} ({type(text).__name__}.layer_types), whose recurrent state would restart "
                 f"on every {self.kind} rank and give wrong gradients; allowed: a full-attention model, "
                 f"{self.kind}_size 1, or ParallelismConfig(sp_handler=DeepSpeedSequenceParallelConfig("
@@ -154,7 +159,7 @@ class SequenceParallel:
             return
         where = "forward's output_router_logits" if in_forward else f"{type(text).__name__}.output_router_logits"
         raise ConfigError(
-            f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {type(model).__name__} adds its router's "
+            f"{kind_name(self.kind)}: {type(model).__name__} adds its router's "
             f"auxiliary loss ({where}=True, router_aux_loss_coef="
             f"{text.router_aux_loss_coef}), which each {self.kind} rank would compute on its slice only (counted "
             f"{self.kind}_size times, a gradient that is not the whole sequence's); allowed: output_router_logits "
@@ -232,7 +237,7 @@ class SequenceParallel:
                 elif sequence.shifts_labels:
                     if not accepts_kwargs:
                         raise ConfigError(
-                            f"{'sequence' if sequence.kind == 'sp' else 'context'} parallelism: "
+                            f"{kind_name(sequence.kind)}: "
                             f"{type(model).__name__}.forward takes no shift_labels (no **kwargs), so its loss would "
                             f"lose the last label of every slice; allowed: a model whose forward passes **kwargs to "
                             f"its loss_function, or its logits with accelerator.shift_labels and "
@@ -278,7 +283,7 @@ class SequenceParallel:
         if labels.dim() >= 2 and labels.shape[1] == local * self.degree:
             return self.layout.cut(labels)
         raise ConfigError(
-            f"{'sequence' if self.kind == 'sp' else 'context'} parallelism: {what} of shape {tuple(labels.shape)} "
+            f"{kind_name(self.kind)}: {what} of shape {tuple(labels.shape)} "
             f"with input_ids of {local} tokens per {self.kind} rank; allowed: {what} of this rank's {local} tokens "
             f"(cut by the prepared DataLoader with the inputs) or of the whole sequence's {local * self.degree}")
 
