@@ -410,6 +410,10 @@ class AccelConfig:
         help="seconds the workers get to save and stop after a preemption request; then they are stopped")
     requeue: bool = _spec(False, bool, help="after the workers stopped for a preemption request, `scontrol requeue` "
                                             "the SLURM job")
+    throughput_monitor: bool = _spec(
+        False, bool, help="log samples/s, tokens/s, step time, peak memory and MFU through the trackers and the "
+                          "progress bar every throughput_log_every optimizer steps (accel/runtime/throughput.py)")
+    throughput_log_every: int = _spec(10, int, lo=1, help="optimizer steps per throughput report")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and
     # the path it was read from) so every worker's Accelerator exposes it as Accelerate's automatic DeepSpeedPlugin
