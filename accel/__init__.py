@@ -35,6 +35,7 @@ _LAZY = {
     "AutocastKwargs": "accel.config.kwargs",
     "AORecipeKwargs": "accel.config.kwargs",
     "ProfileKwargs": "accel.config.kwargs",
+    "ThroughputMonitorKwargs": "accel.config.kwargs",
     "DDPCommunicationHookType": "accel.config.kwargs",
     "notebook_launcher": "accel.launchers",
     "find_executable_batch_size": "accel.core.memory",

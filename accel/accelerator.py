@@ -29,6 +29,7 @@ from accel.config.kwargs import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProfileKwargs,
+    ThroughputMonitorKwargs,
     find_handler,
 )
 from accel.optimizer import AcceleratedOptimizer
@@ -86,6 +87,7 @@ class Accelerator(AccelerateMembers):
         deepspeed_plugins: Any = None,
         parallelism_config: ParallelismConfig | None = None,
         even_batches: bool | None = None,
+        throughput_monitor: bool | None = None,
         **unsupported: Any,
     ) -> None:
         if megatron_lm_plugin is not None:
@@ -177,6 +179,10 @@ class Accelerator(AccelerateMembers):
         self._data_seed: int | None = None
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()  # Accelerate's names
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
+        from accel.runtime.throughput import monitor_for  # accel's own: tokens/s, MFU (None when off)
+
+        self.throughput = monitor_for(self, throughput_monitor, find_handler(self.kwargs_handlers,
+                                                                             ThroughputMonitorKwargs))
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
@@ -210,7 +216,7 @@ class Accelerator(AccelerateMembers):
             if not isinstance(handler, KwargsHandler):
                 raise TypeError(f"kwargs_handlers: {handler!r} is not a kwargs handler; allowed: "
                                 "DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, "
-                                "AutocastKwargs, AORecipeKwargs, ProfileKwargs")
+                                "AutocastKwargs, AORecipeKwargs, ProfileKwargs, ThroughputMonitorKwargs")
             find_handler(self.kwargs_handlers, type(handler))  # at most one of each kind
 
     def _tracker_names(self, log_with: Any) -> list:
@@ -392,6 +398,8 @@ class Accelerator(AccelerateMembers):
         if clip_to:  # DeepSpeed's `gradient_clipping`: clip at every real step, without a call in the script
             params = [p for group in replacement.param_groups for p in group["params"]]
             wrapped.before_step = lambda: self.clip_grad_norm_(params, clip_to)
+        if self.throughput is not None and not self._optimizers:  # the first optimizer's steps are the steps
+            wrapped._throughput = self.throughput
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -429,6 +437,8 @@ class Accelerator(AccelerateMembers):
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
         )
         prepared.batch_transform = self.backend.batch_transform
+        if self.throughput is not None:  # count each batch's samples and tokens (shapes only)
+            prepared.batch_transform = self.throughput.counting(self.backend.batch_transform)
         prepared.exact_resume = self._exact_resume()
         self._dataloaders.append(prepared)
         expected = self.config.parallelism.micro_batch_size  # from a DeepSpeed JSON's train_micro_batch_size_per_gpu

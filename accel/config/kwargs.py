@@ -179,6 +179,31 @@ class ProfileKwargs(KwargsHandler):
                                       with_modules=self.with_modules)
 
 
+@dataclass
+class ThroughputMonitorKwargs(KwargsHandler):
+    """accel's own (Accelerate has none): the throughput monitor's options; passing it in `kwargs_handlers` turns the
+    monitor on (accel/runtime/throughput.py). `log_every`: optimizer steps per report (None: the config's
+    `throughput_log_every`); `flops_per_token`: FLOPs of forward + backward per token (per sample where batches
+    carry no token ids), for MFU where accel cannot count them (a model without a transformers config) or to
+    override its count; `peak_flops`: the device's peak FLOP/s, for a device accel's table lacks or to override it."""
+
+    log_every: int | None = None
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.log_every is not None and (isinstance(self.log_every, bool) or not isinstance(self.log_every, int)
+                                           or not 1 <= self.log_every <= 2**31 - 1):
+            raise ValueError(f"ThroughputMonitorKwargs: argument 'log_every': bad value {self.log_every!r}; allowed: "
+                             "an integer >= 1 (or None: the config's throughput_log_every)")
+        for name in ("flops_per_token", "peak_flops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"ThroughputMonitorKwargs: argument '{name}': bad value {value!r}; allowed: a "
+                                 "finite number > 0 (or None)")
+
+
 HandlerT = TypeVar("HandlerT", bound=KwargsHandler)
 
 

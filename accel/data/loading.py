@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, cast
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
@@ -416,7 +416,7 @@ class DataLoaderShard(DataLoader):
 
     _on_stateful_loader = False  # True on the StatefulDataLoader variants (accel.data.stateful's mix-in)
     # the backend's last step on each batch, after device placement (sequence parallelism: this rank's slice)
-    batch_transform = None
+    batch_transform: Optional[Callable] = None
 
     def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
         """Accelerate's `DataLoaderShard(..., use_stateful_dataloader=True)` (and the dispatcher's): the same loader

@@ -327,6 +327,35 @@ def model_shape(spec: ModelSpec, hidden: int | None = None, heads: int | None = 
                  units)
 
 
+def attention_flops_per_token(shape: Shape, seq_len: float) -> float:
+    """FLOPs per token of attention's QK^T and AV, forward + backward, in sequences of `seq_len` tokens: 12 x layers
+    x hidden x seq_len (no causal halving, as torchtitan counts it)."""
+    return 12 * shape.layers * shape.hidden * seq_len
+
+
+def training_flops_per_token(shape: Shape, seq_len: float) -> float:
+    """FLOPs per token of one training step (forward + backward), as the plan's compute time counts them: 6 x the
+    matmul parameters (`flop_params`: an untied input embedding is a lookup, an expert runs for top_k / E of the
+    tokens) + attention (`attention_flops_per_token`); without activation checkpointing's recompute (MFU's
+    convention). accel.runtime.throughput's MFU uses it."""
+    return 6 * shape.flop_params + attention_flops_per_token(shape, seq_len)
+
+
+def module_shape(module) -> Shape | None:
+    """The `Shape` of a live model with a transformers config (hidden size and heads from it, as `plan` reads them),
+    None for a module without one."""
+    from accel.planning.estimate import spec_from_module
+
+    dims = config_dims(module)
+    if not dims.get("hidden"):
+        return None
+    spec = spec_from_module(module)
+    if not spec.numel:
+        return None
+    return model_shape(spec, dims.get("hidden"), dims.get("heads"), dims.get("kv_heads"), dims.get("experts"),
+                       dims.get("top_k"))
+
+
 def activation_bytes(shape: Shape, micro_batch: int, seq_len: int, tp: int = 1, layers: int | None = None,
                      checkpointing: str = "no", mixed_precision: str = "bf16", calibration: dict | None = None,
                      sp: int = 1, cp: int = 1) -> int:
@@ -636,7 +665,7 @@ def evaluate(spec: ModelSpec, shape: Shape, hw: Hardware, batch_size: int, seq_l
     rows_mb, width = mb * local_len, shape.hidden / tp
     eff = hw.efficiency * rows_mb / (rows_mb + hw.tokens_half) * width / (width + hw.width_half)
     bubble = pipeline_bubble(m, pp, schedule, stages_per_rank(schedule))
-    attention = 12 * shape.layers * shape.hidden * seq_len * tokens  # QK^T and AV, forward + backward
+    attention = attention_flops_per_token(shape, seq_len) * tokens
     recompute = 4 / 3 if ac == "full" else 1
     if ("flops", pp) not in states_cache:  # a pipeline runs at its slowest stage's pace
         states_cache["flops", pp] = shape.flop_params if pp == 1 else pp * max(

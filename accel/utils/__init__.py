@@ -34,6 +34,7 @@ _LAZY = {
     **dict.fromkeys(("DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "DynamoBackend",
                      "TorchTensorParallelPlugin"), "accel.config.plugins"),
     **dict.fromkeys(("ProfileKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs"), "accel.config.kwargs"),
+    "ThroughputMonitorKwargs": "accel.config.kwargs",
     "GradientAccumulationPlugin": "accel.runtime.accumulation",
     **dict.fromkeys((  # big-model inference helpers
         "check_device_map", "clean_device_map", "compute_module_sizes", "find_tied_parameters", "get_balanced_memory",
