@@ -103,6 +103,8 @@ _FLAG_KEYS = {
     "grace_period": "grace_period",
     "requeue": "requeue",
     "checkpoint_async": "checkpoint_async",
+    "throughput_monitor": "throughput_monitor",
+    "throughput_log_every": "throughput_log_every",
 }
 # the flags that feed the config (`accel env` takes them too), Accelerate's among them
 CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
@@ -155,6 +157,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(train, "gradient_accumulation_steps", type=int, metavar="N", default=None)
     add_flag(train, "checkpoint_async", metavar="{no,thread,process}", default=None,
              help="save_state writes in the background (thread or process); the loop waits only for the copy")
+    add_flag(train, "throughput_monitor", action="store_true", default=None,
+             help="log samples/s, tokens/s, step time, peak memory and MFU through the trackers and the progress bar")
+    add_flag(train, "throughput_log_every", type=int, metavar="N", default=None,
+             help="optimizer steps per throughput report (default 10)")
     add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
     add_flag(train, "tp_size", type=int, metavar="N", default=None)
     add_flag(train, "pp_size", type=int, metavar="N", default=None)

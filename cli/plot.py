@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.cli._common import UsageError
-from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for, title_for
 
 FORMATS = ("png", "svg", "pdf", "html")
 JSONL, CSV, EVENTS = "metrics.jsonl", "metrics.csv", "events.out.tfevents.*"
@@ -398,7 +398,7 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     handles: dict[str, Any] = {}  # run label -> its first line (matplotlib's Line2D)
     for ax, metric in zip(axes, metrics, strict=False):  # the grid may have more axes than metrics
-        ax.set_title(_literal(metric))
+        ax.set_title(_literal(title_for(metric)))
         weight = smoothing_for(metric, smoothing)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

@@ -9,7 +9,7 @@ import math
 import sys
 from html import escape
 
-from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for
+from accel.cli.plot_style import COLORS, RAW_ALPHA, drawable, smooth, smoothing_for, title_for
 
 WIDTH, HEIGHT = 440, 290
 LEFT, RIGHT, TOP, BOTTOM = 64, 14, 30, 40
@@ -78,7 +78,7 @@ def _path(frame: _Frame, xs: list[float], ys: list[float]) -> str:
 
 def _axes(frame: _Frame, metric: str) -> list[str]:
     bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
-    out = [f'<text x="{WIDTH / 2:.0f}" y="18" class="title">{escape(metric)}</text>',
+    out = [f'<text x="{WIDTH / 2:.0f}" y="18" class="title">{escape(title_for(metric))}</text>',
            f'<rect x="{LEFT}" y="{TOP}" width="{right - LEFT}" height="{bottom - TOP}" class="frame"/>']
     for t in nice_ticks(frame.x0, frame.x1):
         x = frame.px(t)

@@ -28,11 +28,26 @@ def _is_schedule(metric: str) -> bool:
     return last in _COUNTERS or any(f" {word} " in padded for word in _SCHEDULE_WORDS)
 
 
+# The throughput monitor's keys (accel/runtime/throughput.py) -> the unit its panel's title names
+UNITS = {"throughput/step_time_s": "s", "throughput/samples_per_sec": "samples/s",
+         "throughput/tokens_per_sec": "tokens/s", "throughput/tokens_per_sec_per_device": "tokens/s per device",
+         "throughput/tflops_per_device": "TFLOP/s per device", "throughput/mfu_percent": "%",
+         "throughput/peak_memory_gb": "GB"}
+_RUNNING_MAXIMA = {"throughput/peak_memory_gb"}  # a peak so far: it only rises, an average would lag it
+
+
 def smoothing_for(metric: str, smoothing: float) -> float:
     """The smoothing a metric's panel gets: `smoothing`, or 0 for a schedule (learning rate `lr`, `train/lr`,
     `lr_group_0`, `learning_rate`, `epoch`, `momentum`, `weight_decay`...): set by the run, not measured, so an
-    average only makes it lag."""
-    return 0.0 if _is_schedule(metric) else smoothing
+    average only makes it lag; and 0 for the throughput monitor's peak memory (a running maximum). Its rates, step
+    time and MFU are window averages, still noisy between windows: smoothed."""
+    return 0.0 if _is_schedule(metric) or metric in _RUNNING_MAXIMA else smoothing
+
+
+def title_for(metric: str) -> str:
+    """A panel's title: the metric's name, with its unit for the throughput monitor's keys
+    (`throughput/mfu_percent (%)`)."""
+    return f"{metric} ({UNITS[metric]})" if metric in UNITS else metric
 
 
 def smooth(values: list, weight: float) -> list:
