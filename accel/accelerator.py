@@ -179,7 +179,7 @@ class Accelerator(AccelerateMembers):
         self._data_seed: int | None = None
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()  # Accelerate's names
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
-        from accel.runtime.throughput import monitor_for  # accel's own: tokens/s, MFU (None when off)
+        from accel.planning.throughput import monitor_for  # accel's own: tokens/s, MFU (None when off)
 
         self.throughput = monitor_for(self, throughput_monitor, find_handler(self.kwargs_handlers,
                                                                              ThroughputMonitorKwargs))

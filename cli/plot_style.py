@@ -28,7 +28,7 @@ def _is_schedule(metric: str) -> bool:
     return last in _COUNTERS or any(f" {word} " in padded for word in _SCHEDULE_WORDS)
 
 
-# The throughput monitor's keys (accel/runtime/throughput.py) -> the unit its panel's title names
+# The throughput monitor's keys (accel/planning/throughput.py) -> the unit its panel's title names
 UNITS = {"throughput/step_time_s": "s", "throughput/samples_per_sec": "samples/s",
          "throughput/tokens_per_sec": "tokens/s", "throughput/tokens_per_sec_per_device": "tokens/s per device",
          "throughput/tflops_per_device": "TFLOP/s per device", "throughput/mfu_percent": "%",

@@ -412,7 +412,7 @@ class AccelConfig:
                                             "the SLURM job")
     throughput_monitor: bool = _spec(
         False, bool, help="log samples/s, tokens/s, step time, peak memory and MFU through the trackers and the "
-                          "progress bar every throughput_log_every optimizer steps (accel/runtime/throughput.py)")
+                          "progress bar every throughput_log_every optimizer steps (accel/planning/throughput.py)")
     throughput_log_every: int = _spec(10, int, lo=1, help="optimizer steps per throughput report")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and

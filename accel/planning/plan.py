@@ -337,7 +337,7 @@ def training_flops_per_token(shape: Shape, seq_len: float) -> float:
     """FLOPs per token of one training step (forward + backward), as the plan's compute time counts them: 6 x the
     matmul parameters (`flop_params`: an untied input embedding is a lookup, an expert runs for top_k / E of the
     tokens) + attention (`attention_flops_per_token`); without activation checkpointing's recompute (MFU's
-    convention). accel.runtime.throughput's MFU uses it."""
+    convention). accel.planning.throughput's MFU uses it."""
     return 6 * shape.flop_params + attention_flops_per_token(shape, seq_len)
 
 

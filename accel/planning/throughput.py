@@ -25,7 +25,7 @@ Each report (`metrics`, also logged through `Accelerator.log` at step = optimize
   data-parallel degree: ranks that share a batch, tp/pp/sp/cp, count it once);
 * `throughput/tokens_per_sec_per_device`: the above / the number of processes;
 * `throughput/tflops_per_device`: achieved TFLOP/s per process = FLOPs per token x tokens/s / processes;
-* `throughput/mfu_percent`: 100 x achieved / the device's peak FLOP/s (accel/runtime/peak_flops.py);
+* `throughput/mfu_percent`: 100 x achieved / the device's peak FLOP/s (accel/planning/peak_flops.py);
 * `throughput/peak_memory_gb`: this process's peak so far, 1e9 bytes: `torch.cuda.max_memory_allocated` on CUDA,
   the process's peak resident set (getrusage's ru_maxrss) on the CPU.
 
@@ -197,7 +197,7 @@ class ThroughputMonitor:
         if self._peak is _UNRESOLVED:
             self._peak = self.user_peak_flops
             if self._peak is None and (self._shape is not None or self.user_flops_per_token is not None):
-                from accel.runtime.peak_flops import device_peak
+                from accel.planning.peak_flops import device_peak
 
                 self._peak, why = device_peak(self.accelerator.device, self.accelerator.mixed_precision)
                 if self._peak is None and self.accelerator.is_main_process:
