@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 
+from accel.checkpoint.async_save import wait_for_staging
 from accel.runtime.accumulation import GradientState
 from accel.planning.measure import meter_from_env
 from accel.runtime.precision import PrecisionPolicy
@@ -75,10 +76,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def train(self) -> None:
         if hasattr(self.optimizer, "train"):
+            wait_for_staging()  # (schedule-free optimizers swap the parameters: not under an async save's copy)
             self.optimizer.train()
 
     def eval(self) -> None:
         if hasattr(self.optimizer, "eval"):
+            wait_for_staging()
             self.optimizer.eval()
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -89,6 +92,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # Accelerate's: no closure's loss back
         if not self.gradient_state.sync_gradients:
             return
+        wait_for_staging()  # an asynchronous save_state's copy of the parameters and state is complete first
         if self.before_step is not None:
             self.before_step()
         unfused = unfuse_mixed_groups(self.optimizer, self._fused_checked)

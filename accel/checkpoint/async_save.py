@@ -1,13 +1,24 @@
-"""Asynchronous `save_state`: the loop waits only while the state is copied off the live tensors.
+"""Asynchronous `save_state`: the loop waits only where the next step would overwrite what is still being copied.
 
 `save_state(dir, async_save=True)` collects the state and agrees on it with the other ranks as a synchronous save
-does, writes the (small) RNG files, then copies every tensor into staging memory with torch's stager (pinned memory
-when the tensors are on a GPU, shared memory for the `process` mode, plain CPU memory otherwise; the buffers are
-kept and reused by the next save) and hands the copy to torch.distributed.checkpoint's `async_save`, which writes it
-in a background thread (`thread`) or a checkpoint process of torch's (`process`), with a gloo process group of its own
-for its collectives, so training's collectives are never mixed with them. When the write is complete everywhere, the
-main process fsyncs, writes the manifest (checksums included) and renames the folder into place (rotation with
-`total_limit` after that): until then the previous checkpoint stays the latest, also if the job is killed.
+does, writes the (small) RNG files, copies at once what may change before the next optimizer step (the models'
+buffers: batch norm's running statistics change in the forward; the registered objects', schedulers', loaders' and
+scaler's tensors), and returns. The parameters and the optimizers' state, which only `optimizer.step()` changes, are
+copied into staging memory in a background thread (`staging`) with torch's stager (pinned memory when the tensors are
+on a GPU, copied on a stream of its own that waits for the work queued before the save; shared memory for the
+`process` mode; plain CPU memory otherwise; the buffers are kept and reused by the next save), and
+torch.distributed.checkpoint's `async_save` writes the copy in a background thread (`thread`) or a checkpoint process
+of torch's (`process`), with a gloo process group of its own for its collectives, so training's collectives are never
+mixed with them. When the write is complete everywhere, the main process fsyncs, writes the manifest (checksums
+included) and renames the folder into place (rotation with `total_limit` after that): until then the previous
+checkpoint stays the latest, also if the job is killed.
+
+What waits for the staging copy (`wait_for_staging`): the prepared optimizer's `step()`, `train()` and `eval()`
+(schedule-free optimizers swap the parameters there), and everything that waits for the whole save. So the first save
+of a run, which allocates the staging memory, costs the loop only what the forward and backward of the next step do
+not cover. Code that changes parameters or optimizer state in place by other means (`param.data.mul_`, a model's
+`load_state_dict`, the raw optimizer's `step()`) right after an asynchronous save calls `wait_for_checkpoint()` first.
+A failed staging is not raised by the step: like a failed write, it is raised at the next wait for the save.
 
 One save is pending at a time: the next save, `load_state`, `wait_for_checkpoint()`, `end_training` and interpreter
 exit wait for it. A failure in the background is raised at that wait as a one-line `CheckpointError`, the same on
@@ -26,9 +37,10 @@ import os
 import shutil
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +53,86 @@ MODES = ("no", "thread", "process")
 EXIT_CODE = 74
 _UNRAISED: list[str] = []  # those failures, one line each: the process exits with EXIT_CODE
 _UNCAUGHT: list[bool] = []  # sys.excepthook reported an uncaught exception: the process exits 1 as it would
+_STAGING: list[Future] = []  # the staging copies in progress (of this process's save in flight)
+_STAGING_WAITED = [0.0]  # seconds wait_for_staging waited, in all (benchmarks/bench_checkpoint.py reads it)
+
+
+def wait_for_staging() -> None:
+    """Wait until the staging copy of a save in flight is complete, before something overwrites the parameters or
+    the optimizer state (the prepared optimizer's step). One list check when no copy is in progress. A failed
+    staging is raised at the next wait for the save, not here."""
+    if not _STAGING:
+        return
+    start = time.perf_counter()
+    while _STAGING:
+        try:
+            future = _STAGING.pop()
+        except IndexError:  # (its completion took it out meanwhile)
+            break
+        try:
+            future.exception()  # waits; the write, which waits for it too, fails with its error
+        except CancelledError:
+            pass
+    _STAGING_WAITED[0] += time.perf_counter() - start
+
+
+def staging_waited() -> float:
+    """Seconds this process's optimizer steps (and other waits) spent waiting for staging copies, in all."""
+    return _STAGING_WAITED[0]
+
+
+def _staging_started(future: Future) -> None:
+    _STAGING.append(future)
+
+    def done(_: Future) -> None:
+        try:
+            _STAGING.remove(future)
+        except ValueError:  # (a wait took it out)
+            pass
+
+    future.add_done_callback(done)
+
+
+class BackgroundStager:
+    """torch's `AsyncStager` protocol: `stage` returns a Future of the staged copy, made by torch's `DefaultStager`
+    in a thread of its own (its buffers kept for the next save). For GPU tensors, the copy runs on a CUDA stream of
+    its own, made to wait first for the work the training stream queued before the save (the last optimizer step),
+    so the copy engine works beside the next step's kernels, never before the values it copies are final."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, pinned: bool, shared: bool, device: torch.device | None = None) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=shared,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accel-staging")
+        self._device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict) -> Future:
+        if self._device is not None and self._device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self._device)
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        return self._executor.submit(self._stage, state_dict)
+
+    def _stage(self, state_dict: dict) -> dict:
+        if self._stream is None:
+            return self._stager.stage(state_dict)  # type: ignore[return-value]
+        with torch.cuda.stream(self._stream):  # (blocking copies on this stream: the thread waits, training does not)
+            return self._stager.stage(state_dict)  # type: ignore[return-value]
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._stager.close()
 
 
 @dataclass
@@ -59,7 +151,7 @@ class AsyncCheckpointer:
 
     def __init__(self) -> None:
         self._pending: _Pending | None = None
-        self._stagers: dict[str, object] = {}
+        self._stagers: dict[str, BackgroundStager] = {}
         self._group: tuple[object, object] | None = None  # (default group it was made under, its gloo group)
 
     @property
@@ -76,23 +168,23 @@ class AsyncCheckpointer:
             self._group = (default, dist.new_group(backend="gloo"))
         return self._group[1]
 
-    def stager(self, mode: str, tensors: dict):
-        """torch's stager for `mode`: pinned memory for GPU tensors, shared memory for the checkpoint process."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        on_gpu = any(getattr(t, "device", torch.device("cpu")).type == "cuda" for t in tensors.values())
-        key = f"{mode}-{'gpu' if on_gpu else 'cpu'}"
+    def stager(self, mode: str, tensors: dict) -> BackgroundStager:
+        """The stager for `mode`: pinned memory for GPU tensors, shared memory for the checkpoint process."""
+        gpu = next((t.device for t in tensors.values() if getattr(t, "device", None) is not None
+                    and t.device.type == "cuda"), None)
+        key = f"{mode}-{gpu or 'cpu'}"
         if key not in self._stagers:
-            self._stagers[key] = DefaultStager(StagingOptions(use_pinned_memory=on_gpu,
-                                                              use_shared_memory=mode == "process",
-                                                              use_async_staging=False, use_non_blocking_copy=False))
+            self._stagers[key] = BackgroundStager(pinned=gpu is not None, shared=mode == "process", device=gpu)
         return self._stagers[key]
 
     def start(self, target: Path, tmp: Path, upload: Future, finish: Callable[[], None],
-              describe: Callable[[BaseException], str], alone: bool = False) -> None:
+              describe: Callable[[BaseException], str], alone: bool = False, staging: Future | None = None) -> None:
         """Follow `upload` (this rank's background write) in a thread; then run `finish` (the main process
-        publishes); a failure of either is kept, as one line, for the next wait."""
+        publishes); a failure of either is kept, as one line, for the next wait. `staging`: the staging copy in
+        progress, which the next optimizer step waits for (wait_for_staging)."""
         pending = _Pending(target, tmp, threading.Event(), alone=alone)
+        if staging is not None:
+            _staging_started(staging)
 
         def follow() -> None:
             try:
@@ -115,6 +207,7 @@ class AsyncCheckpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        wait_for_staging()
         pending.done.wait()
         return pending.target, pending.tmp, pending.error, pending.alone
 
@@ -124,6 +217,7 @@ class AsyncCheckpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        wait_for_staging()
         pending.done.wait()
         if pending.error:
             if pending.tmp != pending.target:  # (another process's part of the main's save names the folder itself)
@@ -137,7 +231,7 @@ class AsyncCheckpointer:
     def close(self) -> None:
         self.wait_quietly()
         for stager in self._stagers.values():
-            stager.close()  # type: ignore[attr-defined]
+            stager.close()
         self._stagers.clear()
         self._group = None
 

@@ -477,11 +477,12 @@ def rotate(folder: Path, total_limit: int | None) -> None:
 
 # -- reading ----------------------------------------------------------------------------------------------
 
-def read_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> dict:
+def read_manifest(folder: Path, share: tuple[int, int] = (0, 1), verify_files: bool = True) -> dict:
     """The manifest of a complete checkpoint, after checking every listed file is there with its size, the
     manifest's own checksum, and the checksums of the files: of every `world`-th one from `rank` for
     `share=(rank, world)` (the processes of a load verify a share each). A manifest written before checksums
-    (or by hand, without them) is checked by sizes only."""
+    (or by hand, without them) is checked by sizes only. With `verify_files=False` the files' checksums are checked
+    for their form only: the caller verifies the bytes with `FileVerification` (while it reads them)."""
     folder = Path(folder)
     if not folder.is_dir():
         interrupted = sorted(folder.parent.glob(f".old-{folder.name}-*")) if folder.parent.is_dir() else []
@@ -507,7 +508,7 @@ def read_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> dict:
         file, actual = regular_file(folder, rel, path)
         if type(size) is not int or actual != size:
             raise CheckpointError(f"{file}: damaged (size {actual} bytes, expected {size!r})")
-    _verify_checksums(folder, path, manifest, files, share)
+    _verify_checksums(folder, path, manifest, files, share if verify_files else (0, 0))
     return manifest
 
 
@@ -531,12 +532,67 @@ def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, sha
             raise CheckpointError(f"{path}: damaged (the checksum of {rel} is {str(expected)[:80]!r}; allowed: "
                                   "crc32:<8 hex digits> or sha256:<64 hex digits>)")
     rank, world = share
-    mine = sorted(files)[rank::world]
-    algorithms = {rel: checksums[rel].partition(":")[0] for rel in mine}
-    for rel, actual in file_checksums(folder, mine, algorithms).items():
-        if actual != checksums[rel]:
-            raise CheckpointError(f"{folder / rel}: damaged (its bytes do not match the checksum in {path.name}: "
-                                  "corrupted or changed since the save)")
+    if world:
+        FileVerification(folder, manifest, share).result()
+
+
+def _share(files, share: tuple[int, int]) -> list[str]:
+    rank, world = share
+    return sorted(files)[rank::world] if world else []
+
+
+class FileVerification:
+    """The checksums of this process's share of a checkpoint's files (as `read_manifest` verifies them), computed in
+    threads from the moment it is made, so that the load reads the tensors meanwhile; `result()` waits and raises
+    the CheckpointError of the first damaged file (in name order), `stop()` abandons what is left. zlib and hashlib
+    release the GIL on large buffers: the hashing runs beside the main thread's reading. A manifest without
+    checksums verifies nothing."""
+
+    def __init__(self, folder: Path, manifest: dict, share: tuple[int, int] = (0, 1)) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._folder, self._stopped = Path(folder), False
+        checksums = manifest.get("checksums") or {}
+        self._expected = {rel: checksums[rel] for rel in _share(checksums, share)}
+        self._futures: dict = {}
+        self._pool = None
+        if self._expected:
+            workers = min(4, os.cpu_count() or 1, len(self._expected))
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="accel-verify")
+            # the largest files first: the threads finish together
+            order = sorted(self._expected, key=lambda rel: -_size(self._folder / rel))
+            self._futures = {rel: self._pool.submit(self._matches, rel) for rel in order}
+            self._pool.shutdown(wait=False)
+
+    def _matches(self, rel: str) -> bool:
+        expected = self._expected[rel]
+        algorithm = expected.partition(":")[0]
+        if algorithm == "crc32":
+            value = 0
+            for chunk in _file_chunks(self._folder / rel):
+                if self._stopped:
+                    return True
+                value = zlib.crc32(chunk, value)
+            return f"crc32:{value:08x}" == expected
+        return file_checksum(self._folder / rel, algorithm) == expected
+
+    def result(self) -> None:
+        for rel in sorted(self._futures):
+            if not self._futures[rel].result():
+                raise CheckpointError(f"{self._folder / rel}: damaged (its bytes do not match the checksum in "
+                                      f"{MANIFEST}: corrupted or changed since the save)")
+
+    def stop(self) -> None:
+        self._stopped = True
+        for future in self._futures.values():
+            future.cancel()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:

@@ -394,7 +394,7 @@ def save_training_state(output_dir: str | os.PathLike, objects: TrainingObjects,
         if background:
             begin("staging tensors")
             run(lambda: _start_background_write(cast(AsyncCheckpointer, checkpointer), mode, group, tensors, meta,
-                                                publish, tmp, target, rank, world, announce_failure))
+                                                publish, tmp, target, rank, world, announce_failure, objects.models))
             return target
         begin("writing tensors")
         run(lambda: _write_tensors_and_rng(tensors, meta, tmp, rank, world))
@@ -469,13 +469,16 @@ def _save_from_main(target: Path, objects: TrainingObjects, mode: str, checkpoin
 
 def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, tensors: dict, meta: dict,
                             publish: Callable[[], None], tmp: Path, target: Path, rank: int, world: int,
-                            announce_failure: Callable[[str], str] = lambda message: message) -> None:
-    """Write the RNG states now, stage the tensors (copied off the live ones) and hand them to torch's async_save;
-    the checkpointer follows the write and then publishes (main process)."""
+                            announce_failure: Callable[[str], str] = lambda message: message,
+                            models: list | None = None) -> None:
+    """Write the RNG states now, copy what may change before the next optimizer step, and hand the tensors to
+    torch's async_save, which stages the rest in the background (the next step waits for it: async_save.py); the
+    checkpointer follows the write and then publishes (main process)."""
     from torch.distributed.checkpoint import async_save
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     _save_rng(tmp / "rng", rank)
+    tensors = _copied_if_changed_before_the_step(tensors, models or [])
     if world == 1:  # the background write warns, outside _quiet_single_process, that it assumes one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
@@ -485,11 +488,37 @@ def _start_background_write(checkpointer: AsyncCheckpointer, mode: str, group, t
         upload = async_save(tensors, storage_writer=_storage_writer(meta, tmp), process_group=group,
                             async_checkpointer_type=kind, async_stager=checkpointer.stager(mode, tensors),
                             no_dist=world == 1)
-    if not isinstance(upload, Future):  # an AsyncSaveResponse (staging in the background): not asked for here
-        upload = upload.upload_completion
+    staging = None
+    if not isinstance(upload, Future):  # an AsyncSaveResponse: the staging copy goes on in the background
+        staging, upload = upload.staging_completion, upload.upload_completion
     told = dist.get_world_size() if _ALONE.get() else world  # the message names the rank (the thread has no context)
     checkpointer.start(target, tmp, upload, publish,
-                       lambda exc: announce_failure(_save_failure(target, tmp, rank, told, exc)), alone=_ALONE.get())
+                       lambda exc: announce_failure(_save_failure(target, tmp, rank, told, exc)), alone=_ALONE.get(),
+                       staging=staging)
+
+
+def _copied_if_changed_before_the_step(tensors: dict, models: list) -> dict:
+    """`tensors` with those that may change before the next optimizer step copied now (the rest is staged in the
+    background, and the step waits for that copy): the models' buffers (batch norm's running statistics change in
+    the forward; DDP broadcasts them there) and every tensor outside the models' and optimizers' state (registered
+    objects, schedulers, loaders, scaler). The parameters and the optimizer state change only in the step."""
+    buffers = set()
+    for model in models:
+        for buffer in model.buffers() if isinstance(model, torch.nn.Module) else ():
+            local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
+            if local.device.type != "meta" and local.numel():
+                buffers.add(local.untyped_storage().data_ptr())
+
+    def changes(key: str, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if not key.startswith(("/models/", "/optimizers/")):
+            return True
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return (key.startswith("/models/") and local.device.type != "meta" and local.numel() > 0
+                and local.untyped_storage().data_ptr() in buffers)
+
+    return {k: (t.detach().clone() if changes(k, t) else t) for k, t in tensors.items()}
 
 
 def wait_for_save(checkpointer: AsyncCheckpointer) -> Path | None:
@@ -639,33 +668,60 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     manifest (dtypes, shapes against the files' safetensors headers, every JSON value), this rank's RNG
     states, the match with the prepared objects. The tensors are then read into fresh tensors (in place, to
     spare a second copy, when this rank's share is over STAGING_BYTES) and handed to the objects. A failure
-    raises a one-line CheckpointError naming the file, the same on every rank, objects as they were."""
+    raises a one-line CheckpointError naming the file, the same on every rank, objects as they were.
+
+    The files' checksums (this rank's share of the files) are verified in threads from the start, while the other
+    checks run and the tensors are read into fresh tensors; the load waits for them before anything live changes:
+    before the load pre-hooks run, before the tensors are read in place, before they are handed over. A damaged file
+    is the error a load reports first, also when a later check failed meanwhile."""
     folder = Path(input_dir).absolute()
     rank, world = _rank_world()
     _one_folder_everywhere(folder, "load_state")
+    verification: list[layout.FileVerification] = []  # (made by _checked_files once the manifest is read)
 
     def run(step):
-        return _agreed(step, lambda exc: _load_failure(folder, exc), name_rank=True)
+        return _agreed(lambda: _damage_first(step, verification), lambda exc: _load_failure(folder, exc),
+                       name_rank=True)
 
-    with stages("load_state", 3) as begin:  # DCP reads in one call: the bar names the step, with elapsed time
-        begin("checking files")
-        plan = run(lambda: _checked_files(folder, objects, rank))
-        run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates): agreed
-        begin("reading tensors")
-        run(lambda: _read_tensors(folder, plan, world))
-        begin("restoring objects")
-        run(lambda: _restore(folder, plan, objects))
+    try:
+        with stages("load_state", 3) as begin:  # DCP reads in one call: the bar names the step, with elapsed time
+            begin("checking files")
+            plan = run(lambda: _checked_files(folder, objects, rank, verification))
+            run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates)
+            begin("reading tensors")
+            run(lambda: _read_tensors(folder, plan, world, verification))
+            begin("restoring objects")
+            run(lambda: _restore(folder, plan, objects))
+    finally:
+        for pending in verification:  # (another rank's failure ended the load: no hashing goes on behind it)
+            pending.stop()
     _apply_rng(plan.rng)
     return plan.manifest
 
 
-def _checked_files(folder: Path, objects: TrainingObjects, rank: int) -> _LoadPlan:
+def _damage_first(step, verification: list):
+    """Run a load step; should it fail while the files' checksums are being verified, a damaged file is the error."""
+    try:
+        return step()
+    except Exception:
+        for pending in verification:
+            pending.result()
+        raise
+
+
+def _checked_files(folder: Path, objects: TrainingObjects, rank: int,
+                   verification: list[layout.FileVerification]) -> _LoadPlan:
     """The manifest and every file it names checked, this rank's RNG states read; then the load pre-hooks
-    (Accelerate's `hook(models, input_dir)`: they take out the models they load themselves)."""
-    manifest = layout.read_manifest(folder, share=(rank, _rank_world()[1]))
+    (Accelerate's `hook(models, input_dir)`: they take out the models they load themselves), once the files'
+    checksums, verified in threads from here on (`verification`), are found right."""
+    share = (rank, _rank_world()[1])
+    manifest = layout.read_manifest(folder, share=share, verify_files=False)
+    verification.append(layout.FileVerification(folder, manifest, share))
     specs, aliases = _checked_manifest(folder / layout.MANIFEST, manifest)
     _check_state_files(folder, manifest, specs, aliases)
     rng = _read_rng(folder, rank, manifest)
+    if objects.load_hooks:  # a hook may load a model itself from the folder: its files are verified first
+        verification[0].result()
     views = objects.hook_models()
     shown = list(views)
     for hook in objects.load_hooks:
@@ -741,17 +797,24 @@ def _targets(plan: _LoadPlan, live: dict, loads) -> tuple[dict, bool]:
     return {**targets, **matching}, in_place
 
 
-def _read_tensors(folder: Path, plan: _LoadPlan, world: int) -> None:
+def _read_tensors(folder: Path, plan: _LoadPlan, world: int, verification: list) -> None:
+    """Read the tensors into `plan.targets`: into fresh tensors while the checksums are verified, or in place once
+    they are found right."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if plan.in_place:  # the live tensors are overwritten: only with verified bytes
+        for pending in verification:
+            pending.result()
     try:
         with _quiet_single_process():
             dcp_load(plan.targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
     except (Exception, CheckpointException) as exc:  # name the folder; DCP's message says which key or file
         partly = "; the models' and optimizers' tensors may be partly overwritten: load again" if plan.in_place else ""
         raise CheckpointError(f"{folder / 'state'}: could not be loaded: {first_cause(exc)}{partly}") from None
+    for pending in verification:  # before the objects get what was read
+        pending.result()
     for key, original in plan.aliases.items():
         plan.targets[key] = plan.targets[original]
 

@@ -111,6 +111,71 @@ def test_training_during_the_write_does_not_reach_the_checkpoint(tmp_path, monke
     assert all(torch.equal(state[k], v) for k, v in saved_state.items())
 
 
+def slow_staging(monkeypatch, seconds: float = 0.5, fail: bool = False) -> None:
+    """Make the background staging copy start `seconds` late (or fail): a step that did not wait for it would
+    overwrite the parameters first."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    real = DefaultStager.stage
+
+    def late(self, state_dict, **kwargs):
+        threading.Event().wait(seconds)
+        if fail:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "stage", late)
+
+
+def test_the_next_steps_wait_for_the_background_copy_and_the_checkpoint_is_the_state_at_the_save(tmp_path,
+                                                                                                 monkeypatch):
+    """save_state(async_save=True) returns before the tensors are copied; the optimizer steps right after it wait for
+    the copy, and the forwards (which change batch norm's running statistics, copied at the save) do not need to: the
+    checkpoint holds the state of the moment of the save, bit for bit."""
+    from accel.checkpoint import async_save
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    train_step(accelerator, model, optimizer)
+    slow_staging(monkeypatch)
+    waited = async_save.staging_waited()
+    at_save = weights(model)
+    state_at_save = {k: v.clone() for k, v in optimizer.optimizer.state[next(model.parameters())].items()}
+    lr_at_save = scheduler.get_last_lr()
+    accelerator.save_state(str(tmp_path / "ckpt"), async_save=True)
+    assert async_save._STAGING  # it returned with the copy still to do
+    for _ in range(3):  # at once: the first step waits for the copy
+        train_step(accelerator, model, optimizer)
+        scheduler.step()
+    assert async_save.staging_waited() - waited > 0.2 and not async_save._STAGING
+    assert not all(torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert model.state_dict().keys() == at_save.keys()
+    assert all(torch.equal(v, at_save[k]) for k, v in model.state_dict().items())  # running_mean/var included
+    state = optimizer.optimizer.state[next(model.parameters())]
+    assert all(torch.equal(state[k], v) for k, v in state_at_save.items())
+    assert scheduler.get_last_lr() == lr_at_save
+
+
+def test_a_failed_background_copy_is_raised_at_the_next_wait_not_at_the_step(tmp_path, monkeypatch):
+    accelerator, model, optimizer = prepared()
+    accelerator.save_state(str(tmp_path / "ckpt"))  # the previous checkpoint
+    slow_staging(monkeypatch, 0.1, fail=True)
+    accelerator.save_state(str(tmp_path / "ckpt"), async_save=True)
+    train_step(accelerator, model, optimizer)  # waits for the copy; its failure is the save's, raised at the wait
+    with pytest.raises(CheckpointError) as failure:
+        accelerator.wait_for_checkpoint()
+    assert "\n" not in str(failure.value)
+    assert str(failure.value).startswith(f"{tmp_path / 'ckpt'}: could not be saved: ")
+    assert "Cannot allocate memory" in str(failure.value)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert json.loads((tmp_path / "ckpt" / layout.MANIFEST).read_text())["step"] == 0  # the previous one, intact
+
+
 SCRIPT = """
 import os, signal, sys, threading, torch
 from accel import Accelerator, ProjectConfiguration

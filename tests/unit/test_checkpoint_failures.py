@@ -453,10 +453,14 @@ def test_an_older_checkpoint_without_the_optimizer_type_is_checked_by_its_hyper_
     _prepared_with(lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))[0].load_state(str(folder))  # still loads
 
 
-@pytest.mark.parametrize("what", ["shard bit", "rng bit", "manifest value", "manifest step"])
-def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(trained, what):
-    """One flipped bit in a tensor shard, or a same-size edit of a value in the manifest, used to load silently."""
+@pytest.mark.parametrize("what", ["shard bit", "shard bit, read in place", "rng bit", "manifest value",
+                                  "manifest step"])
+def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(trained, what, monkeypatch):
+    """One flipped bit in a tensor shard, or a same-size edit of a value in the manifest, used to load silently. The
+    checksums are verified while the tensors are read into fresh tensors, and before a read in place."""
     folder, objects = trained
+    if what.endswith("in place"):
+        monkeypatch.setattr(training_state, "STAGING_BYTES", 0)
     before = snapshot(*objects)
     manifest_path = folder / layout.MANIFEST
     if what.startswith("manifest"):
@@ -474,6 +478,24 @@ def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(traine
     with pytest.raises(CheckpointError) as caught:
         objects[0].load_state(str(folder))
     assert str(caught.value).startswith(expected) and "\n" not in str(caught.value), str(caught.value)
+    assert_same(before, snapshot(*objects))
+
+
+def test_a_damaged_file_is_the_error_also_when_a_later_check_fails_while_it_is_verified(trained, monkeypatch):
+    folder, objects = trained
+    before = snapshot(*objects)
+    path = shard(folder)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x04
+    path.write_bytes(bytes(data))
+
+    def mismatch(*_):
+        raise CheckpointError("a mismatch found while the checksums are verified")
+
+    monkeypatch.setattr(training_state, "_check_against_objects", mismatch)
+    with pytest.raises(CheckpointError) as caught:
+        objects[0].load_state(str(folder))
+    assert str(caught.value).startswith(f"{path}: damaged (its bytes do not match the checksum"), str(caught.value)
     assert_same(before, snapshot(*objects))
 
 

@@ -2,8 +2,9 @@
 
 Each job trains an MLP (under the launch's backend: DDP, or ParallelismConfig zero_stage / tp_size from the flags),
 then at step 3 saves the same state twice, synchronously to OUT/sync and asynchronously to OUT/async, trains 3 more
-steps while the background write runs (the live tensors change under it), waits, and loads OUT/async back: the
-loaded weights must be the step-3 ones. Writes OUT/at_save.safetensors, OUT/loaded.safetensors and OUT/record.json
+steps at once while the background copy (made 0.5 s late here) and write run (the first step waits for the copy; the
+live tensors then change under the write), waits, and loads OUT/async back: the loaded weights must be the step-3
+ones. Writes OUT/at_save.safetensors, OUT/loaded.safetensors and OUT/record.json
 (blocked seconds, the waits' results). With --fail, the main process's publication of the asynchronous save fails
 (a full disk, simulated): every rank records the error `wait_for_checkpoint` raised.
 
@@ -88,12 +89,17 @@ def run(argv: list[str] | None) -> Accelerator:
             record["error"] = str(exc)
         layout.write_manifest = real
     else:
+        from accel.checkpoint import async_save
+
         accelerator.save_state(str(out / "sync"))
-        start = time.perf_counter()
+        late_staging()
+        start, waited = time.perf_counter(), async_save.staging_waited()
         accelerator.save_state(str(out / "async"))  # asynchronous: checkpoint_async from the config
         record["blocked_s"] = time.perf_counter() - start
-        for _ in range(3):  # the live parameters and optimizer state change while the write goes on
-            step(*next(batches))
+        record["staging_in_progress"] = bool(async_save._STAGING)
+        for _ in range(3):  # at once: the first step must wait for the background copy, then the live parameters
+            step(*next(batches))  # and optimizer state change while the write goes on
+        record["staging_waited_s"] = async_save.staging_waited() - waited
         record["published"] = accelerator.wait_for_checkpoint()
         record["second_wait"] = accelerator.wait_for_checkpoint()
         accelerator.load_state(str(out / "async"))
@@ -104,6 +110,20 @@ def run(argv: list[str] | None) -> Accelerator:
         save_file({k: v.contiguous() for k, v in at_save.items()}, str(out / "at_save.safetensors"))
     (out / f"record_{accelerator.process_index}.json").write_text(json.dumps(record))
     return accelerator
+
+
+def late_staging(seconds: float = 0.5) -> None:
+    """The background copy of the tensors starts `seconds` late: a step that did not wait for it would change the
+    parameters before they were copied (the checkpoint would hold a later step's)."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    real = DefaultStager.stage
+
+    def late(self, state_dict, **kwargs):
+        time.sleep(seconds)
+        return real(self, state_dict, **kwargs)
+
+    DefaultStager.stage = late
 
 
 def integrity(accelerator: Accelerator, model, out: Path, load_from: str | None) -> dict:
