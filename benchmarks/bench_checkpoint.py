@@ -67,11 +67,14 @@ SIZES = {"full": (12, 1024, 4096), "quick": (6, 512, 2048)}
 # groups (accel, plain[, accel without checksums]); saves first, since each round's loads read what round 0 saved
 SAVE_PAIRS = [("accel_save_state", "torch_save", "accel_save_state_nocrc", "accel_save_state_async"),
               ("accel_save_model", "st_save_file")]
-LOAD_PAIRS = [("accel_load_state", "torch_load", "accel_load_state_nocrc"), ("accel_load_model", "st_load_file")]
+LOAD_PAIRS = [("accel_load_state", "torch_load", "accel_load_state_nocrc", "accel_load_state_fresh",
+               "accel_load_state_fresh_nocrc"), ("accel_load_model", "st_load_file")]
 LABELS = {
     "accel_save_state": "accel save_state",
     "accel_save_state_nocrc": "accel save_state, no checksums",
     "accel_save_state_async": "accel save_state(async_save=True) x2",
+    "accel_load_state_fresh": "accel load_state, into fresh tensors",
+    "accel_load_state_fresh_nocrc": "  the same, no checksums",
     "torch_save": "torch.save",
     "accel_load_state": "accel load_state",
     "accel_load_state_nocrc": "accel load_state, no checksums",
@@ -86,14 +89,24 @@ OUTPUT = {"accel_save_state": "state", "torch_save": "state.pt", "accel_save_mod
           "st_save_file": "model.safetensors", "accel_save_state_nocrc": "state_nocrc",
           "accel_save_state_async": "state_async"}
 SOURCE = {"accel_load_state": "accel_save_state", "torch_load": "torch_save", "accel_load_model": "accel_save_model",
-          "st_load_file": "st_save_file", "accel_load_state_nocrc": "accel_save_state"}
+          "st_load_file": "st_save_file", "accel_load_state_nocrc": "accel_save_state",
+          "accel_load_state_fresh": "accel_save_state", "accel_load_state_fresh_nocrc": "accel_save_state"}
+USER_SIZE = (6, 1024, 2048)  # 25,190,400 parameters: the "as a user would" case on 2 processes
+# name -> (--zero_stage, import torch.distributed.optim before timing): accel's ZeRO backend imports it at the first
+# save (0.2-0.4 s of TorchScript compilation of torch's functional optimizers), the second ZeRO-3 row leaves that out
+USER_LAYOUTS = {"DDP": (0, False), "ZeRO-3": (3, False), "ZeRO-3'": (3, True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each operation (fresh process each)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 12.6M parameters, 1 run")
+    parser.add_argument("--part", choices=["all", "single", "user"], default="all",
+                        help="single: the 1-process table; user: the first save of a 2-process run (DDP, ZeRO-3)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--user-worker", choices=["sync", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--import-optim", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -147,7 +160,7 @@ class PeakRSS:
             self.peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.before_kb
 
 
-def build(size: str):
+def build(size: str | tuple, **kwargs):
     """The model and optimizer, prepared by Accelerator(cpu=True), after one real AdamW step."""
     import torch
     from torch import nn
@@ -155,19 +168,27 @@ def build(size: str):
     from accel import Accelerator
 
     torch.manual_seed(0)
-    blocks, width, hidden = SIZES[size]
+    blocks, width, hidden = SIZES[size] if isinstance(size, str) else size
     layers = []
     for _ in range(blocks):
         layers += [nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)]
     model = nn.Sequential(*layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(**{"cpu": True, **kwargs})
     model, optimizer = accelerator.prepare(model, optimizer)
+    train_step(accelerator, model, optimizer, width)
+    optimizer.zero_grad(set_to_none=True)
+    return accelerator, model, optimizer
+
+
+def train_step(accelerator, model, optimizer, width: int, set_to_none: bool = True) -> None:
+    """One training step on a random batch of 8: forward, backward, the prepared optimizer's step, zero_grad."""
+    import torch
+
     loss = model(torch.randn(8, width)).square().mean()
     accelerator.backward(loss)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return accelerator, model, optimizer
+    optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def fsync_path(path: Path) -> None:
@@ -201,9 +222,20 @@ def without_checksums() -> None:
         def finish(self) -> str:
             return "crc32:00000000"
 
+    class NoVerification:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def result(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
     streaming_writer._Crc32 = NoCrc32  # type: ignore[misc,assignment]
     layout.file_checksums = lambda folder, names, algorithms=None: dict.fromkeys(names, "crc32:00000000")
     layout._verify_checksums = lambda *args, **kwargs: None
+    layout.FileVerification = NoVerification  # type: ignore[misc,assignment]
 
 
 def checksum_speed(folder: Path) -> dict:
@@ -259,17 +291,33 @@ def worker(op: str, path: Path, size: str) -> None:
     if op.endswith("_nocrc"):
         without_checksums()
         op = op.removesuffix("_nocrc")
+    if op.endswith("_fresh"):  # read into fresh tensors, as every rank's share up to STAGING_BYTES (1 GiB) is
+        accel.checkpoint.training_state.STAGING_BYTES = 2**40
+        op = op.removesuffix("_fresh")
+    width = SIZES[size][1]
+    if op == "accel_save_state_async":  # the loop's own step time, gradients kept (as in a loop): the baseline
+        steps = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            train_step(accelerator, model, optimizer, width, set_to_none=False)
+            steps.append(time.perf_counter() - t0)
+        result["step_s"] = median(steps[1:])
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         if op == "accel_save_state":
             accelerator.save_state(str(path))
-        elif op == "accel_save_state_async":  # two saves, a training step's worth of work between them
+        elif op == "accel_save_state_async":  # two saves, each followed at once by a training step
+            from accel.checkpoint import async_save
+
             for i in (1, 2):
                 t1 = time.perf_counter()
                 accelerator.save_state(f"{path}_{i}" if i == 1 else str(path), async_save=True)
-                result[f"blocked{i}_s"] = time.perf_counter() - t1
-                with torch.no_grad():  # the live state changes while the background write runs
-                    first.mul_(1.0001)
+                result[f"call{i}_s"] = time.perf_counter() - t1
+                waited, t1 = async_save.staging_waited(), time.perf_counter()
+                train_step(accelerator, model, optimizer, width, set_to_none=False)  # waits for the copy first
+                result[f"step{i}_s"] = time.perf_counter() - t1
+                result[f"staging_wait{i}_s"] = async_save.staging_waited() - waited
+                result[f"blocked{i}_s"] = result[f"call{i}_s"] + result[f"staging_wait{i}_s"]
                 t1 = time.perf_counter()
                 accelerator.wait_for_checkpoint()
                 result[f"wait{i}_s"] = time.perf_counter() - t1
@@ -359,12 +407,115 @@ def run_worker(op: str, path: Path, size: str, scratch: Path) -> dict:
     return result
 
 
+def user_worker(mode: str, out: Path, import_optim: bool = False) -> None:
+    """One job of the 2-process case (launched by `accel launch --cpu --num_processes 2 --zero_stage N`): the run's
+    first save_state, synchronous or asynchronous, each rank timing the call and the training step right after it."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401 (imported before timing, as in the 1-process workers)
+
+    from accel.checkpoint import async_save
+
+    if import_optim:
+        import torch.distributed.optim  # noqa: F401
+    width = USER_SIZE[1]
+    accelerator, model, optimizer = build(USER_SIZE)
+    steps = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        train_step(accelerator, model, optimizer, width, set_to_none=False)
+        steps.append(time.perf_counter() - t0)
+    record = {"rank": accelerator.process_index, "step_s": median(steps[2:]), "params": sum(
+        p.numel() for p in accelerator.unwrap_model(model).parameters()), "torch": torch.__version__,
+        "imported_optim": "torch.distributed.optim" in sys.modules}
+    accelerator.wait_for_everyone()
+    t0 = time.perf_counter()
+    accelerator.save_state(str(out.with_suffix("")), async_save=mode == "async")
+    record["call_s"] = time.perf_counter() - t0
+    record["first_save_imported_optim"] = not record.pop("imported_optim") and "torch.distributed.optim" in sys.modules
+    waited, t0 = async_save.staging_waited(), time.perf_counter()
+    train_step(accelerator, model, optimizer, width, set_to_none=False)
+    record["step_after_s"] = time.perf_counter() - t0
+    record["staging_wait_s"] = async_save.staging_waited() - waited
+    t0 = time.perf_counter()
+    accelerator.wait_for_checkpoint()
+    record["wait_s"] = time.perf_counter() - t0
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, record)
+    if accelerator.is_main_process:
+        out.write_text(json.dumps(everyone))
+    accelerator.end_training()
+
+
+def user_case(args: argparse.Namespace) -> None:
+    """The first save of a 2-process run, synchronous against asynchronous, under DDP and ZeRO-3 (fresh launches)."""
+    from _common import accel_command, run_job
+
+    runs = 1 if args.quick else max(1, args.runs)
+    results: dict[tuple[str, str], list[list[dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="accel-bench-checkpoint-user-") as tmp:
+        for rnd in range(runs):
+            for index, (name, (stage, import_optim)) in enumerate(USER_LAYOUTS.items()):
+                for mode in (("sync", "async") if (rnd + index) % 2 == 0 else ("async", "sync")):
+                    out = Path(tmp) / f"{index}-{mode}-{rnd}.json"
+                    cmd = [*accel_command(), "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "no",
+                           "--zero_stage", str(stage), os.path.abspath(__file__), "--user-worker", mode,
+                           "--out", str(out), *(["--import-optim"] if import_optim else [])]
+                    record = run_job(cmd, out, 600, label=f"{name} {mode} (run {rnd + 1}/{runs}): ")
+                    if record is not None:
+                        results.setdefault((name, mode), []).append(record)
+                    shutil.rmtree(out.with_suffix(""), ignore_errors=True)
+    if not results:
+        return
+    first = next(iter(results.values()))[0][0]
+    blocks, width, hidden = USER_SIZE
+    print(f"\nthe first save_state of a run, as a user would: {blocks} x [Linear({width}, {hidden}), GELU, "
+          f"Linear({hidden}, {width})], {first['params']:,} parameters, AdamW, 2 processes (gloo, 1 thread each), "
+          f"batch 8 per process, torch {first['torch']}; medians of {runs} fresh launch(es); per run the slowest rank")
+    header = (f"{'layout':<8}{'sync save s':>12}{'async: returns s':>17}{'+ step waits s':>15}{'blocked s':>10}"
+              f"{'blocked/sync':>13}{'loop lost s':>12}{'lost/sync':>10}{'step s':>8}")
+    print(header)
+    print("-" * len(header))
+    for name in USER_LAYOUTS:
+        sync, asyn = results.get((name, "sync")), results.get((name, "async"))
+        if not sync or not asyn:
+            print(f"{name:<8} (a launch failed)")
+            continue
+
+        def worst(runs_: list[list[dict]], key) -> float:
+            return median([max(key(r) for r in ranks) for ranks in runs_])
+
+        step = worst(sync + asyn, lambda r: r["step_s"])
+        sync_s = worst(sync, lambda r: r["call_s"])
+        sync_lost = worst(sync, lambda r: r["call_s"] + r["step_after_s"]) - step
+        call = worst(asyn, lambda r: r["call_s"])
+        waited = worst(asyn, lambda r: r["staging_wait_s"])
+        blocked = worst(asyn, lambda r: r["call_s"] + r["staging_wait_s"])
+        lost = worst(asyn, lambda r: r["call_s"] + r["step_after_s"]) - step
+        print(f"{name:<8}{sync_s:>12.2f}{call:>17.2f}{waited:>15.2f}{blocked:>10.2f}{blocked / sync_s:>12.2f}x"
+              f"{lost:>12.2f}{lost / sync_lost:>9.2f}x{step:>8.2f}")
+    print("ZeRO-3: the first save imports torch.distributed.optim (accel/backends/zero.py), in both saves' time; "
+          "ZeRO-3': imported before timing")
+    print("blocked: save_state's return + the wait of the next optimizer step for the staging copy (target <= 0.2x "
+          "the synchronous save); loop lost: save_state + the step after it - a step without a save, against the same "
+          "for the synchronous save (under DDP the main process saves alone: the other waits in the next all-reduce)")
+
+
 def main(args: argparse.Namespace) -> None:
+    start, load = time.perf_counter(), os.getloadavg()
+    if args.part in ("all", "single"):
+        single(args)
+    if args.part in ("all", "user"):
+        user_case(args)
+    print(f"total {time.perf_counter() - start:.0f} s; load average {load[0]:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs (other work slows every figure)")
+
+
+def single(args: argparse.Namespace) -> None:
     import torch
 
     size = "quick" if args.quick else "full"
     runs = 1 if args.quick else max(1, args.runs)
-    start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="accel-bench-checkpoint-"))
     results: dict[str, list[dict]] = {op: [] for pair in SAVE_PAIRS + LOAD_PAIRS for op in pair}
     sizes: dict[str, tuple[int, int]] = {}
@@ -444,22 +595,31 @@ def main(args: argparse.Namespace) -> None:
         print()
     save = median([r["seconds"] for r in results["accel_save_state"]])
     runs_async = results["accel_save_state_async"]
-    print("asynchronous save_state (two saves per worker: the first allocates the staging buffers, the second reuses "
-          "them), the loop's blocked time against the synchronous save_state's median:")
+    print("asynchronous save_state (two saves per worker, each followed at once by a training step; the first save of "
+          "the process allocates the staging buffers, the second reuses them), against the synchronous save_state's "
+          "median (also the first save of a fresh process):")
+    step = median([r["step_s"] for r in runs_async])
+    print(f"  a training step without a save (forward + backward + AdamW, batch 8): {step:.2f} s")
     for i, what in ((1, "first save "), (2, "second save")):
-        blocked, wait = median([r[f"blocked{i}_s"] for r in runs_async]), median([r[f"wait{i}_s"] for r in runs_async])
-        print(f"  {what}: blocked {blocked:.2f} s = {blocked / save:.2f}x the synchronous save (target <= 0.2), then "
-              f"written in the background in {wait:.2f} s more")
+        def med(key: str, i: int = i) -> float:
+            return median([r[f"{key}{i}_s"] for r in runs_async])
+
+        blocked, delay = med("blocked"), med("call") + med("step") - step
+        print(f"  {what}: save_state returned in {med('call'):.2f} s, the next step waited {med('staging_wait'):.2f} s "
+              f"for the copy: blocked {blocked:.2f} s = {blocked / save:.2f}x the synchronous save (target <= 0.2); "
+              f"the loop lost {delay:.2f} s = {delay / save:.2f}x (save_state + that step - a step; the copy's thread "
+              f"shares the cores with the step); written in the background in {med('wait'):.2f} s more")
     extra = median([r["anon_mb"] for r in runs_async])
     print(f"  extra memory: anon +{round(extra)} MB over both saves (the staging copy, kept for the next save), "
           f"{extra * MB / state_bytes:.2f}x the training state")
     print()
     print("checksums (crc32) of the training state, their cost as the difference of the medians:")
-    for what, op in (("save", "accel_save_state"), ("load", "accel_load_state")):
+    for what, op in (("save_state", "accel_save_state"), ("load_state (read in place: > 1 GiB)", "accel_load_state"),
+                     ("load_state into fresh tensors", "accel_load_state_fresh")):
         on = median([r["seconds"] for r in results[op]])
         off = median([r["seconds"] for r in results[op + "_nocrc"]])
-        print(f"  {what}_state {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
-              f"{(on - off) / save * 100:+.1f}% of the save time ({(on - off) / off * 100:+.1f}% of this {what})"
+        print(f"  {what} {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
+              f"{(on - off) / save * 100:+.1f}% of the save time ({(on - off) / off * 100:+.1f}% of this operation)"
               f"  (target <= 5% of the save time)")
     timed = [r for r in results["accel_load_state"] if "crc32_s" in r]
     if timed:
@@ -468,12 +628,13 @@ def main(args: argparse.Namespace) -> None:
             secs = median([r[f"{algorithm}_s"] for r in timed])
             print(f"  {algorithm} of the checkpoint's {nbytes / MB:.0f} MB, one thread, from the page cache: "
                   f"{secs:.2f} s, {nbytes / secs / 1e9:.2f} GB/s")
-    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.worker:
         worker(arguments.worker, Path(arguments.path), arguments.size)
+    elif arguments.user_worker:
+        user_worker(arguments.user_worker, Path(arguments.out), arguments.import_optim)
     else:
         main(arguments)
