@@ -8,9 +8,10 @@ One process on the CPU, one torch thread (`--threads`). Two prepared copies of t
 layers, hidden 128, vocab 1024, same initial weights) train with AdamW on the same synthetic token batches (8 x 64
 tokens): one under `Accelerator(throughput_monitor=True, log_with="jsonl")` (a report logged every 10 optimizer
 steps, tokens counted from every batch), one under a plain `Accelerator()`. A step is timed from fetching the batch
-to the end of `optimizer.step()` + `zero_grad()`. The loops alternate in blocks of `--block` steps (on, off | off,
-on | ...), so bursts of machine noise hit both; the first 2 rounds are warm-up. It prints the median step time of
-each loop, on/off (the figure held to the target, <= 1.01), the median and quartiles of the per-round ratios, and
+to the end of `optimizer.step()` + `zero_grad()`. The loops alternate step by step (on, off | off, on | ...; `--block
+N`: N steps each), so bursts of machine noise hit both; the first 2 rounds are warm-up. It prints the median step
+time of each loop and their ratio, the median and quartiles of the per-round on/off ratios (paired: the figure held
+to the target, <= 1.01; `--control` shows how far two identical loops land from 1.00 on this machine), and
 the monitor's own cost measured directly: `count(batch)` + `step()` called in a tight loop, the reports (a jsonl log
 line, getrusage) included at their rate, against the median step. A benchmark: it asserts nothing.
 """
@@ -85,17 +86,17 @@ def own_cost_us(monitor, batch, calls: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30, help="measured rounds (each: a block of each loop)")
-    parser.add_argument("--block", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=300, help="measured rounds (each: a block of each loop)")
+    parser.add_argument("--block", type=int, default=1, help="steps per block (1: the loops alternate step by step)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps")
+    parser.add_argument("--quick", action="store_true", help="6 rounds of 1 step")
     parser.add_argument("--control", action="store_true", help="A/A: the monitor off in both loops")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the other benchmarks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.rounds, args.block = 3, 4
+        args.rounds, args.block = 6, 1
     warmup = 2
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as folder:
         on = Accelerator(cpu=True, throughput_monitor=not args.control, log_with="jsonl", project_dir=folder)
