@@ -238,6 +238,14 @@ def without_checksums() -> None:
     layout.FileVerification = NoVerification  # type: ignore[misc,assignment]
 
 
+def staging_wait_counter():
+    """Seconds the optimizer steps waited for asynchronous saves' staging copies so far (accel.checkpoint.async_save's
+    counter; 0 with an accel from before the copy was made in the background, where save_state made it itself)."""
+    from accel.checkpoint import async_save
+
+    return getattr(async_save, "staging_waited", lambda: 0.0)
+
+
 def checksum_speed(folder: Path) -> dict:
     """Seconds to crc32 and to sha256 every file of a checkpoint, one thread, from the page cache."""
     from accel.checkpoint import layout
@@ -307,16 +315,15 @@ def worker(op: str, path: Path, size: str) -> None:
         if op == "accel_save_state":
             accelerator.save_state(str(path))
         elif op == "accel_save_state_async":  # two saves, each followed at once by a training step
-            from accel.checkpoint import async_save
-
+            staging_waited = staging_wait_counter()
             for i in (1, 2):
                 t1 = time.perf_counter()
                 accelerator.save_state(f"{path}_{i}" if i == 1 else str(path), async_save=True)
                 result[f"call{i}_s"] = time.perf_counter() - t1
-                waited, t1 = async_save.staging_waited(), time.perf_counter()
+                waited, t1 = staging_waited(), time.perf_counter()
                 train_step(accelerator, model, optimizer, width, set_to_none=False)  # waits for the copy first
                 result[f"step{i}_s"] = time.perf_counter() - t1
-                result[f"staging_wait{i}_s"] = async_save.staging_waited() - waited
+                result[f"staging_wait{i}_s"] = staging_waited() - waited
                 result[f"blocked{i}_s"] = result[f"call{i}_s"] + result[f"staging_wait{i}_s"]
                 t1 = time.perf_counter()
                 accelerator.wait_for_checkpoint()
@@ -414,8 +421,7 @@ def user_worker(mode: str, out: Path, import_optim: bool = False) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 (imported before timing, as in the 1-process workers)
 
-    from accel.checkpoint import async_save
-
+    staging_waited = staging_wait_counter()
     if import_optim:
         import torch.distributed.optim  # noqa: F401
     width = USER_SIZE[1]
@@ -433,10 +439,10 @@ def user_worker(mode: str, out: Path, import_optim: bool = False) -> None:
     accelerator.save_state(str(out.with_suffix("")), async_save=mode == "async")
     record["call_s"] = time.perf_counter() - t0
     record["first_save_imported_optim"] = not record.pop("imported_optim") and "torch.distributed.optim" in sys.modules
-    waited, t0 = async_save.staging_waited(), time.perf_counter()
+    waited, t0 = staging_waited(), time.perf_counter()
     train_step(accelerator, model, optimizer, width, set_to_none=False)
     record["step_after_s"] = time.perf_counter() - t0
-    record["staging_wait_s"] = async_save.staging_waited() - waited
+    record["staging_wait_s"] = staging_waited() - waited
     t0 = time.perf_counter()
     accelerator.wait_for_checkpoint()
     record["wait_s"] = time.perf_counter() - t0
