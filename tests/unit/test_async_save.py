@@ -33,7 +33,7 @@ def prepared(**kwargs):
 
 
 def train_step(accelerator, model, optimizer):
-    accelerator.backward(model(torch.randn(2, 3)).pow(2).sum())
+    accelerator.backward(model(torch.randn(2, 3, device=accelerator.device)).pow(2).sum())
     optimizer.step()
     optimizer.zero_grad()
 
@@ -127,15 +127,18 @@ def slow_staging(monkeypatch, seconds: float = 0.5, fail: bool = False) -> None:
     monkeypatch.setattr(DefaultStager, "stage", late)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: pinned staging memory and the copy's own CUDA stream"))])
 def test_the_next_steps_wait_for_the_background_copy_and_the_checkpoint_is_the_state_at_the_save(tmp_path,
-                                                                                                 monkeypatch):
+                                                                                                 monkeypatch, device):
     """save_state(async_save=True) returns before the tensors are copied; the optimizer steps right after it wait for
     the copy, and the forwards (which change batch norm's running statistics, copied at the save) do not need to: the
-    checkpoint holds the state of the moment of the save, bit for bit."""
+    checkpoint holds the state of the moment of the save, bit for bit. On a GPU the copy goes to pinned memory on a
+    stream of its own, which must first wait for the last step's kernels."""
     from accel.checkpoint import async_save
 
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=device == "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
