@@ -139,7 +139,10 @@ class Accelerator(AccelerateMembers):
         backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
-        self.state = PartialState(cpu=self.config.use_cpu, **(init.to_kwargs() if init else {}))
+        offload = bool(self.config.parallelism.offload_params or self.config.parallelism.offload_optimizer)
+        self.state = PartialState(cpu=self.config.use_cpu, cpu_collectives=offload,
+                                  **(init.to_kwargs() if init else {}))
+        self.state.check_cpu_collectives(offload)
         self._checkpointer = AsyncCheckpointer()  # an asynchronous save_state in flight: waited for before teardown
         self.state.add_release_callback(self._checkpointer.close)
         check_device_matches(self.config, self.state.device)

@@ -68,6 +68,9 @@ def make_isolated_env(tmp_path: Path) -> dict:
         env.pop(name)  # a launcher run in this process (a unit test) may have left its workers' variables here
     env["HOME"] = str(home)
     env["PYTHONUNBUFFERED"] = "1"
+    # every multi-process run is checked as the CUDA job it stands for: a host tensor sent where NCCL would refuse
+    # it fails the run (accel.core.collective_check)
+    env["ACCEL_CHECK_COLLECTIVE_DEVICES"] = "cuda"
     return env
 
 

@@ -60,6 +60,9 @@ class ZeroBackend(SpmdBackend):
             # parameter name like every other backend's (so stages do not collide and other backends load it).
             # With experts: on the first rank of each expert's replicas (one per ep rank), its stacked experts'
             # state given as DTensors over (edp, ep), as under DDP, so each ep rank's rows are written once.
+            if hasattr(optimizer, "_default_device"):  # torch's device for the consolidation's broadcasts: its
+                optimizer._default_device = self.state.device  # parameters' at construction, the CPU when the
+                # optimizer was prepared before the model (NCCL would refuse the CPU tensors)
             optimizer.consolidate_state_dict(to=0)
             experts = self.topology.ep_size > 1
             if self.topology.coordinates(self.state.process_index)["edp"] if experts else self.data_parallel_rank:

@@ -151,12 +151,29 @@ def verify_operation(operation: str, data: Any, group=None) -> None:
                                             "every process must pass tensors of the same shapes")
 
 
+def _job_device() -> torch.device | None:
+    """The device the job's process group works on (PartialState's; None before there is one)."""
+    from accel.runtime.state import PartialState
+
+    return PartialState._shared_state.get("device")
+
+
+def _to_job_device(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` where the group can take it: a CPU tensor on a GPU job goes to the GPU (NCCL refuses CPU tensors;
+    Accelerate's operations fail there); the result is brought back to the caller's device."""
+    device = _job_device()
+    return tensor if device is None or tensor.device == device else tensor.to(device)
+
+
 def _gather_one(tensor: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
     if tensor.ndim == 0:
         tensor = tensor[None]
-    tensor = tensor.contiguous()
+    origin = tensor.device
+    tensor = _to_job_device(tensor.contiguous())
+    if tensor.device != origin:
+        return _gather_one(tensor, group).to(origin)
     size = _world(group)
     if dist.get_backend(group) == "nccl":
         out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -201,7 +218,10 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     verify_operation("broadcast", tensor)
 
     def _one(t: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(t, src=from_process)
+        moved = _to_job_device(t)
+        dist.broadcast(moved, src=from_process)
+        if moved is not t:
+            t.copy_(moved)
         return t
 
     return recursively_apply(_one, tensor)
@@ -233,7 +253,9 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         if reduction == "none":
             return out
         if _world() > 1:
-            dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
+            moved = _to_job_device(out)
+            dist.all_reduce(moved, op=getattr(dist.ReduceOp, op))
+            out = moved if moved is out else moved.to(t.device)
         if reduction == "mean":
             out = out / _world()
         return out * scale if scale != 1.0 else out

@@ -102,10 +102,7 @@ def _agree(state, local: bool) -> bool:
 
     if state.num_processes <= 1 or not (dist.is_available() and dist.is_initialized()):
         return local
-    device = state.device
-    if device.type == "cpu" or "gloo" in str(dist.get_backend()).lower():
-        device = torch.device("cpu")
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=state.device)  # where the group works
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

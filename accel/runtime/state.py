@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from accel.core.diagnostics import install_worker_hooks
 from accel.config.kwargs import as_timeout
+from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 
 class DistributedType(str, enum.Enum):
@@ -43,6 +44,21 @@ class DistributedType(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def process_group_backend(backend: str | None, device_type: str, cpu_collectives: bool) -> str:
+    """The backend string for the default process group.
+
+    Decided once for every GPU job: accel's own collectives send tensors on the job's device, so NCCL alone serves
+    them. The exception is CPU offload: FSDP2 keeps the offloaded gradients on the CPU and reduces CPU tensors that
+    accel does not make (the gradient norm of `clip_grad_norm_`, the sharded grad scaler's inf flag), so a job that
+    offloads gets gloo for CPU tensors beside NCCL, `"cuda:nccl,cpu:gloo"` (torch's own default when no backend is
+    named; torchtitan does the same for offload). A backend the user names is kept, except plain "nccl" under offload,
+    which gets the CPU backend added (it would fail on the first clipped step)."""
+    chosen = backend or ("nccl" if device_type == "cuda" else "gloo")
+    if cpu_collectives and device_type == "cuda" and chosen == "nccl":
+        return "cuda:nccl,cpu:gloo"
+    return chosen
 
 
 def _env_int(name: str, default: int) -> int:
@@ -78,7 +94,9 @@ class PartialState:
         return PartialState._instance
 
     def __init__(self, cpu: bool = False, backend: str | None = None, init_method: str | None = None,
-                 timeout: timedelta | None = None, **_: Any) -> None:
+                 timeout: timedelta | None = None, cpu_collectives: bool = False, **_: Any) -> None:
+        """`cpu_collectives` (accel's, from Accelerator: the config offloads to the CPU): the GPU job's default group
+        gets a gloo backend for CPU tensors beside NCCL (`process_group_backend`)."""
         if self._initialized:
             return
         from accel.core.restarts import export_restart_count
@@ -95,6 +113,14 @@ class PartialState:
         self.device = torch.device("cpu") if cpu else self.default_device
         self.set_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        group_backend = process_group_backend(self.backend, self.device.type, cpu_collectives)
+        from accel.core import collective_check
+
+        if collective_check.requested() and self.num_processes > 1 and self.device.type == "cpu":
+            # a CPU run checked as the CUDA job it stands for: the accelerator is cpu:0, the groups are gloo,
+            # and a host tensor sent where the GPU job's groups would be NCCL-only fails (accel.core.collective_check)
+            self.device = collective_check.ACCELERATOR
+            collective_check.activate(default_has_cpu=":" in process_group_backend(None, "cuda", cpu_collectives))
         owned, callbacks = PartialState.__dict__.get("_carried") or (False, [])
         PartialState._carried = None  # taken over from a state forgotten by _reset_state()
         self._release_callbacks: list[Callable[[], None]] = list(callbacks)
@@ -103,12 +129,12 @@ class PartialState:
             if not dist.is_initialized():
                 timeout = _collective_timeout(timeout)
                 install_worker_hooks(self.process_index, timeout.total_seconds())  # a hang names the stuck rank
-                kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timeout}
+                kwargs: dict[str, Any] = {"backend": group_backend, "timeout": timeout}
                 if init_method:
                     kwargs["init_method"] = init_method
                 else:
                     kwargs.update(_store_of_this_attempt(self.process_index, self.num_processes, timeout))
-                if self.device.type == "cuda":
+                if self.device.type == "cuda" and "nccl" in group_backend:
                     kwargs["device_id"] = self.device  # eager NCCL init bound to our GPU
                 _use_for_later_groups(timeout)
                 dist.init_process_group(**kwargs)
@@ -245,6 +271,24 @@ class PartialState:
             return lambda f: self.on_local_process(f, local_process_index)
         return self._only_if(function, lambda: self.local_process_index == local_process_index)
 
+    def check_cpu_collectives(self, offload: bool) -> None:
+        """CPU offload on a GPU job needs a default group with a CPU backend (`process_group_backend`); one made
+        before `Accelerator(...)` without it is refused here, in one line, rather than on the first clipped step.
+        Under the collective-device check each Accelerator is checked as if it had made the group (a test's
+        jobs share one process: each stands for a job of its own)."""
+        from accel.core import collective_check
+
+        if collective_check.active():
+            collective_check.set_default_has_cpu(":" in process_group_backend(None, "cuda", offload))
+            return
+        if not offload or self.num_processes <= 1 or not dist.is_initialized() or self.device.type != "cuda":
+            return
+        if "cpu:" not in str(dist.get_backend_config()):
+            raise ValueError(f"CPU offload (offload_params/offload_optimizer) on a {self.device.type} job needs a "
+                             "process group with a CPU backend, but the default group was created before "
+                             f"Accelerator() with backend {self.backend!r}; allowed: create it with "
+                             "PartialState(backend='cuda:nccl,cpu:gloo'), or let Accelerator() create it")
+
     @property
     def initialized(self) -> bool:
         return bool(self.__dict__.get("_initialized"))
@@ -252,7 +296,7 @@ class PartialState:
     @property
     def default_device(self) -> torch.device:
         """The device this process would use (Accelerate's): its GPU under CUDA, else the CPU."""
-        if torch.cuda.is_available():
+        if is_cuda_available():
             return torch.device("cuda", self.local_process_index % max(torch.cuda.device_count(), 1))
         return torch.device("cpu")
 

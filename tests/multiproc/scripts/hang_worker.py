@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     state = PartialState(cpu=True)
     group = dist.new_group(list(range(state.num_processes)))
-    pids = torch.zeros(state.num_processes, dtype=torch.int64)
+    pids = torch.zeros(state.num_processes, dtype=torch.int64, device=state.device)
     pids[state.process_index] = os.getpid()
     dist.all_reduce(pids, group=group)  # every rank reaches this one: the group works
     if state.process_index == 1 and args.signal is not None:
@@ -46,7 +46,7 @@ def main() -> None:
     print(f"rank {state.process_index}: entering the all_reduce at {time.time():.3f}", flush=True)
     if state.process_index == 1:
         time.sleep(args.sleep)  # the stuck rank
-    total = torch.ones(1)
+    total = torch.ones(1, device=state.device)
     dist.all_reduce(total, group=group)  # rank 0 waits here for rank 1
     print(f"rank {state.process_index}: past the all_reduce", flush=True)
 
