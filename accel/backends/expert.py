@@ -430,9 +430,11 @@ def reduce_expert_gradients(layout: ExpertLayout, edp_group, divisor: int) -> No
     sum_gradients(grads, edp_group, divide_by=divisor)
 
 
-def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group) -> torch.Tensor:
+def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group, device: torch.device) -> torch.Tensor:
     """sum |g|^p over all experts of the model (inf: max |g|), over the ep group (each expert counted once). A
-    ModuleList expert FSDP2 shards over its replicas (a DTensor gradient) counts its whole norm over them."""
+    ModuleList expert FSDP2 shards over its replicas (a DTensor gradient) counts its whole norm over them.
+    `device`: the job's (the group's) device, where the sum is reduced, also on a rank with no expert gradient (a
+    CPU tensor there would be refused by NCCL)."""
     from torch.distributed.tensor import DTensor
 
     from accel.backends.base import total_norm
@@ -440,15 +442,15 @@ def expert_norm_power(layout: ExpertLayout, norm_type: float, ep_group) -> torch
     every = [p.grad for p in (*layout.params.values(), *layout.listed.values()) if p.grad is not None]
     grads = [g for g in every if not isinstance(g, DTensor)]
     sharded: list[torch.Tensor] = [g for g in every if isinstance(g, DTensor)]
-    device = every[0].device if every else torch.device("cpu")
     if sharded:  # the norm of this ep rank's sharded experts, reduced over their replicas' mesh
         grads.append(total_norm(sharded, norm_type, device).reshape(1))
+    # each gradient's share computed where it lies (offloaded ones on the CPU), the scalar moved to the device
     if norm_type == float("inf"):
-        value = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        value = max((g.abs().max().float().to(device) for g in grads), default=torch.zeros((), device=device))
         value = torch.as_tensor(value, device=device).clone()
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ep_group)
         return value
-    value = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=device))
+    value = sum(((g.float().norm(norm_type) ** norm_type).to(device) for g in grads), torch.zeros((), device=device))
     dist.all_reduce(value, group=ep_group)
     return value
 

@@ -227,7 +227,8 @@ class PipelineBackend(Backend):
         from accel.backends.expert import ExpertLayout, expert_norm_power
 
         mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
-        return expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
+        return expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type),
+                                 self.state.device)
 
     def _expert_dtensors(self, model: nn.Module, state: dict) -> dict:
         """pp x ep: each ep rank of a stage holds other rows of a stacked expert under the same name; given as

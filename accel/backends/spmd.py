@@ -251,7 +251,8 @@ class SpmdBackend(Backend):
         others = total_norm([p.grad for p in parameters if p.grad is not None and id(p) not in expert_ids], norm_type,
                             self.state.device, foreach)
         mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
-        experts = expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type))
+        experts = expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type),
+                                 self.state.device)
         experts = experts.to(others.device)
         if norm_type == float("inf"):
             total = torch.maximum(others, experts)
