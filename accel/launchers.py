@@ -35,6 +35,8 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     failure raises torch's `ChildFailedError` here, after `max_restarts` restarts of the whole group."""
     import torch
 
+    from accel.core.probes import is_cuda_available
+
     num_processes = num_processes or 1
     if num_processes == 1 and num_nodes == 1:
         with _worker_config(AccelConfig(mixed_precision=mixed_precision)):
@@ -43,13 +45,32 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     if torch.cuda.is_initialized():
         raise RuntimeError("notebook_launcher: CUDA was already initialised in this process, so its workers cannot be "
                            "forked; restart the kernel and do not touch CUDA before calling notebook_launcher")
+    gpus = is_cuda_available()
     cfg = AccelConfig(num_processes=num_processes * num_nodes, num_machines=num_nodes, mixed_precision=mixed_precision,
-                      use_cpu=not torch.cuda.is_available(), machine_rank=node_rank, main_process_ip=master_addr)
+                      use_cpu=not gpus, machine_rank=node_rank, main_process_ip=master_addr)
     conf = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         conf["rank"] = node_rank
-    _launch(function, args, cfg, num_processes, num_nodes, rdzv_backend, rdzv_endpoint or f"{master_addr}:{use_port}",
-            conf, rdzv_id, max_restarts, monitor_interval, log_line_prefix_template)
+    # until the workers are forked, whatever asks torch about CUDA in this process asks NVML (the CUDA runtime
+    # initialised here would make every worker fail); the preloaded imports are skipped on a GPU machine, where
+    # torch._dynamo's import may ask for the devices
+    with _nvml_cuda_check():
+        _launch(function, args, cfg, num_processes, num_nodes, rdzv_backend,
+                rdzv_endpoint or f"{master_addr}:{use_port}", conf, rdzv_id, max_restarts, monitor_interval,
+                log_line_prefix_template, preload=not gpus)
+
+
+@contextlib.contextmanager
+def _nvml_cuda_check():
+    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
 
 
 def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
@@ -84,10 +105,11 @@ def _preload_for_workers() -> None:
 
 
 def _launch(function, args, cfg, nproc, nnodes, rdzv_backend, endpoint, conf, run_id, max_restarts, monitor_interval,
-            log_line_prefix_template) -> None:
+            log_line_prefix_template, preload: bool = True) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _preload_for_workers()
+    if preload:
+        _preload_for_workers()
 
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
                           rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=conf,

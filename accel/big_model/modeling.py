@@ -30,6 +30,7 @@ from accel.checkpoint.model_io import (
     unwrap_model,
 )
 from accel.big_model.offload import _dtype_name, offload_weight, save_offload_index
+from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 logger = logging.getLogger(__name__)  # a plain logger, as Accelerate's: these helpers run without a process state
 
@@ -311,7 +312,7 @@ def get_max_layer_size(
 
 
 def _gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if is_cuda_available() else 0
 
 
 def _torch_device(device: Device) -> torch.device:

@@ -60,11 +60,12 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
     import torch
 
     from accel.config import AccelConfig, config_save_path
+    from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA
 
     path = config_save_path(save_location)
     if path.exists():
         return False
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if is_cuda_available() else 0
     cfg = AccelConfig(mixed_precision=mixed_precision, num_processes=max(gpus, 1), use_cpu=gpus == 0)
     return str(cfg.save(path))
 

@@ -28,6 +28,7 @@ from accel.config.degrees import (  # noqa: F401 (re-exported: accel.config's na
 )
 from accel.config.errors import ConfigError, shown
 from accel.config.topology import Topology
+from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 
 # The ranges every config value is checked against, where it enters (a file, a flag, an answer, an argument), so a
@@ -471,9 +472,8 @@ class AccelConfig:
         if self.num_processes <= 1:
             return "NO"
         if cuda_available is None:
-            import torch
 
-            cuda_available = torch.cuda.is_available()
+            cuda_available = is_cuda_available()
         return "MULTI_GPU" if cuda_available and not self.use_cpu else "MULTI_CPU"
 
     @property

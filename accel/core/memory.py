@@ -8,6 +8,7 @@ import gc
 import inspect
 
 import torch
+from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 
 def release_memory(*objects):
@@ -15,7 +16,7 @@ def release_memory(*objects):
     cache."""
     objects = [None] * len(objects)
     gc.collect()
-    if torch.cuda.is_available():
+    if is_cuda_available():
         torch.cuda.empty_cache()
     return objects
 
@@ -72,5 +73,5 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
     """Empty the accelerator's allocator cache (CUDA here), after a garbage collection if asked."""
     if garbage_collection:
         gc.collect()
-    if torch.cuda.is_available():
+    if is_cuda_available():
         torch.cuda.empty_cache()

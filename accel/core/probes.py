@@ -58,7 +58,18 @@ def str_to_bool(value, to_bool: bool = False):
 
 # -- devices --------------------------------------------------------------------------------------------------
 def is_cuda_available() -> bool:
-    return torch.cuda.is_available()
+    """Whether a GPU is there, asked through NVML (as Accelerate's probe does): the CUDA runtime is not initialised,
+    so a process that asks can still fork workers that use CUDA (`notebook_launcher`); without it, every forked
+    worker fails with "Cannot re-initialize CUDA in forked subprocess"."""
+    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if old is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
 
 
 def is_mps_available(min_version: str = "1.12") -> bool:

@@ -14,6 +14,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     """
     import torch
 
+    from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA
+
     if device_specific:
         seed += int(os.environ.get("RANK", 0))
     random.seed(seed)
@@ -24,7 +26,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     except ImportError:
         pass
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if is_cuda_available():
         torch.cuda.manual_seed_all(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)
@@ -39,12 +41,14 @@ def synchronize_rng_state(rng_type: str | None = None, generator=None) -> None:
     import torch
     import torch.distributed as dist
 
+    from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA
+
     if rng_type is None:
         return
 
     if rng_type not in RNG_TYPES:
         raise ValueError(f"synchronize_rng_states: rng type {rng_type!r}; allowed: {', '.join(RNG_TYPES)}")
-    if rng_type == "cuda" and not torch.cuda.is_available():
+    if rng_type == "cuda" and not is_cuda_available():
         return
     if rng_type == "generator" and generator is None:
         raise ValueError("synchronize_rng_states(['generator']) needs generator=<the torch.Generator>")
