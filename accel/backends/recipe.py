@@ -80,8 +80,9 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if recipe.data_parallel == "fsdp":
         apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, recipe.precision, offload=recipe.offload,
                    pin_memory=recipe.device.type == "cuda", ignored=recipe.fsdp_ignored, first=recipe.fsdp_first)
-        if on_meta:
-            materialize(model, "cpu" if recipe.offload else recipe.device)
+        if on_meta:  # offload: the parameters' shards on the CPU (FSDP2 moves them to the device for compute),
+            # the buffers on the device, where forward uses them and FSDP2 never moves them
+            materialize(model, "cpu" if recipe.offload else recipe.device, buffers_device=recipe.device)
     elif recipe.data_parallel == "ddp":
         if recipe.wrap_ddp is None:
             raise ValueError("Recipe: data_parallel 'ddp' needs wrap_ddp (the backend's DDP with its options)")
@@ -129,10 +130,17 @@ def fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def materialize(model: torch.nn.Module, device) -> None:
+def materialize(model: torch.nn.Module, device, buffers_device=None) -> None:
     """Allocate a meta-device model's (local shards of) parameters and initialise them with each
-    submodule's `reset_parameters()`: a model larger than one process can be created this way."""
+    submodule's `reset_parameters()`: a model larger than one process can be created this way. `buffers_device`:
+    where the buffers go when it differs from the parameters' (CPU offload: the parameters stay on the CPU, the
+    buffers, BatchNorm statistics or index tables used in forward, belong with the compute on the device)."""
     model.to_empty(device=device)
+    if buffers_device is not None and torch.device(buffers_device) != torch.device(device):
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(buffers_device)
     with torch.no_grad():
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)

@@ -33,6 +33,7 @@ TWO_PROCESS_JOBS = [  # (folder, zero_train.py arguments), run in this order by 
     *[(f"ckpt{stage}", ["--stage", stage]) for stage in (1, 3)],
     *[(f"ckpt{stage}", ["--stage", stage, "--mode", "load"]) for stage in (1, 3)],  # into the folder saved above
     ("meta", ["--stage", 3, "--mode", "meta"]),
+    ("meta-offload", ["--stage", 3, "--mode", "meta", "--offload"]),
     *[(f"fp16-{stage}", ["--stage", stage, "--mode", "fp16"]) for stage in (1, 3)],
 ]
 
@@ -118,11 +119,17 @@ def test_zero_checkpoint_loads_on_one_and_two_processes(jobs, stage):
         assert_weights_equal(load_file(str(tmp_path / f"loaded_{num_processes}.safetensors")), saved)
 
 
-def test_meta_device_model_is_materialized_after_sharding(jobs):
-    """A model created on the meta device (no memory) is sharded, then each rank allocates only its shard."""
-    reports = json.loads((jobs / "meta" / "meta.json").read_text())
+@pytest.mark.parametrize("folder", ["meta", "meta-offload"])
+def test_meta_device_model_is_materialized_after_sharding(jobs, folder):
+    """A model created on the meta device (no memory) is sharded, then each rank allocates only its shard; its
+    buffers are on the job's device, also under CPU offload (the parameters' shards on the CPU): forward reads them
+    next to the computation. The launch runs under the collective-device check, where the job's device is "cpu:0"
+    and a host tensor reports "cpu" (on a GPU a buffer left on the CPU fails the first forward)."""
+    reports = json.loads((jobs / folder / "meta.json").read_text())
     total = 4 * reference(1)[3]
     assert [r["meta_after_prepare"] for r in reports] == [False, False]
+    assert [r["buffer_devices"] for r in reports] == [[r["device"]] for r in reports]
+    assert reports[0]["device"] == "cpu:0"  # the check was on
     assert sum(r["param_bytes"] for r in reports) == pytest.approx(total, rel=0.02)
     assert all(r["param_bytes"] <= 0.6 * total for r in reports)
     assert all(torch.isfinite(torch.tensor(r["final_loss"])) for r in reports)

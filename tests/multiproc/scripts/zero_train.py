@@ -38,6 +38,24 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
+class BufferedNet(Net):
+    """Net with a buffer its forward uses (all ones: the same numbers), as BatchNorm's statistics are."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(16))
+        self.scale: torch.Tensor
+
+    def reset_parameters(self):  # what a meta-device model's materialization calls for its buffers too
+        self.scale.fill_(1.0)
+
+    def forward(self, x):
+        x = self.embed(x) * self.scale
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 def make_problem():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 1, generator=g)
@@ -73,7 +91,7 @@ def run(argv: list[str] | None) -> Accelerator:
     x, y, model = make_problem()
     if args.mode == "meta":
         with torch.device("meta"):
-            model = Net()
+            model = BufferedNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
@@ -101,7 +119,11 @@ def run(argv: list[str] | None) -> Accelerator:
 
     if args.mode == "meta":
         report = {"meta_after_prepare": any(p.is_meta for p in model.parameters()),
-                  "param_bytes": local_bytes(model.parameters())}
+                  "param_bytes": local_bytes(model.parameters()),
+                  # where forward reads the buffers: the job's device, also under offload (under the
+                  # collective-device check a host tensor reports "cpu", the pretended accelerator "cpu:0")
+                  "buffer_devices": sorted({str(b.device) for b in model.buffers()}),
+                  "device": str(accelerator.device)}
         for inputs, targets in loader:
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
             accelerator.backward(loss)
