@@ -90,8 +90,9 @@ class HangReport:
 class HangWatch:
     """The run folder of one `accel launch`, the hook around torchrun's agent, and the report."""
 
-    def __init__(self, collective_timeout: float) -> None:
+    def __init__(self, collective_timeout: float, machines: int = 1) -> None:
         self.timeout_s = collective_timeout
+        self.machines = machines  # one: every rank is this launcher's, so none can be missing elsewhere
         self.run_dir = Path(tempfile.mkdtemp(prefix="accel-run-"))
         self.folder: Path | None = None  # the attempt whose running workers were asked for their stacks
         self.stopped: dict[int, int | None] = {}  # rank -> where its new stack starts in its file (None: no file)
@@ -199,7 +200,8 @@ class HangWatch:
         first = first_failure(outcomes)
         # a rank that left with exit code 0 is named first, but the job failed: exit with the first failure's code
         code = first.exitcode if first.exitcode != 0 else next(o.exitcode for o in outcomes if o.rank in failures)
-        return HangReport(report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps()),
+        return HangReport(report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps(),
+                                       whole_job=self.machines == 1),
                           first_rank=first.rank, exitcode=code)
 
     def _with_leavers(self, folder: Path, outcomes: list[RankOutcome]) -> list[RankOutcome]:
@@ -367,10 +369,12 @@ def first_failure(outcomes: list[RankOutcome]) -> RankOutcome:
     return outcomes[0]
 
 
-def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, dumps: Path | None) -> list[str]:
+def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, dumps: Path | None,
+                 whole_job: bool = False) -> list[str]:
     left, stuck, failed, waiting, _ = ([o for o in outcomes if o.role == role] for role in ROLE_ORDER)
     first = first_failure(outcomes)
-    lines = [left_headline(left, waiting, timeout_s) if left else headline(stuck, failed, waiting, timeout_s)]
+    lines = [left_headline(left, waiting, timeout_s) if left
+             else headline(stuck, failed, waiting, timeout_s, whole_job)]
     for outcome in sorted(outcomes, key=lambda o: ROLE_ORDER.index(o.role)):
         lines.append(rank_line(outcome, outcome is first))
         lines += stack_lines(outcome.frames)
@@ -393,7 +397,9 @@ def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, du
     return lines
 
 
-def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float) -> str:
+def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float,
+             whole_job: bool = False) -> str:
+    """The first line. `whole_job`: every rank of the job runs under this launcher (one machine)."""
     ops = sorted({o.op for o in waiting})
     limit = f"collective_timeout={timeout_s:g}s"
     if stuck:
@@ -406,9 +412,15 @@ def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[
         each = "; ".join(f"rank {o.rank}: {o.op}" for o in waiting)
         return (f"accel launch: hang: the ranks waited in different collectives ({each}) for {limit}: their code "
                 "took different paths (a collective called on some ranks only); the job was stopped")
-    return (f"accel launch: hang: {names(waiting)} waited in {ops[0] if ops else 'a collective'} for {limit} and every "
-            "rank of this machine was in it: the missing rank runs on another machine (see its output) or the network "
-            "failed; the job was stopped")
+    op = ops[0] if ops else "a collective"
+    if whole_job:  # nobody is missing: the collective itself never completed (seen on a one-rank NCCL job whose
+        # stream was held by a long kernel: NCCL's watchdog timed it out)
+        return (f"accel launch: hang: {names(waiting)} waited in {op} for {limit} and every rank of the job was in it: "
+                "the collective itself did not complete (its GPU busy with earlier work, a NCCL or network failure); "
+                "the job was stopped")
+    return (f"accel launch: hang: {names(waiting)} waited in {op} for {limit} and every rank of this machine was in "
+            "it: the missing rank runs on another machine (see its output) or the network failed; the job was "
+            "stopped")
 
 
 def left_headline(left: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float) -> str:

@@ -511,7 +511,7 @@ def _not_preempted(stop: preempt.PreemptionWatch, rank: int, code: int) -> None:
 
 def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool = True) -> int:
     os.environ.update(worker_env(cfg))
-    watch = HangWatch(cfg.collective_timeout)  # a collective that times out is reported by its stuck rank
+    watch = HangWatch(cfg.collective_timeout, cfg.num_machines)  # a collective that times out: its stuck rank named
     os.environ.update(watch.worker_env())
     # SIGTERM (and preemption_signal) ask the workers to save and stop: cli/preemption.py
     stop = preempt.PreemptionWatch(watch.run_dir, cfg.preemption_signal, cfg.grace_period, cfg.requeue,
