@@ -1,6 +1,6 @@
 """Step time with the throughput monitor on vs off, on the same loop, and the monitor's own cost per step.
 
-    python benchmarks/bench_throughput.py              # ~2 minutes on an idle core (8 on a busy machine)
+    python benchmarks/bench_throughput.py              # 300 paired steps: ~2 minutes on 2 busy cores
     python benchmarks/bench_throughput.py --quick      # smoke run: checks it works; its figures are noise
     python benchmarks/bench_throughput.py --control    # A/A: both loops off, the noise floor of this machine
 
