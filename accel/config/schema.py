@@ -28,7 +28,6 @@ from accel.config.degrees import (  # noqa: F401 (re-exported: accel.config's na
 )
 from accel.config.errors import ConfigError, shown
 from accel.config.topology import Topology
-from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 
 # The ranges every config value is checked against, where it enters (a file, a flag, an answer, an argument), so a
@@ -472,6 +471,7 @@ class AccelConfig:
         if self.num_processes <= 1:
             return "NO"
         if cuda_available is None:
+            from accel.core.probes import is_cuda_available  # NVML: CUDA stays uninitialised (forks stay usable)
 
             cuda_available = is_cuda_available()
         return "MULTI_GPU" if cuda_available and not self.use_cpu else "MULTI_CPU"
