@@ -218,6 +218,9 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device
     different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined.
     `foreach` as torch's get_total_norm takes it (None: the foreach kernels where the device has them; True where it
     has none: torch's RuntimeError)."""
+    from accel.core import collective_check
+
+    collective_check.expect_reduction("clip_grad_norm_ (the sharded gradients' norm)", grads)
     by_mesh: dict = {}
     for grad in grads:
         by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)

@@ -243,6 +243,20 @@ def _check_functional(func, args: tuple, kwargs: dict) -> None:
     _check(str(func), [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)], group)
 
 
+def expect_reduction(op: str, tensors: list) -> None:
+    """A reduction torch makes inside an operator, out of the mode's sight (a Partial DTensor reduced within
+    `vector_norm` over sharded gradients): `tensors` (DTensors) will be reduced over their meshes' groups. Checked
+    here, by the caller, before the operator runs; nothing when the check is off."""
+    if not _state["active"]:
+        return
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is None or not is_host(t):
+            continue
+        for dim in range(mesh.ndim):
+            _check(op, [t], mesh.get_group(dim))
+
+
 def _wrap(name: str, original):
     @functools.wraps(original)
     def checked(*args, **kwargs):
