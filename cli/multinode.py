@@ -50,6 +50,7 @@ from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.config.errors import shown
 from accel.config.schema import MAX_PROCESSES_PER_MACHINE
 from accel.config.text_file import read_text
+from accel.runtime.cluster_env import expand_hostlist  # SLURM's host lists (also for srun without a launcher)
 
 SSH_COMMAND_ENV = "ACCEL_SSH_COMMAND"
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes"
@@ -232,66 +233,6 @@ def plan_machines(pool: dict[str, int], include: str | None = None, exclude: str
 # SLURM
 # -------------------------------------------------------------------------------------------------------
 
-_BRACKET = re.compile(r"\[([^\[\]]*)\]")
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split at the commas that are not inside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("']' without '['")
-        elif char == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError("'[' without ']'")
-    parts.append(text[start:])
-    return parts
-
-
-def _expand_range_list(body: str) -> list[str]:
-    """`01-03,07` -> ['01', '02', '03', '07'] (zero padding kept, as SLURM writes it)."""
-    values = []
-    for item in body.split(","):
-        low, sep, high = item.partition("-")
-        if not low.isdigit() or (sep and not high.isdigit()):
-            raise ValueError(f"bad range {item!r}")
-        if not sep:
-            values.append(low)
-            continue
-        if int(high) < int(low):
-            raise ValueError(f"range {item!r} runs backwards")
-        width = len(low) if low.startswith("0") else 0
-        values += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
-    return values
-
-
-def _expand_one(item: str) -> list[str]:
-    match = _BRACKET.search(item)
-    if match is None:
-        if "[" in item or "]" in item:
-            raise ValueError("nested or unbalanced brackets")
-        return [item]
-    head, tail = item[:match.start()], item[match.end():]
-    return [head + value + rest for value in _expand_range_list(match.group(1)) for rest in _expand_one(tail)]
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """SLURM's hostlist syntax -> host names: `node[01-04,07],login1` -> node01..node04, node07, login1;
-    several bracket groups multiply (`r[1-2]n[1-2]` -> r1n1, r1n2, r2n1, r2n2). ValueError when malformed."""
-    hosts = []
-    for item in _split_top_level(text.strip()):
-        if not item:
-            raise ValueError("empty host name")
-        hosts += _expand_one(item)
-    return hosts
-
-
 def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
     for name in names:
         value = env.get(name)
@@ -309,7 +250,13 @@ def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
     if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
         return {}  # not in a job step: a batch script or salloc shell runs on one node only
     nodes = _env_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"))
-    if nodes is None or nodes[1] <= 1:
+    if nodes is None:
+        return {}
+    if nodes[1] <= 1:
+        tasks = _env_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+        if tasks is not None and tasks[1] > 1 and given.get("machine_rank") is None:  # N launchers: N separate jobs
+            raise UsageError(f"SLURM started {tasks[1]} tasks on one node (${tasks[0]}); accel launch must run once "
+                             "per node: srun --ntasks-per-node=1 accel launch ... (it starts the processes itself)")
         return {}
     wanted = {key for key in ("num_machines", "machine_rank", "main_process_ip") if given.get(key) is None}
     if not wanted:

@@ -1,6 +1,7 @@
 """Process state: rank, world size, local rank, device, and the lifetime of the default process group.
 
-It reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). There is one process
+It reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), under `srun` without a launcher
+made from SLURM's task variables first (accel.runtime.cluster_env). There is one process
 group per process, so there is one state per process: `PartialState()` returns it.
 """
 
@@ -102,6 +103,10 @@ class PartialState:
         from accel.core.restarts import export_restart_count
 
         export_restart_count()  # again: a worker forked by notebook_launcher imported accel before its restart
+        if not dist.is_initialized():
+            from accel.runtime.cluster_env import export_slurm_task_env
+
+            export_slurm_task_env()  # `srun` without a launcher: RANK, WORLD_SIZE, ... from SLURM's task variables
         self.num_processes = _env_int("WORLD_SIZE", 1)
         self.process_index = _env_int("RANK", 0)
         self.local_process_index = _env_int("LOCAL_RANK", 0)
