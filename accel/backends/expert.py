@@ -355,7 +355,8 @@ def _shard_planned(layout: ExpertLayout, name: str, block: torch.nn.Module, plan
     layout.shards.append(shard)
 
 
-def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options: dict) -> None:
+def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options: dict,
+                        device: torch.device | None = None) -> None:
     """ZeRO 2/3 (FSDP2): shard the stacked experts again over their replicas, as torchtitan does, so each rank
     keeps E/dp of them (not E/ep). Each stacked parameter becomes a DTensor sharded over `ep` (its whole shape
     [E, ...]: checkpoints and full state dicts need nothing else), then `fully_shard` over `edp` makes it 2-D
@@ -364,8 +365,14 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options
     loss's gradient. Each ModuleList expert this ep rank holds becomes an FSDP2 unit over edp likewise (its
     parameters sharded on dim 0 over the replicas, its gradients reduce-scattered there with the same divisor).
     Afterwards the layout's hand-reduced `params` no longer hold them; `listed` holds the ModuleList experts' new
-    (DTensor) parameters, which FSDP2 reduces (`listed_sharded`)."""
+    (DTensor) parameters, which FSDP2 reduces (`listed_sharded`). `device`: the job's; a stacked expert left on
+    the CPU (CPU offload does not place the model) goes there before it becomes a DTensor of the device's mesh, as
+    FSDP2 requires (it moves plain tensors itself, never DTensors; its offload policy then moves the shards to the
+    CPU)."""
     from torch.distributed.tensor import DTensor, Shard
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if device is None or tensor.device == device else tensor.to(device)
 
     ep_mesh, edp_mesh = expert_mesh["ep"], expert_mesh["edp"]
     for module, names in layout.stacked:
@@ -373,11 +380,11 @@ def shard_over_replicas(layout: ExpertLayout, expert_mesh, divisor: int, options
             local = getattr(module, pname)
             if isinstance(local, DTensor):  # split within each expert by tensor parallelism: over (ep, tp)
                 shape = torch.Size((local.shape[0] * ep_mesh.size(), *local.shape[1:]))
-                whole = DTensor.from_local(local.to_local().detach(), expert_mesh[("ep", "tp")],
+                whole = DTensor.from_local(placed(local.to_local().detach()), expert_mesh[("ep", "tp")],
                                            [Shard(0), *local.placements], run_check=False, shape=shape,
                                            stride=torch.empty(shape, device="meta").stride())
             else:
-                whole = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
+                whole = DTensor.from_local(placed(local.detach()), ep_mesh, [Shard(0)], run_check=False)
             setattr(module, pname, torch.nn.Parameter(whole, requires_grad=local.requires_grad))
         _shard_unit(module, edp_mesh, divisor, options)
     layout.params.clear()

@@ -204,7 +204,7 @@ class SpmdBackend(Backend):
                               if not any(name == owner or name.startswith(f"{owner}.") for owner in layout.lists)}
         if self.data_parallel == "fsdp":  # experts (stacked, or each of a ModuleList) sharded over their replicas
             recipe.fsdp_first = functools.partial(shard_over_replicas, layout, self.topology.expert_mesh(device_type),
-                                                  self.topology.expert_divisor)
+                                                  self.topology.expert_divisor, device=self.state.device)
         elif self.data_parallel == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(expert_names(layout)))
 

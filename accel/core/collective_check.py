@@ -299,20 +299,17 @@ def activate(default_has_cpu: bool) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    for name in _COLLECTIVES:
-        for module in (dist, c10d):
-            original = getattr(module, name, None)
-            if original is not None and not getattr(original, "_accel_checked", False):
-                wrapped = _wrap(name, original)
-                wrapped._accel_checked = True
-                setattr(module, name, wrapped)
-    for name in _OBJECT_COLLECTIVES:
-        for module in (dist, c10d):
-            original = getattr(module, name, None)
-            if original is not None and not getattr(original, "_accel_checked", False):
-                wrapped = _wrap_object(original)
-                wrapped._accel_checked = True
-                setattr(module, name, wrapped)
+    # one wrapper per function, set in both modules: torch compares some by identity (P2POp's op is isend/irecv)
+    for names, wrap in ((_COLLECTIVES, _wrap), (_OBJECT_COLLECTIVES, lambda _, original: _wrap_object(original))):
+        for name in names:
+            original = getattr(c10d, name, None)
+            if original is None or getattr(original, "_accel_checked", False):
+                continue
+            wrapped = wrap(name, original)
+            wrapped._accel_checked = True
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, wrapped)
     try:
         import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
 
