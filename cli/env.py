@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 
-from accel.cli import checks
+from accel.cli import checks, kubeflow
 from accel.cli import launch as launch_cmd
 from accel.cli._common import UsageError, add_flag
 from accel.config import USER_CONFIG_ENV, ConfigError, user_config_path
@@ -90,11 +90,14 @@ def run_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     try:  # the same resolution and rules as `accel launch`
         checks.check_flag_conflicts(args)
-        overrides = launch_cmd.flag_overrides(args)
+        overrides, pod = launch_cmd.flags_and_pod(args)
         cfg = checks.resolve_checked(args.config_file, overrides, "accel env", FLAGS_SOURCE)
     except (ConfigError, UsageError):
         print("- resolved config: (not available, see the error below)")
         raise
+    cluster = kubeflow.describe(pod)  # in a Kubernetes pod: which values its variables gave, and which lost
+    if cluster is not None:
+        print(cluster)
     print("- resolved config:")
     for line in cfg.to_yaml().rstrip().splitlines():
         print(f"    {line}")

@@ -53,7 +53,7 @@ import os
 import socket
 import sys
 
-from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, multinode, output
+from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, kubeflow, multinode, output
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli import hang_report
@@ -213,7 +213,29 @@ def register(subparsers) -> argparse.ArgumentParser:
 # -------------------------------------------------------------------------------------------------------
 
 def flag_overrides(args: argparse.Namespace) -> dict:
-    """The override layer (raw, not yet validated) made of the flags the user actually gave."""
+    """The override layer (raw, not yet validated) made of the flags the user actually gave, then the values of a
+    cluster's environment that neither they nor the config file set (`srun`'s beat the file: cli/multinode.py;
+    a Kubernetes pod's do not: cli/kubeflow.py)."""
+    return flags_and_pod(args)[0]
+
+
+def pod_env(args: argparse.Namespace, given: dict) -> kubeflow.PodEnv | None:
+    """In a Kubernetes pod (Kubeflow's PET_*, PyTorchJob's WORLD_SIZE/RANK): its values for the keys that neither
+    `given` nor the user's config file set. Not for a --hostfile head (it sets every host's values itself)."""
+    if getattr(args, "hostfile", None):
+        return None
+    if not any(os.environ.get(name) for name in (*kubeflow.PET_VARIABLES.values(), kubeflow.NPROC_VARIABLE,
+                                                  "WORLD_SIZE", "RANK")):
+        return None
+    from accel.config import read_config_file, user_config_path
+
+    path = user_config_path(getattr(args, "config_file", None))
+    file_values = read_config_file(path) if path is not None else {}
+    return kubeflow.read(os.environ, given, file_values, str(path) if path is not None else "the config file")
+
+
+def flags_and_pod(args: argparse.Namespace) -> tuple[dict, kubeflow.PodEnv | None]:
+    """`flag_overrides` and the pod's values among them (with their sources), or None outside a pod."""
     raw: dict = {}
     for flag, key in _FLAG_KEYS.items():
         value = getattr(args, flag, None)
@@ -232,7 +254,10 @@ def flag_overrides(args: argparse.Namespace) -> dict:
         raw["use_cpu"] = False
         raw["distributed_type"] = "MULTI_GPU"
     raw.update(multinode.slurm_overrides(os.environ, raw))  # under `srun`: SLURM's node rank/count/main (flags win)
-    return raw
+    pod = pod_env(args, raw)  # in a Kubernetes pod: PET_* or WORLD_SIZE/RANK, below the flags and the config file
+    if pod is not None:
+        raw.update(pod.values)
+    return raw, pod
 
 
 def resolve_launch_config(config_file: str | None, overrides: dict) -> AccelConfig:
@@ -427,7 +452,10 @@ def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> 
     env = {**worker_env(cfg), **accelerate_flags.worker_env(args)}
     if args.accelerate_shim:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    sources = checks.dry_run_sources(args.config_file, flag_overrides(args), FLAGS_SOURCE)
+    overrides, pod = flags_and_pod(args)
+    sources = checks.dry_run_sources(args.config_file, overrides, FLAGS_SOURCE)
+    if pod is not None:
+        sources.update({key: (pod.sources[key], value) for key, value in pod.values.items()})
     return checks.print_dry_run(cfg, sources, env, command)
 
 
