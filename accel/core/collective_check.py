@@ -126,8 +126,9 @@ class _Tracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func == _GETTER:
-            if sys._getframe(1).f_globals.get("__name__") == "torch.utils.checkpoint":
-                return func(*args, **kwargs)  # it compares forward's (outside the mode: inside an op) with backward's
+            real = func(*args, **kwargs)
+            if real.type != "cpu" or sys._getframe(1).f_globals.get("__name__") == "torch.utils.checkpoint":
+                return real  # meta stays meta; checkpoint compares forward's (read inside an op) with backward's
             return HOST if is_host(args[0]) else ACCELERATOR
         name = getattr(func, "__name__", "")
         if func in (torch.Tensor.backward, torch.autograd.backward):
