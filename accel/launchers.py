@@ -35,7 +35,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     failure raises torch's `ChildFailedError` here, after `max_restarts` restarts of the whole group."""
     import torch
 
-    from accel.core.probes import is_cuda_available
+    from accel.core.probes import is_cuda_available, nvml_cuda_check
 
     num_processes = num_processes or 1
     if num_processes == 1 and num_nodes == 1:
@@ -54,23 +54,10 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     # until the workers are forked, whatever asks torch about CUDA in this process asks NVML (the CUDA runtime
     # initialised here would make every worker fail); the preloaded imports are skipped on a GPU machine, where
     # torch._dynamo's import may ask for the devices
-    with _nvml_cuda_check():
+    with nvml_cuda_check():
         _launch(function, args, cfg, num_processes, num_nodes, rdzv_backend,
                 rdzv_endpoint or f"{master_addr}:{use_port}", conf, rdzv_id, max_restarts, monitor_interval,
                 log_line_prefix_template, preload=not gpus)
-
-
-@contextlib.contextmanager
-def _nvml_cuda_check():
-    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
 
 
 def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2) -> None:

@@ -4,6 +4,7 @@ package (nothing is imported); a device probe asks torch."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -57,19 +58,26 @@ def str_to_bool(value, to_bool: bool = False):
 
 
 # -- devices --------------------------------------------------------------------------------------------------
-def is_cuda_available() -> bool:
-    """Whether a GPU is there, asked through NVML (as Accelerate's probe does): the CUDA runtime is not initialised,
-    so a process that asks can still fork workers that use CUDA (`notebook_launcher`); without it, every forked
-    worker fails with "Cannot re-initialize CUDA in forked subprocess"."""
+@contextlib.contextmanager
+def nvml_cuda_check():
+    """While inside, torch answers `torch.cuda.is_available()` through NVML, without initialising the CUDA runtime
+    (which would make every process forked afterwards fail with "Cannot re-initialize CUDA in forked subprocess")."""
     old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
-        return torch.cuda.is_available()
+        yield
     finally:
         if old is None:
             os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
         else:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
+
+
+def is_cuda_available() -> bool:
+    """Whether a GPU is there, asked through NVML (as Accelerate's probe does), so a process that asks can still fork
+    workers that use CUDA (`notebook_launcher`)."""
+    with nvml_cuda_check():
+        return torch.cuda.is_available()
 
 
 def is_mps_available(min_version: str = "1.12") -> bool:
