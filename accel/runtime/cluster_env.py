@@ -133,13 +133,13 @@ def slurm_task_env(env: Mapping[str, str]) -> dict[str, str] | None:
     where = f"srun step of {tasks[1]} tasks (${tasks[0]}) without a launcher"
     rank = _int(env, ("SLURM_PROCID",), f"0 to {tasks[1] - 1}")
     if rank is None or not 0 <= rank[1] < tasks[1]:
-        shown = "unset" if rank is None else f"={rank[1]}"
-        raise ClusterEnvError(f"{where}: $SLURM_PROCID is {shown}; allowed: 0 to {tasks[1] - 1} (this task's rank, "
+        shown = " is unset" if rank is None else f"={rank[1]}"
+        raise ClusterEnvError(f"{where}: $SLURM_PROCID{shown}; allowed: 0 to {tasks[1] - 1} (this task's rank, "
                               "set by srun)")
     local = _int(env, ("SLURM_LOCALID",), "this task's index on its node")
     if local is None or local[1] < 0:
-        shown = "unset" if local is None else f"={local[1]}"
-        raise ClusterEnvError(f"{where}: $SLURM_LOCALID is {shown}; allowed: 0 or more (this task's index on its "
+        shown = " is unset" if local is None else f"={local[1]}"
+        raise ClusterEnvError(f"{where}: $SLURM_LOCALID{shown}; allowed: 0 or more (this task's index on its "
                               "node, set by srun)")
     address = env.get("MASTER_ADDR") or None
     if address is None:
