@@ -167,6 +167,9 @@ def read(env: Mapping[str, str], given: Mapping[str, Any], file_values: Mapping[
         else:
             pod.values[key] = raw[key]
             pod.sources[key] = f"${names[key]} ({engine})"
+    if machines > 1 and "machine_rank" not in raw and winner("machine_rank") is None:  # PET_* only: RANK is required
+        raise UsageError(f"num_machines {machines} but $PET_NODE_RANK is not set ({engine}): every pod would claim "
+                         "machine rank 0; allowed: $PET_NODE_RANK set to the pod's index, or --machine_rank")
     per_node = 1 if nproc is None else nproc
     over = winner("num_processes")
     if over is not None:

@@ -113,6 +113,7 @@ def test_precedence_flags_then_file_then_pet_then_defaults():
     ({**PET, "PET_NPROC_PER_NODE": "auto"}, {}, r"\$PET_NPROC_PER_NODE='auto': bad value; allowed: a whole number"),
     ({**PET, "PET_NNODES": "1:4"}, {}, r"\$PET_NNODES='1:4': an elastic range of nodes"),
     ({**PET, "PET_MASTER_PORT": "0"}, {}, r"\$PET_MASTER_PORT='0': bad value; allowed: a port number from 1 to 65535"),
+    ({"PET_NNODES": "2", "PET_MASTER_ADDR": "a"}, {}, r"num_machines 2 but \$PET_NODE_RANK is not set"),
     ({"WORLD_SIZE": "2"}, {}, r"\$WORLD_SIZE='2' is set but \$RANK is not"),
     ({"WORLD_SIZE": "2", "RANK": "2"}, {}, r"\$RANK=2 with \$WORLD_SIZE=2: a pod index out of range"),
 ])
