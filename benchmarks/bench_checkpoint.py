@@ -238,6 +238,48 @@ def without_checksums() -> None:
     layout.FileVerification = NoVerification  # type: ignore[misc,assignment]
 
 
+PAIRED_REPS = 5  # load_state with and without checksums, alternately, in one process (see paired_loads)
+
+
+def paired_loads(accelerator, path: Path) -> dict:
+    """load_state's checksum cost measured within one process, so that noise between processes does not count:
+    PAIRED_REPS rounds, each loading `path` with and without checksum verification (in turn first), read in place and
+    into fresh tensors: the median seconds of each."""
+    import accel.checkpoint.training_state as training_state
+    from accel.checkpoint import layout
+
+    class NoVerification:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def result(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    real = (getattr(layout, "FileVerification", None), layout._verify_checksums, training_state.STAGING_BYTES)
+    times: dict[str, list[float]] = {}
+    try:
+        for rnd in range(PAIRED_REPS):
+            for checks in ((True, False) if rnd % 2 == 0 else (False, True)):
+                for fresh in (False, True):
+                    if real[0] is not None:
+                        layout.FileVerification = real[0] if checks else NoVerification  # type: ignore[misc]
+                    layout._verify_checksums = real[1] if checks else (lambda *args, **kwargs: None)
+                    training_state.STAGING_BYTES = 2**40 if fresh else real[2]
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    accelerator.load_state(str(path))
+                    key = f"paired_{'fresh' if fresh else 'in_place'}_{'crc' if checks else 'nocrc'}_s"
+                    times.setdefault(key, []).append(time.perf_counter() - t0)
+    finally:
+        if real[0] is not None:
+            layout.FileVerification = real[0]  # type: ignore[misc]
+        layout._verify_checksums, training_state.STAGING_BYTES = real[1], real[2]
+    return {k: median(v) for k, v in times.items()}
+
+
 def staging_wait_counter():
     """Seconds the optimizer steps waited for asynchronous saves' staging copies so far (accel.checkpoint.async_save's
     counter; 0 with an accel from before the copy was made in the background, where save_state made it itself)."""
@@ -362,6 +404,7 @@ def worker(op: str, path: Path, size: str) -> None:
         result["fsync_s"] = time.perf_counter() - t0
     if op == "accel_load_state" and result["op"] == op:  # the checksums' throughput, over what was loaded
         result.update(checksum_speed(path))
+        result.update(paired_loads(accelerator, path))
     if expect is not None:
         first = next(inner.parameters())  # load_state_dict copies in place; this is the same object
         restored = torch.equal(first, expect[0])
@@ -627,6 +670,14 @@ def single(args: argparse.Namespace) -> None:
         print(f"  {what} {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
               f"{(on - off) / save * 100:+.1f}% of the save time ({(on - off) / off * 100:+.1f}% of this operation)"
               f"  (target <= 5% of the save time)")
+    paired = [r for r in results["accel_load_state"] if "paired_in_place_crc_s" in r]
+    if paired:
+        print(f"  the same within one process ({PAIRED_REPS} loads each way per worker, alternating; medians):")
+        for what, key in (("read in place", "in_place"), ("into fresh tensors", "fresh")):
+            on = median([r[f"paired_{key}_crc_s"] for r in paired])
+            off = median([r[f"paired_{key}_nocrc_s"] for r in paired])
+            print(f"    load_state {what} {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
+                  f"{(on - off) / save * 100:+.1f}% of the save time  (target <= 5%)")
     timed = [r for r in results["accel_load_state"] if "crc32_s" in r]
     if timed:
         nbytes = timed[0]["checksum_bytes"]
