@@ -453,14 +453,17 @@ def test_an_older_checkpoint_without_the_optimizer_type_is_checked_by_its_hyper_
     _prepared_with(lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))[0].load_state(str(folder))  # still loads
 
 
-@pytest.mark.parametrize("what", ["shard bit", "shard bit, read in place", "rng bit", "manifest value",
-                                  "manifest step"])
+@pytest.mark.parametrize("what", ["shard bit", "shard bit, read in place", "shard bit, verified while read", "rng bit",
+                                  "manifest value", "manifest step"])
 def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(trained, what, monkeypatch):
     """One flipped bit in a tensor shard, or a same-size edit of a value in the manifest, used to load silently. The
-    checksums are verified while the tensors are read into fresh tensors, and before a read in place."""
+    checksums are verified before the read (on fewer than OVERLAP_MIN_CPUS cores, and before a read in place), or
+    while the tensors are read into fresh tensors."""
     folder, objects = trained
     if what.endswith("in place"):
         monkeypatch.setattr(training_state, "STAGING_BYTES", 0)
+    if what.endswith("while read"):  # as with OVERLAP_MIN_CPUS cores or more
+        monkeypatch.setattr(training_state, "OVERLAP_MIN_CPUS", 1)
     before = snapshot(*objects)
     manifest_path = folder / layout.MANIFEST
     if what.startswith("manifest"):
