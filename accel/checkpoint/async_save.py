@@ -115,11 +115,28 @@ class BackgroundStager:
         return False
 
     def stage(self, state_dict: dict) -> Future:
+        """Torch's stager is given the tensors only, as one flat dict; the other leaves (numbers, strings, objects of
+        registered state) are copied here by Python's deepcopy and the structure is rebuilt around the copies. (torch
+        2.11's stager failed on a non-tensor leaf at the second save on a GPU: `KeyError: <class 'type'>` in its own
+        deepcopy, benchmarks/gpu_check.py.)"""
+        import copy
+
+        from torch.utils._pytree import tree_flatten
+
         if self._device is not None and self._device.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        return self._executor.submit(self._stage, state_dict)
+        leaves, spec = tree_flatten(state_dict)
+        tensors = {str(i): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+        others = {i: copy.deepcopy(leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        return self._executor.submit(self._stage_leaves, tensors, others, spec, len(leaves))
+
+    def _stage_leaves(self, tensors: dict, others: dict, spec, count: int) -> dict:
+        from torch.utils._pytree import tree_unflatten
+
+        staged = self._stage(tensors)
+        return tree_unflatten([staged[str(i)] if str(i) in staged else others[i] for i in range(count)], spec)
 
     def _stage(self, state_dict: dict) -> dict:
         if self._stream is None:

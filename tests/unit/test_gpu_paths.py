@@ -182,3 +182,27 @@ def test_hang_headline_on_one_machine_names_no_missing_rank():
     assert "every rank of the job was in it: the collective itself did not complete" in alone
     assert "another machine" not in alone
     assert "runs on another machine" in headline([], [], waiting, 15, whole_job=False)
+
+
+def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_python():
+    """torch's stager gets the tensors only (torch 2.11's failed on a non-tensor leaf at the second save on an H200:
+    KeyError: <class 'type'>); the other leaves are deep copies made at the save, the structure the same."""
+    from accel.checkpoint.async_save import BackgroundStager
+
+    class Registered:  # an object of registered state, its class in its pickle arguments
+        def __init__(self):
+            self.kind, self.values = int, [1, 2]
+
+    stager = BackgroundStager(pinned=False, shared=False)
+    try:
+        state = {"model": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+                 "kind": int, "object": Registered()}
+        for _ in range(2):  # the second save reuses torch's staging buffers
+            staged = stager.stage(state).result()
+            state["object"].values.append(3)  # changed after the save: the copy keeps the value at the save
+            state["model"]["w"].add_(1)
+            assert staged["kind"] is int and staged["optimizer"] == {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
+            assert staged["object"].values == state["object"].values[:-1]
+            assert torch.equal(staged["model"]["w"], state["model"]["w"] - 1)
+    finally:
+        stager.close()
