@@ -684,8 +684,13 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     verification: list[layout.FileVerification] = []  # (made by _checked_files once the manifest is read)
 
     def run(step):
-        return _agreed(lambda: _damage_first(step, verification), lambda exc: _load_failure(folder, exc),
-                       name_rank=True)
+        try:
+            return _agreed(lambda: _damage_first(step, verification), lambda exc: _load_failure(folder, exc),
+                           name_rank=True)
+        except CheckpointError:  # (the same on every rank) a damaged file in any rank's share is the error
+            if verification:
+                _agreed(lambda: _verified(verification), lambda exc: _load_failure(folder, exc), name_rank=True)
+            raise
 
     try:
         with stages("load_state", 3) as begin:  # DCP reads in one call: the bar names the step, with elapsed time
