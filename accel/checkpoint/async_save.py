@@ -93,6 +93,15 @@ def _staging_started(future: Future) -> None:
     future.add_done_callback(done)
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A Parameter (or another tensor subclass but DTensor) as a plain tensor sharing its storage: torch 2.11's
+    stager deep-copies a subclass through its pickle arguments, which name its class, and fails on them at the second
+    save (`KeyError: <class 'type'>` on an H200 with the leaves other than tensors already taken out)."""
+    if type(tensor) is torch.Tensor or hasattr(tensor, "_local_tensor"):  # plain, or a DTensor (staged as one)
+        return tensor
+    return tensor.detach().as_subclass(torch.Tensor)
+
+
 class BackgroundStager:
     """torch's `AsyncStager` protocol: `stage` returns a Future of the staged copy, made by torch's `DefaultStager`
     in a thread of its own (its buffers kept for the next save). For GPU tensors, the copy runs on a CUDA stream of
@@ -128,7 +137,7 @@ class BackgroundStager:
                 self._stream = torch.cuda.Stream(device=self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
         leaves, spec = tree_flatten(state_dict)
-        tensors = {str(i): leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+        tensors = {str(i): _plain(leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
         others = {i: copy.deepcopy(leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
         return self._executor.submit(self._stage_leaves, tensors, others, spec, len(leaves))
 

@@ -185,8 +185,9 @@ def test_hang_headline_on_one_machine_names_no_missing_rank():
 
 
 def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_python():
-    """torch's stager gets the tensors only (torch 2.11's failed on a non-tensor leaf at the second save on an H200:
-    KeyError: <class 'type'>); the other leaves are deep copies made at the save, the structure the same."""
+    """torch's stager gets plain tensors only (torch 2.11's failed at the second save on an H200, KeyError: <class
+    'type'>, on a leaf whose pickle arguments name a class); the other leaves are deep copies made at the save, the
+    structure the same, a Parameter staged as a plain tensor."""
     from accel.checkpoint.async_save import BackgroundStager
 
     class Registered:  # an object of registered state, its class in its pickle arguments
@@ -195,8 +196,9 @@ def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_pyth
 
     stager = BackgroundStager(pinned=False, shared=False)
     try:
-        state = {"model": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
-                 "kind": int, "object": Registered()}
+        state = {"model": {"w": torch.ones(3), "p": torch.nn.Parameter(torch.zeros(2))},
+                 "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, "kind": int,
+                 "object": Registered()}
         for _ in range(2):  # the second save reuses torch's staging buffers
             staged = stager.stage(state).result()
             state["object"].values.append(3)  # changed after the save: the copy keeps the value at the save
@@ -204,5 +206,6 @@ def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_pyth
             assert staged["kind"] is int and staged["optimizer"] == {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
             assert staged["object"].values == state["object"].values[:-1]
             assert torch.equal(staged["model"]["w"], state["model"]["w"] - 1)
+            assert type(staged["model"]["p"]) is torch.Tensor and torch.equal(staged["model"]["p"], torch.zeros(2))
     finally:
         stager.close()
