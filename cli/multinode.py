@@ -50,7 +50,7 @@ from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.config.errors import shown
 from accel.config.schema import MAX_PROCESSES_PER_MACHINE
 from accel.config.text_file import read_text
-from accel.runtime.cluster_env import expand_hostlist  # SLURM's host lists (also for srun without a launcher)
+from accel.runtime.cluster_env import expand_hostlist, first_int  # SLURM: host lists, integer variables
 
 SSH_COMMAND_ENV = "ACCEL_SSH_COMMAND"
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes"
@@ -234,14 +234,7 @@ def plan_machines(pool: dict[str, int], include: str | None = None, exclude: str
 # -------------------------------------------------------------------------------------------------------
 
 def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
-    for name in names:
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return name, int(value)
-            except ValueError:
-                raise UsageError(f"${name}={value!r} is not an integer (set by SLURM?)") from None
-    return None
+    return first_int(env, names, lambda name, value: UsageError(f"${name}={value!r} is not an integer (set by SLURM?)"))
 
 
 def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun (and accel launch through it)
 LAUNCHED_ENV = "ACCEL_LAUNCH_CONFIG"  # accel.config.LAUNCH_ENV: this process was started by `accel launch`
@@ -104,16 +104,23 @@ def expand_hostlist(text: str) -> list[str]:
 # srun without a launcher
 # -------------------------------------------------------------------------------------------------------
 
-def _int(env: Mapping[str, str], names: tuple[str, ...], what: str) -> tuple[str, int] | None:
+def first_int(env: Mapping[str, str], names: tuple[str, ...],
+              error: Callable[[str, str], Exception]) -> tuple[str, int] | None:
+    """(name, value) of the first of `names` set in `env`; a value that is not an integer raises error(name, value).
+    Shared with `srun accel launch` (cli/multinode.py), which words its own error."""
     for name in names:
         value = env.get(name)
         if value not in (None, ""):
             try:
                 return name, int(value)
             except ValueError:
-                raise ClusterEnvError(f"srun without a launcher: ${name}={value!r} is not an integer; allowed: "
-                                      f"{what} (SLURM sets it)") from None
+                raise error(name, value) from None
     return None
+
+
+def _int(env: Mapping[str, str], names: tuple[str, ...], what: str) -> tuple[str, int] | None:
+    return first_int(env, names, lambda name, value: ClusterEnvError(
+        f"srun without a launcher: ${name}={value!r} is not an integer; allowed: {what} (SLURM sets it)"))
 
 
 def derived_port(job_id: str, step_id: str) -> int:
