@@ -222,20 +222,23 @@ def without_checksums() -> None:
         def finish(self) -> str:
             return "crc32:00000000"
 
-    class NoVerification:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def result(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
     streaming_writer._Crc32 = NoCrc32  # type: ignore[misc,assignment]
     layout.file_checksums = lambda folder, names, algorithms=None: dict.fromkeys(names, "crc32:00000000")
     layout._verify_checksums = lambda *args, **kwargs: None
     layout.FileVerification = NoVerification  # type: ignore[misc,assignment]
+
+
+class NoVerification:
+    """layout.FileVerification without the hashing: what load_state costs with no checksums."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def result(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 PAIRED_REPS = 5  # load_state with and without checksums, alternately, in one process (see paired_loads)
@@ -247,16 +250,6 @@ def paired_loads(accelerator, path: Path) -> dict:
     into fresh tensors: the median seconds of each."""
     import accel.checkpoint.training_state as training_state
     from accel.checkpoint import layout
-
-    class NoVerification:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def result(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
 
     real = (getattr(layout, "FileVerification", None), layout._verify_checksums, training_state.STAGING_BYTES)
     times: dict[str, list[float]] = {}

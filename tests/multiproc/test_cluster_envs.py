@@ -67,6 +67,20 @@ def _slurm_job_id_with_free_port(free_port: int) -> int:
     pytest.skip("no free port among the derived ones")
 
 
+def run_together(jobs: list[tuple[list[str], dict]]) -> list[str]:
+    """Start each (command, environment) at once, as the engine starts its tasks or pods; all must exit 0. Their
+    outputs (stdout and stderr)."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for cmd, env in jobs]
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0] * len(procs), outputs
+    return outputs
+
+
 def test_srun_without_a_launcher_forms_one_group(isolated_env, probe, free_port):
     """`srun --ntasks=2 python probe.py` on one node: SLURM's variables only, no RANK/WORLD_SIZE/MASTER_*."""
     job = _slurm_job_id_with_free_port(free_port)
@@ -74,15 +88,8 @@ def test_srun_without_a_launcher_forms_one_group(isolated_env, probe, free_port)
             "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2",
             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
             "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost"}
-    procs = [subprocess.Popen([sys.executable, str(probe)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
-             for task in (0, 1)]
-    try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    outputs = run_together([([sys.executable, str(probe)], {**base, "SLURM_PROCID": str(task),
+                                                             "SLURM_LOCALID": str(task)}) for task in (0, 1)])
     one_job_of_two("".join(outputs))
 
 
@@ -98,12 +105,5 @@ def test_pytorchjob_pods_world_size_and_rank_are_node_level(isolated_env, probe,
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2", str(probe)]
     pods = [{"WORLD_SIZE": "2", "RANK": str(index), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port)}
             for index in (0, 1)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**isolated_env, "OMP_NUM_THREADS": "1", **pod}) for pod in pods]
-    try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    outputs = run_together([(cmd, {**isolated_env, "OMP_NUM_THREADS": "1", **pod}) for pod in pods])
     one_job_of_two("".join(outputs), locals_=(0, 0))
