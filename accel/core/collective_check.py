@@ -50,8 +50,12 @@ _GETTER = torch.Tensor.device.__get__  # a method-wrapper: compared with ==, not
 
 
 def requested() -> bool:
-    """The variable asks for the check (a CUDA job pretended on the CPU)."""
-    return os.environ.get(ENV, "").strip().lower() == "cuda"
+    """The variable asks for the check (a CUDA job pretended on the CPU); another value is refused in one line."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "cuda"):
+        raise ValueError(f"environment variable {ENV}={os.environ[ENV]!r}; allowed: cuda (check as a CUDA job) or "
+                         "unset")
+    return value == "cuda"
 
 
 def active() -> bool:

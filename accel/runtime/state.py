@@ -54,11 +54,11 @@ def process_group_backend(backend: str | None, device_type: str, cpu_collectives
     them. The exception is CPU offload: FSDP2 keeps the offloaded gradients on the CPU and reduces CPU tensors that
     accel does not make (the gradient norm of `clip_grad_norm_`, the sharded grad scaler's inf flag), so a job that
     offloads gets gloo for CPU tensors beside NCCL, `"cuda:nccl,cpu:gloo"` (torch's own default when no backend is
-    named; torchtitan does the same for offload). A backend the user names is kept, except plain "nccl" under offload,
-    which gets the CPU backend added (it would fail on the first clipped step)."""
+    named; torchtitan does the same for offload). A backend the user names is kept, except that under offload one with
+    no CPU backend ("nccl", "cuda:nccl") gets gloo added for CPU tensors (it would fail on the first clipped step)."""
     chosen = backend or ("nccl" if device_type == "cuda" else "gloo")
-    if cpu_collectives and device_type == "cuda" and chosen == "nccl":
-        return "cuda:nccl,cpu:gloo"
+    if cpu_collectives and device_type == "cuda" and "gloo" not in chosen and "cpu:" not in chosen:
+        return ("cuda:" + chosen if ":" not in chosen else chosen) + ",cpu:gloo"  # nccl, cuda:nccl: gloo beside
     return chosen
 
 

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (None, "cuda", False, "nccl"),  # accel's own collectives send device tensors: NCCL alone
     (None, "cuda", True, "cuda:nccl,cpu:gloo"),  # FSDP2's offloaded gradients reduce CPU tensors
     ("nccl", "cuda", True, "cuda:nccl,cpu:gloo"),  # the user's plain nccl would fail on the first clipped step
+    ("cuda:nccl", "cuda", True, "cuda:nccl,cpu:gloo"),
     ("gloo", "cuda", True, "gloo"),  # a backend that takes CPU tensors is kept
     (None, "cpu", True, "gloo"),
     ("cuda:nccl,cpu:gloo", "cuda", False, "cuda:nccl,cpu:gloo"),
@@ -209,3 +210,13 @@ def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_pyth
             assert type(staged["model"]["p"]) is torch.Tensor and torch.equal(staged["model"]["p"], torch.zeros(2))
     finally:
         stager.close()
+
+
+def test_a_bad_check_variable_is_one_line(monkeypatch):
+    from accel.core import collective_check
+
+    monkeypatch.setenv("ACCEL_CHECK_COLLECTIVE_DEVICES", "gpu")
+    with pytest.raises(ValueError, match=r"^environment variable ACCEL_CHECK_COLLECTIVE_DEVICES='gpu'; allowed: cuda"):
+        collective_check.requested()
+    monkeypatch.setenv("ACCEL_CHECK_COLLECTIVE_DEVICES", "")
+    assert collective_check.requested() is False
