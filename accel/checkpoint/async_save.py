@@ -111,10 +111,8 @@ class BackgroundStager:
     _synchronize_after_execute = False
 
     def __init__(self, pinned: bool, shared: bool, device: torch.device | None = None) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=shared,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._options = (pinned, shared)
+        self._stager = self._new_stager()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accel-staging")
         self._device = device
         self._stream: torch.cuda.Stream | None = None
@@ -147,7 +145,19 @@ class BackgroundStager:
         staged = self._stage(tensors)
         return tree_unflatten([staged[str(i)] if str(i) in staged else others[i] for i in range(count)], spec)
 
+    def _new_stager(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned, shared = self._options
+        return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=shared,
+                                            use_async_staging=False, use_non_blocking_copy=False))
+
     def _stage(self, state_dict: dict) -> dict:
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            # closed by someone else (its deepcopy table is emptied by close(), and every later copy then fails with
+            # `KeyError: <class 'type'>`, seen on torch 2.11): a new one, without the previous save's buffers
+            self._stager = self._new_stager()
         if self._stream is None:
             return self._stager.stage(state_dict)  # type: ignore[return-value]
         with torch.cuda.stream(self._stream):  # (blocking copies on this stream: the thread waits, training does not)
@@ -157,6 +167,10 @@ class BackgroundStager:
         pass
 
     def close(self) -> None:
+        """Nothing: torch 2.11's `async_save` closes the stager it is given after each save, although the stager is
+        kept for the next one (torch 2.13 leaves it to its owner). accel releases it with `release`."""
+
+    def release(self) -> None:
         self._executor.shutdown(wait=True)
         self._stager.close()
 
@@ -257,7 +271,7 @@ class AsyncCheckpointer:
     def close(self) -> None:
         self.wait_quietly()
         for stager in self._stagers.values():
-            stager.close()
+            stager.release()
         self._stagers.clear()
         self._group = None
 

@@ -208,8 +208,10 @@ def test_background_staging_copies_tensors_with_torch_and_other_leaves_with_pyth
             assert staged["object"].values == state["object"].values[:-1]
             assert torch.equal(staged["model"]["w"], state["model"]["w"] - 1)
             assert type(staged["model"]["p"]) is torch.Tensor and torch.equal(staged["model"]["p"], torch.zeros(2))
+            stager.close()  # what torch 2.11's async_save does after each save with the stager it was given
+            stager._stager.close()  # and a stager closed underneath (its deepcopy table emptied): a new one is made
     finally:
-        stager.close()
+        stager.release()
 
 
 def test_a_bad_check_variable_is_one_line(monkeypatch):
