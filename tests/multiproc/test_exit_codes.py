@@ -1,4 +1,5 @@
-"""README "Exit codes": each code the table documents is what `accel launch` returns (issue 40).
+"""docs/troubleshooting.md "Exit codes" (in the README until issue 45): each code the table documents is what
+`accel launch` returns (issue 40).
 
 Most codes are already asserted by the tests of their feature, listed in COVERED (not launched again here); this file
 launches only what no other test returns: a worker killed by SIGKILL (137), the launcher interrupted by SIGINT (130),
@@ -24,7 +25,7 @@ from accel.cli.main import main
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "scripts" / "hang_worker.py"
 
-# README's code column -> the tests that assert the launcher returns it (file::test); 128 + N: 139 (SIGSEGV), 134
+# the documented code column -> the tests that assert the launcher returns it (file::test); 128 + N: 139 (SIGSEGV), 134
 # (SIGABRT), 137 (SIGKILL), 143 (SIGTERM, twice), 130 (SIGINT)
 COVERED = {
     "0": ["tests/multiproc/test_launch.py::test_two_processes_get_ranks_the_config_and_untouched_args"],
@@ -52,8 +53,8 @@ COVERED = {
 
 
 def readme_codes() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n### Exit codes\n", 1)[1].split("\n#", 1)[0]
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    section = text.split("\n## Exit codes\n", 1)[1].split("\n#", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Code")]
     return [row.split("|")[1].strip().strip("`") for row in rows]
 
