@@ -20,7 +20,7 @@ LAYERS = [
     ("config", ["accel.config"]),
     ("runtime", ["accel.runtime"]),
     ("data, checkpoints, big models", ["accel.data", "accel.checkpoint", "accel.big_model"]),
-    ("backends", ["accel.backends"]),
+    ("backends", ["accel.backends", "accel.fault_tolerance"]),  # fault tolerance: a data-parallel variant
     ("planning", ["accel.planning"]),
     ("training pieces", ["accel.optimizer", "accel.scheduler", "accel.tracking", "accel.compat"]),
     ("Accelerator", ["accel.accelerator"]),

@@ -1,0 +1,26 @@
+"""Fault tolerance without restarts (torchft) and semi-synchronous training (LocalSGD, DiLoCo).
+
+Data parallelism whose membership can change: several *replica groups* (each one torchrun job of one or more
+processes) train the same model; torchft's Lighthouse forms a quorum of the live groups at every step, gradients
+are all-reduced over it, and the optimizer commits a step only when that all-reduce succeeded. A group that died
+is restarted by its own torchrun and copies the weights and optimizer state from a live group (it "heals")
+without reading a checkpoint. See docs/fault_tolerance.md.
+
+The core never imports this package, except through the backend registry (a config with a `fault_tolerance`
+section selects the `fault_tolerant` backend) and Accelerate's `accelerate.local_sgd` path (`accel/local_sgd.py`).
+torchft itself is imported only when a job asks for fault tolerance (`pip install 'accel[ft]'`).
+"""
+
+from __future__ import annotations
+
+MISSING_TORCHFT = ("fault tolerance needs torchft, which is not installed; install the extra: "
+                   "pip install 'accel[ft]'  (or: pip install torchft)")
+
+
+def require_torchft():
+    """torchft's module, or one line naming the extra (an ImportError) when it is not installed."""
+    try:
+        import torchft
+    except ImportError:
+        raise ImportError(MISSING_TORCHFT) from None
+    return torchft
