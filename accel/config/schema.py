@@ -374,25 +374,31 @@ class ParallelismConfig:
 class AccelConfig:
     """The whole resolved config. Key names follow Accelerate's config file."""
 
-    compute_environment: str = _spec("LOCAL_MACHINE", str, choices=("LOCAL_MACHINE",))
+    compute_environment: str = _spec("LOCAL_MACHINE", str, choices=("LOCAL_MACHINE",),
+                                      help="Accelerate's key; accel runs on the local machine(s) only")
     distributed_type: str | None = _spec(None, str, choices=DISTRIBUTED_TYPES, optional=True,
                                          help="derived from num_processes and use_cpu when omitted")
     num_processes: int = _spec(1, int, lo=1, help="total processes over all machines")
-    num_machines: int = _spec(1, int, lo=1)
-    machine_rank: int = _spec(0, int, lo=0)
+    num_machines: int = _spec(1, int, lo=1, help="machines the job spans (each runs num_processes / num_machines)")
+    machine_rank: int = _spec(0, int, lo=0, help="this machine's index, 0 at main_process_ip (with rdzv_backend c10d: "
+                                                 "only which machine hosts the rendezvous)")
     main_process_ip: str | None = _spec(None, str, optional=True, pattern=HOST_PATTERN,
-                                        what="a host name or IP address")
-    main_process_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True)
-    use_cpu: bool = _spec(False, bool)
+                                        what="a host name or IP address",
+                                        help="the rendezvous address: machine 0 (required with num_machines > 1)")
+    main_process_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True,
+                                          help="the rendezvous port (null: a free port on one machine)")
+    use_cpu: bool = _spec(False, bool, help="run on the CPU (gloo) even where GPUs are present")
     gpu_ids: str = _spec("all", str, help='"all" or a comma-separated list like "0,1"')
-    mixed_precision: str = _spec("no", str, choices=MIXED_PRECISIONS)
-    gradient_accumulation_steps: int = _spec(1, int, lo=1)
-    rdzv_backend: str = _spec("static", str, choices=RDZV_BACKENDS)
-    same_network: bool = _spec(True, bool)
+    mixed_precision: str = _spec("no", str, choices=MIXED_PRECISIONS,
+                                  help="no (fp32), bf16 or fp16 (autocast; fp16 with loss scaling), fp8 (torchao)")
+    gradient_accumulation_steps: int = _spec(1, int, lo=1, help="batches per optimizer step")
+    rdzv_backend: str = _spec("static", str, choices=RDZV_BACKENDS,
+                              help="static: machine_rank is the node rank; c10d: ranks in arrival order")
+    same_network: bool = _spec(True, bool, help="Accelerate's key: the machines share a network (accepted)")
     dynamo_backend: str = _spec("no", str, choices=DYNAMO_BACKENDS,
                                 help="torch.compile backend; no: eager (Accelerate's key and flag)")
-    dynamo_mode: str = _spec("default", str, choices=DYNAMO_MODES)
-    dynamo_use_fullgraph: bool = _spec(False, bool)
+    dynamo_mode: str = _spec("default", str, choices=DYNAMO_MODES, help="torch.compile's mode")
+    dynamo_use_fullgraph: bool = _spec(False, bool, help="torch.compile(fullgraph=True): a graph break is an error")
     dynamo_use_dynamic: bool | None = _spec(None, bool, optional=True, help="null: torch.compile decides")
     dynamo_use_regional_compilation: bool = _spec(False, bool,
                                                   help="compile each repeated block instead of the whole model")
