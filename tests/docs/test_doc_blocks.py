@@ -1,0 +1,124 @@
+"""Docs that cannot rot (issue 45): every python and shell block of README.md and docs/**/*.md runs here, on the
+CPU with tiny models, unless the line before it says why not (`<!-- not-run: <reason> -->`); every yaml block is a
+config accel accepts. The convention is in tests/docs/doc_blocks.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from doc_blocks import CONFIG, ROOT, RUN, Block, blocks, doc_pages
+
+ALL = [block for page in doc_pages() for block in blocks(page)]
+PAGES_WITH_RUNS = sorted({b.path for b in ALL if b.lang in RUN and b.marker is None},
+                         key=lambda p: str(p.relative_to(ROOT)))
+TIMEOUT = 180  # seconds for one block: a launch of two CPU processes takes a few
+
+
+def _page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_every_block_runs_or_says_why_not():
+    problems = []
+    for page in doc_pages():
+        lines = page.read_text().splitlines()
+        for block in blocks(page):
+            before = lines[block.line - 2].strip() if block.line > 1 else ""
+            if block.marker is None and before.startswith("<!--") and re.search(r"not.?run|file", before):
+                problems.append(f"{block.where}: malformed marker {before!r}; allowed: <!-- not-run: <reason> --> "
+                                "or <!-- file: NAME -->")
+            if block.marker == "not-run" and len(block.value) < 10:
+                problems.append(f"{block.where}: not-run without a reason ({block.value!r})")
+            if block.marker == "file":
+                if not re.fullmatch(r"[\w.-]+", block.value):
+                    problems.append(f"{block.where}: file name {block.value!r}; allowed: a plain file name")
+                later = [b for b in blocks(page) if b.line > block.line and b.lang in RUN and b.marker is None]
+                if not any(block.value in b.code for b in later):
+                    problems.append(f"{block.where}: file {block.value} is used by no block run after it")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_convention_counts():
+    """The blocks a reader sees are mostly run: a guard against marking everything not-run."""
+    runnable = [b for b in ALL if b.lang in RUN]
+    run = [b for b in runnable if b.marker is None]
+    assert len(run) >= 10, [b.where for b in run]
+    assert any(b.path.name == "README.md" for b in run)
+
+
+def _env(tmp_path: Path) -> dict:
+    from conftest import make_isolated_env
+
+    env = make_isolated_env(tmp_path)
+    # `python`, `accel` and `torchrun` in a block are this interpreter's
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", ACCEL_DISABLE_PROGRESS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def _run(block: Block, index: int, work: Path, env: dict) -> None:
+    if block.lang in ("python", "py"):
+        script = work / f"_doc_block_{index}.py"
+        script.write_text(block.code)
+        command = [sys.executable, script.name]
+    else:
+        code = block.code
+        if block.lang == "console":  # the `$ ` lines are the commands; the rest is their output
+            code = "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ ")) + "\n"
+        script = work / f"_doc_block_{index}.sh"
+        script.write_text(code)
+        command = ["bash", "-euo", "pipefail", script.name]
+    try:
+        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{block.where}: still running after {TIMEOUT} s\n{exc.stdout or ''}{exc.stderr or ''}")
+    if done.returncode:
+        tail = (done.stdout + done.stderr)[-4000:]
+        pytest.fail(f"{block.where}: exit code {done.returncode}\n--- the block ---\n{block.code}--- its output "
+                    f"---\n{tail}")
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_RUNS, ids=_page_id)
+def test_page_blocks_run(page: Path, tmp_path: Path):
+    """The page's blocks in order, in a folder of their own that holds the repository's examples/."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "examples").symlink_to(ROOT / "examples")
+    env = _env(tmp_path)
+    for index, block in enumerate(blocks(page)):
+        if block.marker == "file":
+            (work / block.value).write_text(block.code)
+        elif block.marker is None and block.lang in RUN:
+            _run(block, index, work, env)
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.lang in CONFIG and b.marker != "not-run"],
+                         ids=lambda b: b.where)
+def test_yaml_block_is_a_config_accel_accepts(block: Block, tmp_path: Path):
+    from accel.config.resolve import build_config, read_config_file
+
+    path = tmp_path / (block.value if block.marker == "file" else "config.yaml")
+    path.write_text(block.code)
+    build_config([read_config_file(path)], str(path))  # a ConfigError names the key; the block's place is the id
+
+
+def test_a_bad_block_fails(tmp_path: Path):
+    """The runner can fail: a block that exits non-zero, and a yaml block with a misspelt key."""
+    from accel.config.errors import ConfigError
+    from accel.config.resolve import read_config_file
+
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nexit 3\n```\n")
+    (work := tmp_path / "w").mkdir()
+    with pytest.raises(pytest.fail.Exception, match="exit code 3"):
+        _run(blocks(page)[0], 0, work, _env(tmp_path))
+    config = tmp_path / "bad.yaml"
+    config.write_text("num_proceses: 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'num_processes'"):
+        read_config_file(config)
