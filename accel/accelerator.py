@@ -56,9 +56,10 @@ def _warn_safetensors_only() -> None:
 class Accelerator(AccelerateMembers):
     """Make a plain PyTorch training loop run on one CPU, many processes, GPUs or machines.
 
-    >>> accelerator = Accelerator()
-    >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    >>> accelerator.backward(loss)   # instead of loss.backward()
+    Examples:
+        >>> accelerator = Accelerator()
+        >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        >>> accelerator.backward(loss)   # instead of loss.backward()
     """
 
     _trigger: torch.Tensor | None  # set_trigger's flag (absent before the first call)

@@ -54,8 +54,8 @@ def _rows(cls: type, prefix: str, flags: dict[str, str]) -> list[str]:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         flag = flags.get(f.name) if not prefix or prefix == "parallelism." else None
-        rows.append(f"| `{prefix}{f.name}` | {_cell(allowed_values(meta))} | {_default(default)} | "
-                    f"{f'`{flag}`' if flag else ''} | {_cell(meta['help'])} |")
+        rows.append(f"| `{prefix}{f.name}`{f'<br>`{flag}`' if flag else ''} | {_cell(allowed_values(meta))} | "
+                    f"{_default(default)} | {_cell(meta['help'])} |")
     return rows
 
 
@@ -65,7 +65,7 @@ def config_reference() -> str:
     from accel.config.schema import AccelConfig
 
     flags = _launch_flags()
-    table = ["| key | allowed | default | flag | meaning |", "|---|---|---|---|---|"]
+    table = ["| key, `accel launch` flag | allowed | default | meaning |", "|---|---|---|---|"]
     lines = [HEADER.format(source="accel/config/schema.py"), "", "# Config keys", "",
              "Every key of a config file (what `accel config` writes, `--config_file` reads), with what it allows, its "
              "default and the `accel launch` flag that sets it. Keys of the `parallelism:` section are also "

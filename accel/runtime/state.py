@@ -75,8 +75,9 @@ def _env_int(name: str, default: int) -> int:
 class PartialState:
     """The process's distributed state (Accelerate's `PartialState`): one instance per process.
 
-    >>> state = PartialState()
-    >>> state.process_index, state.num_processes, state.device
+    Examples:
+        >>> state = PartialState()
+        >>> state.process_index, state.num_processes, state.device
     """
 
     _instance: "PartialState | None" = None
