@@ -590,7 +590,7 @@ class Accelerator(AccelerateMembers):
         input_ids) shifted one token left, the last one -100. Under sequence or context parallelism (sp_size,
         cp_size), `labels` is this process's slice and the shift runs over the WHOLE sequence (the slices are
         gathered over the group), so each token of the slice gets the next token of the sequence; accel's padding is
-        -100. With reduce_sequence_loss, the loss is one process's (README, Long sequences)."""
+        -100. With reduce_sequence_loss, the loss is one process's (docs/long_sequences.md)."""
         from accel.backends.sequence_layout import real_length, shift_labels
 
         sequence = getattr(self.backend, "sequence_parallel", None)

@@ -1,7 +1,7 @@
 """What the input fuzzers share: `accel` run in this process (a subprocess per example would cost a second each), the
 rule every bad input must follow, and hypothesis strategies for the values a new user's mistakes are made of.
 
-The rule (README, "When things go wrong"): an `accel` command either succeeds (exit 0) or fails with exit code 2 and
+The rule (docs/troubleshooting.md): an `accel` command either succeeds (exit 0) or fails with exit code 2 and
 exactly one line on stderr, `accel <command>: error: ...`, no traceback. A Python exception escaping `main` is a
 failure of the rule too (it would print a traceback).
 """

@@ -266,7 +266,7 @@ def shard_experts(model: torch.nn.Module, ep: int, rank: int, group) -> ExpertLa
     if not layout:
         raise ConfigError(f"parallelism.ep_size={ep}: the model has no MoE layer accel recognises (transformers' "
                           f"{', '.join(FUSED_CONTAINERS)}, or a module with `accel_expert_plan`); allowed: ep_size 1, "
-                          "or give your MoE block an ExpertPlan (README: Mixture of experts)")
+                          "or give your MoE block an ExpertPlan (docs/expert_parallel.md)")
     return layout
 
 

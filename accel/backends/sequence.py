@@ -272,8 +272,8 @@ class SequenceParallel:
             warnings.warn(
                 f"{self.kind}_size={self.degree}: {name} was called without labels, so accel cannot make its loss the "
                 "whole sequence's; for a loss computed from its logits use labels = accelerator.shift_labels("
-                "input_ids) and loss = accelerator.reduce_sequence_loss(loss_sum, num_tokens) (README, Long "
-                "sequences), else the numbers differ from one process", stacklevel=3)
+                "input_ids) and loss = accelerator.reduce_sequence_loss(loss_sum, num_tokens) (docs/long_sequences.md"
+                "), else the numbers differ from one process", stacklevel=3)
 
     def local_part(self, labels: torch.Tensor, local: int, what: str = "labels") -> torch.Tensor:
         """This rank's slice of a [batch, sequence] tensor given either as the slice (`local` long: as it is) or as

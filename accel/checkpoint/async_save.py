@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 MODES = ("no", "thread", "process")
 # the exit code of a process whose asynchronous save failed with no wait left to raise it (sysexits.h's EX_IOERR: "an
-# error occurred while doing I/O on some file"); README "Exit codes"
+# error occurred while doing I/O on some file"); docs/troubleshooting.md "Exit codes"
 EXIT_CODE = 74
 _UNRAISED: list[str] = []  # those failures, one line each: the process exits with EXIT_CODE
 _UNCAUGHT: list[bool] = []  # sys.excepthook reported an uncaught exception: the process exits 1 as it would

@@ -1,5 +1,5 @@
 """Property-based fuzzing of what `accel launch`, `accel env` and `accel config` read: every config key, every flag,
-config files, DeepSpeed JSONs, hostfiles and `.accel_env` files. The rule (README, "When things go wrong"): each input
+config files, DeepSpeed JSONs, hostfiles and `.accel_env` files. The rule (docs/troubleshooting.md): each input
 either works (exit 0) or is refused in ONE line on stderr with exit code 2 and no traceback, before anything starts.
 
 The keys and flags are read from the config dataclasses and `accel`'s parsers, so a new one is fuzzed without a change

@@ -1,6 +1,6 @@
 """Property-based fuzzing of what `accel plan`, `accel estimate-memory`, `accel plot` and `accel merge-weights` read:
 every flag of their parsers, model configs, safetensors headers and indexes, calibration files, metrics files (jsonl,
-csv, TensorBoard event files) and damaged checkpoints. The rule (README, "When things go wrong"): each input either
+csv, TensorBoard event files) and damaged checkpoints. The rule (docs/troubleshooting.md): each input either
 works (exit 0) or is refused in ONE line on stderr with exit code 2 and no traceback.
 
 The flags are read from `accel`'s parsers (cli/main.py `build_parser`), so a new one is fuzzed without a change here.

@@ -41,7 +41,7 @@ BACKENDS = {  # name -> ParallelismConfig fields
     "tp2_compile": {"tp_size": 2, "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
     "pp2_compile": {"pp_size": 2, "pp_microbatches": 2,
                     "dynamo": {"backend": "inductor", "use_regional_compilation": True}},
-    # whole-model compilation: not in the test (slow), run by hand (README)
+    # whole-model compilation: not in the test (slow), run by hand (docs/compile.md)
     "ddp_compile_whole": {"dynamo": {"backend": "inductor"}},
     "zero3_compile_whole": {"zero_stage": 3, "dynamo": {"backend": "inductor"}},
     "tp2_compile_whole": {"tp_size": 2, "dynamo": {"backend": "inductor"}},
