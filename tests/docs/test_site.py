@@ -168,9 +168,11 @@ def test_the_api_reference_and_the_search_index_are_built(site):
 def test_pages_open_without_console_errors(site, tmp_path):
     shots = Path(os.environ.get("ACCEL_DOCS_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *args: None  # type: ignore[assignment]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # no line per request in the test's output
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     problems = {}
     try:
