@@ -127,8 +127,8 @@ class ParallelismConfig:
         help="names of the modules where a new stage begins, e.g. [layers.4] (default: balanced by parameter count)")
     tp_plan: dict | None = _spec(
         None, dict, optional=True,
-        help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | sequence_parallel | "
-             "replicate")
+        help="tensor-parallel plan: module name (wildcards allowed) -> colwise | rowwise | colwise_rep | rowwise_rep "
+             "| fused_qkv | experts | sequence_parallel | replicate")
     activation_checkpointing: str = _spec(
         "no", str, choices=ACTIVATION_CHECKPOINTING,
         help="recompute each repeated block's activations in backward: no, full (keep only the block's input) or "
@@ -377,7 +377,8 @@ class AccelConfig:
     compute_environment: str = _spec("LOCAL_MACHINE", str, choices=("LOCAL_MACHINE",),
                                       help="Accelerate's key; accel runs on the local machine(s) only")
     distributed_type: str | None = _spec(None, str, choices=DISTRIBUTED_TYPES, optional=True,
-                                         help="derived from num_processes and use_cpu when omitted")
+                                         help="null derives it: NO for one process, MULTI_GPU with CUDA (and not "
+                                              "use_cpu), else MULTI_CPU")
     num_processes: int = _spec(1, int, lo=1, help="total processes over all machines")
     num_machines: int = _spec(1, int, lo=1, help="machines the job spans (each runs num_processes / num_machines)")
     machine_rank: int = _spec(0, int, lo=0, help="this machine's index, 0 at main_process_ip (with rdzv_backend c10d: "
@@ -388,7 +389,7 @@ class AccelConfig:
     main_process_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True,
                                           help="the rendezvous port (null: a free port on one machine)")
     use_cpu: bool = _spec(False, bool, help="run on the CPU (gloo) even where GPUs are present")
-    gpu_ids: str = _spec("all", str, help='"all" or a comma-separated list like "0,1"')
+    gpu_ids: str = _spec("all", str, help='"all" or a comma-separated list like "0,1" (becomes CUDA_VISIBLE_DEVICES)')
     mixed_precision: str = _spec("no", str, choices=MIXED_PRECISIONS,
                                   help="no (fp32), bf16 or fp16 (autocast; fp16 with loss scaling), fp8 (torchao)")
     gradient_accumulation_steps: int = _spec(1, int, lo=1, help="batches per optimizer step")
