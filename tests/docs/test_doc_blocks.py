@@ -118,7 +118,55 @@ def test_a_bad_block_fails(tmp_path: Path):
     (work := tmp_path / "w").mkdir()
     with pytest.raises(pytest.fail.Exception, match="exit code 3"):
         _run(blocks(page)[0], 0, work, _env(tmp_path))
+    from accel.cli.main import build_parser
+
+    [words] = _accel_command_lines("exec accel plan gpt2 --num_procesess 8  # a typo\n")
+    assert build_parser().parse_known_args(words)[1] == ["--num_procesess", "8"]
     config = tmp_path / "bad.yaml"
     config.write_text("num_proceses: 2\n")
     with pytest.raises(ConfigError, match="did you mean 'num_processes'"):
         read_config_file(config)
+
+
+def _accel_command_lines(code: str) -> list[list[str]]:
+    """The `accel ...` command lines of a shell block, as words (continuations joined; `exec`/`srun` and a trailing
+    comment dropped; a line that shlex cannot split is skipped)."""
+    import shlex
+
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        while words and words[0] in ("exec", "srun", "$"):
+            words = words[1:]
+        for i, word in enumerate(words):  # `... && accel ...`, `... | accel ...`
+            if word == "accel" and (i == 0 or words[i - 1] in ("&&", "||", ";", "|")):
+                end = next((j for j in range(i + 1, len(words)) if words[j] in ("&&", "||", ";", "|")), len(words))
+                out.append(words[i + 1:end])
+    return out
+
+
+def test_every_accel_command_line_in_the_docs_parses():
+    """Blocks that cannot run here (GPUs, clusters) still cannot rot their flags: every `accel` command line of every
+    shell block parses with the real parser (an unknown flag or a bad choice fails, naming the block)."""
+    from accel.cli.main import _subparsers, build_parser
+
+    problems, checked = [], 0
+    for block in ALL:
+        if block.lang not in RUN or block.lang in ("python", "py"):
+            continue
+        for words in _accel_command_lines(block.code):
+            parser = build_parser()
+            try:
+                args, extras = parser.parse_known_args(words)
+            except SystemExit:
+                problems.append(f"{block.where}: accel {' '.join(words)}: refused by the parser")
+                continue
+            if extras and args.command:
+                sub = _subparsers(parser)[args.command]
+                problems.append(f"{block.where}: accel {' '.join(words)}: {sub.prog} does not know {extras}")
+            checked += 1
+    assert not problems, "\n".join(problems)
+    assert checked >= 20, checked
