@@ -76,6 +76,18 @@ MOVED = {
     "GPU jobs and the collective-device check": None,
 }
 LOOKED_AT = ["", "getting_started/", "concepts/", "config_reference/", "reference_accelerator/", "troubleshooting/"]
+# the search box, typed into as a reader would: the number of results, after Material's search worker answers
+SEARCH = """new Promise(resolve => {
+  const input = document.querySelector('input.md-search__input');
+  input.focus(); input.value = 'preemption_requested';
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  input.dispatchEvent(new KeyboardEvent('keyup', {bubbles: true}));
+  let waited = 0;
+  const poll = setInterval(() => {
+    const found = document.querySelectorAll('.md-search-result__item').length;
+    if (found || ++waited > 100) { clearInterval(poll); resolve(found); }
+  }, 100);
+})"""
 
 
 def _words(text: str) -> str:
@@ -182,6 +194,8 @@ def test_pages_open_without_console_errors(site, tmp_path):
                 title = page.evaluate("document.querySelector('article h1') && "
                                       "document.querySelector('article h1').textContent")
                 assert title, url
+                if not url:
+                    assert page.evaluate(SEARCH) >= 2  # the API reference and the preemption page at least
                 page.screenshot(shots / f"site_{url.strip('/') or 'index'}.png", full_page=False)
                 problems[url] = page.problems()
     finally:
