@@ -47,6 +47,18 @@ class DistributedType(str, enum.Enum):
         return self.value
 
 
+def _env_device() -> torch.device | None:
+    """The device named by ACCELERATE_TORCH_DEVICE, Accelerate's variable that Ray Train sets in each worker."""
+    value = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    if not value:
+        return None
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"environment variable ACCELERATE_TORCH_DEVICE={value!r} is not a torch device; allowed: a "
+                         "device string such as cpu, cuda, cuda:1") from None
+
+
 def process_group_backend(backend: str | None, device_type: str, cpu_collectives: bool) -> str:
     """The backend string for the default process group.
 
@@ -116,7 +128,9 @@ class PartialState:
         from accel.core.probes import parse_flag_from_env
 
         self.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE") or parse_flag_from_env("ACCEL_DEBUG_MODE")
-        self.device = torch.device("cpu") if cpu else self.default_device
+        # ACCELERATE_TORCH_DEVICE (set by Ray Train's TorchTrainer for each worker) wins, even over cpu=True, as in
+        # Accelerate
+        self.device = _env_device() or (torch.device("cpu") if cpu else self.default_device)
         self.set_device()
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         group_backend = process_group_backend(self.backend, self.device.type, cpu_collectives)

@@ -203,3 +203,37 @@ def test_accel_env_says_which_pod_values_were_taken_and_which_lost(clean_env, ca
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("- cluster environment"))
     assert line == (f"- cluster environment: Kubeflow Trainer: num_machines 1 from $PET_NNODES; not used: "
                     f"$PET_NPROC_PER_NODE=2 ({config}'s num_processes wins)")
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_accelerate_torch_device_names_the_device_as_in_accelerate(monkeypatch, cpu):
+    """Ray Train sets ACCELERATE_TORCH_DEVICE to each worker's device; Accelerate's PartialState takes it, even over
+    cpu=True (its own unit test sets cuda:64 with torch.cuda.set_device patched out)."""
+    import torch
+
+    from accel import Accelerator
+    from accel.state import PartialState
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cuda:64")
+    PartialState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=cpu)
+        assert str(accelerator.state.device) == str(accelerator.device) == "cuda:64"
+        assert [str(device) for device in calls] == ["cuda:64"]  # made current, as NCCL needs
+    finally:
+        PartialState._reset_state()
+
+
+def test_a_bad_accelerate_torch_device_is_one_line(monkeypatch):
+    from accel.state import PartialState
+
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "gpu0")
+    PartialState._reset_state()
+    try:
+        with pytest.raises(ValueError, match=r"^environment variable ACCELERATE_TORCH_DEVICE='gpu0' is not a torch "
+                                             r"device; allowed: a device string such as cpu, cuda, cuda:1$"):
+            PartialState()
+    finally:
+        PartialState._reset_state()
