@@ -159,9 +159,9 @@ class BackgroundStager:
             # `KeyError: <class 'type'>`, seen on torch 2.11): a new one, without the previous save's buffers
             self._stager = self._new_stager()
         if self._stream is None:
-            return self._stager.stage(state_dict)  # type: ignore[return-value]
+            return self._stager.stage(state_dict)
         with torch.cuda.stream(self._stream):  # (blocking copies on this stream: the thread waits, training does not)
-            return self._stager.stage(state_dict)  # type: ignore[return-value]
+            return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         pass
