@@ -137,7 +137,7 @@ class Accelerator(AccelerateMembers):
         self.trackers: list[Any] = []  # GeneralTracker instances, from init_trackers
         self._tracker_resume: dict | None = None  # the tracker run of a checkpoint loaded before init_trackers
 
-        backend_cls = select_backend(self.config.parallelism)  # before any process group: fail fast
+        backend_cls = select_backend(self.config.parallelism, self.config.fault_tolerance)  # before any process group
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         offload = bool(self.config.parallelism.offload_params or self.config.parallelism.offload_optimizer)

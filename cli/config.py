@@ -146,6 +146,10 @@ def _sequence_is(kind: str) -> Callable[[dict], bool]:
     return lambda answers: answers.get("sequence_parallelism", "none") == kind
 
 
+def _fault_tolerant(answers: dict) -> bool:
+    return bool(answers.get("fault_tolerance.enabled", False))
+
+
 def _degree_default(key: str) -> Callable[[dict, AccelConfig], Any]:
     """The packaged degree when above 1, else 2 (the question is asked only once sp or cp was chosen)."""
     return lambda answers, defaults: max(_get(defaults, key), 2)
@@ -192,6 +196,14 @@ QUESTIONS: list[Question] = [
              "int", _degree_default("parallelism.cp_size"), _sequence_is("cp")),
     Question("parallelism.ep_size", "Expert-parallel size for mixture-of-experts models (each MoE layer's experts "
              "divided among N data-parallel processes; 1: none)?", "int", _from_defaults("parallelism.ep_size")),
+    Question("fault_tolerance.enabled", "Fault tolerance without restarts (torchft: replica groups; a failed group "
+             "heals from a live one, the others keep training)?", "bool", _from_defaults("fault_tolerance.enabled")),
+    Question("fault_tolerance.group_size", "How many replica groups (each runs num_processes / N processes)?", "int",
+             _from_defaults("fault_tolerance.group_size"), _fault_tolerant),
+    Question("fault_tolerance.min_replicas", "How many live groups must a step have to commit?", "int",
+             _from_defaults("fault_tolerance.min_replicas"), _fault_tolerant),
+    Question("fault_tolerance.lighthouse", "torchft's lighthouse: start one with the job (start), or the host:port "
+             "of a running one?", "str", _from_defaults("fault_tolerance.lighthouse"), _fault_tolerant),
 ]
 QUESTION_BY_KEY = {q.key: q for q in QUESTIONS}
 UNSAVED = frozenset(q.key for q in QUESTIONS if not q.saved)

@@ -54,6 +54,7 @@ import socket
 import sys
 
 from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, kubeflow, multinode, output
+from accel.cli import fault_tolerance as ft_launch
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli import hang_report
@@ -105,6 +106,7 @@ _FLAG_KEYS = {
     "checkpoint_async": "checkpoint_async",
     "throughput_monitor": "throughput_monitor",
     "throughput_log_every": "throughput_log_every",
+    **ft_launch.FLAG_KEYS,  # --fault_tolerance, --ft_*: the fault_tolerance section
 }
 # the flags that feed the config (`accel env` takes them too), Accelerate's among them
 CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
@@ -198,6 +200,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "dry_run", action="store_true", default=False,
              help="print the resolved config (with where each value came from) and the exact command, start nothing")
     multinode.add_flags(parser)
+    ft_launch.add_flags(parser)
     output.add_flags(parser)
     accelerate_flags.add_flags(parser)  # `accelerate launch`'s flags, hidden from --help
     parser.add_argument("-m", "--module", action="store_true",
@@ -411,6 +414,9 @@ def run_command(args: argparse.Namespace) -> int:
     # printed once every check below passed (a refusal is the one line)
     cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE,
                                  hold_warnings=True)
+    if ft_launch.runs_groups(cfg):  # torchft's lighthouse and one launcher per replica group (cli/fault_tolerance.py)
+        checks.release_warnings()
+        return ft_launch.run_groups(args, cfg, script_argv)
     if args.accelerate_shim:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*shim_search_path(), os.environ.get("PYTHONPATH")) if p)
     visible = cuda_visible_devices(cfg)
@@ -419,7 +425,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     one = cfg.num_processes == 1 and cfg.num_machines == 1
     if (one and not output.needs_agent(args) and not accelerate_flags.needs_agent(args, cfg) and not args.max_restarts
-            and not cfg.requeue):  # --requeue: the launcher requeues after the script stopped
+            and not cfg.requeue  # --requeue: the launcher requeues after the script stopped
+            and not cfg.fault_tolerance.enabled):  # a replica group: torchrun's store serves torchft's Manager
         if cfg.distributed_type == "MULTI_GPU":
             cfg = _check_hardware(cfg)
         checks.release_warnings()

@@ -9,7 +9,9 @@ from accel.config.degrees import model_parallel_size
 
 # backend name -> module that implements (and registers) it
 BACKEND_MODULES = {"ddp": "accel.backends.spmd", "zero": "accel.backends.zero", "tensor": "accel.backends.spmd",
-                   "pipeline": "accel.backends.pipeline"}
+                   "pipeline": "accel.backends.pipeline",
+                   # data parallelism over torchft's replica groups (the config's fault_tolerance section)
+                   "fault_tolerant": "accel.fault_tolerance.backend"}
 
 
 class BackendNotAvailable(ConfigError):

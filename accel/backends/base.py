@@ -322,10 +322,15 @@ def register_backend(name: str):
     return decorator
 
 
-def select_backend(parallelism: ParallelismConfig) -> type[Backend]:
-    """The backend class for this config, or a clear error when it is not available."""
+def select_backend(parallelism: ParallelismConfig, fault_tolerance=None) -> type[Backend]:
+    """The backend class for this config, or a clear error when it is not available. An enabled `fault_tolerance`
+    section (accel.config.schema.FaultToleranceConfig, checked with the rest of the config) selects the
+    fault-tolerant data parallelism of accel/fault_tolerance/ with its settings."""
     import importlib
 
+    if fault_tolerance is not None and fault_tolerance.enabled:
+        importlib.import_module(BACKEND_MODULES["fault_tolerant"])
+        return _REGISTRY["fault_tolerant"].configured(fault_tolerance)  # type: ignore[attr-defined]
     name = check_available(parallelism)
     if parallelism.tp_plan:  # a plan given in the script (ParallelismConfig(tp_plan=...)): refused here, on every
         from accel.backends.tensor_plan import check_plan_styles  # rank alike, not at prepare() with the model

@@ -37,7 +37,7 @@ ACCELERATE_IGNORED_KEYS = frozenset({
 })
 ACCELERATE_SECTIONS = ("deepspeed_config", "fsdp_config", "parallelism_config", "dynamo_config", "fp8_config")
 DEEPSPEED_FILE_KEY = "deepspeed_config_file"  # a DeepSpeed JSON to read (top level, or in `deepspeed_config:`)
-KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
+KNOWN_TOP_KEYS = (tuple(TOP_FIELDS) + ("parallelism", "fault_tolerance", DEEPSPEED_FILE_KEY) + ACCELERATE_SECTIONS
                   + tuple(sorted(ACCELERATE_IGNORED_KEYS)))
 
 _FSDP_STRATEGY_TO_STAGE = {

@@ -34,6 +34,7 @@ from accel.config.errors import shown
 from accel.config.schema import (
     CARRIED_KEYS,
     DISTRIBUTED_TYPES,
+    FAULT_TOLERANCE_FIELDS,
     PARALLEL_FIELDS,
     TOP_FIELDS,
     AccelConfig,
@@ -99,6 +100,16 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                 if pkey not in PARALLEL_FIELDS:
                     raise unknown_key(pkey, tuple(PARALLEL_FIELDS), source, "parallelism.")
                 par[pkey] = check_value(pvalue, PARALLEL_FIELDS[pkey], f"parallelism.{pkey}", source)
+        elif key == "fault_tolerance":
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key 'fault_tolerance': expected a mapping, got {shown(value)}")
+            for fkey, fvalue in value.items():
+                if fkey not in FAULT_TOLERANCE_FIELDS:
+                    raise unknown_key(fkey, tuple(FAULT_TOLERANCE_FIELDS), source, "fault_tolerance.")
+                out.setdefault("fault_tolerance", {})[fkey] = check_value(
+                    fvalue, FAULT_TOLERANCE_FIELDS[fkey], f"fault_tolerance.{fkey}", source)
         elif key in ACCELERATE_SECTIONS:
             if not value:
                 continue
@@ -141,12 +152,12 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
 
 
 def merge_layers(layers: list[dict]) -> dict:
-    """Later layers win, key by key (the parallelism section merges field by field)."""
+    """Later layers win, key by key (the parallelism and fault_tolerance sections merge field by field)."""
     merged: dict = {}
     for layer in layers:
         for key, value in layer.items():
-            if key == "parallelism":
-                merged.setdefault("parallelism", {}).update(value)
+            if key in ("parallelism", "fault_tolerance"):
+                merged.setdefault(key, {}).update(value)
             else:
                 merged[key] = value
     return merged

@@ -370,6 +370,50 @@ class ParallelismConfig:
         return self.device_mesh
 
 
+SEMI_SYNC_METHODS = ("local_sgd", "diloco")
+# a lighthouse address as torchft's clients take it: host:port, with or without http://
+LIGHTHOUSE_PATTERN = r"(https?://)?(" + HOST_PATTERN + r"):\d{1,5}"
+DEFAULT_LIGHTHOUSE_PORT = 29510  # torchft's own default, used across machines (one machine: a free port)
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Fault tolerance without restarts (the `fault_tolerance:` section; torchft, accel/fault_tolerance/).
+
+    The processes are cut into `group_size` replica groups (torchtitan's name), each its own torchrun job with its
+    own restarts; torchft's Lighthouse forms a quorum of the live groups at every step and the optimizer commits only
+    when the all-reduce over it succeeded. A group that died heals from a live one (weights and optimizer state sent
+    over the network), without a checkpoint. `num_processes` stays the total: each group has num_processes /
+    group_size processes (in the config of one group, the one with a replica_id, it is that group's)."""
+
+    enabled: bool = _spec(False, bool, help="train as replica groups under torchft (needs pip install 'accel[ft]')")
+    group_size: int = _spec(2, int, lo=1, help="replica groups (torchtitan's group_size); each group runs "
+                                               "num_processes / group_size processes")
+    replica_id: int | None = _spec(None, int, lo=0, optional=True,
+                                   help="this group's index (set by accel launch for each group it starts; give it "
+                                        "only when starting the groups yourself)")
+    min_replicas: int = _spec(1, int, lo=1, help="live replica groups a step needs to commit (torchft's "
+                                                 "min_replica_size)")
+    lighthouse: str = _spec("start", str, pattern=r"start|" + LIGHTHOUSE_PATTERN, what='"start" or host:port',
+                            help='"start": accel launch starts torchft\'s lighthouse (on machine_rank 0); or the '
+                                 "host:port of a running one")
+    lighthouse_port: int | None = _spec(None, int, lo=1, hi=65535, optional=True,
+                                        help="the port of the lighthouse accel launch starts (null: a free port on "
+                                             f"one machine, {DEFAULT_LIGHTHOUSE_PORT} across machines)")
+    semi_sync_method: str | None = _spec(None, str, choices=SEMI_SYNC_METHODS, optional=True,
+                                         help="null: every step all-reduces gradients over the groups; local_sgd or "
+                                              "diloco: the groups synchronise every sync_steps steps (slow links)")
+    sync_steps: int = _spec(20, int, lo=1, help="optimizer steps between two synchronisations (semi_sync_method)")
+    outer_lr: float = _spec(0.7, float, lo=0, help="DiLoCo's outer SGD learning rate (Nesterov momentum 0.9)")
+    timeout: float = _spec(60.0, float, lo=1, hi=MAX_SECONDS, unit="seconds",
+                           help="seconds an all-reduce, commit or healing transfer over the groups may take")
+    quorum_timeout: float = _spec(60.0, float, lo=1, hi=MAX_SECONDS, unit="seconds",
+                                  help="seconds a group waits for a quorum of the live groups")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self, "FaultToleranceConfig")
+
+
 @dataclass
 class AccelConfig:
     """The whole resolved config. Key names follow Accelerate's config file."""
@@ -422,6 +466,7 @@ class AccelConfig:
                           "progress bar every throughput_log_every optimizer steps (accel/planning/throughput.py)")
     throughput_log_every: int = _spec(10, int, lo=1, help="optimizer steps per throughput report")
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     # A DeepSpeed JSON named by a config file or `accel launch --deepspeed_config_file`, carried as read (its dict and
     # the path it was read from) so every worker's Accelerator exposes it as Accelerate's automatic DeepSpeedPlugin
     # (`DummyOptim`/`DummyScheduler` build its optimizer/scheduler). Its DeepSpeed keys are already mapped onto the
@@ -433,6 +478,8 @@ class AccelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.parallelism, dict):
             self.parallelism = ParallelismConfig(**self.parallelism)
+        if isinstance(self.fault_tolerance, dict):
+            self.fault_tolerance = FaultToleranceConfig(**self.fault_tolerance)
         _validate_fields(self, "AccelConfig")
         check_carried_deepspeed_json(self.deepspeed_json, self.deepspeed_json_path, "AccelConfig")
 
@@ -586,6 +633,8 @@ def _field_specs(cls: type) -> dict[str, Mapping]:
 
 TOP_FIELDS = _field_specs(AccelConfig)
 PARALLEL_FIELDS = _field_specs(ParallelismConfig)
+FAULT_TOLERANCE_FIELDS = _field_specs(FaultToleranceConfig)
+SECTIONS = {"parallelism": PARALLEL_FIELDS, "fault_tolerance": FAULT_TOLERANCE_FIELDS}  # nested sections of a file
 CARRIED_KEYS = ("deepspeed_json", "deepspeed_json_path")  # AccelConfig fields carried to workers, not file keys
 
 
@@ -645,6 +694,7 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
         if len({int(part) for part in parts}) < len(parts):
             raise ConfigError(f"{source}: key 'gpu_ids': bad value {shown(cfg.gpu_ids)}: a GPU is listed twice; "
                               "allowed: each GPU index once, like \"0,1\"")
+    check_fault_tolerance(cfg, source)
     if cfg.mixed_precision == "fp8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it "
                           "with pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
@@ -662,3 +712,46 @@ def cuda_visible_devices(cfg: AccelConfig) -> str | None:
     if cfg.use_cpu or gpu_ids.lower() == "all":
         return None
     return gpu_ids
+
+
+def check_fault_tolerance(cfg: AccelConfig, source: str = "config") -> None:
+    """The fault_tolerance section against the rest: groups of whole processes placed whole on machines, what
+    composes with it (plain data parallelism), and torchft installed."""
+    ft = cfg.fault_tolerance
+    if not ft.enabled:
+        return
+    where = f"{source}: key 'fault_tolerance."
+    if ft.replica_id is None and cfg.num_processes % ft.group_size:  # with replica_id: the group's own processes
+        raise ConfigError(f"{where}group_size': {ft.group_size} groups do not divide num_processes="
+                          f"{cfg.num_processes}; allowed: a divisor of num_processes (each group runs "
+                          "num_processes / group_size processes)")
+    if ft.replica_id is None and ft.group_size % cfg.num_machines:
+        raise ConfigError(f"{where}group_size': {ft.group_size} groups cannot be spread over num_machines="
+                          f"{cfg.num_machines}; allowed: a multiple of num_machines (each machine runs whole groups)")
+    if ft.min_replicas > ft.group_size:
+        raise ConfigError(f"{where}min_replicas': bad value {ft.min_replicas}; allowed: an integer from 1 to "
+                          f"group_size={ft.group_size}")
+    if ft.replica_id is not None and ft.replica_id >= ft.group_size:
+        raise ConfigError(f"{where}replica_id': bad value {ft.replica_id}; allowed: an integer from 0 to "
+                          f"{ft.group_size - 1} (group_size={ft.group_size})")
+    par = cfg.parallelism
+    others = [f"{key}={getattr(par, key)}" for key in ("tp_size", "pp_size", "cp_size", "sp_size", "ep_size")
+              if getattr(par, key) > 1]
+    if par.zero_stage or par.offload_optimizer or par.offload_params:
+        others.insert(0, f"zero_stage={par.zero_stage}")
+    if (par.dp_shard_size or 1) > 1 or (par.dp_replicate_size or 1) > 1:
+        others.append("dp_shard_size/dp_replicate_size")
+    if others:
+        raise ConfigError(f"{source}: key 'fault_tolerance.enabled': fault tolerance with {', '.join(others)} is not "
+                          "available yet in accel; allowed: plain data parallelism inside each group (zero_stage 0, "
+                          "sizes 1)")
+    if ft.semi_sync_method is not None:
+        raise ConfigError(f"{where}semi_sync_method': {ft.semi_sync_method} over replica groups is not available yet "
+                          "in accel; allowed: null (plain LocalSGD inside one job: accelerate.local_sgd.LocalSGD)")
+    try:
+        installed = importlib.util.find_spec("torchft") is not None
+    except (ImportError, ValueError):  # a module of that name set to None (a test's "not installed")
+        installed = False
+    if not installed:
+        raise ConfigError(f"{where}enabled': fault tolerance needs torchft, which is not installed; install it with "
+                          "pip install 'accel[ft]', or allowed now: false")

@@ -24,3 +24,14 @@ def require_torchft():
     except ImportError:
         raise ImportError(MISSING_TORCHFT) from None
     return torchft
+
+
+def committed_steps(accelerator) -> int:
+    """The optimizer steps the quorum of replica groups committed so far. A group that healed received it with the
+    weights, so every live group reads the same number: bound the loop with it (`while committed_steps(accelerator)
+    < max_steps:`) and the groups stop together, with the same weights, even after a restart."""
+    steps = getattr(accelerator.backend, "committed_steps", None)
+    if steps is None:
+        raise ValueError("committed_steps: this Accelerator does not run under fault tolerance; allowed: a config "
+                         "with fault_tolerance.enabled true (accel launch --fault_tolerance)")
+    return int(steps)

@@ -1,0 +1,236 @@
+"""The fault-tolerant data-parallel backend: the recipe's DDP step over torchft.
+
+What changes against plain DDP (accel/backends/spmd.py), and nothing else:
+
+* **the model**: with one process per replica group, torchft's own `DistributedDataParallel` (its gradients
+  all-reduced over the live groups by the Manager); with several, torch's DDP over the group whose communication
+  hook first averages each bucket inside the group, then hands it to torchft's hook (the Manager's all-reduce over
+  the groups, rank i of each group with rank i of the others). Bucket layouts are fixed at prepare
+  (`fix_bucket_layout`), so a restarted group's buckets match the live ones.
+* **the optimizer**: torchft's `Optimizer` wrapper, whose `step` asks the Manager whether every process of the
+  group, and enough groups (`min_replicas`), got through the all-reduce (`should_commit`); otherwise the step is
+  skipped. The quorum of a step is started at the step's first forward under autograd (a forward pre-hook), so the
+  loop needs no `zero_grad` at a particular place.
+* **the data**: each process's shard is `group_rank + group_world * replica_id` of `group_world * group_size`, the
+  formula of torchft's `DistributedSampler`, through accel's own loader (resumable, even batches, seeds).
+* **healing**: every prepared model and optimizer is registered with the Manager; a group that (re)joins behind
+  the others receives them from a live group (`recover_src_replica_rank` in torchft's log) before its first commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from accel.backends.base import register_backend
+from accel.backends.ddp import apply_ddp
+from accel.backends.spmd import SpmdBackend
+from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
+from accel.config.schema import FaultToleranceConfig
+from accel.fault_tolerance import require_torchft
+
+REPLICA_PREFIX = "accel_group_"  # torchft derives a group's index from the trailing digits of its replica id
+
+
+def lighthouse_url(address: str) -> str:
+    """torchft's clients take http://host:port."""
+    return address if address.startswith(("http://", "https://")) else f"http://{address}"
+
+
+def _group_then_replicas(state, bucket):  # no annotations: DDP checks them as classes, and here they are strings
+    """DDP communication hook for groups of several processes: the bucket (a dist.GradBucket) averaged over the
+    group, then over the live replica groups by torchft's own hook."""
+    from torchft.ddp import DistributedDataParallel as FaultTolerantDDP
+
+    manager, group, size = state
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer, group=group)
+    buffer.div_(size)
+    return FaultTolerantDDP._comm_hook(manager, bucket)
+
+
+class FaultTolerantRun:
+    """One process's torchft Manager and the step protocol around it (start the quorum once per step, commit)."""
+
+    def __init__(self, config: FaultToleranceConfig, group_rank: int, group_world: int, device: torch.device):
+        torchft = require_torchft()
+        if config.replica_id is None:
+            raise RuntimeError("fault_tolerance: this process has no replica_id; allowed: start it with `accel launch` "
+                               "(which gives each group its replica_id) or set fault_tolerance.replica_id")
+        if config.lighthouse == "start":
+            raise RuntimeError("fault_tolerance.lighthouse: 'start' reached a worker; allowed: the host:port of a "
+                               "running lighthouse (accel launch fills it in for the groups it starts)")
+        timeout = timedelta(seconds=config.timeout)
+        pg = torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else \
+            torchft.ProcessGroupGloo(timeout=timeout)
+        self.config = config
+        self.replica_id = config.replica_id
+        self._store, store_addr, store_port = _attempt_store(group_rank, group_world)
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replicas,
+            timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            rank=group_rank, world_size=group_world, lighthouse_addr=lighthouse_url(config.lighthouse),
+            replica_id=f"{REPLICA_PREFIX}{config.replica_id}", store_addr=store_addr, store_port=store_port,
+            # the quorum (and a healing) completes before the step's forward: a group that heals takes part in that
+            # step with the weights it received, so a run without failures is plain DDP from its first step
+            use_async_quorum=False,
+        )
+        self.quorum_started = False
+        self._keys = 0
+
+    def start_step(self) -> None:
+        """The step's quorum (and, for a group behind the others, its healing), once per step."""
+        if not self.quorum_started:
+            self.manager.start_quorum()
+            self.quorum_started = True
+
+    def step_done(self) -> None:
+        self.quorum_started = False
+
+    def register(self, kind: str, obj: Any) -> None:
+        """Send `obj`'s state_dict to a healing group, load it when this group heals."""
+        self._keys += 1
+        self.manager.register_state_dict_fn(f"{kind}{self._keys}", obj.load_state_dict, obj.state_dict)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.manager.shutdown(wait=False)
+
+
+def _attempt_store(group_rank: int, group_world: int):
+    """(the store's server or None, address, port) for this attempt's Manager.
+
+    torchft's Manager publishes its server's address in the group's store, which its other processes read. torchrun's
+    store outlives a restart of the group, so a process of the new attempt could read the address of the dead
+    attempt's server (and fail to connect for a minute, while the lighthouse waits for this group). With several
+    processes, rank 0 of each attempt therefore serves a fresh store, named under the attempt's number in torchrun's.
+    None, None: torchrun's own store (MASTER_ADDR/MASTER_PORT), which one process cannot misread."""
+    if group_world == 1:
+        return None, None, None
+    from torch.distributed import TCPStore
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    key = f"accel_ft/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/store"
+    shared = TCPStore(host, port, is_master=False, wait_for_workers=False)
+    server = None
+    if group_rank == 0:
+        server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        shared.set(key, f"{host}:{server.port}")
+    addr, _, own_port = shared.get(key).decode().rpartition(":")
+    return server, addr, int(own_port)
+
+
+def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """torchft's Optimizer wrapper (step commits only when should_commit agrees); zero_grad clears gradients only,
+    as the quorum starts at the step's first forward."""
+    from torchft.optim import OptimizerWrapper
+
+    class CommittingOptimizer(OptimizerWrapper):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.optim.zero_grad(set_to_none)
+
+        def step(self, closure: object | None = None) -> None:
+            run.start_step()  # a step with no forward under autograd (nothing to all-reduce) still takes part
+            try:
+                super().step(closure)
+            finally:
+                run.step_done()
+
+    wrapped = CommittingOptimizer(run.manager, optimizer)
+    wrapped.defaults = optimizer.defaults  # torch.optim.Optimizer's attributes that schedulers read
+    return wrapped
+
+
+@register_backend("fault_tolerant")
+class FaultTolerantBackend(SpmdBackend):
+    """Plain data parallelism inside each replica group, torchft's fault-tolerant all-reduce across the groups."""
+
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # set by `configured`
+
+    @classmethod
+    def configured(cls, config: FaultToleranceConfig) -> type[FaultTolerantBackend]:
+        return type(cls.__name__, (cls,), {"fault_tolerance": config})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = "fault_tolerant"
+        self.data_parallel = "ddp"  # even with one process per group: the groups all-reduce
+        self._run: FaultTolerantRun | None = None
+        self._ft_wrapped: list[weakref.ref] = []
+        self.state.add_release_callback(self._shutdown)
+
+    @property
+    def run(self) -> FaultTolerantRun:
+        """The Manager, made at the first prepare (every process of the group makes its own)."""
+        if self._run is None:
+            self._run = FaultTolerantRun(self.fault_tolerance, self.state.process_index, self.state.num_processes,
+                                         self.state.device)
+        return self._run
+
+    def _shutdown(self) -> None:
+        if self._run is not None:
+            self._run.shutdown()
+
+    # -- data: a shard among every process of every group (torchft's DistributedSampler's formula) -------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.state.num_processes * self.fault_tolerance.group_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.state.process_index + self.state.num_processes * int(self.fault_tolerance.replica_id or 0)
+
+    @property
+    def replicated_state(self) -> bool:  # type: ignore[override]
+        return True
+
+    # -- model ----------------------------------------------------------------------------------------------
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model
+        from torchft.ddp import DistributedDataParallel as FaultTolerantDDP
+
+        run = self.run
+        handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs)
+        if handler is not None and handler.comm_hook not in (None, "no"):
+            raise ValueError("DistributedDataParallelKwargs(comm_hook=...) under fault tolerance: the gradients' "
+                             "hook is torchft's all-reduce over the replica groups; allowed: comm_hook None")
+        size = self.state.num_processes
+        if size == 1:
+            wrapped: torch.nn.Module = FaultTolerantDDP(run.manager, model)
+        else:
+            options = dict(handler.to_kwargs()) if handler is not None else {}
+            options.pop("comm_hook", None)
+            options.pop("comm_state", None)
+            group = self.topology.group(self.topology.gradient_dim, self.state.device.type)
+            ours = DistributedDataParallelKwargs(**{k: v for k, v in options.items()
+                                                    if k in DistributedDataParallelKwargs.__dataclass_fields__},
+                                                 comm_hook=_group_then_replicas, comm_state=(run.manager, group, size))
+            wrapped = apply_ddp(model, group, self.state.device, ours)
+            self._wrapped.append(weakref.ref(wrapped))
+        wrapped.register_forward_pre_hook(self._before_forward)
+        run.register("model", model)
+        return wrapped
+
+    def _before_forward(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.run.start_step()
+
+    # -- optimizer --------------------------------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
+        optimizer = super().prepare_optimizer(optimizer, models)
+        self.run.register("optimizer", optimizer)
+        return _commit_wrapper(self.run, optimizer)
+
+    # -- what the job reports ---------------------------------------------------------------------------------
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed by the quorum (the same in every group once healed: it is part of what is sent)."""
+        return self.run.manager.current_step()
+

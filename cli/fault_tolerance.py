@@ -1,0 +1,221 @@
+"""`accel launch` under fault tolerance (the config's `fault_tolerance` section, `--fault_tolerance`): torchft's
+lighthouse and one `accel launch` per replica group.
+
+On each machine the launcher (the "head") runs `group_size / num_machines` replica groups, each a launcher of its
+own (`accel launch --num_processes num_processes/group_size --num_machines 1`, torchrun's agent inside, with its own
+`--max_restarts`), in a session of its own, with a config file that names the group's `replica_id` (machine_rank x
+groups per machine + i) and the lighthouse's address. With `lighthouse: start` the head of machine_rank 0 runs
+torchft's `LighthouseServer` in its own process: on one machine on a free port of 127.0.0.1, across machines on
+`main_process_ip:lighthouse_port` (29510 unless given). Under SLURM: `srun --ntasks-per-node=1 accel launch
+--fault_tolerance ...` (one head per node; SLURM gives each its machine_rank), or a `--hostfile` launch.
+
+A group whose workers fail is restarted by its own agent (`--max_restarts`), and heals from a live group; the other
+groups keep training. A group that exhausts its restarts ends; the others go on. The head returns when every group
+has ended: 0 when all ended well, else the exit code of the first group to fail (each failed group named in one
+line). SIGTERM/SIGINT to the head are passed to every group's launcher (its workers are asked to save and stop, as
+without fault tolerance); when the head returns, every group's session is ended and the lighthouse is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from accel.cli._common import UsageError, add_flag
+from accel.config import AccelConfig
+from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT
+
+# launch flag -> key of the fault_tolerance section
+FLAG_KEYS = {
+    "fault_tolerance": "fault_tolerance.enabled",
+    "ft_group_size": "fault_tolerance.group_size",
+    "ft_replica_id": "fault_tolerance.replica_id",
+    "ft_min_replicas": "fault_tolerance.min_replicas",
+    "ft_lighthouse": "fault_tolerance.lighthouse",
+    "ft_lighthouse_port": "fault_tolerance.lighthouse_port",
+    "ft_semi_sync_method": "fault_tolerance.semi_sync_method",
+    "ft_sync_steps": "fault_tolerance.sync_steps",
+    "ft_timeout": "fault_tolerance.timeout",
+}
+GROUP_ENV = "ACCEL_FT_REPLICA_ID"  # each group's workers (and launcher) see their replica id here too
+STOP_GRACE_S = 15.0  # after SIGTERM to a group's launcher, what is left of its session gets SIGKILL
+JOIN_TIMEOUT_MS = 10_000  # the lighthouse waits this long for heartbeating groups to join a quorum
+QUORUM_TICK_MS = 100
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """`accel launch`'s fault-tolerance flags (the `fault_tolerance` config section's keys)."""
+    group = parser.add_argument_group("fault tolerance (torchft: replica groups that heal from a live peer)")
+    add_flag(group, "fault_tolerance", action="store_true", default=None,
+             help="train as replica groups under torchft; a failed group restarts and heals without a checkpoint "
+                  "(needs pip install 'accel[ft]')")
+    add_flag(group, "ft_group_size", type=int, metavar="N", default=None,
+             help="replica groups; each runs num_processes / N processes (default 2)")
+    add_flag(group, "ft_replica_id", type=int, metavar="I", default=None,
+             help="this group's index, when you start each group yourself (accel launch sets it otherwise)")
+    add_flag(group, "ft_min_replicas", type=int, metavar="N", default=None,
+             help="live groups a step needs to commit (default 1)")
+    add_flag(group, "ft_lighthouse", metavar="{start,HOST:PORT}", default=None,
+             help="start torchft's lighthouse here (default), or the address of a running one")
+    add_flag(group, "ft_lighthouse_port", type=int, metavar="PORT", default=None,
+             help=f"the port of the lighthouse started here (one machine: free; several: {DEFAULT_LIGHTHOUSE_PORT})")
+    add_flag(group, "ft_semi_sync_method", metavar="{local_sgd,diloco}", default=None,
+             help="synchronise the groups every --ft_sync_steps steps instead of every step (slow links)")
+    add_flag(group, "ft_sync_steps", type=int, metavar="N", default=None,
+             help="steps between synchronisations with --ft_semi_sync_method (default 20)")
+    add_flag(group, "ft_timeout", type=float, metavar="SECONDS", default=None,
+             help="how long an all-reduce, commit or healing over the groups may take (default 60)")
+
+
+def runs_groups(cfg: AccelConfig) -> bool:
+    """Whether this launcher starts the replica groups (fault tolerance on, and no replica_id: not a group itself)."""
+    return cfg.fault_tolerance.enabled and cfg.fault_tolerance.replica_id is None
+
+
+def groups_here(cfg: AccelConfig) -> list[int]:
+    """The replica ids of the groups this machine runs."""
+    per_machine = cfg.fault_tolerance.group_size // cfg.num_machines
+    return list(range(cfg.machine_rank * per_machine, (cfg.machine_rank + 1) * per_machine))
+
+
+def lighthouse_bind(cfg: AccelConfig) -> tuple[str, str]:
+    """(bind, the address groups connect to, without the port when it is chosen at bind time)."""
+    ft = cfg.fault_tolerance
+    if cfg.num_machines == 1:
+        port = ft.lighthouse_port or 0
+        return f"[::]:{port}", "127.0.0.1"
+    port = ft.lighthouse_port or DEFAULT_LIGHTHOUSE_PORT
+    return f"[::]:{port}", f"{cfg.main_process_ip}:{port}"
+
+
+def group_config(cfg: AccelConfig, replica_id: int, lighthouse: str) -> AccelConfig:
+    """What one group's launcher runs: its share of the processes on this machine, its replica id, the lighthouse."""
+    ft = dataclasses.replace(cfg.fault_tolerance, replica_id=replica_id, lighthouse=lighthouse)
+    return dataclasses.replace(cfg, num_processes=cfg.num_processes // cfg.fault_tolerance.group_size, num_machines=1,
+                               machine_rank=0, main_process_ip=None, main_process_port=None, distributed_type=None,
+                               fault_tolerance=ft)
+
+
+def group_command(args: argparse.Namespace, config_path: Path, processes: int, script_argv: list[str]) -> list[str]:
+    """`accel launch` for one group. Its flags beat anything a cluster's environment says (srun's node rank)."""
+    command = [sys.executable, "-m", "accel.cli.main", "launch", "--config_file", str(config_path),
+               "--num_processes", str(processes), "--num_machines", "1", "--machine_rank", "0",
+               "--max_restarts", str(args.max_restarts)]
+    if args.accelerate_shim:
+        command.append("--accelerate_shim")
+    if getattr(args, "no_python", False):
+        command.append("--no_python")
+    return [*command, *script_argv]
+
+
+def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str]) -> int:
+    """Start the lighthouse (when asked, on machine_rank 0) and this machine's groups; wait for them all."""
+    ft = cfg.fault_tolerance
+    bind, where = lighthouse_bind(cfg)
+    start = ft.lighthouse == "start"
+    if args.dry_run:
+        lighthouse = f"{where}:<port>" if start and cfg.num_machines == 1 else (where if start else ft.lighthouse)
+        lines = ["# accel launch --dry_run (fault tolerance): nothing was started"]
+        if start and cfg.machine_rank == 0:
+            lines.append(f"# torchft lighthouse in this launcher: bind {bind}, min_replicas {ft.min_replicas}")
+        processes = cfg.num_processes // ft.group_size
+        for replica in groups_here(cfg):
+            lines.append(f"# replica group {replica}: {processes} process(es), lighthouse {lighthouse}")
+            lines.append(f"{GROUP_ENV}={replica} " + shlex.join(group_command(args, Path("<group config>"), processes,
+                                                                                script_argv)))
+        sys.stdout.write("\n".join(lines) + "\n")
+        return 0
+    server = None
+    lighthouse = ft.lighthouse
+    if start:
+        if cfg.machine_rank == 0:
+            from torchft._torchft import LighthouseServer
+
+            try:
+                server = LighthouseServer(bind=bind, min_replicas=ft.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                          quorum_tick_ms=QUORUM_TICK_MS)
+            except Exception as exc:  # noqa: BLE001 - the port is taken, or the address cannot be bound
+                raise UsageError(f"fault_tolerance: torchft's lighthouse could not bind {bind}: "
+                                 f"{' '.join(str(exc).split())}; allowed: a free --ft_lighthouse_port") from None
+            port = server.address().rsplit(":", 1)[1].strip("/")
+            lighthouse = f"{where}:{port}" if cfg.num_machines == 1 else where
+            sys.stderr.write(f"accel launch: torchft lighthouse at http://{lighthouse} (min_replicas "
+                             f"{ft.min_replicas})\n")
+        else:
+            lighthouse = where
+    folder = Path(tempfile.mkdtemp(prefix="accel-ft-"))
+    groups: dict[int, subprocess.Popen] = {}
+    stopping: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        stopping.append(signum)
+        for proc in groups.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)  # the group's launcher asks its workers to save and stop
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for replica in groups_here(cfg):
+            sub = group_config(cfg, replica, lighthouse)
+            path = sub.save(folder / f"group{replica}.yaml")
+            groups[replica] = subprocess.Popen(group_command(args, path, sub.num_processes, script_argv),
+                                               start_new_session=True,
+                                               env={**os.environ, GROUP_ENV: str(replica)})
+        return _wait(groups, stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _end_groups(groups)
+        if server is not None:
+            server.shutdown()
+        for path in folder.glob("*"):
+            path.unlink()
+        folder.rmdir()
+
+
+def _wait(groups: dict[int, subprocess.Popen], stopping: list[int]) -> int:
+    """Wait for every group; the first failure's exit code (0 when every group ended well)."""
+    failed: list[tuple[int, int]] = []
+    running = dict(groups)
+    while running:
+        for replica, proc in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[replica]
+            if code != 0:
+                failed.append((replica, code))
+                still = len(running)
+                sys.stderr.write(f"accel launch: replica group {replica} ended with exit code {code} (after its "
+                                 f"restarts); {still} other group(s) still running\n")
+        time.sleep(0.2)
+    if stopping and not failed:
+        return 0
+    return failed[0][1] if failed else 0
+
+
+def _end_groups(groups: dict[int, subprocess.Popen]) -> None:
+    """Every group's session ends with the head: SIGTERM to what is left, SIGKILL after STOP_GRACE_S."""
+    alive = [proc for proc in groups.values() if proc.poll() is None]
+    for proc in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in alive:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in alive:  # still not reaped (so its pid, the session's id, is not reused): SIGKILL the session
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)

@@ -1,0 +1,101 @@
+"""Worker for tests/multiproc/test_fault_tolerance.py: a small MLP trained by an unchanged Accelerate loop, under
+fault tolerance (accel launch --fault_tolerance) or plain DDP.
+
+Under fault tolerance the loop runs until the quorum committed --steps steps (`committed_steps`, which a healed group
+receives with the weights). `--kill-after K`: on its first attempt, the last process of the last replica group
+SIGKILLs itself after K steps committed with every group (nothing is saved, nothing is read back: no checkpoint
+exists). A restarted attempt waits `--restart-delay` seconds before it starts (a restart that takes a while: the live
+group then trains alone). While a group trains without the others it sleeps `--alone-sleep` seconds per step, so the
+job is still running when the killed group is back. Each process appends one JSON line per step to
+OUT/steps-g<group>-r<rank>-a<attempt>.jsonl and writes its final weights to OUT/weights-g<group>-r<rank>.safetensors.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel import Accelerator
+from accel.utils import set_seed
+
+
+def make_problem():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return x, y, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--alone-sleep", type=float, default=0.0)
+    parser.add_argument("--restart-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(args.restart_delay)  # a restart that takes a while (a new node, a container to pull)
+
+    x, y, model = make_problem()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    ft = accelerator.config.fault_tolerance
+    group = ft.replica_id if ft.enabled else 0
+    rank, attempt = accelerator.process_index, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    out = Path(args.out)
+    log = open(out / f"steps-g{group}-r{rank}-a{attempt}.jsonl", "a", buffering=1)  # noqa: SIM115
+    if ft.enabled:
+        from accel.fault_tolerance import committed_steps
+
+        manager = accelerator.backend.run.manager
+
+        def progress() -> int:
+            return committed_steps(accelerator)
+    else:
+        taken = [0]
+
+        def progress() -> int:
+            return taken[0]
+
+    victim = ft.enabled and group == ft.group_size - 1 and rank == accelerator.num_processes - 1 and attempt == 0
+    together = 0  # steps this process committed with every group
+    while progress() < args.steps:
+        for inputs, targets in loader:
+            if progress() >= args.steps:
+                break
+            if victim and args.kill_after is not None and together >= args.kill_after:
+                log.write(json.dumps({"t": time.time(), "killed_at": progress()}) + "\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            before = progress()
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            record = {"t": time.time(), "before": before}
+            if ft.enabled:
+                record.update(after=progress(), participants=manager.num_participants())
+                together += record["after"] > before and manager.num_participants() == ft.group_size
+                if manager.num_participants() < ft.group_size:
+                    time.sleep(args.alone_sleep)
+            else:
+                taken[0] += 1
+                record.update(after=taken[0], participants=accelerator.num_processes)
+            log.write(json.dumps(record) + "\n")
+    weights = {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    save_file(weights, str(out / f"weights-g{group}-r{rank}.safetensors"))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

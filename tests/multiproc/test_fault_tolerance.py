@@ -1,0 +1,113 @@
+"""Fault tolerance without restarts (torchft) under `accel launch --fault_tolerance`, on CPU (gloo).
+
+Two replica groups of 1 and of 2 processes train an unchanged loop (scripts/ft_train.py); the last process of the
+last group SIGKILLs itself after 5 steps committed with both groups, and its restart waits 6 s before it starts (a
+restart that takes a while: torchft's lighthouse lets the live group go on alone once the dead group's heartbeat is
+5 s old, and waits for a restarted group that heartbeats again). Checked: the live group never restarts and
+keeps committing (counted, with the steps it committed alone); the killed group is restarted by its own torchrun and
+heals from the live group (its first committed step jumps to the others' count: the weights and optimizer state came
+over the network; the script never saves nor loads a checkpoint); every process of every group ends with the same
+weights; the lighthouse's port is free and no process of the job is left when accel launch returns. A run without a
+failure, with min_replicas 2, equals plain DDP on the same two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+import _launch
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel.cli.launch import port_in_use
+
+pytestmark = pytest.mark.multiproc
+SCRIPT = _launch.SCRIPTS / "ft_train.py"
+STEPS, KILL_AFTER = 60, 5
+
+
+def _launch_marked(env: dict, *args) -> tuple[str, str]:
+    """accel launch with a mark in every process's environment; returns (the mark, stderr)."""
+    mark = f"accel-ft-test-{uuid.uuid4().hex}"
+    proc = _launch.accel_launch({**env, "ACCEL_FT_TEST_MARK": mark}, *args, timeout=240)
+    return mark, proc.stderr
+
+
+def _left_behind(mark: str) -> list[int]:
+    """Processes whose environment holds `mark` (none may outlive accel launch)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _records(out: Path) -> dict[tuple[int, int, int], list[dict]]:
+    """(group, rank, attempt) -> the step records of that process."""
+    records = {}
+    for path in out.glob("steps-g*-r*-a*.jsonl"):
+        group, rank, attempt = map(int, re.findall(r"\d+", path.stem))
+        records[(group, rank, attempt)] = [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group):
+    mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--fault_tolerance",
+                               "--ft_group_size", 2, "--max_restarts", 2, SCRIPT, "--out", tmp_path,
+                               "--steps", STEPS, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
+                               "--restart-delay", 6)
+    records = _records(tmp_path)
+    victim_rank = per_group - 1
+    # group 0 never restarted; group 1 ran twice (the SIGKILLed attempt, then the restart)
+    assert {key for key in records if key[0] == 0} == {(0, r, 0) for r in range(per_group)}, sorted(records)
+    assert {key for key in records if key[0] == 1} == {(1, r, a) for r in range(per_group) for a in (0, 1)}
+    killed = [r for r in records[(1, victim_rank, 0)] if "killed_at" in r]
+    assert len(killed) == 1, records[(1, victim_rank, 0)]
+    killed_at, kill_time = killed[0]["killed_at"], killed[0]["t"]
+    live = records[(0, 0, 0)]
+    assert live[-1]["after"] == STEPS
+    alone = [r for r in live if r["t"] > kill_time and r["participants"] == 1 and r["after"] > r["before"]]
+    assert alone, "the live group committed no step while the other was down"
+    for rank in range(per_group):
+        first = records[(1, rank, 1)][0]
+        assert first["before"] == 0 and first["after"] > killed_at, first  # healed: the others' count, at once
+        assert records[(1, rank, 1)][-1]["after"] == STEPS
+    assert re.search(r"\[Replica accel_group_1\] healing is required step=0, max_step=\d+, recover_src_replica_rank=0",
+                     err), err[-3000:]
+    weights = [load_file(str(p)) for p in sorted(tmp_path.glob("weights-g*-r*.safetensors"))]
+    assert len(weights) == 2 * per_group
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
+    port = int(re.search(r"torchft lighthouse at http://127\.0\.0\.1:(\d+)", err).group(1))
+    assert not port_in_use(port, "127.0.0.1")
+    assert not _left_behind(mark)
+    print(f"per_group={per_group}: killed at step {killed_at}; the live group committed {len(alone)} step(s) alone, "
+          f"{sum(r['after'] > r['before'] for r in live)} in all, never restarting")
+
+
+def test_without_a_failure_it_equals_plain_ddp(tmp_path, isolated_env):
+    (tmp_path / "ft").mkdir()
+    (tmp_path / "ddp").mkdir()
+    mark, _ = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
+                             "--ft_min_replicas", 2, SCRIPT, "--out", tmp_path / "ft", "--steps", 20)
+    _launch.accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path / "ddp",
+                         "--steps", 20)
+    ft = _records(tmp_path / "ft")
+    assert all(r["participants"] == 2 for r in ft[(0, 0, 0)] + ft[(1, 0, 0)])  # both groups at every step
+    ddp = load_file(str(tmp_path / "ddp" / "weights-g0-r0.safetensors"))
+    for path in sorted((tmp_path / "ft").glob("weights-g*-r0.safetensors")):
+        got = load_file(str(path))
+        for key, value in ddp.items():
+            torch.testing.assert_close(got[key], value, atol=2e-6, rtol=1e-5, msg=f"{path.name} {key}")
+    initial = _launch.worker_module("ft_train").make_problem()[2].state_dict()
+    assert not all(torch.allclose(initial[k], ddp[k]) for k in ddp)  # it trained
+    assert not _left_behind(mark)
