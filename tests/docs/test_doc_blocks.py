@@ -129,8 +129,8 @@ def test_a_bad_block_fails(tmp_path: Path):
 
 
 def _accel_command_lines(code: str) -> list[list[str]]:
-    """The `accel ...` command lines of a shell block, as words (continuations joined; `exec`/`srun` and a trailing
-    comment dropped; a line that shlex cannot split is skipped)."""
+    """The `accel ...` command lines of a shell block, as words (continuations joined; `exec`/`srun`, environment
+    assignments before the command and a trailing comment dropped; a line that shlex cannot split is skipped)."""
     import shlex
 
     out = []
@@ -139,8 +139,8 @@ def _accel_command_lines(code: str) -> list[list[str]]:
             words = shlex.split(line, comments=True)
         except ValueError:
             continue
-        while words and words[0] in ("exec", "srun", "$"):
-            words = words[1:]
+        while words and (words[0] in ("exec", "srun", "$") or re.fullmatch(r"[A-Za-z_]\w*=.*", words[0])):
+            words = words[1:]  # a prefix, or an environment assignment (`PET_NNODES=2 accel launch ...`)
         for i, word in enumerate(words):  # `... && accel ...`, `... | accel ...`
             if word == "accel" and (i == 0 or words[i - 1] in ("&&", "||", ";", "|")):
                 end = next((j for j in range(i + 1, len(words)) if words[j] in ("&&", "||", ";", "|")), len(words))
