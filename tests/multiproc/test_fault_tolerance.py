@@ -1,6 +1,7 @@
 """Fault tolerance without restarts (torchft) under `accel launch --fault_tolerance`, on CPU (gloo).
 
-Two replica groups of 1 and of 2 processes train an unchanged loop (scripts/ft_train.py); the last process of the
+Two replica groups of 1 process (a tiny transformers Llama) and of 2 processes (an MLP) train an unchanged loop
+(scripts/ft_train.py); the last process of the
 last group SIGKILLs itself after 5 steps committed with both groups, and its restart waits 6 s before it starts (a
 restart that takes a while: torchft's lighthouse lets the live group go on alone once the dead group's heartbeat is
 5 s old, and waits for a restarted group that heartbeats again). Checked: the live group never restarts and
@@ -59,12 +60,12 @@ def _records(out: Path) -> dict[tuple[int, int, int], list[dict]]:
     return records
 
 
-@pytest.mark.parametrize("per_group", [1, 2])
-def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group):
+@pytest.mark.parametrize("per_group,model", [(1, "llama"), (2, "mlp")])
+def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group, model):
     mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--fault_tolerance",
                                "--ft_group_size", 2, "--max_restarts", 2, SCRIPT, "--out", tmp_path,
                                "--steps", STEPS, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
-                               "--restart-delay", 6)
+                               "--restart-delay", 6, "--model", model)
     records = _records(tmp_path)
     victim_rank = per_group - 1
     # group 0 never restarted; group 1 ran twice (the SIGKILLed attempt, then the restart)
@@ -90,8 +91,8 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
     port = int(re.search(r"torchft lighthouse at http://127\.0\.0\.1:(\d+)", err).group(1))
     assert not port_in_use(port, "127.0.0.1")
     assert not _left_behind(mark)
-    print(f"per_group={per_group}: killed at step {killed_at}; the live group committed {len(alone)} step(s) alone, "
-          f"{sum(r['after'] > r['before'] for r in live)} in all, never restarting")
+    print(f"per_group={per_group} ({model}): killed at step {killed_at}; the live group committed {len(alone)} "
+          f"step(s) alone, {sum(r['after'] > r['before'] for r in live)} in all, never restarting")
 
 
 def test_without_a_failure_it_equals_plain_ddp(tmp_path, isolated_env):

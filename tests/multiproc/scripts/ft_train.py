@@ -1,5 +1,5 @@
-"""Worker for tests/multiproc/test_fault_tolerance.py: a small MLP trained by an unchanged Accelerate loop, under
-fault tolerance (accel launch --fault_tolerance) or plain DDP.
+"""Worker for tests/multiproc/test_fault_tolerance.py: a small MLP or a tiny transformers Llama (`--model llama`)
+trained by an unchanged Accelerate loop, under fault tolerance (accel launch --fault_tolerance) or plain DDP.
 
 Under fault tolerance the loop runs until the quorum committed --steps steps (`committed_steps`, which a healed group
 receives with the weights). `--kill-after K`: on its first attempt, the last process of the last replica group
@@ -25,13 +25,32 @@ from accel import Accelerator
 from accel.utils import set_seed
 
 
-def make_problem():
+VOCAB, SEQ = 64, 8
+
+
+def make_problem(kind: str = "mlp"):
+    """(inputs, targets, model): a small MLP on a regression, or a tiny transformers Llama (2 layers, grouped-query
+    attention) predicting random tokens."""
     g = torch.Generator().manual_seed(5)
+    if kind == "llama":
+        import transformers as tf
+
+        ids = torch.randint(0, VOCAB, (256, SEQ), generator=g)
+        set_seed(0)
+        config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)
+        return ids, ids, tf.LlamaForCausalLM(config)
     x = torch.randn(256, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     return x, y, model
+
+
+def loss_of(model, inputs, targets, kind: str):
+    if kind == "llama":
+        return model(input_ids=inputs, labels=targets).loss  # transformers shifts the labels itself
+    return torch.nn.functional.mse_loss(model(inputs), targets)
 
 
 def main() -> None:
@@ -41,11 +60,12 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=None)
     parser.add_argument("--alone-sleep", type=float, default=0.0)
     parser.add_argument("--restart-delay", type=float, default=0.0)
+    parser.add_argument("--model", choices=("mlp", "llama"), default="mlp")
     args = parser.parse_args()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(args.restart_delay)  # a restart that takes a while (a new node, a container to pull)
 
-    x, y, model = make_problem()
+    x, y, model = make_problem(args.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     accelerator = Accelerator()
@@ -78,7 +98,7 @@ def main() -> None:
                 log.write(json.dumps({"t": time.time(), "killed_at": progress()}) + "\n")
                 os.kill(os.getpid(), signal.SIGKILL)
             before = progress()
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss = loss_of(model, inputs, targets, args.model)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
