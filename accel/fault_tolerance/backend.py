@@ -144,6 +144,8 @@ def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer) -> 
 
     wrapped = CommittingOptimizer(run.manager, optimizer)
     wrapped.defaults = optimizer.defaults  # torch.optim.Optimizer's attributes that schedulers read
+    # checkpoints name the user's optimizer class (as for ZeRO-1's wrapper), so they load without fault tolerance
+    wrapped._optim_constructor = type(optimizer)  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -227,6 +229,22 @@ class FaultTolerantBackend(SpmdBackend):
         optimizer = super().prepare_optimizer(optimizer, models)
         self.run.register("optimizer", optimizer)
         return _commit_wrapper(self.run, optimizer)
+
+    # -- checkpoints: the wrapped optimizer's state, with the Manager's beside it ------------------------------
+    # torchft requires the Manager's state (its committed step count) in a checkpoint: it is saved with each optimizer
+    # under "torchft" (plain numbers), and loaded back; the model and optimizer tensors are plain DDP's, so the
+    # checkpoint loads under any other layout (a different number of groups or processes, no fault tolerance).
+    def checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        inner = getattr(optimizer, "optim", optimizer)  # torch's helpers step a stateless optimizer: not a commit
+        return {**super().checkpoint_optimizer_state(model, inner), "torchft": self.run.manager.state_dict()}
+
+    def load_checkpoint_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                        state: dict) -> None:
+        state = dict(state)
+        manager_state = state.pop("torchft", None)
+        super().load_checkpoint_optimizer_state(model, getattr(optimizer, "optim", optimizer), state)
+        if isinstance(manager_state, dict):
+            self.run.manager.load_state_dict({k: int(v) for k, v in manager_state.items()})
 
     # -- what the job reports ---------------------------------------------------------------------------------
     @property

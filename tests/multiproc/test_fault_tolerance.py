@@ -1,15 +1,18 @@
 """Fault tolerance without restarts (torchft) under `accel launch --fault_tolerance`, on CPU (gloo).
 
 Two replica groups of 1 process (a tiny transformers Llama) and of 2 processes (an MLP) train an unchanged loop
-(scripts/ft_train.py); the last process of the
-last group SIGKILLs itself after 5 steps committed with both groups, and its restart waits 6 s before it starts (a
-restart that takes a while: torchft's lighthouse lets the live group go on alone once the dead group's heartbeat is
-5 s old, and waits for a restarted group that heartbeats again). Checked: the live group never restarts and
-keeps committing (counted, with the steps it committed alone); the killed group is restarted by its own torchrun and
-heals from the live group (its first committed step jumps to the others' count: the weights and optimizer state came
-over the network; the script never saves nor loads a checkpoint); every process of every group ends with the same
-weights; the lighthouse's port is free and no process of the job is left when accel launch returns. A run without a
-failure, with min_replicas 2, equals plain DDP on the same two processes."""
+(scripts/ft_train.py); the last process of the last group SIGKILLs itself after 5 steps committed with both groups,
+and its restart waits 6 s before it starts (a restart that takes a while: torchft's lighthouse lets the live group go
+on alone once the dead group's heartbeat is 5 s old, and waits for a restarted group that heartbeats again).
+Checked: the live group never restarts and keeps committing (counted, with the steps it committed alone); the killed
+group is restarted by its own torchrun and heals from the live group (its first committed step jumps to the others'
+count: the weights and optimizer state came over the network; the script never saves nor loads a checkpoint); every
+process of every group ends with the same weights; the lighthouse's port is free and no process of the job is left
+when accel launch returns.
+
+A run without a failure, with min_replicas 2, equals plain DDP on the same two processes bit for bit; its save_state
+keeps the Manager's committed steps (load_state restores them), and the checkpoint loads in plain DDP.
+"""
 
 from __future__ import annotations
 
@@ -95,15 +98,24 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
           f"step(s) alone, {sum(r['after'] > r['before'] for r in live)} in all, never restarting")
 
 
-def test_without_a_failure_it_equals_plain_ddp(tmp_path, isolated_env):
+def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(tmp_path, isolated_env):
     (tmp_path / "ft").mkdir()
     (tmp_path / "ddp").mkdir()
     mark, _ = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
-                             "--ft_min_replicas", 2, SCRIPT, "--out", tmp_path / "ft", "--steps", 20)
+                             "--ft_min_replicas", 2, SCRIPT, "--out", tmp_path / "ft", "--steps", 20, "--save")
     _launch.accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path / "ddp",
-                         "--steps", 20)
+                         "--steps", 20, "--load-at-end", tmp_path / "ft" / "ckpt-g1")
     ft = _records(tmp_path / "ft")
-    assert all(r["participants"] == 2 for r in ft[(0, 0, 0)] + ft[(1, 0, 0)])  # both groups at every step
+    steps = {g: [r for r in ft[(g, 0, 0)] if "participants" in r] for g in (0, 1)}
+    assert all(r["participants"] == 2 for g in (0, 1) for r in steps[g])  # both groups at every step
+    # save_state keeps the Manager's state: zeroed, then load_state gives back the 20 committed steps and the weights
+    for g in (0, 1):
+        assert ft[(g, 0, 0)][-1] == {"saved_steps": 20, "loaded_steps": 20, "same_weights": True}
+    # the checkpoint of a fault-tolerant group loads in plain DDP on 2 processes (a layout of its own)
+    saved = load_file(str(tmp_path / "ft" / "weights-g1-r0.safetensors"))
+    for rank in (0, 1):
+        loaded = load_file(str(tmp_path / "ddp" / f"loaded-g0-r{rank}.safetensors"))
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     ddp = load_file(str(tmp_path / "ddp" / "weights-g0-r0.safetensors"))
     for path in sorted((tmp_path / "ft").glob("weights-g*-r0.safetensors")):
         got = load_file(str(path))

@@ -53,6 +53,12 @@ def loss_of(model, inputs, targets, kind: str):
     return torch.nn.functional.mse_loss(model(inputs), targets)
 
 
+def load_dir_weights(out: Path, group: int, rank: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / f"weights-g{group}-r{rank}.safetensors"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -61,6 +67,8 @@ def main() -> None:
     parser.add_argument("--alone-sleep", type=float, default=0.0)
     parser.add_argument("--restart-delay", type=float, default=0.0)
     parser.add_argument("--model", choices=("mlp", "llama"), default="mlp")
+    parser.add_argument("--save", action="store_true", help="at the end: save_state, forget, load_state back")
+    parser.add_argument("--load-at-end", default=None, help="at the end: load_state(this folder), write the weights")
     args = parser.parse_args()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(args.restart_delay)  # a restart that takes a while (a new node, a container to pull)
@@ -112,8 +120,24 @@ def main() -> None:
                 taken[0] += 1
                 record.update(after=taken[0], participants=accelerator.num_processes)
             log.write(json.dumps(record) + "\n")
-    weights = {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    save_file(weights, str(out / f"weights-g{group}-r{rank}.safetensors"))
+    def weights():
+        return {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+    save_file(weights(), str(out / f"weights-g{group}-r{rank}.safetensors"))
+    if args.save:  # each group its own folder (each group is a job of its own)
+        folder = accelerator.save_state(str(out / f"ckpt-g{group}"))
+        saved_steps = progress()
+        manager.load_state_dict({"step": 0, "batches_committed": 0})
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+        accelerator.load_state(folder)
+        saved = load_dir_weights(out, group, rank)
+        same = all(torch.equal(value, saved[key]) for key, value in weights().items())
+        log.write(json.dumps({"saved_steps": saved_steps, "loaded_steps": progress(), "same_weights": same}) + "\n")
+    if args.load_at_end:
+        accelerator.load_state(args.load_at_end)
+        save_file(weights(), str(out / f"loaded-g{group}-r{rank}.safetensors"))
     accelerator.end_training()
 
 
