@@ -145,7 +145,7 @@ def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer) -> 
     wrapped = CommittingOptimizer(run.manager, optimizer)
     wrapped.defaults = optimizer.defaults  # torch.optim.Optimizer's attributes that schedulers read
     # checkpoints name the user's optimizer class (as for ZeRO-1's wrapper), so they load without fault tolerance
-    wrapped._optim_constructor = type(optimizer)  # type: ignore[attr-defined]
+    wrapped._optim_constructor = type(optimizer)
     return wrapped
 
 
