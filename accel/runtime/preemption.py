@@ -53,7 +53,8 @@ STOP_FILE = "stop"  # the launcher is stopping the workers (torchrun's SIGTERM f
 # temporary failure; the user is invited to retry" (SLURM's RequeueExit, a Kubernetes podFailurePolicy can name it)
 EXIT_CODE = 75
 
-_local: dict[str, Any] = {"signal": None, "agreed": False, "listening": False, "installed": False, "timer": None}
+_local: dict[str, Any] = {"signal": None, "agreed": False, "listening": False, "installed": False, "timer": None,
+                          "ray": None, "ray_said": False}
 
 
 def listening_path(folder: str | os.PathLike, rank: int) -> Path:
@@ -88,11 +89,39 @@ def requested(state) -> bool:
         _mark(folder, listening_path, rank)
         _install_handlers()
     local = _local["signal"] is not None or (folder is not None and request_path(folder).exists())
+    local = _ray_preemption() or local  # (first: Ray's call is a barrier every worker must reach at each read)
     agreed = _agree(state, local)
     if agreed:
         _local["agreed"] = True
         _mark(folder, seen_path, rank)
     return agreed
+
+
+def _ray_preemption() -> bool:
+    """Under Ray Train: whether a node of this job is being drained (a spot reclaim, a KubeRay scale-down), as
+    `ray.train.get_preemption_info()` says. Ray sends no signal before the drain's deadline, so it is asked; its call
+    is itself a barrier of every worker, which read the property at the same step. Outside a Ray Train worker (or with
+    a Ray without the call) it is not asked again."""
+    if _local["ray"] is False:
+        return False
+    train = sys.modules.get("ray.train")  # imported in every Ray Train worker; accel never imports Ray itself
+    ask = getattr(train, "get_preemption_info", None)
+    if ask is None:
+        _local["ray"] = False
+        return False
+    try:
+        info = ask()
+    except (RuntimeError, DeprecationWarning):  # not a Ray Train worker (Ray raises outside one, and in a Ray Tune
+        # session): the same answer on every process
+        _local["ray"] = False
+        return False
+    _local["ray"] = True
+    if info is not None and not _local["ray_said"]:
+        _local["ray_said"] = True
+        nodes = ", ".join(getattr(info, "preempted_node_ids", []) or ["?"])
+        say(f"accel: Ray Train: node(s) {nodes} are being drained (deadline {getattr(info, 'deadline_ms', None)} ms): "
+            "preemption_requested")
+    return info is not None
 
 
 def _agree(state, local: bool) -> bool:
@@ -205,4 +234,4 @@ def _reset_for_tests() -> None:
             signal.signal(getattr(signal, sig), signal.SIG_DFL)
     if _local["timer"] is not None:
         _local["timer"].cancel()
-    _local.update(signal=None, agreed=False, listening=False, installed=False, timer=None)
+    _local.update(signal=None, agreed=False, listening=False, installed=False, timer=None, ray=None, ray_said=False)

@@ -39,14 +39,18 @@ def train_loop(config: dict) -> list[float]:
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=True,
                                          generator=torch.Generator().manual_seed(1))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses = []
+    losses: list[float] = []
     for _ in range(config.get("epochs", 2)):
+        if losses and accelerator.preemption_requested:
+            break
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(accelerator.reduce(loss.detach(), "mean").item())
+            if accelerator.preemption_requested:  # a signal, or under Ray Train a drained node: save_state() here
+                break
     if accelerator.is_main_process and config.get("losses"):
         with open(config["losses"], "w") as f:
             json.dump({"losses": losses, "num_processes": accelerator.num_processes,

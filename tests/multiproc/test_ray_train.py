@@ -27,10 +27,19 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray_train import train_loop
 
+
+def loop(config):  # the example's loop, then what this worker's preemption_requested asked Ray (pickled by value)
+    import os
+    from accel.runtime import preemption
+
+    train_loop(config)
+    with open(config["losses"] + ".rank" + os.environ["RANK"], "w") as f:
+        f.write(repr(preemption._local["ray"]))
+
 ray.init(num_cpus=2, include_dashboard=False)
 try:
     for name, config in json.loads({configs!r}).items():
-        trainer = TorchTrainer(train_loop, train_loop_config=config,
+        trainer = TorchTrainer(loop, train_loop_config=config,
                                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
                                run_config=RunConfig(name=name, storage_path={storage!r}))
         trainer.fit()
@@ -64,3 +73,5 @@ def test_ray_train_equals_accel_launch(tmp_path, isolated_env):
     assert (on_ray["zero_stage"], on_ray["mixed_precision"]) == (launched["zero_stage"], launched["mixed_precision"]) \
         == (2, "bf16")
     assert len(on_ray["losses"]) == 16 and on_ray["losses"] == launched["losses"]
+    # every step's preemption_requested asked Ray's get_preemption_info (a barrier of the workers) and got no drain
+    assert [(tmp_path / f"ray.json.rank{rank}").read_text() for rank in (0, 1)] == ["True", "True"]

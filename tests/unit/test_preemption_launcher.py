@@ -223,3 +223,45 @@ def test_one_process_without_a_launcher_turns_sigterm_into_the_request(isolated_
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert result.stdout == "requested True\n"
     assert "accel: got SIGTERM: preemption_requested turns true at the next step" in result.stderr
+
+
+def test_under_ray_train_a_node_drain_is_the_request(monkeypatch, capsys):
+    """Ray Train sends no signal before a drained node's deadline: `preemption_requested` asks
+    `ray.train.get_preemption_info()` (Ray 2.60's API, stood in for here: a drain cannot be made on a one-node local
+    cluster) at every read, and the answer turns True when Ray reports a drain."""
+    import types
+
+    answers = [None, None, types.SimpleNamespace(preempted_node_ids=["n1"], deadline_ms=123)]
+    asked = []
+
+    def get_preemption_info():
+        asked.append(1)
+        return answers[len(asked) - 1]
+
+    monkeypatch.setitem(sys.modules, "ray.train", types.SimpleNamespace(get_preemption_info=get_preemption_info))
+    monkeypatch.delenv(preemption.DIR_ENV, raising=False)
+    preemption._reset_for_tests()
+    try:
+        assert [preemption.requested(_OneProcess()) for _ in range(3)] == [False, False, True]
+        assert preemption.requested(_OneProcess()) is True and len(asked) == 3  # agreed: Ray is not asked again
+        assert "accel: Ray Train: node(s) n1 are being drained (deadline 123 ms)" in capsys.readouterr().err
+    finally:
+        preemption._reset_for_tests()
+
+
+def test_outside_a_ray_train_worker_ray_is_asked_once(monkeypatch):
+    import types
+
+    asked = []
+
+    def get_preemption_info():  # Ray raises so outside a Ray Train worker
+        asked.append(1)
+        raise RuntimeError("`get_preemption_info` can only be called from within a Ray Train worker")
+
+    monkeypatch.setitem(sys.modules, "ray.train", types.SimpleNamespace(get_preemption_info=get_preemption_info))
+    monkeypatch.delenv(preemption.DIR_ENV, raising=False)
+    preemption._reset_for_tests()
+    try:
+        assert [preemption.requested(_OneProcess()) for _ in range(3)] == [False] * 3 and len(asked) == 1
+    finally:
+        preemption._reset_for_tests()
