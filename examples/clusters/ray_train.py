@@ -66,7 +66,10 @@ def run_on_ray(config: dict, workers: int, storage: str | None) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=workers, include_dashboard=False)  # a local Ray cluster; on a real one, ray.init() joins it
+    if os.environ.get("RAY_ADDRESS"):  # a cluster's (a RayJob's entrypoint, `ray job submit`): join it as it is
+        ray.init()
+    else:  # a local Ray cluster on this machine, one CPU per worker
+        ray.init(num_cpus=workers, include_dashboard=False)
     try:
         trainer = TorchTrainer(train_loop, train_loop_config=config,
                                scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),

@@ -216,10 +216,6 @@ def test_ray_train_asks_ray_for_what_the_rayjob_pods_hold(monkeypatch):
     assert fake.scaling["num_workers"] == capacity and fake.scaling["use_gpu"] == gpus
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ray_train.py calls ray.init(num_cpus=workers), which Ray refuses (ValueError: num_cpus and "
-                   "num_gpus must not be provided) when RAY_ADDRESS names a cluster, as a RayJob's job supervisor "
-                   "sets it for the entrypoint: the script needs ray.init() there")
 def test_ray_train_joins_the_rayjob_cluster(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # what Ray's job supervisor gives the entrypoint
     fake = FakeRay(monkeypatch)
