@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
                                 reason="the docs extra is not installed (pip install -e '.[docs]'); .ci/docs runs this")
 
-# The README's sections before issue 45 -> the heading they have on the site now (None: the same words). The ones of
-# "Several machines" ... "In Kubernetes" are the lead's docs/clusters.md's since issue 43; launching.md keeps them too.
+# The README's sections before issue 45 -> the heading they have on the site now (None: the same words). SLURM and
+# Kubernetes are docs/clusters.md's (issue 43); several machines and the hostfile stay in docs/launching.md.
 MOVED = {
     "Set-up": "Install",
     "The three lines": None,
@@ -35,8 +35,8 @@ MOVED = {
     "`accel launch`": "Launching: accel launch",
     "Several machines": None,
     "A cluster from a hostfile": None,
-    "Under SLURM": None,
-    "In Kubernetes: Kubeflow Trainer, PyTorchJob": None,
+    "Under SLURM": "SLURM",
+    "In Kubernetes: Kubeflow Trainer, PyTorchJob": "Kubernetes: Kubeflow Trainer and PyTorchJob",
     "The Accelerator": "The Accelerator: the API in your loop",
     "Data": None,
     "Mixed precision": "Mixed precision and fp8",
