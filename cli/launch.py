@@ -257,6 +257,7 @@ def flags_and_pod(args: argparse.Namespace) -> tuple[dict, kubeflow.PodEnv | Non
         raw["use_cpu"] = False
         raw["distributed_type"] = "MULTI_GPU"
     raw.update(multinode.slurm_overrides(os.environ, raw))  # under `srun`: SLURM's node rank/count/main (flags win)
+    multinode.refuse_mpi_launchers(os.environ, raw)  # `mpirun -np N accel launch`: N separate jobs
     pod = pod_env(args, raw)  # in a Kubernetes pod: PET_* or WORLD_SIZE/RANK, below the flags and the config file
     if pod is not None:
         raw.update(pod.values)

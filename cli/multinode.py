@@ -32,6 +32,8 @@ config file's values (a file cannot know which node it is read on).
 
 from __future__ import annotations
 
+import functools
+
 import argparse
 import os
 import re
@@ -275,6 +277,25 @@ def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
         raise UsageError(f"in a SLURM job step of {nodes[1]} nodes but {', '.join(sorted(missing))} could not be "
                          f"read from SLURM's variables; give --{' --'.join(sorted(missing))}")
     return {key: found[key] for key in wanted}
+
+
+def _not_an_mpi_integer(family: str, name: str, value: str) -> UsageError:
+    return UsageError(f"${name}={value!r} is not an integer (set by {family}'s mpirun?)")
+
+
+def refuse_mpi_launchers(env: Mapping[str, str], given: dict) -> None:
+    """`mpirun -np N accel launch ...` (N > 1): every launcher would start a job of its own. Refused in one line,
+    unless its machine rank is given (one launcher per machine, as with a hostfile or `srun`)."""
+    from accel.runtime.cluster_env import MPI_FAMILIES
+
+    if given.get("machine_rank") is not None:
+        return
+    for family, (size_var, *_) in MPI_FAMILIES:
+        size = first_int(env, (size_var,), functools.partial(_not_an_mpi_integer, family))
+        if size is not None and size[1] > 1:
+            raise UsageError(f"{family}'s mpirun started {size[1]} processes (${size_var}) and each accel launch "
+                             "would start a job of its own: run `mpirun -np N python train.py` (Accelerator() forms "
+                             "one group from MPI's variables), or one accel launch per machine with --machine_rank")
 
 
 # -------------------------------------------------------------------------------------------------------

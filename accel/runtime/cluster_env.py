@@ -1,4 +1,5 @@
-"""What a cluster's scheduler says about this process, when no launcher did: SLURM's task variables under `srun`.
+"""What a cluster's scheduler says about this process, when no launcher did: SLURM's task variables under `srun`,
+and MPI's under `mpirun` (`mpi_task_env`, at the end).
 
 `srun --ntasks-per-node=2 python train.py` (Lightning's way, no `accel launch`, no torchrun) starts every task with
 SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the step's node list but none of torchrun's RANK/WORLD_SIZE/LOCAL_RANK.
@@ -181,6 +182,84 @@ def export_slurm_task_env(environ=None) -> dict[str, str] | None:
 
     environ = os.environ if environ is None else environ
     found = slurm_task_env(environ)
+    if found:
+        environ.update(found)
+    return found
+
+
+# -------------------------------------------------------------------------------------------------------
+# mpirun without a launcher
+# -------------------------------------------------------------------------------------------------------
+
+# (world size, rank, local rank, local size) for each MPI's launcher: Open MPI's mpirun/prterun, MPICH's and Intel
+# MPI's Hydra (mpiexec), MVAPICH2's mpirun_rsh. Accelerate reads the same ones (on the CPU).
+MPI_FAMILIES = (
+    ("Open MPI", ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE")),
+    ("MPICH/Intel MPI", ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+    ("MVAPICH2", ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                  "MV2_COMM_WORLD_LOCAL_SIZE")),
+)
+MPI_DEFAULT_PORT = 29500  # Accelerate's under mpirun; a PMIx namespace (Open MPI 5, srun --mpi=pmix) derives one
+
+
+def mpi_task_env(env: Mapping[str, str]) -> dict[str, str] | None:
+    """torchrun's variables for this process of an `mpirun -np N python train.py` (N > 1) started without a launcher,
+    or None when this is not one. As for `srun`: only where no launcher set RANK/WORLD_SIZE/LOCAL_RANK and `accel
+    launch` did not start this process. MASTER_ADDR: $MASTER_ADDR, else 127.0.0.1 when every process is on this
+    machine (local size = world size), else a one-line error (MPI names no host for rank 0); MASTER_PORT:
+    $MASTER_PORT, else one derived from the PMIx namespace, else 29500."""
+    if env.get(LAUNCHED_ENV) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES):
+        return None
+    for family, (size_var, rank_var, local_var, local_size_var) in MPI_FAMILIES:
+        size = _mpi_int(env, size_var, family, "the number of processes")
+        if size is None:
+            continue
+        if size <= 1:
+            return None
+        where = f"mpirun of {size} processes (${size_var}, {family}) without a launcher"
+        rank = _mpi_int(env, rank_var, family, f"0 to {size - 1}")
+        if rank is None or not 0 <= rank < size:
+            shown = " is unset" if rank is None else f"={rank}"
+            raise ClusterEnvError(f"{where}: ${rank_var}{shown}; allowed: 0 to {size - 1} (this process's rank, set "
+                                  "by mpirun)")
+        local = _mpi_int(env, local_var, family, "this process's index on its machine")
+        local_size = _mpi_int(env, local_size_var, family, "the number of processes on this machine")
+        address = env.get("MASTER_ADDR") or None
+        if address is None:
+            if local_size != size:
+                shown = " is unset" if local_size is None else f"={local_size} (of {size})"
+                raise ClusterEnvError(f"{where}: ${local_size_var}{shown}, so rank 0 may be on another machine and "
+                                      "its address is unknown; export MASTER_ADDR=<rank 0's host> (mpirun -x "
+                                      "MASTER_ADDR), or start one `accel launch` per machine")
+            address = "127.0.0.1"
+        port = env.get("MASTER_PORT") or None
+        if port is None:
+            namespace = env.get("PMIX_NAMESPACE")
+            port = str(derived_port(namespace, "mpi") if namespace else MPI_DEFAULT_PORT)
+        if local is None and local_size != size:
+            raise ClusterEnvError(f"{where}: ${local_var} is unset, so this process's GPU is unknown; allowed: "
+                                  "an MPI whose mpirun sets it, or start one `accel launch` per machine")
+        found = {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": address, "MASTER_PORT": port,
+                 "LOCAL_RANK": str(rank if local is None else local)}  # (unset: one machine, so the rank)
+        if local_size is not None:
+            found["LOCAL_WORLD_SIZE"] = str(local_size)
+        return found
+    return None
+
+
+def _mpi_int(env: Mapping[str, str], name: str, family: str, what: str) -> int | None:
+    found = first_int(env, (name,), lambda name, value: ClusterEnvError(
+        f"mpirun without a launcher: ${name}={value!r} is not an integer; allowed: {what} ({family}'s mpirun sets it)"))
+    return None if found is None else found[1]
+
+
+def export_mpi_task_env(environ=None) -> dict[str, str] | None:
+    """Under `mpirun` without a launcher, set torchrun's variables from MPI's (`mpi_task_env`) in `environ`."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    found = mpi_task_env(environ)
     if found:
         environ.update(found)
     return found

@@ -1,4 +1,5 @@
-"""Each cluster engine's way of starting a job, simulated on 2 local processes with only what that engine sets:
+"""Each cluster engine's way of starting a job, simulated on 2 local processes with only what that engine sets (and
+`mpirun` of 2 processes without a launcher, Open MPI's and Hydra's variables):
 `srun` of 2 tasks without a launcher (SLURM's task variables), a Kubeflow Trainer pod (PET_NPROC_PER_NODE=2 under
 `accel launch`), two PyTorchJob pods (their WORLD_SIZE/RANK/MASTER_* under `accel launch --num_processes 2`).
 Every process must see one job of 2. Before issue 43's fix srun gave two 1-process jobs, PET_NPROC_PER_NODE=2
@@ -107,3 +108,16 @@ def test_pytorchjob_pods_world_size_and_rank_are_node_level(isolated_env, probe,
             for index in (0, 1)]
     outputs = run_together([(cmd, {**isolated_env, "OMP_NUM_THREADS": "1", **pod}) for pod in pods])
     one_job_of_two("".join(outputs), locals_=(0, 0))
+
+
+@pytest.mark.parametrize("family", ["openmpi", "hydra"])
+def test_mpirun_without_a_launcher_forms_one_group(isolated_env, probe, free_port, family):
+    """`mpirun -np 2 python probe.py` on one machine: MPI's variables only (Open MPI's, or MPICH/Intel MPI's Hydra),
+    and the port exported as `mpirun -x MASTER_PORT` would. Before, two 1-process jobs."""
+    names = {"openmpi": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+             "hydra": ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")}[family]
+    base = {**isolated_env, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port)}
+    outputs = run_together([([sys.executable, str(probe)], {**base, **dict(zip(names, ("2", str(rank), str(rank), "2"),
+                                                                                strict=True))}) for rank in (0, 1)])
+    one_job_of_two("".join(outputs))

@@ -15,6 +15,7 @@ from accel.runtime.cluster_env import (
     derived_port,
     expand_hostlist,
     export_slurm_task_env,
+    mpi_task_env,
     slurm_task_env,
 )
 
@@ -237,3 +238,72 @@ def test_a_bad_accelerate_torch_device_is_one_line(monkeypatch):
             PartialState()
     finally:
         PartialState._reset_state()
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mpirun without a launcher (Open MPI, MPICH/Intel MPI's Hydra, MVAPICH2)
+# ----------------------------------------------------------------------------------------------------------
+
+OPEN_MPI = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+HYDRA = {"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+MVAPICH = {"MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_LOCAL_RANK": "0",
+           "MV2_COMM_WORLD_LOCAL_SIZE": "2"}
+
+
+@pytest.mark.parametrize("env, wanted", [
+    # one machine: rank 0 is here
+    (HYDRA, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}),
+    (MVAPICH, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "29500"}),
+    # two machines: MASTER_ADDR exported by the user (mpirun -x MASTER_ADDR); a PMIx namespace derives the port
+    ({**OPEN_MPI, "MASTER_ADDR": "node1", "PMIX_NAMESPACE": "prterun-node1-4242@1"},
+     {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1",
+      "MASTER_PORT": str(derived_port("prterun-node1-4242@1", "mpi"))}),
+    ({**HYDRA, "MASTER_PORT": "1234", "MPI_LOCALRANKID": ""}, None),  # (an empty value is unset: see below)
+])
+def test_mpirun_processes_become_torchruns_variables(env, wanted):
+    if wanted is None:
+        with pytest.raises(ClusterEnvError, match=r"^mpirun of 2 processes \(\$PMI_SIZE, MPICH/Intel MPI\) "):
+            mpi_task_env({**env, "MPI_LOCALNRANKS": "1"})
+        assert mpi_task_env(env)["LOCAL_RANK"] == "1"  # one machine: the local rank is the rank
+        return
+    assert mpi_task_env(env) == wanted
+
+
+@pytest.mark.parametrize("env", [
+    {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"},  # one process: nothing to form
+    {**OPEN_MPI, "RANK": "3"},  # a launcher already set torchrun's variables
+    {**OPEN_MPI, "ACCEL_LAUNCH_CONFIG": "{}"},  # a worker of accel launch
+    {},
+])
+def test_mpirun_variables_are_left_alone_where_they_do_not_apply(env):
+    assert mpi_task_env(env) is None
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"OMPI_COMM_WORLD_RANK": "4"}, r"\$OMPI_COMM_WORLD_RANK=4; allowed: 0 to 3"),
+    ({"OMPI_COMM_WORLD_RANK": "x"}, r"\$OMPI_COMM_WORLD_RANK='x' is not an integer; allowed: 0 to 3"),
+    ({}, r"\$OMPI_COMM_WORLD_LOCAL_SIZE=2 \(of 4\), so rank 0 may be on another machine .*export MASTER_ADDR"),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": ""}, r"\$OMPI_COMM_WORLD_LOCAL_SIZE is unset, so rank 0 may be on another machine"),
+])
+def test_mpirun_processes_that_cannot_form_a_group_are_one_line(change, needle):
+    with pytest.raises(ClusterEnvError, match=needle) as info:
+        mpi_task_env({**OPEN_MPI, **change})
+    assert "\n" not in str(info.value)
+
+
+def test_mpirun_of_several_accel_launchers_is_refused(clean_env, capsys):
+    from accel.cli.multinode import refuse_mpi_launchers
+
+    monkeypatch, script = clean_env
+    for name, value in OPEN_MPI.items():
+        monkeypatch.setenv(name, value)
+    assert main(["launch", "--cpu", "--dry_run", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accel launch: error: Open MPI's mpirun started 4 processes ($OMPI_COMM_WORLD_SIZE) and each "
+                          "accel launch would start a job of its own") and err.count("\n") == 1
+    refuse_mpi_launchers(OPEN_MPI, {"machine_rank": 1})  # one launcher per machine, its rank given: allowed
+    refuse_mpi_launchers({"PMI_SIZE": "1"}, {})
