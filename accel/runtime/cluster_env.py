@@ -263,3 +263,21 @@ def export_mpi_task_env(environ=None) -> dict[str, str] | None:
     if found:
         environ.update(found)
     return found
+
+
+# -------------------------------------------------------------------------------------------------------
+# a Kubeflow Trainer pod whose command is not a launcher
+# -------------------------------------------------------------------------------------------------------
+
+def refuse_pet_without_launcher(env: Mapping[str, str]) -> None:
+    """Kubeflow Trainer's torch runtime sets PET_NNODES/PET_NPROC_PER_NODE for torchrun (or `accel launch`) to start
+    the pod's processes. A pod whose command is `python train.py` runs one process that sees none of torchrun's
+    variables: with more than one node or process asked for, each pod would train alone. One line instead."""
+    if env.get(LAUNCHED_ENV) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES):
+        return
+    for name in ("PET_NNODES", "PET_NPROC_PER_NODE"):
+        value = (env.get(name) or "").strip()
+        if value.isdigit() and int(value) > 1:
+            raise ClusterEnvError(f"${name}={value} (Kubeflow Trainer) asks for several processes, but this one was "
+                                  "started without a launcher and would train alone; allowed: the TrainJob's command "
+                                  "`accel launch train.py` (or torchrun), which starts them")

@@ -117,10 +117,16 @@ class PartialState:
 
         export_restart_count()  # again: a worker forked by notebook_launcher imported accel before its restart
         if not dist.is_initialized():
-            from accel.runtime.cluster_env import export_mpi_task_env, export_slurm_task_env
+            from accel.runtime.cluster_env import (
+                export_mpi_task_env,
+                export_slurm_task_env,
+                refuse_pet_without_launcher,
+            )
 
-            # `srun` or `mpirun` without a launcher: RANK, WORLD_SIZE, ... from SLURM's task variables, else MPI's
-            export_slurm_task_env() or export_mpi_task_env()
+            # `srun` or `mpirun` without a launcher: RANK, WORLD_SIZE, ... from SLURM's task variables, else MPI's;
+            # a Kubeflow Trainer pod that asks for several processes needs a launcher
+            if not (export_slurm_task_env() or export_mpi_task_env()):
+                refuse_pet_without_launcher(os.environ)
         self.num_processes = _env_int("WORLD_SIZE", 1)
         self.process_index = _env_int("RANK", 0)
         self.local_process_index = _env_int("LOCAL_RANK", 0)

@@ -307,3 +307,26 @@ def test_mpirun_of_several_accel_launchers_is_refused(clean_env, capsys):
                           "accel launch would start a job of its own") and err.count("\n") == 1
     refuse_mpi_launchers(OPEN_MPI, {"machine_rank": 1})  # one launcher per machine, its rank given: allowed
     refuse_mpi_launchers({"PMI_SIZE": "1"}, {})
+
+
+def test_a_trainjob_pod_without_a_launcher_is_one_line(monkeypatch):
+    """A TrainJob whose command is `python train.py`: PET_NPROC_PER_NODE=2 asks torchrun for 2 processes, but none
+    starts them; before, the pod trained alone (1 process) without a word."""
+    from accel.runtime.cluster_env import refuse_pet_without_launcher
+    from accel.state import PartialState
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCEL_LAUNCH_CONFIG", "SLURM_STEP_ID", "SLURM_STEPID",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PET_NNODES", "1")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
+    PartialState._reset_state()
+    try:
+        with pytest.raises(ClusterEnvError, match=r"^\$PET_NPROC_PER_NODE=2 \(Kubeflow Trainer\) asks for several "
+                                                  r"processes, .*`accel launch train.py`"):
+            PartialState()
+    finally:
+        PartialState._reset_state()
+    refuse_pet_without_launcher({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"})  # one process: nothing to start
+    refuse_pet_without_launcher({"PET_NNODES": "2", "RANK": "0"})  # torchrun's (or accel launch's) worker
+    refuse_pet_without_launcher({"PET_NPROC_PER_NODE": "auto"})  # a word: the count is the launcher's to choose
