@@ -227,17 +227,22 @@ def test_accelerate_torch_device_names_the_device_as_in_accelerate(monkeypatch, 
         PartialState._reset_state()
 
 
-def test_a_bad_accelerate_torch_device_is_one_line(monkeypatch):
+def _partial_state_refuses(error: type, pattern: str) -> None:
+    """PartialState() of this environment raises `error` matching `pattern` (the state reset before and after)."""
     from accel.state import PartialState
 
-    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "gpu0")
     PartialState._reset_state()
     try:
-        with pytest.raises(ValueError, match=r"^environment variable ACCELERATE_TORCH_DEVICE='gpu0' is not a torch "
-                                             r"device; allowed: a device string such as cpu, cuda, cuda:1$"):
+        with pytest.raises(error, match=pattern):
             PartialState()
     finally:
         PartialState._reset_state()
+
+
+def test_a_bad_accelerate_torch_device_is_one_line(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "gpu0")
+    _partial_state_refuses(ValueError, r"^environment variable ACCELERATE_TORCH_DEVICE='gpu0' is not a torch device; "
+                                       r"allowed: a device string such as cpu, cuda, cuda:1$")
 
 
 
@@ -313,20 +318,14 @@ def test_a_trainjob_pod_without_a_launcher_is_one_line(monkeypatch):
     """A TrainJob whose command is `python train.py`: PET_NPROC_PER_NODE=2 asks torchrun for 2 processes, but none
     starts them; before, the pod trained alone (1 process) without a word."""
     from accel.runtime.cluster_env import refuse_pet_without_launcher
-    from accel.state import PartialState
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCEL_LAUNCH_CONFIG", "SLURM_STEP_ID", "SLURM_STEPID",
                  "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PET_NNODES", "1")
     monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
-    PartialState._reset_state()
-    try:
-        with pytest.raises(ClusterEnvError, match=r"^\$PET_NPROC_PER_NODE=2 \(Kubeflow Trainer\) asks for several "
-                                                  r"processes, .*`accel launch train.py`"):
-            PartialState()
-    finally:
-        PartialState._reset_state()
+    _partial_state_refuses(ClusterEnvError, r"^\$PET_NPROC_PER_NODE=2 \(Kubeflow Trainer\) asks for several "
+                                            r"processes, .*`accel launch train.py`")
     refuse_pet_without_launcher({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"})  # one process: nothing to start
     refuse_pet_without_launcher({"PET_NNODES": "2", "RANK": "0"})  # torchrun's (or accel launch's) worker
     refuse_pet_without_launcher({"PET_NPROC_PER_NODE": "auto"})  # a word: the count is the launcher's to choose
