@@ -4,9 +4,10 @@ What changes against plain DDP (accel/backends/spmd.py), and nothing else:
 
 * **the model**: with one process per replica group, torchft's own `DistributedDataParallel` (its gradients
   all-reduced over the live groups by the Manager); with several, torch's DDP over the group whose communication
-  hook first averages each bucket inside the group, then hands it to torchft's hook (the Manager's all-reduce over
-  the groups, rank i of each group with rank i of the others). Bucket layouts are fixed at prepare
-  (`fix_bucket_layout`), so a restarted group's buckets match the live ones.
+  hook first averages each bucket inside the group, then over the groups with the Manager's all-reduce (rank i of
+  each group with rank i of the others). Both hooks report a failed all-reduce to the Manager (the step is then not
+  committed) instead of torchft's hook's assertion, which crashed the live group when a peer died mid-all-reduce.
+  Bucket layouts are fixed at prepare (`fix_bucket_layout`), so a restarted group's buckets match the live ones.
 * **the optimizer**: torchft's `Optimizer` wrapper, whose `step` asks the Manager whether every process of the
   group, and enough groups (`min_replicas`), got through the all-reduce (`should_commit`); otherwise the step is
   skipped. The quorum of a step is started at the step's first forward under autograd (a forward pre-hook), so the
@@ -43,16 +44,40 @@ def lighthouse_url(address: str) -> str:
     return address if address.startswith(("http://", "https://")) else f"http://{address}"
 
 
+def _over_replicas(manager, buffer: torch.Tensor):
+    """Average `buffer` in place over the live replica groups (torchft's Manager all-reduce), as a completed future.
+
+    torchft's own DDP hook asserts on the future of an all-reduce that failed (a peer group died during it), which
+    crashed the live group; here the failure stays what torchft means it to be: reported to the Manager (its
+    `should_commit` then says no, the step is not applied) while the group trains on."""
+    manager.allreduce(buffer).wait()  # False on failure, already reported to the Manager
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
 def _group_then_replicas(state, bucket):  # no annotations: DDP checks them as classes, and here they are strings
     """DDP communication hook for groups of several processes: the bucket (a dist.GradBucket) averaged over the
-    group, then over the live replica groups by torchft's own hook."""
-    from torchft.ddp import DistributedDataParallel as FaultTolerantDDP
-
+    group, then over the live replica groups. A failure inside the group (a process of this group died) raises:
+    torchrun restarts the group, which then heals."""
     manager, group, size = state
     buffer = bucket.buffer()
     dist.all_reduce(buffer, group=group)
     buffer.div_(size)
-    return FaultTolerantDDP._comm_hook(manager, bucket)
+    return _over_replicas(manager, buffer)
+
+
+def _fault_tolerant_ddp():
+    """torchft's DistributedDataParallel (one process per group: a dummy process group under DDP, buckets never
+    rebuilt, gradients all-reduced by the Manager), with the hook above."""
+    from torchft.ddp import DistributedDataParallel
+
+    class FaultTolerantDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):
+            return _over_replicas(state, bucket.buffer())
+
+    return FaultTolerantDDP
 
 
 class FaultTolerantRun:
@@ -196,8 +221,6 @@ class FaultTolerantBackend(SpmdBackend):
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model
-        from torchft.ddp import DistributedDataParallel as FaultTolerantDDP
-
         run = self.run
         handler = find_handler(self.kwargs_handlers, DistributedDataParallelKwargs)
         if handler is not None and handler.comm_hook not in (None, "no"):
@@ -205,7 +228,7 @@ class FaultTolerantBackend(SpmdBackend):
                              "hook is torchft's all-reduce over the replica groups; allowed: comm_hook None")
         size = self.state.num_processes
         if size == 1:
-            wrapped: torch.nn.Module = FaultTolerantDDP(run.manager, model)
+            wrapped: torch.nn.Module = _fault_tolerant_ddp()(run.manager, model)
         else:
             options = dict(handler.to_kwargs()) if handler is not None else {}
             options.pop("comm_hook", None)

@@ -1,14 +1,15 @@
 """Worker for tests/multiproc/test_fault_tolerance.py: a small MLP or a tiny transformers Llama (`--model llama`)
 trained by an unchanged Accelerate loop, under fault tolerance (accel launch --fault_tolerance) or plain DDP.
 
-Under fault tolerance the loop runs until the quorum committed --steps steps (`committed_steps`, which a healed group
-receives with the weights). `--kill-after K`: on its first attempt, the last process of the last replica group
-SIGKILLs itself after K steps committed with every group (nothing is saved, nothing is read back: no checkpoint
-exists). A restarted attempt waits `--restart-delay` seconds before it starts (a restart that takes a while: the live
-group then trains alone). While a group trains without the others it sleeps `--alone-sleep` seconds per step, so the
-job is still running when the killed group is back. Each process appends one JSON line per step to
-OUT/steps-g<group>-r<rank>-a<attempt>.jsonl and writes its final weights to OUT/weights-g<group>-r<rank>.safetensors.
-"""
+Under fault tolerance the loop runs until the quorum committed --steps steps (`committed_steps`, which a healed
+group receives with the weights). `--kill-after K`: on its first attempt, the last process of the last replica group
+SIGKILLs itself after K steps committed with every group, between two steps or (`--kill-in backward`) inside the
+next backward, while the other group waits for it in the all-reduce (nothing is saved, nothing is read back: no
+checkpoint exists). A restarted attempt waits `--restart-delay` seconds before it starts (a restart that takes a
+while: the live group then trains alone). While a group trains without the others it sleeps `--alone-sleep` seconds
+per step, so the job is still running when the killed group is back. Each process appends one JSON line per step to
+OUT/steps-g<group>-r<rank>-a<attempt>.jsonl and writes its final weights to
+OUT/weights-g<group>-r<rank>.safetensors."""
 
 import argparse
 import json
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--kill-in", choices=("loop", "backward"), default="loop",
+                        help="where the victim dies: between steps, or in its backward (the live group then waits in "
+                             "the all-reduce for it)")
     parser.add_argument("--alone-sleep", type=float, default=0.0)
     parser.add_argument("--restart-delay", type=float, default=0.0)
     parser.add_argument("--model", choices=("mlp", "llama"), default="mlp")
@@ -104,7 +108,10 @@ def main() -> None:
                 break
             if victim and args.kill_after is not None and together >= args.kill_after:
                 log.write(json.dumps({"t": time.time(), "killed_at": progress()}) + "\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+                if args.kill_in == "loop":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                last = list(accelerator.unwrap_model(model).parameters())[-1]
+                last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # before DDP's all-reduce
             before = progress()
             loss = loss_of(model, inputs, targets, args.model)
             accelerator.backward(loss)
