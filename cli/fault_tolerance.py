@@ -45,6 +45,7 @@ FLAG_KEYS = {
     "ft_semi_sync_method": "fault_tolerance.semi_sync_method",
     "ft_sync_steps": "fault_tolerance.sync_steps",
     "ft_timeout": "fault_tolerance.timeout",
+    "ft_heartbeat_timeout": "fault_tolerance.heartbeat_timeout",
 }
 GROUP_ENV = "ACCEL_FT_REPLICA_ID"  # each group's workers (and launcher) see their replica id here too
 STOP_GRACE_S = 15.0  # after SIGTERM to a group's launcher, what is left of its session gets SIGKILL
@@ -74,6 +75,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
              help="steps between synchronisations with --ft_semi_sync_method (default 20)")
     add_flag(group, "ft_timeout", type=float, metavar="SECONDS", default=None,
              help="how long an all-reduce, commit or healing over the groups may take (default 60)")
+    add_flag(group, "ft_heartbeat_timeout", type=float, metavar="SECONDS", default=None,
+             help="after how long without a heartbeat the lighthouse started here counts a group as gone (default 5)")
 
 
 def runs_groups(cfg: AccelConfig) -> bool:
@@ -142,7 +145,8 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
 
             try:
                 server = LighthouseServer(bind=bind, min_replicas=ft.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
-                                          quorum_tick_ms=QUORUM_TICK_MS)
+                                          quorum_tick_ms=QUORUM_TICK_MS,
+                                          heartbeat_timeout_ms=int(ft.heartbeat_timeout * 1000))
             except Exception as exc:  # noqa: BLE001 - the port is taken, or the address cannot be bound
                 raise UsageError(f"fault_tolerance: torchft's lighthouse could not bind {bind}: "
                                  f"{' '.join(str(exc).split())}; allowed: a free --ft_lighthouse_port") from None

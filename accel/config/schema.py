@@ -409,6 +409,10 @@ class FaultToleranceConfig:
                            help="seconds an all-reduce, commit or healing transfer over the groups may take")
     quorum_timeout: float = _spec(60.0, float, lo=1, hi=MAX_SECONDS, unit="seconds",
                                   help="seconds a group waits for a quorum of the live groups")
+    heartbeat_timeout: float = _spec(5.0, float, lo=0.1, hi=MAX_SECONDS, unit="seconds",
+                                     help="seconds without a heartbeat after which the lighthouse accel launch "
+                                          "starts counts a group as gone (the live groups wait this long after a "
+                                          "failure)")
 
     def __post_init__(self) -> None:
         _validate_fields(self, "FaultToleranceConfig")
