@@ -3,13 +3,14 @@
 Two replica groups of 1 process (a tiny transformers Llama) and of 2 processes (an MLP) train an unchanged loop
 (scripts/ft_train.py); the last process of the last group SIGKILLs itself after 5 steps committed with both groups
 (the Llama's inside its backward, while the live group waits for it in the all-reduce: torchft's own DDP hook then
-failed an assertion and crashed the live group; the MLP's between two steps), and its restart waits 6 s before it
+failed an assertion and crashed the live group; the MLP's between two steps), and its restart waits 3 s before it
 starts (a restart that takes a while: torchft's lighthouse lets the live group go on alone once the dead group's
-heartbeat is 5 s old, and waits for a restarted group that heartbeats again). Checked: the live group never restarts
-and keeps committing (counted, with the steps it committed alone); the killed group is restarted by its own torchrun
-and heals from the live group (its first committed step jumps to the others' count: the weights and optimizer state
-came over the network; the script never saves nor loads a checkpoint); every process of every group ends with the
-same weights; the lighthouse's port is free and no process of the job is left when accel launch returns.
+heartbeat is 2 s old, `--ft_heartbeat_timeout 2`, and waits for a restarted group that heartbeats again). Checked:
+the live group never restarts and keeps committing (counted, with the steps it committed alone); the killed group is
+restarted by its own torchrun and heals from the live group (its first committed step jumps to the others' count:
+the weights and optimizer state came over the network; the script never saves nor loads a checkpoint); every process
+of every group ends with the same weights; the lighthouse's port is free and no process of the job is left when
+accel launch returns.
 
 A run without a failure, with min_replicas 2, equals plain DDP on the same two processes bit for bit; its save_state
 keeps the Manager's committed steps (load_state restores them), and the checkpoint loads in plain DDP."""
@@ -66,9 +67,9 @@ def _records(out: Path) -> dict[tuple[int, int, int], list[dict]]:
 @pytest.mark.parametrize("per_group,model,kill_in", [(1, "llama", "backward"), (2, "mlp", "loop")])
 def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group, model, kill_in):
     mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--fault_tolerance",
-                               "--ft_group_size", 2, "--max_restarts", 2, SCRIPT, "--out", tmp_path,
-                               "--steps", STEPS, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
-                               "--restart-delay", 6, "--model", model, "--kill-in", kill_in)
+                               "--ft_group_size", 2, "--ft_heartbeat_timeout", 2, "--max_restarts", 2, SCRIPT,
+                               "--out", tmp_path, "--steps", STEPS, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
+                               "--restart-delay", 3, "--model", model, "--kill-in", kill_in)
     records = _records(tmp_path)
     victim_rank = per_group - 1
     # group 0 never restarted; group 1 ran twice (the SIGKILLed attempt, then the restart)
