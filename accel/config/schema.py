@@ -749,9 +749,6 @@ def check_fault_tolerance(cfg: AccelConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'fault_tolerance.enabled': fault tolerance with {', '.join(others)} is not "
                           "available yet in accel; allowed: plain data parallelism inside each group (zero_stage 0, "
                           "sizes 1)")
-    if ft.semi_sync_method is not None:
-        raise ConfigError(f"{where}semi_sync_method': {ft.semi_sync_method} over replica groups is not available yet "
-                          "in accel; allowed: null (plain LocalSGD inside one job: accelerate.local_sgd.LocalSGD)")
     try:
         installed = importlib.util.find_spec("torchft") is not None
     except (ImportError, ValueError):  # a module of that name set to None (a test's "not installed")

@@ -27,9 +27,10 @@ def require_torchft():
 
 
 def committed_steps(accelerator) -> int:
-    """The optimizer steps the quorum of replica groups committed so far. A group that healed received it with the
-    weights, so every live group reads the same number: bound the loop with it (`while committed_steps(accelerator)
-    < max_steps:`) and the groups stop together, with the same weights, even after a restart."""
+    """The optimizer steps the quorum of replica groups committed so far (with `semi_sync_method`: the
+    synchronisations). A group that healed received it with the weights, so every live group reads the same number:
+    bound the loop with it (`while committed_steps(accelerator) < max_steps:`) and the groups stop together, with the
+    same weights, even after a restart."""
     steps = getattr(accelerator.backend, "committed_steps", None)
     if steps is None:
         raise ValueError("committed_steps: this Accelerator does not run under fault tolerance; allowed: a config "

@@ -105,6 +105,9 @@ class FaultTolerantRun:
             # the quorum (and a healing) completes before the step's forward: a group that heals takes part in that
             # step with the weights it received, so a run without failures is plain DDP from its first step
             use_async_quorum=False,
+            # semi-synchronous: the first quorum comes after sync_steps local steps, where torchft's step-0 sync would
+            # replace the group's local steps by another group's; the groups start alike (set_seed) instead
+            init_sync=config.semi_sync_method is None,
         )
         self.quorum_started = False
         self._keys = 0
@@ -189,7 +192,8 @@ class FaultTolerantBackend(SpmdBackend):
         self.name = "fault_tolerant"
         self.data_parallel = "ddp"  # even with one process per group: the groups all-reduce
         self._run: FaultTolerantRun | None = None
-        self._ft_wrapped: list[weakref.ref] = []
+        self._semi_sync_models: list[torch.nn.Module] = []
+        self._semi_sync: list = []  # torchft's LocalSGD/DiLoCo objects, entered (their optimizer hooks installed)
         self.state.add_release_callback(self._shutdown)
 
     @property
@@ -227,6 +231,15 @@ class FaultTolerantBackend(SpmdBackend):
             raise ValueError("DistributedDataParallelKwargs(comm_hook=...) under fault tolerance: the gradients' "
                              "hook is torchft's all-reduce over the replica groups; allowed: comm_hook None")
         size = self.state.num_processes
+        if self.semi_synchronous:  # the groups synchronise every sync_steps steps (torchft's LocalSGD/DiLoCo)
+            run.register("model", model)
+            self._semi_sync_models.append(model)
+            if size == 1:
+                return model
+            group = self.topology.group(self.topology.gradient_dim, self.state.device.type)
+            wrapped_in_group = apply_ddp(model, group, self.state.device, handler)  # plain DDP inside the group
+            self._wrapped.append(weakref.ref(wrapped_in_group))
+            return wrapped_in_group
         if size == 1:
             wrapped: torch.nn.Module = _fault_tolerant_ddp()(run.manager, model)
         else:
@@ -251,7 +264,38 @@ class FaultTolerantBackend(SpmdBackend):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         optimizer = super().prepare_optimizer(optimizer, models)
         self.run.register("optimizer", optimizer)
+        if self.semi_synchronous:
+            self._semi_sync.append(self._semi_synchronise(optimizer))
+            return optimizer
         return _commit_wrapper(self.run, optimizer)
+
+    @property
+    def semi_synchronous(self) -> bool:
+        """The groups synchronise every `sync_steps` optimizer steps (semi_sync_method), not at every step."""
+        return self.fault_tolerance.semi_sync_method is not None
+
+    def _semi_synchronise(self, optimizer: torch.optim.Optimizer):
+        """torchft's LocalSGD (the parameters averaged over the groups every sync_steps steps) or DiLoCo (the
+        difference to the last synchronised parameters averaged, applied by an outer SGD with Nesterov momentum),
+        installed on the optimizer's step hooks for the rest of the run."""
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        owned = [m for m in self._semi_sync_models
+                 if {id(p) for p in m.parameters()} & {id(p) for g in optimizer.param_groups for p in g["params"]}]
+        if len(owned) != 1:
+            raise ValueError("fault_tolerance.semi_sync_method: prepare exactly one model with each optimizer "
+                             f"(found {len(owned)} prepared model(s) with this optimizer's parameters); allowed: "
+                             "accelerator.prepare(model, optimizer)")
+        model, ft = owned[0], self.fault_tolerance
+        if ft.semi_sync_method == "local_sgd":
+            sync: Any = LocalSGD(self.run.manager, model, optimizer, sync_every=ft.sync_steps)
+        else:
+            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=0.9, nesterov=True)
+            sync = DiLoCo(self.run.manager, [model], optimizer, outer, sync_every=ft.sync_steps,
+                          backup_device=self.state.device if self.state.device.type != "cpu" else None,
+                          pin_memory=self.state.device.type == "cuda")
+        sync.__enter__()
+        return sync
 
     # -- checkpoints: the wrapped optimizer's state, with the Manager's beside it ------------------------------
     # torchft requires the Manager's state (its committed step count) in a checkpoint: it is saved with each optimizer

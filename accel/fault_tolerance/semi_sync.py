@@ -12,6 +12,10 @@ processes. As in Accelerate:
   decides when the (prepared) optimizer steps.
 * It is refused (NotImplementedError) where a process does not hold whole parameters: ZeRO, TP, pipeline stages,
   experts split over ranks (Accelerate refuses DeepSpeed, FSDP and Megatron-LM the same way).
+* Under fault tolerance, semi-synchronous training over the replica groups is the config's
+  `fault_tolerance.semi_sync_method` (`local_sgd` or `diloco`, every `sync_steps` steps, by torchft); a LocalSGD
+  block in the script then only counts (each group's processes average their gradients at every step). Without
+  semi_sync_method, LocalSGD under fault tolerance is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,14 @@ class LocalSGD:
                                       "ZeRO, tensor, pipeline or expert parallelism)")
         if int(local_sgd_steps) < 1 and enabled:
             raise ValueError(f"LocalSGD: bad local_sgd_steps {local_sgd_steps!r}; allowed: an integer >= 1")
-        self.enabled = enabled and kind != DistributedType.NO
+        over_groups = getattr(backend, "semi_synchronous", None)  # None: not under fault tolerance
+        if over_groups is False and enabled and kind != DistributedType.NO:
+            raise NotImplementedError("LocalSGD under fault tolerance: the replica groups all-reduce gradients at "
+                                      "every step; set fault_tolerance.semi_sync_method: local_sgd or diloco "
+                                      "(--ft_semi_sync_method) for semi-synchronous training over the groups")
+        # under fault tolerance with semi_sync_method, torchft synchronises the groups (every sync_steps steps) and
+        # DDP averages each group's gradients at every step: this block only counts
+        self.enabled = enabled and kind != DistributedType.NO and not over_groups
         self.num_steps = 0
         self.accelerator = accelerator
         self.model = model

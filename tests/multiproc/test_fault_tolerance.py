@@ -125,3 +125,49 @@ def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(
     initial = _launch.worker_module("ft_train").make_problem()[2].state_dict()
     assert not all(torch.allclose(initial[k], ddp[k]) for k in ddp)  # it trained
     assert not _left_behind(mark)
+
+
+def _diloco_reference(steps: int, sync_every: int, outer_lr: float) -> dict:
+    """Two replica groups of one process, in one process: each runs AdamW on its own batches (group r: batches r,
+    r+2, ...); every `sync_every` steps the pseudo-gradients (last synchronised weights - local weights) are averaged,
+    the weights go back to the synchronised ones and an outer SGD (Nesterov, momentum 0.9) steps with the average."""
+    import copy
+
+    x, y, model = _launch.worker_module("ft_train").make_problem("mlp")
+    models = [model, copy.deepcopy(model)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    synced = copy.deepcopy(model)
+    outer = torch.optim.SGD(synced.parameters(), lr=outer_lr, momentum=0.9, nesterov=True)
+    for step in range(1, steps + 1):
+        for rank, (m, opt) in enumerate(zip(models, inner, strict=True)):
+            batch = slice((2 * (step - 1) + rank) * 4, (2 * (step - 1) + rank + 1) * 4)
+            torch.nn.functional.mse_loss(m(x[batch]), y[batch]).backward()
+            opt.step()
+            opt.zero_grad()
+        if step % sync_every == 0:
+            with torch.no_grad():
+                for p, a, b in zip(synced.parameters(), models[0].parameters(), models[1].parameters(), strict=True):
+                    p.grad = ((p - a) + (p - b)) / 2
+            outer.step()
+            outer.zero_grad()
+            with torch.no_grad():
+                for m in models:
+                    for target, source in zip(m.parameters(), synced.parameters(), strict=True):
+                        target.copy_(source)
+    return {k: v.detach() for k, v in models[0].state_dict().items()}
+
+
+def test_diloco_over_replica_groups(tmp_path, isolated_env):
+    """fault_tolerance.semi_sync_method diloco (torchft's DiLoCo, every 3 steps), with Accelerate's LocalSGD block in
+    the script (which then only counts): both groups end with the weights of an in-process DiLoCo reference."""
+    mark, _ = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
+                             "--ft_min_replicas", 2, "--ft_semi_sync_method", "diloco", "--ft_sync_steps", 3, SCRIPT,
+                             "--out", tmp_path, "--steps", 18, "--local-sgd-steps", 3)
+    records = _records(tmp_path)
+    assert [r["synced"] for r in records[(0, 0, 0)] if "synced" in r][-1] == 6  # 6 synchronisations committed
+    expected = _diloco_reference(18, 3, 0.7)
+    for group in (0, 1):
+        got = load_file(str(tmp_path / f"weights-g{group}-r0.safetensors"))
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=f"group {group} {key}")
+    assert not _left_behind(mark)

@@ -127,3 +127,19 @@ def test_local_sgd_refuses_sharded_parameters(kind, replicated):
 
     with pytest.raises(NotImplementedError, match="LocalSGD is supported only for CPUs and GPUs"):
         LocalSGD(_fake(kind, replicated=replicated), torch.nn.Linear(2, 2), local_sgd_steps=2)
+
+
+def test_local_sgd_under_fault_tolerance():
+    """Per-step fault tolerance all-reduces over the groups at every step: LocalSGD is refused, naming the config's
+    semi_sync_method; with it (torchft synchronises the groups), the block only counts."""
+    from accel.local_sgd import LocalSGD
+
+    per_step = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2,
+                                     backend=types.SimpleNamespace(replicated_state=True, semi_synchronous=False))
+    with pytest.raises(NotImplementedError, match="set fault_tolerance.semi_sync_method: local_sgd or diloco"):
+        LocalSGD(per_step, torch.nn.Linear(2, 2), local_sgd_steps=2)
+    per_step.backend.semi_synchronous = True
+    local_sgd = LocalSGD(per_step, torch.nn.Linear(2, 2), local_sgd_steps=2)
+    with local_sgd:
+        local_sgd.step()
+    assert not local_sgd.enabled and local_sgd.num_steps == 1

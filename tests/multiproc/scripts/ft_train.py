@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--alone-sleep", type=float, default=0.0)
     parser.add_argument("--restart-delay", type=float, default=0.0)
     parser.add_argument("--model", choices=("mlp", "llama"), default="mlp")
+    parser.add_argument("--local-sgd-steps", type=int, default=None,
+                        help="the loop in Accelerate's LocalSGD block; --steps then counts this process's steps")
     parser.add_argument("--save", action="store_true", help="at the end: save_state, forget, load_state back")
     parser.add_argument("--load-at-end", default=None, help="at the end: load_state(this folder), write the weights")
     args = parser.parse_args()
@@ -87,7 +89,16 @@ def main() -> None:
     rank, attempt = accelerator.process_index, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(args.out)
     log = open(out / f"steps-g{group}-r{rank}-a{attempt}.jsonl", "a", buffering=1)  # noqa: SIM115
-    if ft.enabled:
+    if args.local_sgd_steps:  # steps counted by this process (under semi-synchronous fault tolerance too)
+        from accel.local_sgd import LocalSGD
+
+        local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.local_sgd_steps)
+        local_sgd.__enter__()
+        manager = accelerator.backend.run.manager if ft.enabled else None
+
+        def progress() -> int:
+            return local_sgd.num_steps
+    elif ft.enabled:
         from accel.fault_tolerance import committed_steps
 
         manager = accelerator.backend.run.manager
@@ -118,7 +129,11 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             record = {"t": time.time(), "before": before}
-            if ft.enabled:
+            if args.local_sgd_steps:
+                local_sgd.step()
+                record.update(after=progress(), participants=manager.num_participants() if manager else 0,
+                              synced=manager.current_step() if manager else None)
+            elif ft.enabled:
                 record.update(after=progress(), participants=manager.num_participants())
                 together += record["after"] > before and manager.num_participants() == ft.group_size
                 if manager.num_participants() < ft.group_size:
@@ -127,6 +142,9 @@ def main() -> None:
                 taken[0] += 1
                 record.update(after=taken[0], participants=accelerator.num_processes)
             log.write(json.dumps(record) + "\n")
+    if args.local_sgd_steps:
+        local_sgd.__exit__(None, None, None)
+
     def weights():
         return {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
 
