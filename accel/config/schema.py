@@ -741,14 +741,14 @@ def check_fault_tolerance(cfg: AccelConfig, source: str = "config") -> None:
     par = cfg.parallelism
     others = [f"{key}={getattr(par, key)}" for key in ("tp_size", "pp_size", "cp_size", "sp_size", "ep_size")
               if getattr(par, key) > 1]
-    if par.zero_stage or par.offload_optimizer or par.offload_params:
-        others.insert(0, f"zero_stage={par.zero_stage}")
+    if par.zero_stage == 1 or par.offload_optimizer or par.offload_params:  # ZeRO-2/3: FSDP2 inside each group
+        others.insert(0, f"zero_stage={par.zero_stage}" if par.zero_stage == 1 else "CPU offload")
     if (par.dp_shard_size or 1) > 1 or (par.dp_replicate_size or 1) > 1:
         others.append("dp_shard_size/dp_replicate_size")
     if others:
         raise ConfigError(f"{source}: key 'fault_tolerance.enabled': fault tolerance with {', '.join(others)} is not "
-                          "available yet in accel; allowed: plain data parallelism inside each group (zero_stage 0, "
-                          "sizes 1)")
+                          "available yet in accel; allowed: DDP or ZeRO-2/3 (FSDP2) inside each group (zero_stage 0, 2 "
+                          "or 3, other sizes 1)")
     try:
         installed = importlib.util.find_spec("torchft") is not None
     except (ImportError, ValueError):  # a module of that name set to None (a test's "not installed")

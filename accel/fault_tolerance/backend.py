@@ -126,6 +126,10 @@ class FaultTolerantRun:
         self._keys += 1
         self.manager.register_state_dict_fn(f"{kind}{self._keys}", obj.load_state_dict, obj.state_dict)
 
+    def register_local(self, kind: str, obj: Any) -> None:
+        """`register` for an object whose state_dict is already made of this rank's shards (HSDP)."""
+        self.register(kind, obj)
+
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.manager.shutdown(wait=False)
@@ -154,7 +158,73 @@ def _attempt_store(group_rank: int, group_world: int):
     return server, addr, int(own_port)
 
 
-def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _LocalShards:
+    """A state_dict / load_state_dict pair over this rank's shards: FSDP2's DTensors are sent to the same rank of a
+    healing group (whose shards have the same layout) as plain tensors, and copied into its DTensors' local shards."""
+
+    def __init__(self, state_dict) -> None:
+        self._state_dict = state_dict
+
+    def state_dict(self) -> dict:
+        return {k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self._state_dict().items()}
+
+    def load_state_dict(self, received: dict) -> None:
+        with torch.no_grad():
+            for key, value in self._state_dict().items():
+                if isinstance(value, torch.Tensor):
+                    _local(value).copy_(received[key])
+
+
+class _OptimizerShards:
+    """The optimizer's per-parameter state (each DTensor as this rank's shard) and its step counts, by position."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def _params(self) -> list:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict:
+        state = self.optimizer.state
+        return {"state": [{k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in state.get(p, {}).items()} for p in self._params()],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
+
+    def load_state_dict(self, received: dict) -> None:
+        with torch.no_grad():
+            for param, entry in zip(self._params(), received["state"], strict=True):
+                mine = self.optimizer.state.setdefault(param, {})
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and isinstance(mine.get(key), torch.Tensor):
+                        _local(mine[key]).copy_(value)
+                    elif isinstance(value, torch.Tensor) and hasattr(param, "device_mesh") and value.dim() > 0:
+                        from torch.distributed.tensor import DTensor
+
+                        mine[key] = DTensor.from_local(value.to(_local(param).device), param.device_mesh,
+                                                       param.placements, run_check=False, shape=param.shape,
+                                                       stride=param.stride())
+                    else:
+                        mine[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            for group, settings in zip(self.optimizer.param_groups, received["param_groups"], strict=True):
+                group.update(settings)
+
+
+def _average_shards_over_replicas(manager, optimizer: torch.optim.Optimizer) -> None:
+    """HSDP: each rank's gradient shards (FSDP2 reduced them inside the group) averaged with the same rank's of the
+    other groups; a failure is reported to the Manager (the step is then not committed)."""
+    grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    works = [manager.allreduce(grad) for grad in grads]
+    for work in works:
+        work.wait()
+
+
+def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer,
+                    average_shards: bool = False) -> torch.optim.Optimizer:
     """torchft's Optimizer wrapper (step commits only when should_commit agrees); zero_grad clears gradients only,
     as the quorum starts at the step's first forward."""
     from torchft.optim import OptimizerWrapper
@@ -165,6 +235,8 @@ def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer) -> 
 
         def step(self, closure: object | None = None) -> None:
             run.start_step()  # a step with no forward under autograd (nothing to all-reduce) still takes part
+            if average_shards:
+                _average_shards_over_replicas(run.manager, self.optim)
             try:
                 super().step(closure)
             finally:
@@ -190,11 +262,25 @@ class FaultTolerantBackend(SpmdBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = "fault_tolerant"
-        self.data_parallel = "ddp"  # even with one process per group: the groups all-reduce
+        # ZeRO-2/3 with several processes per group: FSDP2 shards inside the group, the shards' gradients are averaged
+        # over the groups (HSDP); otherwise DDP, even with one process per group (the groups all-reduce)
+        self.data_parallel = "fsdp" if self.sharded_in_group else "ddp"
         self._run: FaultTolerantRun | None = None
         self._semi_sync_models: list[torch.nn.Module] = []
         self._semi_sync: list = []  # torchft's LocalSGD/DiLoCo objects, entered (their optimizer hooks installed)
         self.state.add_release_callback(self._shutdown)
+
+    @property
+    def sharded_in_group(self) -> bool:
+        return self.parallelism.zero_stage >= 2 and self.state.num_processes > 1 and not self.semi_synchronous
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
+        prepared = super().prepare_model(model, device_placement)
+        if self.data_parallel == "fsdp" and "_accel_ft_hooked" not in prepared.__dict__:
+            prepared.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP2 gathers
+            self.run.register_local("model", _LocalShards(prepared.state_dict))
+            prepared._accel_ft_hooked = True  # type: ignore[assignment]  # a plain attribute
+        return prepared
 
     @property
     def run(self) -> FaultTolerantRun:
@@ -219,7 +305,11 @@ class FaultTolerantBackend(SpmdBackend):
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
-        return True
+        return self.data_parallel != "fsdp"
+
+    @property
+    def partial_gradients(self) -> bool:  # type: ignore[override]
+        return self.data_parallel == "fsdp"
 
     # -- model ----------------------------------------------------------------------------------------------
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -263,6 +353,9 @@ class FaultTolerantBackend(SpmdBackend):
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         optimizer = super().prepare_optimizer(optimizer, models)
+        if self.data_parallel == "fsdp":  # FSDP2's state is DTensors: sent as this rank's shards
+            self.run.register_local("optimizer", _OptimizerShards(optimizer))
+            return _commit_wrapper(self.run, optimizer, average_shards=True)
         self.run.register("optimizer", optimizer)
         if self.semi_synchronous:
             self._semi_sync.append(self._semi_synchronise(optimizer))

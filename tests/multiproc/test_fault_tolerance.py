@@ -1,6 +1,7 @@
 """Fault tolerance without restarts (torchft) under `accel launch --fault_tolerance`, on CPU (gloo).
 
-Two replica groups of 1 process (a tiny transformers Llama) and of 2 processes (an MLP) train an unchanged loop
+Two replica groups of 1 process (a tiny transformers Llama, DDP) and of 2 processes (an MLP, ZeRO-3 inside each
+group: HSDP, FSDP2 shards in a group and torchft averages the shards over the groups) train an unchanged loop
 (scripts/ft_train.py); the last process of the last group SIGKILLs itself after 5 steps committed with both groups
 (the Llama's inside its backward, while the live group waits for it in the all-reduce: torchft's own DDP hook then
 failed an assertion and crashed the live group; the MLP's between two steps), and its restart waits 3 s before it
@@ -64,9 +65,10 @@ def _records(out: Path) -> dict[tuple[int, int, int], list[dict]]:
     return records
 
 
-@pytest.mark.parametrize("per_group,model,kill_in", [(1, "llama", "backward"), (2, "mlp", "loop")])
-def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group, model, kill_in):
-    mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--fault_tolerance",
+@pytest.mark.parametrize("per_group,model,kill_in,zero_stage", [(1, "llama", "backward", 0), (2, "mlp", "loop", 3)])
+def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_group, model, kill_in, zero_stage):
+    mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--zero_stage", zero_stage,
+                               "--fault_tolerance",
                                "--ft_group_size", 2, "--ft_heartbeat_timeout", 2, "--max_restarts", 2, SCRIPT,
                                "--out", tmp_path, "--steps", STEPS, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
                                "--restart-delay", 3, "--model", model, "--kill-in", kill_in)
@@ -90,6 +92,8 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
                      err), err[-3000:]
     weights = [load_file(str(p)) for p in sorted(tmp_path.glob("weights-g*-r*.safetensors"))]
     assert len(weights) == 2 * per_group
+    weights = [w for w in weights if w]  # under ZeRO-3 the gathered weights are on each group's rank 0
+    assert len(weights) == (2 if zero_stage else 2 * per_group)
     for other in weights[1:]:
         assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
     port = int(re.search(r"torchft lighthouse at http://127\.0\.0\.1:(\d+)", err).group(1))

@@ -52,10 +52,13 @@ def test_bad_values_are_one_line_errors(section, message):
 def test_what_does_not_compose_yet_is_refused_by_name():
     assert config_from_dict({"num_processes": 2, "fault_tolerance": {"enabled": True, "semi_sync_method": "DiLoCo"}}
                             ).fault_tolerance.semi_sync_method == "diloco"
-    with pytest.raises(ConfigError, match=r"key 'fault_tolerance.enabled': fault tolerance with zero_stage=3, "
+    with pytest.raises(ConfigError, match=r"key 'fault_tolerance.enabled': fault tolerance with zero_stage=1, "
                                           r"tp_size=2 is not available yet"):
-        config_from_dict({"num_processes": 4, "parallelism": {"zero_stage": 3, "tp_size": 2},
+        config_from_dict({"num_processes": 4, "parallelism": {"zero_stage": 1, "tp_size": 2},
                           "fault_tolerance": {"enabled": True}})
+    hsdp = config_from_dict({"num_processes": 4, "parallelism": {"zero_stage": 3},
+                             "fault_tolerance": {"enabled": True}})
+    assert hsdp.parallelism.zero_stage == 3  # ZeRO-3 inside each group: HSDP
     with pytest.raises(ConfigError, match="groups cannot be spread over num_machines=2"):
         config_from_dict({"num_processes": 6, "num_machines": 2, "main_process_ip": "10.0.0.1",
                           "fault_tolerance": {"enabled": True, "group_size": 3}})
@@ -85,7 +88,7 @@ def test_flags_fill_the_section():
 @pytest.mark.parametrize("flags,message", [
     (["--ft_group_size", "3"], "accel launch: error: "),
     (["--ft_lighthouse", "not an address"], "key 'fault_tolerance.lighthouse': bad value 'not an address'"),
-    (["--zero_stage", "2"], "fault tolerance with zero_stage=2 is not available yet"),
+    (["--zero_stage", "1"], "fault tolerance with zero_stage=1 is not available yet"),
 ])
 def test_launch_refuses_in_one_line_with_exit_2(run_accel, tmp_path, flags, message):
     script = tmp_path / "train.py"

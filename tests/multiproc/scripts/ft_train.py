@@ -145,8 +145,8 @@ def main() -> None:
     if args.local_sgd_steps:
         local_sgd.__exit__(None, None, None)
 
-    def weights():
-        return {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    def weights():  # every process takes part (ZeRO-3 gathers the shards)
+        return {k: v.detach().cpu().contiguous() for k, v in accelerator.get_state_dict(model).items()}
 
     save_file(weights(), str(out / f"weights-g{group}-r{rank}.safetensors"))
     if args.save:  # each group its own folder (each group is a job of its own)
