@@ -13,14 +13,17 @@ the weights and optimizer state came over the network; the script never saves no
 of every group ends with the same weights; the lighthouse's port is free and no process of the job is left when
 accel launch returns.
 
-A run without a failure, with min_replicas 2, equals plain DDP on the same two processes bit for bit; its save_state
-keeps the Manager's committed steps (load_state restores them), and the checkpoint loads in plain DDP."""
+A run without a failure, launched as on two machines (two heads on this host), with min_replicas 2, equals plain DDP
+on the same two processes bit for bit; its save_state keeps the Manager's committed steps (load_state restores
+them), and the checkpoint loads in plain DDP."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -103,11 +106,30 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
           f"step(s) alone, {sum(r['after'] > r['before'] for r in live)} in all, never restarting")
 
 
-def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(tmp_path, isolated_env):
+def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(tmp_path, isolated_env, free_port):
+    """Launched as on two machines (this host twice: machine_rank 0 starts the lighthouse on main_process_ip:port and
+    group 0, machine_rank 1 starts group 1, which connects to it)."""
     (tmp_path / "ft").mkdir()
     (tmp_path / "ddp").mkdir()
-    mark, _ = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
-                             "--ft_min_replicas", 2, SCRIPT, "--out", tmp_path / "ft", "--steps", 20, "--save")
+    common = ["--cpu", "--num_processes", 2, "--num_machines", 2, "--main_process_ip", "127.0.0.1", "--fault_tolerance",
+              "--ft_group_size", 2, "--ft_min_replicas", 2, "--ft_lighthouse_port", free_port]
+    script = [SCRIPT, "--out", tmp_path / "ft", "--steps", 20, "--save"]
+    mark = f"accel-ft-test-{uuid.uuid4().hex}"
+    second = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", *map(str, common), "--machine_rank",
+                               "1", *map(str, script)], cwd=_launch.ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
+    try:
+        first = _launch.accel_launch({**isolated_env, "ACCEL_FT_TEST_MARK": mark}, *common, "--machine_rank", 0,
+                                     *script, timeout=240)
+        assert f"torchft lighthouse at http://127.0.0.1:{free_port} (min_replicas 2)" in first.stderr
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0, out
+        assert "torchft lighthouse" not in out  # machine_rank 1 starts none
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
     _launch.accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path / "ddp",
                          "--steps", 20, "--load-at-end", tmp_path / "ft" / "ckpt-g1")
     ft = _records(tmp_path / "ft")
