@@ -23,8 +23,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # to its two workers in collection order (--no-loadscope-reorder in pyproject.toml), and one of these started last
 # would run on alone after the rest is done
 LONGEST_FIRST = ("test_accelerate_unit_suite.py", "test_examples.py", "test_hf_models.py", "test_trainer.py",
-                 "test_hf_models_compiled.py", "test_plan_measure.py", "test_expert.py", "test_sequence.py",
-                 "test_pipeline.py", "test_preemption.py")
+                 "test_hf_models_compiled.py", "test_doc_blocks.py", "test_plan_measure.py", "test_expert.py",
+                 "test_sequence.py", "test_pipeline.py", "test_fault_tolerance.py", "test_ray_train.py",
+                 "test_preemption.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
