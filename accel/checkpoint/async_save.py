@@ -167,8 +167,8 @@ class BackgroundStager:
         pass
 
     def close(self) -> None:
-        """Nothing: torch 2.11's `async_save` closes the stager it is given after each save, although the stager is
-        kept for the next one (torch 2.13 leaves it to its owner). accel releases it with `release`."""
+        """Nothing: a caller's close after one save (torch 2.11 closed the stager between saves on an H200; torch 2.13
+        leaves it to its owner) must not end a stager kept for the next save. accel releases it with `release`."""
 
     def release(self) -> None:
         self._executor.shutdown(wait=True)
