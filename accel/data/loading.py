@@ -414,6 +414,8 @@ class DataLoaderShard(DataLoader):
     epoch = `iteration` (seeding the shuffle and the workers' base seed) and bumps it when it completes.
     """
 
+    _fast_forward = 0  # batches still to skip (`fast_forward`): a fault-tolerant group that healed
+    _handed_out = 0  # batches handed out (or skipped by `fast_forward`) over every epoch
     _on_stateful_loader = False  # True on the StatefulDataLoader variants (accel.data.stateful's mix-in)
     # the backend's last step on each batch, after device placement (sequence parallelism: this rank's slice)
     batch_transform: Optional[Callable] = None
@@ -606,6 +608,10 @@ class DataLoaderShard(DataLoader):
         done = object()
         current = next(batches, done)
         while current is not done:
+            if self._fast_forward_owner()._fast_forward:
+                current = self._skip_ahead(current, batches, done)
+                if current is done:  # the epoch ended while skipping: the rest is skipped in the next ones
+                    break
             self._snapshot()
             following = next(batches, done)
             if following is done:
@@ -613,11 +619,36 @@ class DataLoaderShard(DataLoader):
                 self.remainder = self._last_remainder()
                 for loader in (self, self._parent) if self._parent is not None else (self,):
                     loader._last_batch_out = True
+            self._fast_forward_owner()._handed_out += 1
             yield self._to_device(current)
             current = following
 
     def _last_remainder(self) -> int:
         return getattr(self._shard, "remainder", -1)
+
+    def _fast_forward_owner(self) -> "DataLoaderShard":
+        return self._parent if self._parent is not None else self  # (a skip_first_batches view: its loader's budget)
+
+    @property
+    def batches_handed_out(self) -> int:
+        """Batches handed out over every epoch of this loader (those `fast_forward` skipped included)."""
+        return self._fast_forward_owner()._handed_out
+
+    def fast_forward(self, batches: int) -> None:
+        """Skip this process's next `batches` batches, across epochs (an epoch that ends while skipping ends early, so
+        an epoch loop moves on). For a fault-tolerant replica group that healed: it received the other groups' step
+        count with their weights, and its loader moves as far, so an unchanged loop ends with theirs. The batches are
+        read and dropped."""
+        owner = self._fast_forward_owner()
+        owner._fast_forward += int(batches)
+
+    def _skip_ahead(self, current, batches: Iterator, done):
+        owner = self._fast_forward_owner()
+        while owner._fast_forward > 0 and current is not done:
+            owner._fast_forward -= 1
+            owner._handed_out += 1
+            current = next(batches, done)
+        return current
 
     def _snapshot(self) -> None:
         """Called as each batch is handed out; stateful loaders (accel.data.stateful) record their position."""

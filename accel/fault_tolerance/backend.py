@@ -223,6 +223,30 @@ def _average_shards_over_replicas(manager, optimizer: torch.optim.Optimizer) -> 
         work.wait()
 
 
+class _LoaderPosition:
+    """Healing state beside the weights: how many batches the data loader being iterated has handed out in all. A
+    group that heals moves its own loader on by the difference (across epochs), so the user's loop, unchanged, ends
+    where the live groups' ends, with the batches of the steps that failed counted as theirs were."""
+
+    def __init__(self, backend: FaultTolerantBackend) -> None:
+        self._backend = weakref.ref(backend)
+
+    def _loader(self):
+        backend = self._backend()
+        state = backend.gradient_state if backend is not None else None
+        loader = state.active_dataloader if state is not None else None
+        return loader if hasattr(loader, "fast_forward") else None
+
+    def state_dict(self) -> dict:
+        loader = self._loader()
+        return {"batches": torch.tensor(-1 if loader is None else loader.batches_handed_out)}
+
+    def load_state_dict(self, received: dict) -> None:
+        loader, theirs = self._loader(), int(received["batches"])
+        if loader is not None and theirs >= 0:
+            loader.fast_forward(max(theirs - loader.batches_handed_out, 0))
+
+
 def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer,
                     average_shards: bool = False) -> torch.optim.Optimizer:
     """torchft's Optimizer wrapper (step commits only when should_commit agrees); zero_grad clears gradients only,
@@ -288,6 +312,8 @@ class FaultTolerantBackend(SpmdBackend):
         if self._run is None:
             self._run = FaultTolerantRun(self.fault_tolerance, self.state.process_index, self.state.num_processes,
                                          self.state.device)
+            if self.fault_tolerance.semi_sync_method is None:
+                self._run.register("loader", _LoaderPosition(self))
         return self._run
 
     def _shutdown(self) -> None:

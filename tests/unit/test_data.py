@@ -654,3 +654,24 @@ def test_batch_sampler_given_as_sampler_is_sharded_and_padded_like_a_batch_sampl
     assert got[1] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 0, 1]]
     shard = prepare_data_loader(loader(), num_processes=2, process_index=1)
     assert len(shard) == 3 and [b.tolist() for b in skip_first_batches(shard, 2)] == [[20, 21, 0, 1]]
+
+
+def test_fast_forward_skips_batches_across_epochs_and_counts_them():
+    """A fault-tolerant group that healed moves its loader on by the live group's batches: the epoch it is in ends
+    early, the next starts later, and batches_handed_out counts the skipped ones as handed out."""
+    import torch
+
+    from accel import Accelerator
+
+    loader = Accelerator(cpu=True).prepare(torch.utils.data.DataLoader(list(range(10)), batch_size=2))
+    seen = []
+    for epoch in range(3):
+        got = []
+        for index, batch in enumerate(loader):
+            got.append(batch.tolist())
+            if epoch == 0 and index == 0:
+                assert loader.batches_handed_out == 1
+                loader.fast_forward(6)  # the 4 left of epoch 0 (the one fetched ahead included) and 2 of epoch 1
+        seen.append(got)
+    assert seen == [[[0, 1]], [[4, 5], [6, 7], [8, 9]], [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]]
+    assert loader.batches_handed_out == 15 and loader.iteration == 3

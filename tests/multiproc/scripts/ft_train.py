@@ -29,20 +29,20 @@ from accel.utils import set_seed
 VOCAB, SEQ = 64, 8
 
 
-def make_problem(kind: str = "mlp"):
+def make_problem(kind: str = "mlp", samples: int = 256):
     """(inputs, targets, model): a small MLP on a regression, or a tiny transformers Llama (2 layers, grouped-query
     attention) predicting random tokens."""
     g = torch.Generator().manual_seed(5)
     if kind == "llama":
         import transformers as tf
 
-        ids = torch.randint(0, VOCAB, (256, SEQ), generator=g)
+        ids = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
         set_seed(0)
         config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                 num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)
         return ids, ids, tf.LlamaForCausalLM(config)
-    x = torch.randn(256, 8, generator=g)
-    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
+    x = torch.randn(samples, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(samples, 1, generator=g)
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     return x, y, model
@@ -71,6 +71,10 @@ def main() -> None:
     parser.add_argument("--alone-sleep", type=float, default=0.0)
     parser.add_argument("--restart-delay", type=float, default=0.0)
     parser.add_argument("--model", choices=("mlp", "llama"), default="mlp")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=0,
+                        help="the plain epoch loop, unchanged (a healed group's loader moves on with the others' "
+                             "steps); 0: the loop bounded by --steps committed steps")
     parser.add_argument("--local-sgd-steps", type=int, default=None,
                         help="the loop in Accelerate's LocalSGD block; --steps then counts this process's steps")
     parser.add_argument("--save", action="store_true", help="at the end: save_state, forget, load_state back")
@@ -79,7 +83,7 @@ def main() -> None:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(args.restart_delay)  # a restart that takes a while (a new node, a container to pull)
 
-    x, y, model = make_problem(args.model)
+    x, y, model = make_problem(args.model, args.samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     accelerator = Accelerator()
@@ -113,35 +117,43 @@ def main() -> None:
 
     victim = ft.enabled and group == ft.group_size - 1 and rank == accelerator.num_processes - 1 and attempt == 0
     together = 0  # steps this process committed with every group
-    while progress() < args.steps:
-        for inputs, targets in loader:
-            if progress() >= args.steps:
-                break
-            if victim and args.kill_after is not None and together >= args.kill_after:
-                log.write(json.dumps({"t": time.time(), "killed_at": progress()}) + "\n")
-                if args.kill_in == "loop":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                last = list(accelerator.unwrap_model(model).parameters())[-1]
-                last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # before DDP's all-reduce
-            before = progress()
-            loss = loss_of(model, inputs, targets, args.model)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            record = {"t": time.time(), "before": before}
-            if args.local_sgd_steps:
-                local_sgd.step()
-                record.update(after=progress(), participants=manager.num_participants() if manager else 0,
-                              synced=manager.current_step() if manager else None)
-            elif ft.enabled:
-                record.update(after=progress(), participants=manager.num_participants())
-                together += record["after"] > before and manager.num_participants() == ft.group_size
-                if manager.num_participants() < ft.group_size:
-                    time.sleep(args.alone_sleep)
-            else:
-                taken[0] += 1
-                record.update(after=taken[0], participants=accelerator.num_processes)
-            log.write(json.dumps(record) + "\n")
+    def batches():
+        if args.epochs:  # an unchanged epoch loop
+            for _ in range(args.epochs):
+                yield from loader
+            return
+        while progress() < args.steps:
+            for batch in loader:
+                if progress() >= args.steps:
+                    return
+                yield batch
+
+    for inputs, targets in batches():
+        if victim and args.kill_after is not None and together >= args.kill_after:
+            log.write(json.dumps({"t": time.time(), "killed_at": progress()}) + "\n")
+            if args.kill_in == "loop":
+                os.kill(os.getpid(), signal.SIGKILL)
+            last = list(accelerator.unwrap_model(model).parameters())[-1]
+            last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # before DDP's all-reduce
+        before = progress()
+        loss = loss_of(model, inputs, targets, args.model)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        record = {"t": time.time(), "before": before}
+        if args.local_sgd_steps:
+            local_sgd.step()
+            record.update(after=progress(), participants=manager.num_participants() if manager else 0,
+                          synced=manager.current_step() if manager else None)
+        elif ft.enabled:
+            record.update(after=progress(), participants=manager.num_participants())
+            together += record["after"] > before and manager.num_participants() == ft.group_size
+            if manager.num_participants() < ft.group_size:
+                time.sleep(args.alone_sleep)
+        else:
+            taken[0] += 1
+            record.update(after=taken[0], participants=accelerator.num_processes)
+        log.write(json.dumps(record) + "\n")
     if args.local_sgd_steps:
         local_sgd.__exit__(None, None, None)
 
