@@ -91,25 +91,14 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
                 raise ConfigError(f"{source}: key 'distributed_type': bad value {shown(value)}; allowed: "
                                   f"{', '.join(DISTRIBUTED_TYPES)} (Accelerate's DEEPSPEED and FSDP also load)")
             out[key] = check_value(value, TOP_FIELDS[key], key, source)
-        elif key == "parallelism":
+        elif key in _CHECKED_SECTIONS:
             if value is None:
                 continue
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key 'parallelism': expected a mapping, got {shown(value)}")
-            for pkey, pvalue in value.items():
-                if pkey not in PARALLEL_FIELDS:
-                    raise unknown_key(pkey, tuple(PARALLEL_FIELDS), source, "parallelism.")
-                par[pkey] = check_value(pvalue, PARALLEL_FIELDS[pkey], f"parallelism.{pkey}", source)
-        elif key == "fault_tolerance":
-            if value is None:
-                continue
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key 'fault_tolerance': expected a mapping, got {shown(value)}")
-            for fkey, fvalue in value.items():
-                if fkey not in FAULT_TOLERANCE_FIELDS:
-                    raise unknown_key(fkey, tuple(FAULT_TOLERANCE_FIELDS), source, "fault_tolerance.")
-                out.setdefault("fault_tolerance", {})[fkey] = check_value(
-                    fvalue, FAULT_TOLERANCE_FIELDS[fkey], f"fault_tolerance.{fkey}", source)
+            checked = _checked_section(key, value, source)
+            if key == "parallelism":
+                par.update(checked)
+            elif checked:
+                out.setdefault(key, {}).update(checked)
         elif key in ACCELERATE_SECTIONS:
             if not value:
                 continue
@@ -151,12 +140,28 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
     return out
 
 
+_CHECKED_SECTIONS = {"parallelism": PARALLEL_FIELDS, "fault_tolerance": FAULT_TOLERANCE_FIELDS}
+
+
+def _checked_section(name: str, value: Any, source: str) -> dict:
+    """A section of typed fields (`parallelism`, `fault_tolerance`), each key known and each value checked."""
+    fields = _CHECKED_SECTIONS[name]
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: key '{name}': expected a mapping, got {shown(value)}")
+    checked = {}
+    for field, field_value in value.items():
+        if field not in fields:
+            raise unknown_key(field, tuple(fields), source, f"{name}.")
+        checked[field] = check_value(field_value, fields[field], f"{name}.{field}", source)
+    return checked
+
+
 def merge_layers(layers: list[dict]) -> dict:
     """Later layers win, key by key (the parallelism and fault_tolerance sections merge field by field)."""
     merged: dict = {}
     for layer in layers:
         for key, value in layer.items():
-            if key in ("parallelism", "fault_tolerance"):
+            if key in _CHECKED_SECTIONS:
                 merged.setdefault(key, {}).update(value)
             else:
                 merged[key] = value
