@@ -124,6 +124,11 @@ def _int(env: Mapping[str, str], names: tuple[str, ...], what: str) -> tuple[str
         f"srun without a launcher: ${name}={value!r} is not an integer; allowed: {what} (SLURM sets it)"))
 
 
+def _launched(env: Mapping[str, str]) -> bool:
+    """A launcher started this process: torchrun's variables are set, or `accel launch` handed it its config."""
+    return bool(env.get(LAUNCHED_ENV)) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES)
+
+
 def derived_port(job_id: str, step_id: str) -> int:
     """The port every task of one SLURM step derives alike: PORT_BASE + crc32('job.step') mod PORT_SPAN."""
     return PORT_BASE + zlib.crc32(f"{job_id}.{step_id}".encode()) % PORT_SPAN
@@ -133,7 +138,7 @@ def slurm_task_env(env: Mapping[str, str]) -> dict[str, str] | None:
     """torchrun's variables for this task of an `srun` step of several tasks started without a launcher, or None
     when this is not one (see the module's docstring). ClusterEnvError (one line) when the group cannot be formed."""
     step_id = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-    if not step_id or env.get(LAUNCHED_ENV) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES):
+    if not step_id or _launched(env):
         return None
     tasks = _int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), "the number of tasks of the step")
     if tasks is None or tasks[1] <= 1:
@@ -178,10 +183,15 @@ def slurm_task_env(env: Mapping[str, str]) -> dict[str, str] | None:
 def export_slurm_task_env(environ=None) -> dict[str, str] | None:
     """Under `srun` without a launcher, set torchrun's variables from SLURM's (`slurm_task_env`) in `environ`
     (os.environ): the process group, and everything else that reads RANK, then see the job SLURM started."""
+    return _export(slurm_task_env, environ)
+
+
+def _export(task_env: Callable[[Mapping[str, str]], dict[str, str] | None], environ) -> dict[str, str] | None:
+    """Set what `task_env` finds in `environ` (os.environ when None); returns it."""
     import os
 
     environ = os.environ if environ is None else environ
-    found = slurm_task_env(environ)
+    found = task_env(environ)
     if found:
         environ.update(found)
     return found
@@ -209,7 +219,7 @@ def mpi_task_env(env: Mapping[str, str]) -> dict[str, str] | None:
     launch` did not start this process. MASTER_ADDR: $MASTER_ADDR, else 127.0.0.1 when every process is on this
     machine (local size = world size), else a one-line error (MPI names no host for rank 0); MASTER_PORT:
     $MASTER_PORT, else one derived from the PMIx namespace, else 29500."""
-    if env.get(LAUNCHED_ENV) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES):
+    if _launched(env):
         return None
     for family, (size_var, rank_var, local_var, local_size_var) in MPI_FAMILIES:
         size = _mpi_int(env, size_var, family, "the number of processes")
@@ -256,13 +266,7 @@ def _mpi_int(env: Mapping[str, str], name: str, family: str, what: str) -> int |
 
 def export_mpi_task_env(environ=None) -> dict[str, str] | None:
     """Under `mpirun` without a launcher, set torchrun's variables from MPI's (`mpi_task_env`) in `environ`."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    found = mpi_task_env(environ)
-    if found:
-        environ.update(found)
-    return found
+    return _export(mpi_task_env, environ)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -273,7 +277,7 @@ def refuse_pet_without_launcher(env: Mapping[str, str]) -> None:
     """Kubeflow Trainer's torch runtime sets PET_NNODES/PET_NPROC_PER_NODE for torchrun (or `accel launch`) to start
     the pod's processes. A pod whose command is `python train.py` runs one process that sees none of torchrun's
     variables: with more than one node or process asked for, each pod would train alone. One line instead."""
-    if env.get(LAUNCHED_ENV) or any(env.get(name) not in (None, "") for name in LAUNCHER_VARIABLES):
+    if _launched(env):
         return
     for name in ("PET_NNODES", "PET_NPROC_PER_NODE"):
         value = (env.get(name) or "").strip()
