@@ -54,7 +54,7 @@ STOP_FILE = "stop"  # the launcher is stopping the workers (torchrun's SIGTERM f
 EXIT_CODE = 75
 
 _local: dict[str, Any] = {"signal": None, "agreed": False, "listening": False, "installed": False, "timer": None,
-                          "ray": None, "ray_said": False}
+                          "ray": None}
 
 
 def listening_path(folder: str | os.PathLike, rank: int) -> Path:
@@ -116,8 +116,7 @@ def _ray_preemption() -> bool:
         _local["ray"] = False
         return False
     _local["ray"] = True
-    if info is not None and not _local["ray_said"]:
-        _local["ray_said"] = True
+    if info is not None:  # (said once: the answer is then agreed, and Ray is not asked again)
         nodes = ", ".join(getattr(info, "preempted_node_ids", []) or ["?"])
         say(f"accel: Ray Train: node(s) {nodes} are being drained (deadline {getattr(info, 'deadline_ms', None)} ms): "
             "preemption_requested")
@@ -234,4 +233,4 @@ def _reset_for_tests() -> None:
             signal.signal(getattr(signal, sig), signal.SIG_DFL)
     if _local["timer"] is not None:
         _local["timer"].cancel()
-    _local.update(signal=None, agreed=False, listening=False, installed=False, timer=None, ray=None, ray_said=False)
+    _local.update(signal=None, agreed=False, listening=False, installed=False, timer=None, ray=None)
