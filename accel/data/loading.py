@@ -606,10 +606,11 @@ class DataLoaderShard(DataLoader):
     def _with_lookahead(self, batches: Iterator) -> Iterator:
         """Fetch one batch ahead so the flags are already set while the last batch is processed."""
         done = object()
+        owner = self._fast_forward_owner()
         current = next(batches, done)
         while current is not done:
-            if self._fast_forward_owner()._fast_forward:
-                current = self._skip_ahead(current, batches, done)
+            if owner._fast_forward:
+                current = self._skip_ahead(owner, current, batches, done)
                 if current is done:  # the epoch ended while skipping: the rest is skipped in the next ones
                     break
             self._snapshot()
@@ -619,7 +620,7 @@ class DataLoaderShard(DataLoader):
                 self.remainder = self._last_remainder()
                 for loader in (self, self._parent) if self._parent is not None else (self,):
                     loader._last_batch_out = True
-            self._fast_forward_owner()._handed_out += 1
+            owner._handed_out += 1
             yield self._to_device(current)
             current = following
 
@@ -642,8 +643,8 @@ class DataLoaderShard(DataLoader):
         owner = self._fast_forward_owner()
         owner._fast_forward += int(batches)
 
-    def _skip_ahead(self, current, batches: Iterator, done):
-        owner = self._fast_forward_owner()
+    @staticmethod
+    def _skip_ahead(owner: "DataLoaderShard", current, batches: Iterator, done):
         while owner._fast_forward > 0 and current is not done:
             owner._fast_forward -= 1
             owner._handed_out += 1
