@@ -94,9 +94,9 @@ def _staging_started(future: Future) -> None:
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A Parameter (or another tensor subclass but DTensor) as a plain tensor sharing its storage: torch 2.11's
-    stager deep-copies a subclass through its pickle arguments, which name its class, and fails on them at the second
-    save (`KeyError: <class 'type'>` on an H200 with the leaves other than tensors already taken out)."""
+    """A Parameter (or another tensor subclass but DTensor) as a plain tensor sharing its storage: the staged copy
+    holds plain tensors, never a subclass rebuilt through its pickle arguments. (Added while the second save's
+    `KeyError: <class 'type'>` on torch 2.11 was misread; its cause was a closed stager, see `_stage`.)"""
     if type(tensor) is torch.Tensor or hasattr(tensor, "_local_tensor"):  # plain, or a DTensor (staged as one)
         return tensor
     return tensor.detach().as_subclass(torch.Tensor)
@@ -123,9 +123,8 @@ class BackgroundStager:
 
     def stage(self, state_dict: dict) -> Future:
         """Torch's stager is given the tensors only, as one flat dict; the other leaves (numbers, strings, objects of
-        registered state) are copied here by Python's deepcopy and the structure is rebuilt around the copies. (torch
-        2.11's stager failed on a non-tensor leaf at the second save on a GPU: `KeyError: <class 'type'>` in its own
-        deepcopy, benchmarks/gpu_check.py.)"""
+        registered state) are copied here, at the save, by Python's deepcopy and the structure is rebuilt around the
+        copies, so the staged copy holds the values at the save whatever the loop does next."""
         import copy
 
         from torch.utils._pytree import tree_flatten
