@@ -187,6 +187,7 @@ class Accelerator(AccelerateMembers):
 
         self.throughput = monitor_for(self, throughput_monitor, find_handler(self.kwargs_handlers,
                                                                              ThroughputMonitorKwargs))
+        self.backend.training_objects = self._training_objects  # what a replica that heals receives (one truth)
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
@@ -809,6 +810,7 @@ class Accelerator(AccelerateMembers):
         """Finish: close the trackers, release the wrapped modules and destroy the process group (also done at
         exit)."""
         self.wait_for_checkpoint()
+        self.backend.end_training()
         for tracker in self.trackers:
             tracker.finish()
         self.wait_for_everyone()
@@ -862,7 +864,11 @@ class Accelerator(AccelerateMembers):
                                load_hooks=list(self._load_model_state_pre_hook.values()),
                                trackers=tracker_record(self.trackers),
                                hook_view=lambda m: self.unwrap_model(m, keep_torch_compile=False),
-                               exact_resume=self._exact_resume())
+                               exact_resume=self._exact_resume(), throughput=self.throughput,
+                               set_step=self._set_step)
+
+    def _set_step(self, step: int) -> None:
+        self.gradient_state.step = step
 
     def _replicated(self) -> bool:
         """Every process holds the whole training state (DDP): the main process may save it alone."""
@@ -938,7 +944,6 @@ class Accelerator(AccelerateMembers):
         else:
             source = input_dir
         manifest = load_training_state(source, self._training_objects())
-        self.gradient_state.step = int(manifest.get("step", 0))
         self._resume_trackers(manifest.get("trackers"))
         name = Path(source).name
         if project.automatic_checkpoint_naming and name.startswith("checkpoint_") and name[11:].isdigit():
@@ -1039,8 +1044,8 @@ class Accelerator(AccelerateMembers):
                 tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def __repr__(self) -> str:
-        return (f"Accelerator(backend={self.backend.name}, distributed_type={self.distributed_type}, "
-                f"num_processes={self.num_processes}, device={self.device}, mixed_precision={self.mixed_precision})")
+        """The state's summary (Accelerate's fields, then accel's layout), then the accumulation steps."""
+        return f"{self.state!r}Gradient accumulation steps: {self.gradient_accumulation_steps}\n"
 
 
 def _is_scheduler(obj: Any) -> bool:

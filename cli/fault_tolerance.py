@@ -46,6 +46,8 @@ FLAG_KEYS = {
     "ft_sync_steps": "fault_tolerance.sync_steps",
     "ft_timeout": "fault_tolerance.timeout",
     "ft_heartbeat_timeout": "fault_tolerance.heartbeat_timeout",
+    "ft_start_timeout": "fault_tolerance.start_timeout",
+    "ft_check_every": "fault_tolerance.check_every",
 }
 GROUP_ENV = "ACCEL_FT_REPLICA_ID"  # each group's workers (and launcher) see their replica id here too
 STOP_GRACE_S = 15.0  # after SIGTERM to a group's launcher, what is left of its session gets SIGKILL
@@ -77,6 +79,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
              help="how long an all-reduce, commit or healing over the groups may take (default 60)")
     add_flag(group, "ft_heartbeat_timeout", type=float, metavar="SECONDS", default=None,
              help="after how long without a heartbeat the lighthouse started here counts a group as gone (default 5)")
+    add_flag(group, "ft_start_timeout", type=float, metavar="SECONDS", default=None,
+             help="how long the first step waits for every replica group to come (default 300)")
+    add_flag(group, "ft_check_every", type=int, metavar="N", default=None,
+             help="committed steps between two checks that the groups hold the same weights (default 100; 0: off)")
 
 
 def runs_groups(cfg: AccelConfig) -> bool:

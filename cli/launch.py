@@ -61,6 +61,7 @@ from accel.cli import hang_report
 from accel.cli.hang_report import HangWatch
 from accel.config.errors import shown
 from accel.config.schema import C_INT_MAX, MAX_SECONDS
+from accel.fault_tolerance import REPLICAS_DIVERGED_EXIT_CODE as REPLICAS_DIVERGED
 from accel.config import (
     LAUNCH_ENV,
     AccelConfig,
@@ -503,6 +504,8 @@ def _announcing_restarts():
 
     def monitor(agent, worker_group):
         agent._accel_last_result = result = original_monitor(agent, worker_group)
+        if any(f.exitcode == REPLICAS_DIVERGED for f in (getattr(result, "failures", None) or {}).values()):
+            agent._remaining_restarts = 0  # a restart would heal from the same diverged replicas: the job stops
         return result
 
     def restart(agent, worker_group):

@@ -7,7 +7,7 @@ new method here (with a default), not a branch in the facade.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -37,6 +37,9 @@ class Backend:
     # checkpoint on its own (save_state called there alone, as Accelerate allows under DDP)
     replicated_state = False
     partial_gradients = False  # True: a rank holds only part of the gradients (the precision policy's scaler)
+    # the Accelerator's prepared objects, as save_state takes them (accel.checkpoint.training_state.TrainingObjects):
+    # a backend that moves training state between processes itself (a replica that heals) takes this whole set
+    training_objects: Callable[[], Any] | None = None
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
                  parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None,
@@ -191,6 +194,9 @@ class Backend:
         return tied_names(self.unwrap_model(model))
 
     # -- lifetime --------------------------------------------------------------------------------------------
+    def end_training(self) -> None:
+        """The loop is over (Accelerator.end_training), the prepared objects still held: a last check of them."""
+
     def forget(self) -> None:
         """Drop references to prepared objects (Accelerator.free_memory)."""
 

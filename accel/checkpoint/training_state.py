@@ -67,6 +67,8 @@ class TrainingObjects:
     # load_state restores plain loaders' place (epoch, shuffle) too: accel's exact resume (DataLoaderConfiguration's
     # exact_resume); False: as Accelerate, only stateful loaders
     exact_resume: bool = True
+    throughput: Any = None  # the throughput monitor (accel.planning.throughput): its step count goes on after a load
+    set_step: Callable[[int], None] | None = None  # where a load puts the saved `step` (the Accelerator's counter)
 
     def hook_models(self) -> list:
         return [self.hook_view(m) if self.hook_view is not None else m for m in self.models]
@@ -202,6 +204,7 @@ def _collect(objects: TrainingObjects, model_states: list) -> dict:
         "custom": [obj.state_dict() for obj in objects.custom],
         "scaler": objects.scaler.state_dict() if objects.scaler is not None else None,
         "step": objects.step,
+        "throughput": objects.throughput.state_dict() if objects.throughput is not None else None,
     }
 
 
@@ -834,20 +837,29 @@ def _read_tensors(folder: Path, plan: _LoadPlan, world: int, verification: list)
 
 
 def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
-    """Hand the read state to the objects: the small ones first, their previous state kept to undo them should a
-    later one refuse its state, then models and optimizers (whose names and shapes were checked)."""
-    state = tree.join(plan.manifest["skeleton"], plan.targets)
+    _hand_over(tree.join(plan.manifest["skeleton"], plan.targets), plan.models, objects, str(folder / layout.MANIFEST))
+
+
+def _hand_over(state: dict, models: list, objects: TrainingObjects, source: str,
+               in_flight: tuple = ()) -> None:
+    """Hand a state tree (read from a checkpoint, or received from a live replica) to the objects: the small ones
+    first, their previous state kept to undo them should a later one refuse its state, then models and optimizers
+    (whose names and shapes were checked), then the step counter. Loaders in `in_flight` are being iterated: their
+    place is moved otherwise (a heal's fast-forward)."""
     small = [(f"registered object {i} ({type(o).__name__})", o, sd) for i, (o, sd) in
              enumerate(zip(objects.custom, state["custom"], strict=False))]
     small += [(f"data loader {i}", d, sd) for i, (d, sd) in
               enumerate(zip([d for d in objects.dataloaders if hasattr(d, "state_dict")], state["dataloaders"],
                              strict=False))
               # Accelerate restores only stateful loaders (torchdata's position); accel's exact resume all of them
-              if objects.exact_resume or getattr(d, "use_stateful_dataloader", False)]
+              if (objects.exact_resume or getattr(d, "use_stateful_dataloader", False))
+              and not any(d is loader for loader in in_flight)]
     if objects.scaler is not None and state["scaler"] is not None:
         small.append(("the gradient scaler", objects.scaler, state["scaler"]))
     small += [(f"scheduler {i} ({type(s).__name__})", s, sd) for i, (s, sd) in
               enumerate(zip(objects.schedulers, state["schedulers"], strict=False))]
+    if objects.throughput is not None and state.get("throughput") is not None:  # (older checkpoints have none)
+        small.append(("the throughput monitor", objects.throughput, state["throughput"]))
     backend, undo, what, partly = objects.backend, [], "", ""
     try:
         for what, obj, sd in small:  # noqa: B007 (`what` names the object in the error below)
@@ -855,7 +867,7 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
             obj.load_state_dict(sd)
             undo.append((obj, before))
         partly = "; the models/optimizers before it hold the checkpoint's values: load again"
-        for i, (model, sd) in enumerate(zip(plan.models, state["models"], strict=False)):
+        for i, (model, sd) in enumerate(zip(models, state["models"], strict=False)):
             what = f"model {i}"
             backend.load_checkpoint_model_state(model, sd)
         for i, (opt, sd) in enumerate(zip(objects.optimizers, state["optimizers"], strict=False)):
@@ -874,8 +886,9 @@ def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
         for obj, before in reversed(undo):
             with contextlib.suppress(Exception):
                 obj.load_state_dict(before)
-        raise CheckpointError(f"{folder / layout.MANIFEST}: {what} refused its saved state ({first_cause(exc)})"
-                              f"{partly}") from None
+        raise CheckpointError(f"{source}: {what} refused its saved state ({first_cause(exc)}){partly}") from None
+    if objects.set_step is not None:
+        objects.set_step(int(state.get("step") or 0))
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -1108,19 +1121,29 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
     except CheckpointError as exc:
         raise CheckpointError(str(exc).replace(f"{json_file}: ", f"{json_file}: damaged: ", 1)) from None
     try:
-        python = tree.join(plain["python"], {}, ("python",))
-        random.Random().setstate(python)
-        numpy = tree.join(plain["numpy"], {}, ("numpy",)) if "numpy" in plain else None
-        if numpy is not None:
-            import numpy as np
-
-            np.random.RandomState().set_state(numpy)
-    except ImportError:
-        numpy = None
+        return rng_state(tensors, plain, checked=True)
     except tree.BadTree as exc:
         raise CheckpointError(f"{json_file}: damaged ({exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{json_file}: damaged ({first_cause(exc)})") from None
+
+
+def rng_state(tensors: dict, plain: dict, checked: bool = False) -> dict:
+    """An `rng_snapshot()` (tensors, plain JSON values) as `_apply_rng` takes it; `checked`: the Python and NumPy
+    states tried on fresh generators first (a damaged one fails here)."""
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    python = tree.join(plain["python"], {}, ("python",))
+    numpy = None
+    try:
+        numpy = tree.join(plain["numpy"], {}, ("numpy",)) if "numpy" in plain else None
+        if checked:
+            random.Random().setstate(python)
+            if numpy is not None:
+                import numpy as np
+
+                np.random.RandomState().set_state(numpy)
+    except ImportError:
+        numpy = None
     return {"torch": tensors["torch"], "cuda": cuda, "python": python, "numpy": numpy}
 
 
@@ -1136,3 +1159,56 @@ def _apply_rng(rng: dict | None) -> None:
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
+
+
+# -- the state in memory: a replica heals from a live one (fault tolerance) --------------------------------------
+
+def _local(value: Any) -> Any:
+    """A tensor as this rank holds it (a DTensor's local shard), detached: what crosses to the same rank elsewhere."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return (value.to_local() if hasattr(value, "to_local") else value).detach()
+
+
+def _live_tensors(objects: TrainingObjects) -> dict:
+    tensors: dict = {}
+    tree.split(_collect(objects, [objects.backend.checkpoint_model_state(m) for m in objects.models]), "", tensors)
+    return tensors
+
+
+def capture_state(objects: TrainingObjects) -> dict:
+    """This rank's whole training state, in memory: exactly what save_state writes (the same `_collect`, without the
+    save pre-hooks: nothing is written) and this rank's RNG states, each tensor as this rank's shard. What a live
+    replica sends to the same rank of a replica that heals (`restore_state` there), so a heal carries what a
+    checkpoint would: a part added to checkpoints is healed too."""
+    tensors: dict = {}
+    skeleton = tree.split(_collect(objects, [objects.backend.checkpoint_model_state(m) for m in objects.models]),
+                          "", tensors)
+    # the peer may read them while this replica's next forward runs: what changes before the step is copied now, as
+    # for an asynchronous save (batch norm's statistics, schedulers', loaders' and registered objects' tensors)
+    tensors = _copied_if_changed_before_the_step({k: _local(v) for k, v in tensors.items()}, objects.models)
+    return {"skeleton": skeleton, "tensors": tensors, "rng": rng_snapshot()}
+
+
+def restore_state(objects: TrainingObjects, received: dict, source: str, in_flight: tuple = ()) -> None:
+    """Load what `capture_state` gave on the same rank of a replica with the same layout: each shard goes back into a
+    tensor of this rank's live layout (a DTensor's mesh and placements), then the objects take the state as they do
+    from a checkpoint (`_hand_over`), and the RNG states last. A part that does not fit raises CheckpointError naming
+    `source`."""
+    live = _live_tensors(objects)
+    tensors = {k: _like(live.get(k), v) for k, v in received["tensors"].items()}
+    _hand_over(tree.join(received["skeleton"], tensors), objects.models, objects, source, in_flight)
+    _apply_rng(rng_state(*received["rng"]))
+
+
+def _like(live: Any, value: Any) -> Any:
+    """`value` (a received shard) as a tensor laid out like `live` (this rank's tensor of the same name)."""
+    if not isinstance(value, torch.Tensor) or not isinstance(live, torch.Tensor):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(live, DTensor):
+        local = live.to_local()
+        return DTensor.from_local(value.to(local.device, local.dtype), live.device_mesh, live.placements,
+                                  run_check=False, shape=live.shape, stride=live.stride())
+    return value.to(live.device)

@@ -413,6 +413,13 @@ class FaultToleranceConfig:
                                      help="seconds without a heartbeat after which the lighthouse accel launch "
                                           "starts counts a group as gone (the live groups wait this long after a "
                                           "failure)")
+    start_timeout: float = _spec(300.0, float, lo=0, hi=MAX_SECONDS, unit="seconds",
+                                 help="seconds the first step waits for every replica group to come (so a job "
+                                      "without failures is DDP whatever the start skew); a group not come by then "
+                                      "is left behind and heals when it comes")
+    check_every: int = _spec(100, int, lo=0, help="committed steps between two comparisons of the groups' weight "
+                                                  "fingerprints (and one at the end); a difference stops the job "
+                                                  "(exit code 76); 0: never")
 
     def __post_init__(self) -> None:
         _validate_fields(self, "FaultToleranceConfig")

@@ -586,8 +586,11 @@ class DataLoaderShard(DataLoader):
 
     def _base_iterator(self) -> Iterator:
         """torch's iterator over the base loader. It draws the workers' base seed from `self.generator` (the global
-        RNG when None), as Accelerate's loader does; a pass resuming mid-epoch leaves the global RNG as restored."""
-        if not self.__dict__.get("_resuming") or self.generator is not None:
+        RNG when None), as Accelerate's loader does; a pass resuming mid-epoch leaves the global RNG as restored, and
+        so does a pass begun while fast-forwarding (a healed replica: the RNG states it received already hold the
+        draws of the epochs it skips into)."""
+        skipping = self._fast_forward_owner()._fast_forward > 0
+        if not (self.__dict__.get("_resuming") or skipping) or self.generator is not None:
             return super(DataLoaderShard, self).__iter__()
         state = torch.get_rng_state()
         try:

@@ -13,6 +13,10 @@ torchft itself is imported only when a job asks for fault tolerance (`pip instal
 
 from __future__ import annotations
 
+# a worker that found the replica groups' weights different exits with this; accel launch does not restart its group
+# (a restart would heal from the same diverged replicas): accel/fault_tolerance/fingerprint.py
+REPLICAS_DIVERGED_EXIT_CODE = 76
+
 MISSING_TORCHFT = ("fault tolerance needs torchft, which is not installed; install the extra: "
                    "pip install 'accel[ft]'  (or: pip install torchft)")
 

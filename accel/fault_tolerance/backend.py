@@ -14,14 +14,22 @@ What changes against plain DDP (accel/backends/spmd.py), and nothing else:
   loop needs no `zero_grad` at a particular place.
 * **the data**: each process's shard is `group_rank + group_world * replica_id` of `group_world * group_size`, the
   formula of torchft's `DistributedSampler`, through accel's own loader (resumable, even batches, seeds).
-* **healing**: every prepared model and optimizer is registered with the Manager; a group that (re)joins behind
-  the others receives them from a live group (`recover_src_replica_rank` in torchft's log) before its first commit.
+* **healing**: a group that (re)joins behind the others receives, before its first commit, from the same rank of
+  a live group (`recover_src_replica_rank` in torchft's log), everything `save_state` would save (one capture,
+  accel/checkpoint/training_state.py: models, optimizers, schedulers, scaler, registered objects, step counters, RNG
+  states) and the position of the loader being iterated.
+* **the start**: the first step waits (up to `start_timeout`) until every group has come, so a job without failures
+  is DDP whatever the start skew.
+* **the check**: the groups compare a fingerprint of their weights every `check_every` committed steps and at the
+  end (accel/fault_tolerance/fingerprint.py); a difference stops the job in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -34,7 +42,7 @@ from accel.backends.ddp import apply_ddp
 from accel.backends.spmd import SpmdBackend
 from accel.config.kwargs import DistributedDataParallelKwargs, find_handler
 from accel.config.schema import FaultToleranceConfig
-from accel.fault_tolerance import require_torchft
+from accel.fault_tolerance import fingerprint, require_torchft
 
 REPLICA_PREFIX = "accel_group_"  # torchft derives a group's index from the trailing digits of its replica id
 
@@ -110,25 +118,51 @@ class FaultTolerantRun:
             init_sync=config.semi_sync_method is None,
         )
         self.quorum_started = False
-        self._keys = 0
+        self.started = config.semi_sync_method is not None  # (semi-synchronous: torchft's own first quorum)
+        self._device = device
 
     def start_step(self) -> None:
         """The step's quorum (and, for a group behind the others, its healing), once per step."""
         if not self.quorum_started:
             self.manager.start_quorum()
+            if not self.started:
+                self._wait_for_every_group()
             self.quorum_started = True
+
+    def _wait_for_every_group(self) -> None:
+        """At the job's first step (no group has committed yet), form quorums again until every group is in one or
+        `start_timeout` has passed; the ranks of a group follow its rank 0's decision. A group that comes later (or
+        restarts after a failure) finds committed steps and heals instead."""
+        deadline = time.monotonic() + self.config.start_timeout
+        while True:
+            short = self.manager.current_step() == 0 and self.manager.num_participants() < self.config.group_size
+            again = _group_decides(short and time.monotonic() < deadline, self._device)
+            if not again:
+                break
+            time.sleep(0.2)
+            self.manager.start_quorum()
+        self.started = True
+        if self.manager.current_step() == 0 and self.manager.num_participants() < self.config.group_size:
+            self._say_left_behind()
+
+    def _say_left_behind(self) -> None:
+        here = torch.zeros(self.config.group_size, dtype=torch.float64)
+        here[int(self.replica_id or 0)] = 1.0
+        buffer = here.to(self._device)
+        self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.MAX).wait()
+        missing = [g for g, came in enumerate(buffer.cpu().tolist()) if not came]
+        if self.manager.participating_rank() == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            sys.stderr.write(f"accel: fault tolerance: replica group(s) {', '.join(map(str, missing))} not come "
+                             f"within fault_tolerance.start_timeout ({self.config.start_timeout:g} s); the others "
+                             "start without them (they heal from them when they come)\n")
+            sys.stderr.flush()
 
     def step_done(self) -> None:
         self.quorum_started = False
 
-    def register(self, kind: str, obj: Any) -> None:
+    def register(self, key: str, obj: Any) -> None:
         """Send `obj`'s state_dict to a healing group, load it when this group heals."""
-        self._keys += 1
-        self.manager.register_state_dict_fn(f"{kind}{self._keys}", obj.load_state_dict, obj.state_dict)
-
-    def register_local(self, kind: str, obj: Any) -> None:
-        """`register` for an object whose state_dict is already made of this rank's shards (HSDP)."""
-        self.register(kind, obj)
+        self.manager.register_state_dict_fn(key, obj.load_state_dict, obj.state_dict)
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -158,60 +192,17 @@ def _attempt_store(group_rank: int, group_world: int):
     return server, addr, int(own_port)
 
 
+def _group_decides(wanted: bool, device: torch.device) -> bool:
+    """Rank 0's `wanted`, on every rank of this group (a time-based decision must not split the group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return wanted
+    flag = torch.tensor([1.0 if wanted else 0.0], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _local(tensor):
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-class _LocalShards:
-    """A state_dict / load_state_dict pair over this rank's shards: FSDP2's DTensors are sent to the same rank of a
-    healing group (whose shards have the same layout) as plain tensors, and copied into its DTensors' local shards."""
-
-    def __init__(self, state_dict) -> None:
-        self._state_dict = state_dict
-
-    def state_dict(self) -> dict:
-        return {k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in self._state_dict().items()}
-
-    def load_state_dict(self, received: dict) -> None:
-        with torch.no_grad():
-            for key, value in self._state_dict().items():
-                if isinstance(value, torch.Tensor):
-                    _local(value).copy_(received[key])
-
-
-class _OptimizerShards:
-    """The optimizer's per-parameter state (each DTensor as this rank's shard) and its step counts, by position."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def _params(self) -> list:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def state_dict(self) -> dict:
-        state = self.optimizer.state
-        return {"state": [{k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in state.get(p, {}).items()} for p in self._params()],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
-
-    def load_state_dict(self, received: dict) -> None:
-        with torch.no_grad():
-            for param, entry in zip(self._params(), received["state"], strict=True):
-                mine = self.optimizer.state.setdefault(param, {})
-                for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and isinstance(mine.get(key), torch.Tensor):
-                        _local(mine[key]).copy_(value)
-                    elif isinstance(value, torch.Tensor) and hasattr(param, "device_mesh") and value.dim() > 0:
-                        from torch.distributed.tensor import DTensor
-
-                        mine[key] = DTensor.from_local(value.to(_local(param).device), param.device_mesh,
-                                                       param.placements, run_check=False, shape=param.shape,
-                                                       stride=param.stride())
-                    else:
-                        mine[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            for group, settings in zip(self.optimizer.param_groups, received["param_groups"], strict=True):
-                group.update(settings)
 
 
 def _average_shards_over_replicas(manager, optimizer: torch.optim.Optimizer) -> None:
@@ -223,34 +214,53 @@ def _average_shards_over_replicas(manager, optimizer: torch.optim.Optimizer) -> 
         work.wait()
 
 
-class _LoaderPosition:
-    """Healing state beside the weights: how many batches the data loader being iterated has handed out in all. A
-    group that heals moves its own loader on by the difference (across epochs), so the user's loop, unchanged, ends
-    where the live groups' ends, with the batches of the steps that failed counted as theirs were."""
+class _HealState:
+    """What a replica group that heals receives from the same rank of a live one: everything save_state would save,
+    captured and loaded by the same code (accel.checkpoint.training_state), and the position of the loader being
+    iterated (batches handed out over every epoch): the group that heals moves its own loader on by the difference
+    (across epochs), so the user's loop, unchanged, ends where the live groups' ends, with the batches of the steps
+    that failed counted as theirs were."""
 
-    def __init__(self, backend: FaultTolerantBackend) -> None:
+    def __init__(self, backend: FaultTolerantBackend, position: bool) -> None:
         self._backend = weakref.ref(backend)
+        self._position = position
+
+    def _objects(self):
+        backend = self._backend()
+        provider = backend.training_objects if backend is not None else None
+        if provider is None:
+            raise RuntimeError("fault tolerance: a heal needs the Accelerator's prepared objects; allowed: a backend "
+                               "made by Accelerator()")
+        return provider()
 
     def _loader(self):
         backend = self._backend()
         state = backend.gradient_state if backend is not None else None
         loader = state.active_dataloader if state is not None else None
-        return loader if hasattr(loader, "fast_forward") else None
+        return loader if self._position and hasattr(loader, "fast_forward") else None
 
     def state_dict(self) -> dict:
+        from accel.checkpoint.training_state import capture_state
+
         loader = self._loader()
-        return {"batches": torch.tensor(-1 if loader is None else loader.batches_handed_out)}
+        return {"state": capture_state(self._objects()),
+                "batches": torch.tensor(-1 if loader is None else loader.batches_handed_out)}
 
     def load_state_dict(self, received: dict) -> None:
+        from accel.checkpoint.training_state import restore_state
+
         loader, theirs = self._loader(), int(received["batches"])
+        in_flight = () if loader is None else (loader, getattr(loader, "_parent", None))
+        restore_state(self._objects(), received["state"], "fault tolerance: the state a live replica group sent",
+                      in_flight)
         if loader is not None and theirs >= 0:
             loader.fast_forward(max(theirs - loader.batches_handed_out, 0))
 
 
-def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer,
+def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer, after_commit,
                     average_shards: bool = False) -> torch.optim.Optimizer:
-    """torchft's Optimizer wrapper (step commits only when should_commit agrees); zero_grad clears gradients only,
-    as the quorum starts at the step's first forward."""
+    """torchft's Optimizer wrapper (step commits only when should_commit agrees; then `after_commit()`); zero_grad
+    clears gradients only, as the quorum starts at the step's first forward."""
     from torchft.optim import OptimizerWrapper
 
     class CommittingOptimizer(OptimizerWrapper):
@@ -261,10 +271,13 @@ def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer,
             run.start_step()  # a step with no forward under autograd (nothing to all-reduce) still takes part
             if average_shards:
                 _average_shards_over_replicas(run.manager, self.optim)
+            before = run.manager.current_step()
             try:
                 super().step(closure)
             finally:
                 run.step_done()
+            if run.manager.current_step() > before:
+                after_commit()
 
     wrapped = CommittingOptimizer(run.manager, optimizer)
     wrapped.defaults = optimizer.defaults  # torch.optim.Optimizer's attributes that schedulers read
@@ -292,6 +305,7 @@ class FaultTolerantBackend(SpmdBackend):
         self._run: FaultTolerantRun | None = None
         self._semi_sync_models: list[torch.nn.Module] = []
         self._semi_sync: list = []  # torchft's LocalSGD/DiLoCo objects, entered (their optimizer hooks installed)
+        self._checked_at = 0  # the committed step whose fingerprints were compared last
         self.state.add_release_callback(self._shutdown)
 
     @property
@@ -302,7 +316,6 @@ class FaultTolerantBackend(SpmdBackend):
         prepared = super().prepare_model(model, device_placement)
         if self.data_parallel == "fsdp" and "_accel_ft_hooked" not in prepared.__dict__:
             prepared.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP2 gathers
-            self.run.register_local("model", _LocalShards(prepared.state_dict))
             prepared._accel_ft_hooked = True  # type: ignore[assignment]  # a plain attribute
         return prepared
 
@@ -312,9 +325,13 @@ class FaultTolerantBackend(SpmdBackend):
         if self._run is None:
             self._run = FaultTolerantRun(self.fault_tolerance, self.state.process_index, self.state.num_processes,
                                          self.state.device)
-            if self.fault_tolerance.semi_sync_method is None:
-                self._run.register("loader", _LoaderPosition(self))
+            self._run.register("training_state", _HealState(self, position=not self.semi_synchronous))
         return self._run
+
+    def end_training(self) -> None:
+        """The groups compare their weights once more at the end (unless the last committed step was compared)."""
+        if self._run is not None and self.fault_tolerance.check_every and not self.semi_synchronous:
+            self.check_replicas()
 
     def _shutdown(self) -> None:
         if self._run is not None:
@@ -348,7 +365,6 @@ class FaultTolerantBackend(SpmdBackend):
                              "hook is torchft's all-reduce over the replica groups; allowed: comm_hook None")
         size = self.state.num_processes
         if self.semi_synchronous:  # the groups synchronise every sync_steps steps (torchft's LocalSGD/DiLoCo)
-            run.register("model", model)
             self._semi_sync_models.append(model)
             if size == 1:
                 return model
@@ -369,7 +385,6 @@ class FaultTolerantBackend(SpmdBackend):
             wrapped = apply_ddp(model, group, self.state.device, ours)
             self._wrapped.append(weakref.ref(wrapped))
         wrapped.register_forward_pre_hook(self._before_forward)
-        run.register("model", model)
         return wrapped
 
     def _before_forward(self, module, args) -> None:
@@ -379,14 +394,32 @@ class FaultTolerantBackend(SpmdBackend):
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         optimizer = super().prepare_optimizer(optimizer, models)
-        if self.data_parallel == "fsdp":  # FSDP2's state is DTensors: sent as this rank's shards
-            self.run.register_local("optimizer", _OptimizerShards(optimizer))
-            return _commit_wrapper(self.run, optimizer, average_shards=True)
-        self.run.register("optimizer", optimizer)
+        if self.data_parallel == "fsdp":
+            return _commit_wrapper(self.run, optimizer, self._after_commit, average_shards=True)
         if self.semi_synchronous:
             self._semi_sync.append(self._semi_synchronise(optimizer))
             return optimizer
-        return _commit_wrapper(self.run, optimizer)
+        return _commit_wrapper(self.run, optimizer, self._after_commit)
+
+    # -- the groups hold the same weights: checked every check_every committed steps and at the end -------------
+    def _after_commit(self) -> None:
+        every, step = self.fault_tolerance.check_every, self.run.manager.current_step()
+        if every and step % every == 0:
+            self.check_replicas()
+
+    def check_replicas(self) -> None:
+        """Compare the groups' weight fingerprints now (every process of every live group calls this at the same
+        committed step); a difference stops the job in one line (exit code 76, no restart)."""
+        step = self.run.manager.current_step()
+        if step == self._checked_at:
+            return
+        self._checked_at = step
+        models: list = [self.unwrap_model(m) for m in self.training_objects().models] if self.training_objects else []
+        found = fingerprint.difference(self.run.manager, models, int(self.fault_tolerance.replica_id or 0),
+                                       self.state.device)
+        found = fingerprint.agree_in_group(found, self.state.device)
+        if found:
+            fingerprint.stop(found, step, self.fault_tolerance.check_every)
 
     @property
     def semi_synchronous(self) -> bool:

@@ -171,6 +171,15 @@ class ThroughputMonitor:
         elif self.steps - self._opened_at >= self.log_every:
             self.report()
 
+    # -- checkpoints: save_state / load_state (and a fault-tolerant heal) carry the step count ------------------
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from the saved step count: the next window opens at the next step, so every logged step is new."""
+        self.steps = int(state["steps"])
+        self._start = None
+
     # -- windows ----------------------------------------------------------------------------------------------
     def _open(self) -> None:
         self._samples = self._tokens = self._token_seq = 0

@@ -39,6 +39,7 @@ COVERED = {
            "tests/multiproc/test_failed_save_exit_code.py::test_a_failed_grace_save_is_not_exit_code_75",
            "tests/unit/test_async_save.py::test_a_failed_asynchronous_save_never_exits_0_and_leaves_no_temporary_folder"],
     "75": ["tests/multiproc/test_preemption.py::test_sigterm_mid_epoch_saves_and_the_next_launch_resumes_bit_exactly"],
+    "76": ["tests/multiproc/test_fault_tolerance.py::test_a_late_group_is_waited_for_and_diverged_groups_are_stopped"],
     "128 + N": ["tests/multiproc/test_worker_signals.py::test_a_segfault_while_the_other_rank_waits_is_a_crash",
                 "tests/multiproc/test_worker_signals.py::test_an_abort_outside_any_collective_is_the_workers_own",
                 "tests/multiproc/test_exit_codes.py::test_a_worker_killed_by_sigkill_is_137",

@@ -6,12 +6,21 @@ group: HSDP, FSDP2 shards in a group and torchft averages the shards over the gr
 (the Llama's inside its backward, while the live group waits for it in the all-reduce: torchft's own DDP hook then
 failed an assertion and crashed the live group; the MLP's between two steps), and its restart waits 3 s before it
 starts (a restart that takes a while: torchft's lighthouse lets the live group go on alone once the dead group's
-heartbeat is 2 s old, `--ft_heartbeat_timeout 2`, and waits for a restarted group that heartbeats again). Checked:
+heartbeat is 2 s old, `--ft_heartbeat_timeout 2`, and waits for a restarted group that heartbeats again). The
+loop carries everything a real one does besides the weights (`--full-state`): a LambdaLR schedule, dropout,
+accumulation over 2 batches, a registered object, and fp16's gradient scaler. Checked:
 the live group never restarts and keeps committing (counted, with the steps it committed alone); the killed group is
 restarted by its own torchrun and heals from the live group (its first committed step jumps to the others' count:
-the weights and optimizer state came over the network; the script never saves nor loads a checkpoint); every process
-of every group ends with the same weights; the lighthouse's port is free and no process of the job is left when
-accel launch returns.
+the whole training state came over the network; the script never saves nor loads a checkpoint); every process
+of every group ends with the same weights and the same state besides them (learning rate, scheduler steps, scaler,
+`accelerator.step`, the registered object, the torch and Python RNG states: a heal that forgot one leaves the healed
+group's different, and with the schedule its weights drift apart); the lighthouse's port is free and no process of
+the job is left when accel launch returns.
+
+A second group that starts 15 s late: the first step waits for it, so the job equals plain DDP bit for bit (without
+the wait the first group trained alone and the other healed from it). A group whose weights drift from the others'
+(one weight changed) is caught by the fingerprint check at the next checked step: every group stops with one line
+naming the groups, the step and the tensor, exit code 76, and no group is restarted.
 
 A run without a failure, launched as on two machines (two heads on this host), with min_replicas 2, equals plain DDP
 on the same two processes bit for bit; its save_state keeps the Manager's committed steps (load_state restores
@@ -74,12 +83,14 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
     """`loop="epochs"`: the plain epoch loop, unchanged (one epoch of STEPS batches per process): the healed group's
     loader moves on by the steps it received, so it ends at the others' step (without that it ran STEPS more)."""
     # one epoch is STEPS batches of 4 on each of the 2 x per_group processes
-    bound = ["--epochs", 1, "--samples", STEPS * 4 * 2 * per_group] if loop == "epochs" else ["--steps", STEPS]
+    # (accumulation over 2 batches: an epoch of 2 x STEPS batches is about STEPS optimizer steps, fewer those fp16
+    # skipped)
+    bound = ["--epochs", 1, "--samples", 2 * STEPS * 4 * 2 * per_group] if loop == "epochs" else ["--steps", STEPS]
     mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2 * per_group, "--zero_stage", zero_stage,
-                               "--fault_tolerance",
+                               "--mixed_precision", "fp16", "--fault_tolerance", "--ft_check_every", 10,
                                "--ft_group_size", 2, "--ft_heartbeat_timeout", 2, "--max_restarts", 2, SCRIPT,
                                "--out", tmp_path, *bound, "--kill-after", KILL_AFTER, "--alone-sleep", 0.5,
-                               "--restart-delay", 3, "--model", model, "--kill-in", kill_in)
+                               "--restart-delay", 3, "--model", model, "--kill-in", kill_in, "--full-state")
     records = _records(tmp_path)
     victim_rank = per_group - 1
     # group 0 never restarted; group 1 ran twice (the SIGKILLed attempt, then the restart)
@@ -88,11 +99,11 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
     killed = [r for r in records[(1, victim_rank, 0)] if "killed_at" in r]
     assert len(killed) == 1, records[(1, victim_rank, 0)]
     killed_at, kill_time = killed[0]["killed_at"], killed[0]["t"]
-    live = records[(0, 0, 0)]
+    live = [r for r in records[(0, 0, 0)] if "after" in r]  # its steps (the last line: its state at the end)
     # the epoch loop is bounded by batches, not steps: a step that failed (the victim died in its all-reduce) is not
     # retried, and a group that joined late healed from the first at once (its loader moved on as far)
     final = live[-1]["after"]
-    assert final == STEPS if loop == "steps" else STEPS - 2 <= final <= STEPS + 1
+    assert final == STEPS if loop == "steps" else STEPS - 8 <= final <= STEPS + 1, final
     alone = [r for r in live if r["t"] > kill_time and r["participants"] == 1 and r["after"] > r["before"]]
     assert alone, "the live group committed no step while the other was down"
     for rank in range(per_group):
@@ -100,7 +111,11 @@ def test_a_killed_group_heals_from_the_live_one(tmp_path, isolated_env, per_grou
         assert first["before"] == 0 and first["after"] > killed_at, first  # healed: the others' count, at once
         # and ended with the live group: at its step, after as many batches (without the loader moving on, the epoch
         # loop of the healed group ran the whole epoch again, the last steps alone)
-        assert records[(1, rank, 1)][-1]["after"] == final, records[(1, rank, 1)][-3:]
+        assert records[(1, rank, 1)][-2]["after"] == final, records[(1, rank, 1)][-3:]
+        # the whole training state, not only the weights: as the live group's same rank holds it at the end
+        ended, healed = records[(0, rank, 0)][-1]["state"], records[(1, rank, 1)][-1]["state"]
+        assert healed == ended, (healed, ended)
+        assert ended["scale"] is not None and ended["registered"] > final and ended["lr"][0] < 1e-2
     assert re.search(r"\[Replica accel_group_1\] healing is required step=0, max_step=\d+, recover_src_replica_rank=0",
                      err), err[-3000:]
     weights = [load_file(str(p)) for p in sorted(tmp_path.glob("weights-g*-r*.safetensors"))]
@@ -207,3 +222,40 @@ def test_diloco_over_replica_groups(tmp_path, isolated_env):
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=f"group {group} {key}")
     assert not _left_behind(mark)
+
+
+def test_a_late_group_is_waited_for_and_diverged_groups_are_stopped(tmp_path, isolated_env):
+    """Group 1 starts 15 s late: the first step waits for it (fault_tolerance.start_timeout), and the job, a loop with
+    a schedule, dropout, accumulation and a registered object, ends bit-equal to plain DDP on the same 2 processes
+    (without the wait the first group trained alone and the other healed from it: different steps, different
+    weights). Then a job whose group 1 changes one weight after 7 steps is stopped at the check of step 10 with one
+    line, exit code 76, neither group restarted (--max_restarts 2)."""
+    for name in ("late", "ddp", "diverged"):
+        (tmp_path / name).mkdir()
+    steps = 12
+    _, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
+                            SCRIPT, "--out", tmp_path / "late", "--steps", steps, "--full-state", "--start-delay", 15)
+    assert "not come within" not in err
+    # plain DDP counts batches: 2 per optimizer step
+    _launch.accel_launch(isolated_env, "--cpu", "--num_processes", 2, SCRIPT, "--out", tmp_path / "ddp", "--steps",
+                         2 * steps, "--full-state")
+    late = _records(tmp_path / "late")
+    assert all(r["participants"] == 2 for r in late[(0, 0, 0)] if "participants" in r)  # together from step 1
+    ddp = load_file(str(tmp_path / "ddp" / "weights-g0-r0.safetensors"))
+    for group in (0, 1):
+        got = load_file(str(tmp_path / "late" / f"weights-g{group}-r0.safetensors"))
+        assert all(torch.equal(got[k], ddp[k]) for k in ddp), group
+        assert late[(group, 0, 0)][-1] == _records(tmp_path / "ddp")[(0, 0, 0)][-1]  # the state besides the weights
+
+    proc = _launch.accel_launch(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size",
+                                2, "--ft_check_every", 5, "--max_restarts", 2, SCRIPT, "--out", tmp_path / "diverged",
+                                "--steps", 30, "--diverge-at", 7, expect=76)
+    lines = [line for line in proc.stderr.splitlines() if "hold different weights" in line]
+    assert len(lines) == 2, proc.stderr[-3000:]  # one per group, the same
+    assert re.fullmatch(r"accel: error: fault tolerance: the replica groups hold different weights after committed "
+                        r"step 10: 0\.weight \(fingerprint group 0: \d+, group 1: \d+\); stopped rather than trained "
+                        r"on .*checked every 5 steps, fault_tolerance\.check_every\)", lines[0]), lines[0]
+    assert "restarting the worker group" not in proc.stderr
+    diverged = _records(tmp_path / "diverged")
+    assert set(diverged) == {(0, 0, 0), (1, 0, 0)}  # no attempt 1
+    assert all(r["after"] <= 10 for rs in diverged.values() for r in rs)  # stopped at the check, not trained on

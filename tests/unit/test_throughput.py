@@ -244,3 +244,32 @@ def test_progress_bar_tensorboard_and_plot_show_the_keys(tmp_path):
     assert "throughput/mfu_percent (%)" in html and "throughput/peak_memory_gb (GB)" in html
     assert plot_style.smoothing_for(PEAK_MEMORY, 0.6) == 0.0  # a running maximum: drawn as it is
     assert plot_style.smoothing_for(TOKENS, 0.6) == 0.6
+
+
+def test_steps_go_on_after_load_state(tmp_path):
+    """save_state keeps the monitor's step count and load_state gives it back: a resumed run logs each step once (its
+    windows were counted from 0 again, so steps 4, 7, 10 were logged twice)."""
+    def run(resume: bool, steps: int) -> tuple[list, int]:
+        accelerator = Accelerator(cpu=True, throughput_monitor=True,
+                                  kwargs_handlers=[ThroughputMonitorKwargs(log_every=3, flops_per_token=1.0)])
+        logged: list = []
+        accelerator.log = lambda values, step=None, log_kwargs=None: logged.append(step)  # type: ignore[method-assign]
+        model = TinyLM()
+        model, optimizer, data = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), loader(20))
+        if resume:
+            accelerator.load_state(str(tmp_path / "ckpt"))
+        start = accelerator.throughput.steps
+        for batch in itertools.islice(data, steps):
+            accelerator.backward(model(batch["input_ids"]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if not resume:
+            accelerator.save_state(str(tmp_path / "ckpt"))
+        accelerator.end_training()
+        return logged, start
+
+    first, _ = run(False, 10)
+    second, start = run(True, 9)
+    assert first == [4, 7, 10]
+    assert start == 10 and second == [14, 17]
+    assert not set(first) & set(second)

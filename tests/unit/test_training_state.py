@@ -276,3 +276,63 @@ def test_optimizer_of_tensors_no_prepared_model_holds_round_trips(tmp_path):
     for index, state in saved["state"].items():
         for key, value in state.items():
             assert torch.equal(loaded["state"][index][key], value), (index, key)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "history": torch.arange(self.n)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = int(state["n"])
+
+
+def test_capture_and_restore_carry_what_save_state_saves():
+    """A fault-tolerant heal's payload (capture_state on the live replica, restore_state on the healing one) is the
+    checkpoint's set by the same code: weights, optimizer state, scheduler, registered object, `accelerator.step`,
+    the throughput monitor's steps and the RNG states; a batch norm's statistics are copied (the live replica's next
+    forward changes them while the peer reads)."""
+    from accel.checkpoint.training_state import capture_state, restore_state
+
+    from accel import ThroughputMonitorKwargs
+
+    monitor = {"throughput_monitor": True, "kwargs_handlers": [ThroughputMonitorKwargs(flops_per_token=1.0)]}
+    live, model, optimizer, scheduler = prepared(**monitor)
+    counter = _Counter()
+    live.register_for_checkpointing(counter)
+    for _ in range(3):
+        with live.accumulate(model):
+            train_step(live, model, optimizer, scheduler)
+        counter.n += 1
+    sent = capture_state(live._training_objects())
+    after_capture = torch.rand(3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in optimizer.optimizer.state.values()]
+
+    healing, model2, optimizer2, scheduler2 = prepared(**monitor)
+    with torch.no_grad():
+        for param in model2.parameters():
+            param.add_(1.0)
+    counter2 = _Counter()
+    healing.register_for_checkpointing(counter2)
+    restore_state(healing._training_objects(), sent, "a test's replica")
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in weights.items())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(optimizer2.optimizer.state.values(), moments, strict=True))
+    assert scheduler2.scheduler.last_epoch == scheduler.scheduler.last_epoch == 3
+    assert scheduler2.get_last_lr() == scheduler.get_last_lr()
+    assert counter2.n == 3 and healing.step == live.step == 3 and healing.throughput.steps == 3
+    assert torch.equal(torch.rand(3), after_capture)  # the RNG states: the live replica's at the capture
+
+
+def test_capture_copies_what_the_next_forward_changes():
+    from accel.checkpoint.training_state import capture_state
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.BatchNorm1d(2))
+    sent = capture_state(accelerator._training_objects())
+    before = sent["tensors"]["/models/0/running_mean"].clone()
+    model(torch.randn(4, 2) + 5)  # training mode: the running mean moves
+    assert torch.equal(sent["tensors"]["/models/0/running_mean"], before)
+    assert not torch.equal(model.running_mean, before)

@@ -9,11 +9,20 @@ checkpoint exists). A restarted attempt waits `--restart-delay` seconds before i
 while: the live group then trains alone). While a group trains without the others it sleeps `--alone-sleep` seconds
 per step, so the job is still running when the killed group is back. Each process appends one JSON line per step to
 OUT/steps-g<group>-r<rank>-a<attempt>.jsonl and writes its final weights to
-OUT/weights-g<group>-r<rank>.safetensors."""
+OUT/weights-g<group>-r<rank>.safetensors.
+
+`--full-state` makes the loop carry everything a run carries besides the weights: a LambdaLR schedule, dropout,
+accumulation over 2 batches (`accumulate()`), a registered object that weighs each loss; with `accel launch
+--mixed_precision fp16` the gradient scaler too. The last line of each process then records that state (learning rate,
+scheduler step, scaler, `accelerator.step`, the registered object, the RNG states), so the test compares it over the
+groups: a heal that forgot a part leaves the healed group's different. `--start-delay S`: group 1 starts S seconds
+late. `--diverge-at K`: group 1 changes one weight after K committed steps (replicas that drift apart)."""
 
 import argparse
+import hashlib
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -29,7 +38,25 @@ from accel.utils import set_seed
 VOCAB, SEQ = 64, 8
 
 
-def make_problem(kind: str = "mlp", samples: int = 256):
+class LossWeight:
+    """A registered object the loop reads: each loss is weighed by how many batches it saw (a heal that forgot it would
+    weigh the healed group's losses otherwise)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def factor(self) -> float:
+        self.batches += 1
+        return 1.0 + 0.05 * (self.batches % 5)
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = int(state["batches"])
+
+
+def make_problem(kind: str = "mlp", samples: int = 256, dropout: float = 0.0):
     """(inputs, targets, model): a small MLP on a regression, or a tiny transformers Llama (2 layers, grouped-query
     attention) predicting random tokens."""
     g = torch.Generator().manual_seed(5)
@@ -39,12 +66,14 @@ def make_problem(kind: str = "mlp", samples: int = 256):
         ids = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
         set_seed(0)
         config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)
+                                num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+                                attention_dropout=dropout, attn_implementation="eager")
         return ids, ids, tf.LlamaForCausalLM(config)
     x = torch.randn(samples, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(samples, 1, generator=g)
     set_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                                torch.nn.Linear(16, 1))
     return x, y, model
 
 
@@ -79,15 +108,27 @@ def main() -> None:
                         help="the loop in Accelerate's LocalSGD block; --steps then counts this process's steps")
     parser.add_argument("--save", action="store_true", help="at the end: save_state, forget, load_state back")
     parser.add_argument("--load-at-end", default=None, help="at the end: load_state(this folder), write the weights")
+    parser.add_argument("--full-state", action="store_true",
+                        help="a schedule, dropout, accumulation 2 and a registered object (fp16: the launch's flag)")
+    parser.add_argument("--start-delay", type=float, default=0.0, help="group 1 starts this many seconds late")
+    parser.add_argument("--diverge-at", type=int, default=None, help="group 1 changes a weight after K steps")
     args = parser.parse_args()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(args.restart_delay)  # a restart that takes a while (a new node, a container to pull)
+    elif os.environ.get("ACCEL_FT_REPLICA_ID") == "1":
+        time.sleep(args.start_delay)  # a group that comes late (a node that pulls its image slowly)
 
-    x, y, model = make_problem(args.model, args.samples)
+    x, y, model = make_problem(args.model, args.samples, dropout=0.1 if args.full_state else 0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
-    accelerator = Accelerator()
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator = Accelerator(gradient_accumulation_steps=2 if args.full_state else 1)
+    if args.full_state:
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / 200))
+        model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+        weigh = LossWeight()
+        accelerator.register_for_checkpointing(weigh)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     ft = accelerator.config.fault_tolerance
     group = ft.replica_id if ft.enabled else 0
     rank, attempt = accelerator.process_index, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -136,11 +177,25 @@ def main() -> None:
             last = list(accelerator.unwrap_model(model).parameters())[-1]
             last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # before DDP's all-reduce
         before = progress()
-        loss = loss_of(model, inputs, targets, args.model)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        if args.full_state:
+            with accelerator.accumulate(model):
+                loss = loss_of(model, inputs, targets, args.model) * weigh.factor()
+                accelerator.backward(loss)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+        else:
+            loss = loss_of(model, inputs, targets, args.model)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if args.diverge_at is not None and group == 1 and progress() == args.diverge_at and before < progress():
+            with torch.no_grad():
+                first = next(accelerator.unwrap_model(model).parameters())
+                (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] += 1e-3
         record = {"t": time.time(), "before": before}
+        if args.full_state:
+            record["rng"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12]
         if args.local_sgd_steps:
             local_sgd.step()
             record.update(after=progress(), participants=manager.num_participants() if manager else 0,
@@ -161,6 +216,13 @@ def main() -> None:
         return {k: v.detach().cpu().contiguous() for k, v in accelerator.get_state_dict(model).items()}
 
     save_file(weights(), str(out / f"weights-g{group}-r{rank}.safetensors"))
+    if args.full_state:  # what a run carries besides the weights, as this process ends
+        scaler = accelerator.scaler
+        log.write(json.dumps({"state": {
+            "lr": schedule.get_last_lr(), "scheduler_steps": schedule.scheduler.last_epoch, "step": accelerator.step,
+            "scale": None if scaler is None else scaler.get_scale(), "registered": weigh.batches,
+            "torch_rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+            "python_rng": hashlib.sha256(repr(random.getstate()).encode()).hexdigest()}}) + "\n")
     if args.save:  # each group its own folder (each group is a job of its own)
         folder = accelerator.save_state(str(out / f"ckpt-g{group}"))
         saved_steps = progress()
