@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -92,6 +93,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # Accelerate's: no closure's loss back
         if not self.gradient_state.sync_gradients:
             return
+        note = self.gradient_state.unwindowed_note()
+        if note is not None and _is_main_process():
+            warnings.warn(note, UserWarning, stacklevel=2)
         wait_for_staging()  # an asynchronous save_state's copy of the parameters and state is complete first
         if self.before_step is not None:
             self.before_step()
@@ -118,6 +122,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+
+
+def _is_main_process() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def unfuse_mixed_groups(optimizer: torch.optim.Optimizer, checked: list[dict]) -> list[int]:

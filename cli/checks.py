@@ -32,6 +32,9 @@ from accel.config import (
     user_config_path,
 )
 from accel.config.accelerate_import import deepspeed_path
+from accel.config.degrees import data_parallel_sizes, layout_words
+from accel.config.kwargs import process_group_backend
+from accel.config.schema import SECTIONS
 from accel.backends.launchable import check_launchable
 
 # -------------------------------------------------------------------------------------------------------
@@ -239,17 +242,19 @@ def value_sources(config_file: str | None, overrides: dict, flags_source: str) -
     sources: dict = {}
     for name, layer in layers:
         for key, value in _flat(layer).items():
+            sources.pop(key, None)  # in the order of the layers that won: lowest first
             sources[key] = (name, value)
     return sources
 
 
-def _flat(data: dict, prefix: str = "") -> dict:
+def _flat(data: dict) -> dict:
+    """A config's keys, those of its sections (parallelism, fault_tolerance) dotted."""
     out: dict = {}
     for key, value in data.items():
-        if key == "parallelism" and isinstance(value, dict) and not prefix:
-            out.update(_flat(value, "parallelism."))
+        if key in SECTIONS and isinstance(value, dict):
+            out.update({f"{key}.{sub}": v for sub, v in value.items()})
         else:
-            out[prefix + key] = value
+            out[key] = value
     return out
 
 
@@ -260,27 +265,68 @@ def _yaml_value(value: object) -> str:
     return text.removesuffix("\n...\n").rstrip("\n")
 
 
-def annotated_yaml(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> list[str]:
-    """The config as YAML, one key per line, each followed by `# <where it came from>`: a file, the flags,
-    `default` (accel's built-in value) or `derived` (computed from other keys)."""
+def value_notes(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> dict[str, tuple[object, str]]:
+    """Each key of the config's file form (dotted in its sections) -> (its value, where it came from): a file, the
+    flags, `default` (accel's built-in value) or `derived` (computed from other keys)."""
     import yaml
 
     builtin = _flat(AccelConfig().to_dict())
-    lines = []
-
-    def note(key: str, value: object) -> str:
+    notes = {}
+    for key, value in _flat(yaml.safe_load(cfg.to_yaml())).items():  # the config-file form (what a file could say)
         if key in sources:
             name, given = sources[key]
-            return name if given == value else "derived"
-        return "default" if builtin.get(key) == value else "derived"
-
-    for key, value in yaml.safe_load(cfg.to_yaml()).items():  # the config-file form (what a file could say)
-        if key == "parallelism":
-            lines.append("parallelism:")
-            lines += [f"  {sub}: {_yaml_value(v)}  # {note('parallelism.' + sub, v)}" for sub, v in value.items()]
+            notes[key] = (value, name if given == value else "derived")
         else:
-            lines.append(f"{key}: {_yaml_value(value)}  # {note(key, value)}")
+            notes[key] = (value, "default" if builtin.get(key) == value else "derived")
+    return notes
+
+
+def annotated_yaml(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> list[str]:
+    """The config as YAML, one key per line, each followed by `# <where it came from>` (`value_notes`)."""
+    lines = []
+    for key, (value, note) in value_notes(cfg, sources).items():
+        section, _, name = key.rpartition(".")
+        if section and f"{section}:" not in lines:
+            lines.append(f"{section}:")
+        lines.append(f"{'  ' if section else ''}{name}: {_yaml_value(value)}  # {note}")
     return lines
+
+
+def set_by(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> str:
+    """The values that are not accel's built-in ones, after the file (or flags) that set each: `path: key value, ...;
+    flags: ...`; "" when there are none."""
+    builtin = _flat(AccelConfig().to_dict())
+    notes = value_notes(cfg, sources)
+    layers: dict[str, list[str]] = {}
+    for key in sources:  # the layers in precedence order, lowest first
+        value, note = notes.get(key, (None, "derived"))
+        if note not in ("default", "derived") and value != builtin.get(key):
+            layers.setdefault(note, []).append(f"{key.rpartition('.')[2]} {_yaml_value(value)}")
+    return "; ".join(f"{name}: {', '.join(items)}" for name, items in layers.items())
+
+
+def layout(cfg: AccelConfig) -> str:
+    """What the run is, in words: processes, distributed type and process-group backend, the parallel layout, mixed
+    precision and gradient accumulation."""
+    par = cfg.parallelism
+    dist_type = cfg.resolved_distributed_type()  # as the launcher filled it in (else derived as it would be)
+    device = "cuda" if dist_type == "MULTI_GPU" else "cpu"
+    backend = "" if dist_type == "NO" else ", " + process_group_backend(
+        None, device, par.offload_params or par.offload_optimizer)
+    processes = f"{cfg.num_processes} process{'es' if cfg.num_processes > 1 else ''}"
+    if cfg.num_machines > 1:
+        processes += f" on {cfg.num_machines} machines"
+    groups = f", fault tolerance over {cfg.fault_tolerance.group_size} replica groups" if (
+        cfg.fault_tolerance.enabled and cfg.fault_tolerance.replica_id is None) else ""
+    words = layout_words(par, *data_parallel_sizes(par, cfg.num_processes))
+    return (f"{processes} ({dist_type}{backend}){groups}, {words}, mixed precision {cfg.mixed_precision}, gradient "
+            f"accumulation {cfg.gradient_accumulation_steps}")
+
+
+def start_line(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> str:
+    """`accel launch`'s first line: what runs (`layout`) and where each value not accel's own default came from."""
+    where = set_by(cfg, sources)
+    return f"accel launch: {layout(cfg)}" + (f" (set by {where})" if where else "")
 
 
 def print_dry_run(cfg: AccelConfig, sources: dict, env: dict[str, str], command: list[str]) -> int:

@@ -98,7 +98,8 @@ def run_command(args: argparse.Namespace) -> int:
     cluster = kubeflow.describe(pod)  # in a Kubernetes pod: which values its variables gave, and which lost
     if cluster is not None:
         print(cluster)
-    print("- resolved config:")
-    for line in cfg.to_yaml().rstrip().splitlines():
+    print(f"- run: {checks.layout(cfg)}")
+    print("- resolved config:")  # after each value: where it came from
+    for line in checks.annotated_yaml(cfg, launch_cmd.value_sources(args, FLAGS_SOURCE)):
         print(f"    {line}")
     return 0

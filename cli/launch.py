@@ -418,6 +418,8 @@ def run_command(args: argparse.Namespace) -> int:
                                  hold_warnings=True)
     if ft_launch.runs_groups(cfg):  # torchft's lighthouse and one launcher per replica group (cli/fault_tolerance.py)
         checks.release_warnings()
+        if not args.dry_run:
+            _say_start(args, cfg)
         return ft_launch.run_groups(args, cfg, script_argv)
     if args.accelerate_shim:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*shim_search_path(), os.environ.get("PYTHONPATH")) if p)
@@ -434,6 +436,7 @@ def run_command(args: argparse.Namespace) -> int:
         checks.release_warnings()
         if args.dry_run:
             return _dry_run(args, cfg, accelerate_flags.command(args, sys.executable, script_argv))
+        _say_start(args, cfg)
         os.environ.update(accelerate_flags.worker_env(args))  # the process is replaced: its environment is theirs
         if args.no_python:  # the program itself, not python
             return _exec_single(cfg, script_argv, python=False)
@@ -452,20 +455,34 @@ def run_command(args: argparse.Namespace) -> int:
     checks.release_warnings()
     if args.dry_run:
         return _dry_run(args, cfg, [sys.executable, "-m", "torch.distributed.run", *torchrun_argv])
+    _say_start(args, cfg)
     os.environ.update(accelerate_flags.worker_env(args))  # before the thread default: a given count wins
     output.set_worker_threads(nproc_per_node(cfg), on_cpu=cfg.distributed_type == "MULTI_CPU")
     return _run_torchrun(cfg, torchrun_argv, preemptible)
+
+
+def value_sources(args: argparse.Namespace, flags_source: str = FLAGS_SOURCE) -> dict:
+    """Where each value came from (`checks.value_sources`), a Kubernetes pod's variables included: for --dry_run, the
+    start line and `accel env`."""
+    overrides, pod = flags_and_pod(args)
+    sources = checks.dry_run_sources(args.config_file, overrides, flags_source)
+    if pod is not None:  # the keys only its variables set (they joined the flags' layer): named after them
+        sources.update({key: (pod.sources[key], value) for key, value in pod.values.items()})
+    return sources
 
 
 def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> int:
     env = {**worker_env(cfg), **accelerate_flags.worker_env(args)}
     if args.accelerate_shim:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    overrides, pod = flags_and_pod(args)
-    sources = checks.dry_run_sources(args.config_file, overrides, FLAGS_SOURCE)
-    if pod is not None:
-        sources.update({key: (pod.sources[key], value) for key, value in pod.values.items()})
-    return checks.print_dry_run(cfg, sources, env, command)
+    return checks.print_dry_run(cfg, value_sources(args), env, command)
+
+
+def _say_start(args: argparse.Namespace, cfg: AccelConfig) -> None:
+    """The start line (`checks.start_line`) on stderr; not from a replica group's own launcher (its head said it)."""
+    if os.environ.get(ft_launch.GROUP_ENV) is None:
+        sys.stderr.write(checks.start_line(cfg, value_sources(args)) + "\n")
+        sys.stderr.flush()
 
 
 def _exec_single(cfg: AccelConfig, script_argv: list[str], python: bool = True) -> int:

@@ -65,6 +65,32 @@ def data_parallel_sizes(parallelism: ParallelismConfig, world_size: int,
     return replicate, shard
 
 
+def data_parallel_kind(parallelism: ParallelismConfig, replicate: int, shard: int) -> str:
+    """The data-parallel kind in words, as the backends run it: DDP, ZeRO-1, ZeRO-2/3 (FSDP2), FSDP2 (TP's data
+    parallelism at zero_stage 0), HSDP (replicas of sharded groups), or none (one data-parallel rank, no ZeRO)."""
+    stage = parallelism.zero_stage
+    if replicate * shard == 1 and stage == 0:
+        return "no data parallelism"
+    if shard > 1 or stage >= 2:
+        kind = f"ZeRO-{stage} (FSDP2)" if stage >= 2 else "FSDP2"
+        return f"HSDP {kind}" if replicate > 1 and shard > 1 else kind
+    return "ZeRO-1" if stage == 1 else "DDP"
+
+
+def layout_words(parallelism: ParallelismConfig, replicate: int, shard: int, every: bool = False) -> str:
+    """The layout in words: the data-parallel kind, then the degrees (`every`: each one, else those above 1) and CPU
+    offload, e.g. "ZeRO-2 (FSDP2), dp_shard 2". One wording for `accel launch`'s start line and the state's
+    summary."""
+    degrees = {"dp_replicate": replicate, "dp_shard": shard, "tp": parallelism.tp_size, "pp": parallelism.pp_size,
+               "cp": getattr(parallelism, "cp_size", 1), "sp": getattr(parallelism, "sp_size", 1),
+               "ep": getattr(parallelism, "ep_size", 1)}
+    words = [data_parallel_kind(parallelism, replicate, shard)]
+    words += [f"{name} {size}" for name, size in degrees.items() if every or size > 1]
+    if parallelism.offload_params or parallelism.offload_optimizer:
+        words.append("CPU offload")
+    return ", ".join(words)
+
+
 def check_data_parallel_layout(parallelism: ParallelismConfig, replicate: int, shard: int,
                                source: str = "parallelism") -> None:
     """The data-parallel layout must agree with accel's own fields (one-line ConfigError otherwise): sharding

@@ -96,6 +96,21 @@ def as_timeout(value: Any, where: str) -> timedelta | None:
     return value if isinstance(value, timedelta) else timedelta(seconds=value)
 
 
+def process_group_backend(backend: str | None, device_type: str, cpu_collectives: bool) -> str:
+    """The backend string for the default process group.
+
+    Decided once for every GPU job: accel's own collectives send tensors on the job's device, so NCCL alone serves
+    them. The exception is CPU offload: FSDP2 keeps the offloaded gradients on the CPU and reduces CPU tensors that
+    accel does not make (the gradient norm of `clip_grad_norm_`, the sharded grad scaler's inf flag), so a job that
+    offloads gets gloo for CPU tensors beside NCCL, `"cuda:nccl,cpu:gloo"` (torch's own default when no backend is
+    named; torchtitan does the same for offload). A backend the user names is kept, except that under offload one with
+    no CPU backend ("nccl", "cuda:nccl") gets gloo added for CPU tensors (it would fail on the first clipped step)."""
+    chosen = backend or ("nccl" if device_type == "cuda" else "gloo")
+    if cpu_collectives and device_type == "cuda" and "gloo" not in chosen and "cpu:" not in chosen:
+        return ("cuda:" + chosen if ":" not in chosen else chosen) + ",cpu:gloo"  # nccl, cuda:nccl: gloo beside
+    return chosen
+
+
 @dataclass
 class AutocastKwargs(KwargsHandler):
     """Options of `torch.autocast`."""

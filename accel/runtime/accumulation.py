@@ -16,9 +16,34 @@ class GradientState:
         self.sync_each_batch = sync_each_batch
         self.sync_with_dataloader = sync_with_dataloader
         self.adjust_scheduler = adjust_scheduler
-        self.sync_gradients = True
+        self._sync_gradients = True
+        self._windowed = False  # set once the loop decides which micro-steps sync: accumulate(), or itself
+        self._noted = False
         self.step = 0
         self.dataloader_references: list = []  # stack of loaders being iterated (innermost last)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self._sync_gradients = value
+        self._windowed = True
+
+    def unwindowed_note(self) -> str | None:
+        """At an optimizer step: once, when num_steps > 1 but the loop never entered `accumulate()` (nor set
+        sync_gradients itself), why its numbers differ: backward still divides each loss by num_steps, as Accelerate
+        does, and every batch steps. None otherwise."""
+        if self.num_steps <= 1 or self._windowed or self._noted:
+            return None
+        self._noted = True
+        n = self.num_steps
+        return (f"accel: gradient_accumulation_steps is {n} but the loop reached its first optimizer step without "
+                f"entering accelerator.accumulate(): as in Accelerate, backward divides each loss by {n} and the "
+                f"optimizer steps on every batch; wrap each step in `with accelerator.accumulate(model):` to "
+                f"accumulate {n} batches, or set gradient_accumulation_steps to 1 (`accel launch`'s start line and "
+                f"`accel env` show where it was set)")
 
     @classmethod
     def _reset_state(cls) -> None:

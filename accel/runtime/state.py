@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from accel.core.diagnostics import install_worker_hooks
-from accel.config.kwargs import as_timeout
+from accel.config.degrees import layout_words
+from accel.config.kwargs import as_timeout, process_group_backend
 from accel.core.probes import is_cuda_available  # NVML: asking does not initialise CUDA (forks stay usable)
 
 
@@ -57,21 +58,6 @@ def _env_device() -> torch.device | None:
     except RuntimeError:
         raise ValueError(f"environment variable ACCELERATE_TORCH_DEVICE={value!r} is not a torch device; allowed: a "
                          "device string such as cpu, cuda, cuda:1") from None
-
-
-def process_group_backend(backend: str | None, device_type: str, cpu_collectives: bool) -> str:
-    """The backend string for the default process group.
-
-    Decided once for every GPU job: accel's own collectives send tensors on the job's device, so NCCL alone serves
-    them. The exception is CPU offload: FSDP2 keeps the offloaded gradients on the CPU and reduces CPU tensors that
-    accel does not make (the gradient norm of `clip_grad_norm_`, the sharded grad scaler's inf flag), so a job that
-    offloads gets gloo for CPU tensors beside NCCL, `"cuda:nccl,cpu:gloo"` (torch's own default when no backend is
-    named; torchtitan does the same for offload). A backend the user names is kept, except that under offload one with
-    no CPU backend ("nccl", "cuda:nccl") gets gloo added for CPU tensors (it would fail on the first clipped step)."""
-    chosen = backend or ("nccl" if device_type == "cuda" else "gloo")
-    if cpu_collectives and device_type == "cuda" and "gloo" not in chosen and "cpu:" not in chosen:
-        return ("cuda:" + chosen if ":" not in chosen else chosen) + ",cpu:gloo"  # nccl, cuda:nccl: gloo beside
-    return chosen
 
 
 def _env_int(name: str, default: int) -> int:
@@ -200,6 +186,29 @@ class PartialState:
         same job's state), and elsewhere restores it without the release callbacks."""
         if not self.__dict__.get("_initialized"):
             self.__dict__.update(state, _release_callbacks=[])
+
+    def __repr__(self) -> str:
+        """Accelerate's summary: PartialState's fields, then, once an Accelerator has set them, AcceleratorState's
+        (mixed precision; the DeepSpeed config when a plugin is given); then accel's layout (kind and degrees)."""
+        if not self.initialized:
+            return object.__repr__(self)
+        backend = f"  Backend: {self.backend}" if self.use_distributed else ""  # one process: no process group
+        text = (f"Distributed environment: {self.distributed_type}{backend}\n"
+                f"Num processes: {self.num_processes}\n"
+                f"Process index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\n"
+                f"Device: {self.device}\n")
+        shared = self.__dict__
+        if "mixed_precision" not in shared:  # no Accelerator yet
+            return text
+        text += f"\nMixed precision type: {shared['mixed_precision']}\n"
+        if shared.get("deepspeed_plugin") is not None:
+            text += f"ds_config: {shared['deepspeed_plugin'].deepspeed_config}\n"
+        topology, parallelism = shared.get("topology"), shared.get("parallelism_config")
+        if topology is not None and parallelism is not None:
+            words = layout_words(parallelism, topology.dp_replicate_size, topology.dp_shard_size, every=True)
+            text += f"Parallelism: {words}\n"
+        return text
 
     def get_deepspeed_plugin(self, name: str):
         """The DeepSpeed plugin given under `name` to `Accelerator(deepspeed_plugins={...})` (Accelerate's)."""

@@ -188,7 +188,8 @@ def test_flag_through_the_command_line_warns_once_in_one_line(tmp_path, monkeypa
     assert_typical(cfg)
     assert argv == [str(script)]
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("accel launch: warning: ds.json: ")
+    assert len(err) == 2 and err[0].startswith("accel launch: warning: ds.json: ")
+    assert err[1].startswith("accel launch: 1 process (NO), ZeRO-3 (FSDP2), CPU offload, ")  # the start line
     assert ignored_keys(err[0]) == TYPICAL_IGNORED
 
 
