@@ -168,9 +168,9 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
 
     def stop(signum, _frame) -> None:
         stopping.append(signum)
-        for proc in groups.values():
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)  # the group's launcher asks its workers to save and stop
+        for proc in groups.values():  # the same signal: each group's launcher does what it does without groups
+            with contextlib.suppress(ProcessLookupError):  # (SIGTERM: its workers save and stop; SIGINT: stop)
+                proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -193,8 +193,12 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
 
 
 def _wait(groups: dict[int, subprocess.Popen], stopping: list[int]) -> int:
-    """Wait for every group; the first failure's exit code (0 when every group ended well)."""
+    """Wait for every group; the first failure's exit code (0 when every group ended well). A group that failed on
+    its own is named in one line; after a signal to this launcher, one line says how the job ended, and its code is
+    what the same signal gives without fault tolerance (130 for SIGINT; 75 when every group saved at a preemption
+    request, else 143 for SIGTERM)."""
     failed: list[tuple[int, int]] = []
+    ended_by_signal: list[int] = []
     running = dict(groups)
     while running:
         for replica, proc in list(running.items()):
@@ -202,15 +206,31 @@ def _wait(groups: dict[int, subprocess.Popen], stopping: list[int]) -> int:
             if code is None:
                 continue
             del running[replica]
-            if code != 0:
+            if code != 0 and stopping:
+                ended_by_signal.append(code)
+            elif code != 0:
                 failed.append((replica, code))
-                still = len(running)
                 sys.stderr.write(f"accel launch: replica group {replica} ended with exit code {code} (after its "
-                                 f"restarts); {still} other group(s) still running\n")
+                                 f"restarts); {len(running)} other group(s) still running\n")
         time.sleep(0.2)
-    if stopping and not failed:
+    if failed:
+        return failed[0][1]
+    return _stopped(stopping[0], ended_by_signal) if stopping else 0
+
+
+def _stopped(signum: int, codes: list[int]) -> int:
+    """The line and exit code of a job this launcher was asked to stop (the groups' launchers say nothing)."""
+    from accel.runtime.preemption import EXIT_CODE as PREEMPTED
+
+    if codes and all(code == PREEMPTED for code in codes):
+        sys.stderr.write(f"accel launch: the workers of every replica group stopped at the preemption request; exit "
+                         f"code {PREEMPTED} (run the same command again to resume)\n")
+        return PREEMPTED
+    if not codes:  # every group had ended well by the time the signal came
         return 0
-    return failed[0][1] if failed else 0
+    sys.stderr.write(f"accel launch: stopped by signal {signum} ({signal.Signals(signum).name}); every replica "
+                     "group was stopped\n")
+    return 128 + signum
 
 
 def _end_groups(groups: dict[int, subprocess.Popen]) -> None:

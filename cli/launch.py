@@ -57,7 +57,7 @@ from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, kube
 from accel.cli import fault_tolerance as ft_launch
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
-from accel.cli import hang_report
+from accel.cli import hang_report, rendezvous_wait
 from accel.cli.hang_report import HangWatch
 from accel.config.errors import shown
 from accel.config.schema import C_INT_MAX, MAX_SECONDS
@@ -581,6 +581,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         forking = forked_workers.wanted(on_cpu=(cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
                                         and not _CUDA_QUERIED[0])
         with (watch.around_agent(), _announcing_restarts(), stop.around_agent(),
+              rendezvous_wait.around_agent(cfg, lambda: watch.cleanup(keep=False)),
               job_reaper.reaping_workers(stop.stop_mark),  # no worker's process group outlives the job (or us)
               forked_workers.forking_workers() if forking else contextlib.nullcontext()):
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
@@ -606,11 +607,14 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         _not_preempted(stop, first_rank, _exit_code(first.exitcode))
         return _exit_code(first.exitcode)
     except SignalException as exc:
+        in_group = os.environ.get(ft_launch.GROUP_ENV) is not None  # a replica group's: its head says how it ended
         stopped = stop.stopped_message()
         if stopped is not None:  # a preemption request's second signal or grace period, or no worker listened
-            sys.stderr.write(stopped + "\n")
+            if not in_group:
+                sys.stderr.write(stopped + "\n")
             return stop.stopped_code()
-        sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
+        if not in_group:
+            sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
         return 128 + int(exc.sigval)
     except SystemExit as exc:  # torchrun's own argument errors (checks.check_torchrun_argv refuses them first)
         if exc.code in (None, 0):
@@ -624,6 +628,8 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         sys.stderr.write(f"accel launch: error: torchrun failed: {type(exc).__name__}: {message}\n")
         return 1
     else:
-        return stop.finish()  # 0, or preempt.preemption.EXIT_CODE when the workers stopped at a preemption request
+        # 0, or preempt.preemption.EXIT_CODE when the workers stopped at a preemption request (a replica group's head
+        # says it once for every group)
+        return stop.finish(quiet=os.environ.get(ft_launch.GROUP_ENV) is not None)
     finally:
         watch.cleanup(keep=hang is not None)

@@ -156,14 +156,15 @@ class PreemptionWatch:
         """128 + the signal that stopped the workers (the grace period's end counts as the request's signal)."""
         return 128 + int(self.stopped_by or signal.SIGTERM)
 
-    def finish(self, environ=os.environ) -> int:
+    def finish(self, environ=os.environ, quiet: bool = False) -> int:
         """The exit code once every worker exited 0: EXIT_CODE when they stopped for a request (after `scontrol
         requeue` with `requeue`), else 0. The request may have come through another machine's launcher: the workers
-        here saw it through the all_reduce."""
+        here saw it through the all_reduce. `quiet`: no line (a replica group's head says it for every group)."""
         if not self.seen():
             return 0
-        sys.stderr.write(f"accel launch: the workers stopped at the preemption request; exit code "
-                         f"{preemption.EXIT_CODE} (run the same command again to resume)\n")
+        if not quiet:
+            sys.stderr.write(f"accel launch: the workers stopped at the preemption request; exit code "
+                             f"{preemption.EXIT_CODE} (run the same command again to resume)\n")
         if self.requeue and self.machine_rank == 0:
             requeue_slurm_job(environ)
         sys.stderr.flush()

@@ -132,3 +132,38 @@ def test_a_host_ssh_cannot_reach_is_255(capsys):
     assert capsys.readouterr().err.strip() == ("accel launch: host node-b (machine_rank 1) failed first: it exited "
                                                "with code 255 (ssh could not reach it, or the connection dropped); "
                                                "stopped node-a")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_launch_waiting_for_machine_0_says_so_and_stops_at_once(tmp_path, signum):
+    """Stale torchrun variables in the shell (RANK=1 WORLD_SIZE=2, machine 0 never comes): the launcher says it waits
+    for machine 0, where and how long; SIGTERM or SIGINT end the wait within a second (TCPStore's connect never
+    returns to Python: the signal was taken only when it gave up, minutes later), 128 + the signal, one line."""
+    from conftest import get_free_port, make_isolated_env
+
+    (tmp_path / "s.py").write_text("")
+    env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_free_port())}
+    proc = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "s.py"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, seen = time.monotonic() + 60, ""
+    try:
+        while "waiting for machine 0" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                seen += proc.stderr.readline()
+        assert f"machine 1 of 2: waiting for machine 0 at 127.0.0.1:{env['MASTER_PORT']} (up to " in seen, seen
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    assert took < 2, took
+    name = signal.Signals(signum).name
+    assert (f"accel launch: stopped by signal {int(signum)} ({name}) while waiting in the rendezvous; no worker was "
+            "started") in stderr

@@ -31,8 +31,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -259,3 +261,34 @@ def test_a_late_group_is_waited_for_and_diverged_groups_are_stopped(tmp_path, is
     diverged = _records(tmp_path / "diverged")
     assert set(diverged) == {(0, 0, 0), (1, 0, 0)}  # no attempt 1
     assert all(r["after"] <= 10 for rs in diverged.values() for r in rs)  # stopped at the check, not trained on
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_head_ends_the_job_as_without_fault_tolerance(tmp_path, isolated_env, signum):
+    """Ctrl-C (SIGINT) exits 130 and SIGTERM to a loop that never asks `preemption_requested` 143, as without fault
+    tolerance, with one line from the head: not each group's own 'stopped by signal' nor 'ended with exit code ...
+    (after its restarts)' for groups the head stopped itself (Ctrl-C gave 143 and three lines)."""
+    mark = f"accel-ft-test-{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                             "--fault_tolerance", "--ft_group_size", "2", str(SCRIPT), "--out", str(tmp_path),
+                             "--steps", "100000"], cwd=_launch.ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"steps-g{g}-r0-a0.jsonl").exists() and
+                      (tmp_path / f"steps-g{g}-r0-a0.jsonl").stat().st_size for g in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    name = signal.Signals(signum).name
+    ours = [line for line in err.splitlines() if line.startswith("accel launch: ") and "signal" in line
+            or "after its restarts" in line]
+    assert ours == [f"accel launch: stopped by signal {int(signum)} ({name}); every replica group was stopped"], ours
+    assert not _left_behind(mark)
