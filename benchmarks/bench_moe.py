@@ -4,7 +4,7 @@ and under ZeRO-3.
     python benchmarks/bench_moe.py            # Mixtral-style model, 8 experts, 6 launched jobs (about a minute)
     python benchmarks/bench_moe.py --quick    # smoke run (small model, 1 warm-up + 2 measured steps)
 
-Then ep 2 with the other dimensions (issue 41), each on 4 processes: dp 2 x sp 2, HSDP 2 x 2 (ZeRO-3), ZeRO-1 and
+Then ep 2 with the other dimensions, each on 4 processes: dp 2 x sp 2, HSDP 2 x 2 (ZeRO-3), ZeRO-1 and
 pp 2 (1F1B, 2 micro-batches), the router's auxiliary loss off (refused under sp/cp; a pipeline computes only the
 loss_fn), batches from a prepared DataLoader (sp cuts them). Their expert bytes per rank against the theory: the
 experts / ep (DDP, sp: the sequence ranks hold their dp rank's experts), / 4 (HSDP: sharded over replicate x

@@ -1,4 +1,4 @@
-"""One command that runs every single-GPU path of accel and prints a table (issues 42 and 46).
+"""One command that runs every single-GPU path of accel and prints a table.
 
     python benchmarks/gpu_check.py                 # on one CUDA GPU, under 8 minutes
     python benchmarks/gpu_check.py --cpu           # the same sections on the CPU, small; CUDA-only ones SKIP
@@ -17,17 +17,17 @@ before the fix; its fixed path is the section after it):
 * async-save: `save_state(async_save=True)` (pinned staging on CUDA): the first and a later save's blocked time
   against a synchronous save of the same state, and the loaded state equal to the state at the save.
 * dispatch: `load_checkpoint_and_dispatch` over GPU, CPU and disk: outputs equal the model's on one device.
-* notebook-nvml-old / notebook-gloo-cuda (issue 46, 3): a parent that asked `torch.cuda.is_available()` without NVML
+* notebook-nvml-old / notebook-gloo-cuda: a parent that asked `torch.cuda.is_available()` without NVML
   forks workers that cannot use CUDA (the old path, REPRODUCED); a parent that asked accel's probe launches 2
   workers with `notebook_launcher`, sharing the GPU over gloo with CUDA tensors (NCCL refuses 2 ranks on one GPU),
   DDP for 3 steps: both ranks end with the same weights.
-* offload-clip-nccl-old / offload-clip (issue 46, 1): FSDP2 with CPU offload on a one-rank group: plain "nccl"
+* offload-clip-nccl-old / offload-clip: FSDP2 with CPU offload on a one-rank group: plain "nccl"
   fails to reduce the offloaded gradients' norm (REPRODUCED); accel's backend for offload ("cuda:nccl,cpu:gloo")
   clips, the norm equal to the unsharded model's.
-* meta-offload-old / meta-offload (issue 46, 4): a meta-device model with a buffer used in forward, FSDP2 with CPU
+* meta-offload-old / meta-offload: a meta-device model with a buffer used in forward, FSDP2 with CPU
   offload: materialized all on the CPU, forward fails on CUDA (REPRODUCED); accel's materialization (buffers on the
   GPU) runs, output equal to the same model built on the GPU.
-* hang-report (issue 46, 5): a one-rank NCCL job whose all-reduce never finishes (the stream is held by a long
+* hang-report: a one-rank NCCL job whose all-reduce never finishes (the stream is held by a long
   kernel), under `accel launch --collective_timeout 15`: what the launcher reports, and whether it names rank 0 and
   the collective (the watchdog kills a NCCL job without a Python exception).
 
