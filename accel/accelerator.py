@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, cast
 
@@ -34,6 +35,7 @@ from accel.config.kwargs import (
 )
 from accel.optimizer import AcceleratedOptimizer
 from accel.runtime.precision import PrecisionPolicy
+from accel.runtime.replaced_parameters import ReplacedParameters, layout_name
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
 from accel.runtime.state import DistributedType, PartialState, check_device_matches
 from accel.config.topology import Topology
@@ -180,6 +182,8 @@ class Accelerator(AccelerateMembers):
         self._dataloaders: list = []
         self._custom_objects: list = []
         self._replaced_optimizers: dict[int, torch.optim.Optimizer] = {}
+        # the parameters prepare replaced: an optimizer that still holds them is refused (replaced_parameters.py)
+        self._replaced = ReplacedParameters(layout_name(self.config.parallelism, self.topology.sizes))
         self._data_seed: int | None = None
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()  # Accelerate's names
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
@@ -187,7 +191,8 @@ class Accelerator(AccelerateMembers):
 
         self.throughput = monitor_for(self, throughput_monitor, find_handler(self.kwargs_handlers,
                                                                              ThroughputMonitorKwargs))
-        self.backend.training_objects = self._training_objects  # what a replica that heals receives (one truth)
+        # what a replica that heals receives (one truth); weakly, so the Accelerator is freed without gc as before
+        self.backend.training_objects = _weakly(self._training_objects)
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
@@ -381,7 +386,9 @@ class Accelerator(AccelerateMembers):
                              "script.py` or --num_processes=1), or a model loaded without a device_map")
         self.precision.wrap_forward(model)
         kept = (evaluation_mode or mapped) and not self.use_distributed  # mapped: its offloaded weights stay on meta
+        before = self._replaced.snapshot(self.unwrap_model(model, keep_torch_compile=False))
         prepared = model if kept else self.backend.prepare_model(model, placement and not mapped)
+        self._replaced.record(before, self.unwrap_model(prepared, keep_torch_compile=False))
         self._models.append(prepared)
         return prepared
 
@@ -393,6 +400,7 @@ class Accelerator(AccelerateMembers):
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         replacement = self.backend.prepare_optimizer(optimizer, models)
+        self._replaced.check_prepared(replacement)
         if replacement is not optimizer:  # e.g. ZeRO-1 shards it; schedulers built on the original follow
             self._replaced_optimizers[id(optimizer)] = replacement
             for prepared in self._schedulers:  # a scheduler prepared in an earlier call
@@ -497,6 +505,8 @@ class Accelerator(AccelerateMembers):
         """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
+        if self._replaced.unchecked:  # the first backward since a model whose parameters prepare replaced
+            self._replaced.check_backward()
         self.backend.backward(self.precision.scale_loss(loss), **kwargs)
 
     @contextlib.contextmanager
@@ -797,6 +807,7 @@ class Accelerator(AccelerateMembers):
         self._schedulers.clear()
         self._dataloaders.clear()
         self._replaced_optimizers.clear()
+        self._replaced.clear()
         self.backend.forget()
         self.gradient_state.step = 0
         gc.collect()
@@ -1046,6 +1057,19 @@ class Accelerator(AccelerateMembers):
     def __repr__(self) -> str:
         """The state's summary (Accelerate's fields, then accel's layout), then the accumulation steps."""
         return f"{self.state!r}Gradient accumulation steps: {self.gradient_accumulation_steps}\n"
+
+
+def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:
+    """`method` (bound) called through a weak reference to its object: no reference cycle through the backend."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the Accelerator that prepared these objects is gone")
+        return bound()
+
+    return call
 
 
 def _is_scheduler(obj: Any) -> bool:
