@@ -19,6 +19,12 @@ from accel.core.rank_warnings import warn_once_per_job  # noqa: E402
 
 warn_once_per_job()  # ranks other than 0 leave the warnings every rank repeats to rank 0
 
+from accel.core.uncaught import install as _install_excepthook  # noqa: E402
+
+# an uncaught one-line error of accel's is that line alone; a worker of `accel launch` leaves its exception to the
+# launcher, which prints it once (accel/core/uncaught.py)
+_install_excepthook()
+
 _LAZY = {
     "Accelerator": "accel.accelerator",
     "PartialState": "accel.runtime.state",

@@ -156,7 +156,8 @@ def check_torchrun_argv(argv: list[str]) -> None:
 # -------------------------------------------------------------------------------------------------------
 
 def check_script(script: str) -> None:
-    """`script` must be something `python script` runs: a readable file, or a folder/zip with __main__.py."""
+    """`script` must be something `python script` runs: a readable file, or a folder/zip with __main__.py; and its
+    Python must compile (`check_compiles`)."""
     path = Path(script)
     if not os.path.exists(script):  # (os.path's: False for a path the OS refuses, as too long)
         raise UsageError(f"script not found: {script} (relative to {os.getcwd()}); allowed: the path of a Python "
@@ -165,9 +166,45 @@ def check_script(script: str) -> None:
         if not (path / "__main__.py").is_file():
             raise UsageError(f"script {script} is a directory without __main__.py; allowed: a Python file, or -m "
                              "for a module")
+        check_compiles(str(path / "__main__.py"))
         return
     if not os.access(path, os.R_OK):
         raise UsageError(f"script {script} cannot be read (permission denied)")
+    check_compiles(script)
+
+
+COMPILE_CHECK_BYTES = 64 << 20  # a larger script is left to `python` (compiling it here would cost its time again)
+
+
+def check_compiles(script: str) -> None:
+    """A script that does not compile (a SyntaxError, an IndentationError, a bad encoding, a null byte) is refused in
+    one line naming the file and the line, before any process starts: every worker would fail the same way. Compiled
+    as `python` does (bytes, so its coding declaration holds); not run. What is not a regular file of at most
+    COMPILE_CHECK_BYTES (a FIFO, a device: read without blocking, checked on the descriptor read), a zip application or
+    a bytecode file (which `python` also runs) is left to `python`."""
+    import importlib.util
+    import stat
+    import zipfile
+
+    try:
+        fd = os.open(script, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise UsageError(f"script {script} cannot be read ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > COMPILE_CHECK_BYTES:
+            return
+        source = fh.read(COMPILE_CHECK_BYTES + 1)
+    if source[:4] == importlib.util.MAGIC_NUMBER or zipfile.is_zipfile(io.BytesIO(source)):
+        return
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError and TabError too
+        where = f"{exc.filename or script}:{exc.lineno}" if exc.lineno else (exc.filename or script)
+        message = " ".join(str(exc.msg).split()) or "invalid syntax"
+        raise UsageError(f"{where}: {type(exc).__name__}: {message}") from None
+    except ValueError as exc:  # a null byte (Python before 3.12)
+        raise UsageError(f"{script}: SyntaxError: {' '.join(str(exc).split())}") from None
 
 
 def worker_search_path(extra: list[str] | None = None) -> list[str]:

@@ -16,7 +16,9 @@ merely stopped, so torchrun names the healthy rank as the first failure. `HangWa
    still pending, or a stack blocked in torch.distributed), left (it ended on its own, outside any collective,
    while or before the others waited: its script returned, called sys.exit, or crashed), and stuck (still running
    elsewhere), and returns the lines printed last, the rank that left or else the stuck one named as the first
-   failure.
+   failure. When the rank that left failed (a non-zero exit code, a signal), the others only waited for it: the
+   headline names it and its exception, its traceback follows once, then one line for each other rank (where it
+   waited, no stack; ACCEL_FULL_TRACEBACKS=1 shows the stacks), as cli/failure_report.py does without a collective.
 
 Each machine's launcher reports its own ranks only.
 """
@@ -38,7 +40,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel.cli import output
+from accel.cli.output import HeldError
 from accel.core import diagnostics as diag
+from accel.core import uncaught
 from accel.core.diagnostics import Frame
 
 # the report's order, its first failure first; "stopped": stopped by the launcher outside any collective after a
@@ -85,6 +90,7 @@ class HangReport:
     lines: list[str]
     first_rank: int
     exitcode: int | None = None  # the worker exit code `accel launch` exits with (None: the first rank's failure's)
+    keeps_folder: bool = True  # the lines name the run folder: it is kept
 
 
 class HangWatch:
@@ -95,6 +101,7 @@ class HangWatch:
         self.machines = machines  # one: every rank is this launcher's, so none can be missing elsewhere
         self.run_dir = Path(tempfile.mkdtemp(prefix="accel-run-"))
         self.folder: Path | None = None  # the attempt whose running workers were asked for their stacks
+        self.latest: Path | None = None  # the last attempt the agent ran (--max_restarts: each writes apart)
         self.stopped: dict[int, int | None] = {}  # rank -> where its new stack starts in its file (None: no file)
         self.ends: dict[Path, dict[int, WorkerEnd]] = {}  # attempt folder -> rank -> how its worker ended
         self.running_at_stop: dict[Path, set[int]] = {}  # attempt folder -> ranks the launcher stopped
@@ -149,7 +156,7 @@ class HangWatch:
     def note_ends(self, pcontext, done_local_ranks: set[int]) -> None:
         """Note the workers the agent just found ended (the first time each is seen)."""
         attempt, ranks = self._ranks(pcontext)
-        folder = diag.attempt_folder(self.run_dir, attempt)
+        folder = self.latest = diag.attempt_folder(self.run_dir, attempt)
         ends = self.ends.setdefault(folder, {})
         stopped = self.running_at_stop.get(folder, set())
         now = time.time()
@@ -163,7 +170,7 @@ class HangWatch:
         """After a failed collective, or once a worker ended, ask the workers still running for their stacks (the
         agent stops them next)."""
         attempt, ranks = self._ranks(pcontext)
-        folder = diag.attempt_folder(self.run_dir, attempt)
+        folder = self.latest = diag.attempt_folder(self.run_dir, attempt)
         running = {ranks[local]: handler.proc for local, handler in pcontext.subprocess_handlers.items()
                    if handler.proc.poll() is None}
         # a worker whose script ended is on its way out (its end made the others fail): let it exit on its own
@@ -187,10 +194,13 @@ class HangWatch:
         return diag.pending_collective(read_flight_recorder(self.run_dir, rank)) is not None
 
     # -- after the agent returned -----------------------------------------------------------------------------
-    def report(self, failures: dict) -> HangReport | None:
-        """The report for torchrun's failures (global rank -> ProcessFailure), or None when no collective timed out
-        and no rank left while others waited in one (torchrun's usual summary then says what failed)."""
-        folder = self.folder or self._last_attempt()
+    def report(self, failures: dict, errors: dict[int, HeldError] | None = None) -> HangReport | None:
+        """The report for torchrun's failures (global rank -> ProcessFailure; `errors`: the exceptions the workers
+        left in their error files, cli/output.py), or None when no collective timed out and no rank left while
+        others waited in one (cli/failure_report.py then says what failed)."""
+        folder = self.latest or self.folder or self._last_attempt()
+        if folder != self.folder:  # the stacks were asked for in an earlier attempt (or never)
+            self.stopped = {}
         if folder is None:
             return None
         outcomes = self._with_leavers(folder, [self._outcome(folder, rank, failure)
@@ -200,9 +210,10 @@ class HangWatch:
         first = first_failure(outcomes)
         # a rank that left with exit code 0 is named first, but the job failed: exit with the first failure's code
         code = first.exitcode if first.exitcode != 0 else next(o.exitcode for o in outcomes if o.rank in failures)
-        return HangReport(report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps(),
-                                       whole_job=self.machines == 1),
-                          first_rank=first.rank, exitcode=code)
+        lines = report_lines(outcomes, self._timeout(folder, outcomes), folder, self._dumps(),
+                             whole_job=self.machines == 1, errors=errors)
+        return HangReport(lines, first_rank=first.rank, exitcode=code,
+                          keeps_folder=any(str(folder) in line for line in lines))
 
     def _with_leavers(self, folder: Path, outcomes: list[RankOutcome]) -> list[RankOutcome]:
         """`outcomes`, the ranks that left early marked "left": they ended on their own (the launcher did not stop
@@ -231,9 +242,12 @@ class HangWatch:
                 outcome.detail = f"failed without {names(leavers)}"
         return sorted(outcomes + [o for o in leavers if o.rank not in by_rank], key=lambda o: o.rank)
 
-    def stopped_by_launcher(self, rank: int) -> bool:
-        """`rank` was still running when the agent stopped the workers (of the last attempt): the signal it ended by
-        was the launcher's, sent because another rank failed."""
+    def stopped_by_launcher(self, rank: int, attempt: int | None = None) -> bool:
+        """`rank` was still running when the agent stopped the workers (of `attempt`, else of the last attempt): the
+        signal it ended by was the launcher's, sent because another rank failed."""
+        latest = diag.attempt_folder(self.run_dir, attempt) if attempt is not None else self.latest
+        if latest is not None:  # the agent's own bookkeeping: exact
+            return rank in self.running_at_stop.get(latest, set())
         folder = self._last_attempt()
         if folder is not None and folder in self.running_at_stop:
             return rank in self.running_at_stop[folder]
@@ -370,14 +384,18 @@ def first_failure(outcomes: list[RankOutcome]) -> RankOutcome:
 
 
 def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, dumps: Path | None,
-                 whole_job: bool = False) -> list[str]:
+                 whole_job: bool = False, errors: dict[int, HeldError] | None = None) -> list[str]:
     left, stuck, failed, waiting, _ = ([o for o in outcomes if o.role == role] for role in ROLE_ORDER)
     first = first_failure(outcomes)
+    if left and any(o.exitcode for o in left) and not uncaught.full():
+        return failed_while_waited(outcomes, left, waiting, timeout_s, errors or {})
     lines = [left_headline(left, waiting, timeout_s) if left
              else headline(stuck, failed, waiting, timeout_s, whole_job)]
     for outcome in sorted(outcomes, key=lambda o: ROLE_ORDER.index(o.role)):
         lines.append(rank_line(outcome, outcome is first))
         lines += stack_lines(outcome.frames)
+        if outcome.role in ("left", "failed"):  # its own exception (a waiting rank's is its failed collective)
+            lines += output.error_lines(outcome.rank, (errors or {}).get(outcome.rank))
     where = f"every thread's stack: {folder}" + (f"; NCCL flight recorder dumps: {dumps} (read them with "
                                                   f"`torchfrtrace {dumps}`)" if dumps else "")
     if not left or dumps or any(path.stat().st_size for path in folder.glob("stack_rank*.txt")):
@@ -394,6 +412,26 @@ def report_lines(outcomes: list[RankOutcome], timeout_s: float, folder: Path, du
     busy = names(stuck) if stuck else "a rank"
     lines.append(f"accel launch: if {busy} was busy on purpose (e.g. preparing data under main_process_first), raise "
                  "collective_timeout (config key, --collective_timeout SECONDS, or InitProcessGroupKwargs(timeout=))")
+    return lines
+
+
+def failed_while_waited(outcomes: list[RankOutcome], left: list[RankOutcome], waiting: list[RankOutcome],
+                        timeout_s: float, errors: dict[int, HeldError]) -> list[str]:
+    """A rank failed (it left with a non-zero exit code, or was killed) while, or before, the others waited for it
+    in a collective: the headline names it and its exception, its traceback follows once, then one line for each
+    other rank, where it waited or that it was stopped, without stacks."""
+    first = first_failure(outcomes)
+    error = errors.get(first.rank)
+    shown = error is not None and not error.printed
+    said = shown and error is not None and error.one_line  # an accel one-line error: its line first, as everywhere
+    lines = output.error_lines(first.rank, error) if said else []
+    lines.append(left_headline(left, waiting, timeout_s, first if shown else None, None if said else error))
+    if not said:
+        lines += output.error_lines(first.rank, error)
+    for outcome in sorted(outcomes, key=lambda o: ROLE_ORDER.index(o.role)):
+        if outcome is first and shown:
+            continue  # the headline said it all
+        lines.append(rank_line(outcome, outcome is first, compact=True))
     return lines
 
 
@@ -423,13 +461,19 @@ def headline(stuck: list[RankOutcome], failed: list[RankOutcome], waiting: list[
             "stopped")
 
 
-def left_headline(left: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float) -> str:
+def left_headline(left: list[RankOutcome], waiting: list[RankOutcome], timeout_s: float,
+                  first: RankOutcome | None = None, error: HeldError | None = None) -> str:
     """A rank ended while (or before) the others waited in a collective. Exit code 0 is a hang (the others wait until
     they time out, or until their backend sees the connection close); another code is a failure, whose rank torchrun
-    stopped the others for at once."""
+    stopped the others for at once. `first`: the first failure, named with `error`, its exception."""
     codes = sorted({how_it_left(o.exitcode) for o in left})
     who = (f"{names(left)} {codes[0]}" if len(codes) == 1
            else " and ".join(f"rank {o.rank} {how_it_left(o.exitcode)}" for o in left))
+    if first is not None:  # named with its exception (an accel one-line error: said on the line before)
+        others = [o for o in left if o is not first]
+        what = f"failed with {error.short()}" if error is not None else "failed with the error above"
+        who = (f"rank {first.rank} (local rank {first.local_rank}, pid {first.pid}) {what} "
+               f"({how_it_ended(first.exitcode)})" + (f" and {names(others)} also left" if others else ""))
     ops = ", ".join(sorted({o.op for o in waiting}))
     gone = max(o.ended_at or 0.0 for o in left)
     before = all(o.started is not None and o.started > gone for o in waiting)  # they started after it was gone
@@ -484,9 +528,13 @@ def signal_meaning(signum: int) -> str:
     return _CRASHES.get(name, "sent by another process than accel launch (a scheduler, a `kill`, a closed terminal)")
 
 
-def rank_line(outcome: RankOutcome, first: bool) -> str:
+def rank_line(outcome: RankOutcome, first: bool, compact: bool = False) -> str:
+    """The rank's line; `compact`: no stack follows (where a waiting rank waited is said in the line)."""
     label = f"rank {outcome.rank} (local rank {outcome.local_rank}, pid {outcome.pid})"
     ended = how_it_ended(outcome.exitcode) + (", first failure" if first else "")
+    stack = "; its stack, most recent call last:" if outcome.frames and not compact else ""
+    if compact and outcome.role == "waiting":
+        return f"accel launch: {label} waited in {outcome.op} and {outcome.detail} ({ended}){where(outcome.frames)}"
     if outcome.role == "left":
         how = f"exited with code {outcome.exitcode}" if outcome.exitcode >= 0 else how_it_left(outcome.exitcode)
         why = (": its script returned or called sys.exit(0)" if outcome.exitcode == 0
@@ -494,8 +542,7 @@ def rank_line(outcome: RankOutcome, first: bool) -> str:
                else f": {signal_meaning(-outcome.exitcode)}")
         return f"accel launch: {label} {how}{' (first failure)' if first else ''} outside any collective{why}"
     if outcome.role == "stopped":
-        return (f"accel launch: {label} was stopped outside any collective ({ended})"
-                + ("; its stack, most recent call last:" if outcome.frames else ""))
+        return f"accel launch: {label} was stopped outside any collective ({ended}){stack}"
     if outcome.role == "stuck":
         said = f"is stuck outside the collective ({ended})"
     elif outcome.role == "waiting":
@@ -504,7 +551,17 @@ def rank_line(outcome: RankOutcome, first: bool) -> str:
         said = f"failed ({ended})" + (f": {signal_meaning(-outcome.exitcode)}" if outcome.exitcode < 0 else "")
     if outcome.role == "stuck" and outcome.detail:
         return f"accel launch: {label} {said}; {outcome.detail}"
-    return f"accel launch: {label} {said}" + ("; its stack, most recent call last:" if outcome.frames else "")
+    return f"accel launch: {label} {said}{stack}"
+
+
+def where(frames: list[Frame]) -> str:
+    """", at <file>:<line>: <source>" of the innermost frame of the script's own code, or ""."""
+    own = [frame for frame in frames if not is_library(frame.filename)]
+    if not own:
+        return ""
+    frame = own[-1]
+    source = linecache.getline(frame.filename, frame.lineno).strip()
+    return f", at {display_path(frame.filename)}:{frame.lineno}" + (f": {source}" if source else "")
 
 
 def how_it_ended(exitcode: int) -> str:

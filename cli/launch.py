@@ -39,7 +39,8 @@ How it runs:
     says which machine hosts the rendezvous store (`--rdzv_conf is_host=1` on machine_rank 0, `is_host=0`
     on the others): machine_rank 0 must be the machine at main_process_ip.
 
-When a worker fails, the agent stops the others; the launcher prints one line per failed rank and exits
+When a worker fails, the agent stops the others; the launcher prints its summary line first (the rank that failed first
+and its exception), that rank's traceback once, then one line per other failed rank (cli/failure_report.py), and exits
 with the failed worker's exit code (128 + N for a worker killed by signal N).
 """
 
@@ -53,7 +54,7 @@ import os
 import socket
 import sys
 
-from accel.cli import accelerate_flags, checks, forked_workers, job_reaper, kubeflow, multinode, output
+from accel.cli import accelerate_flags, checks, failure_report, forked_workers, job_reaper, kubeflow, multinode, output
 from accel.cli import fault_tolerance as ft_launch
 from accel.cli import preemption as preempt
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
@@ -511,9 +512,11 @@ def _exit_code(code: int | None) -> int:
 
 
 @contextlib.contextmanager
-def _announcing_restarts():
+def _announcing_restarts(watch=None):
     """One line when torchrun's agent restarts the worker group (torch says so only in its INFO log), naming the
-    rank whose failure made it restart."""
+    rank whose failure made it restart and its exception, then its traceback; a rank the agent stopped because of
+    it is named as stopped by accel launch (`watch`, the HangWatch, knows which were still running; left untyped, so
+    that mypy leaves the patches of torch's methods alone, as before)."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -529,12 +532,13 @@ def _announcing_restarts():
         spec = worker_group.spec
         done = spec.max_restarts - agent._remaining_restarts
         failures = getattr(getattr(agent, "_accel_last_result", None), "failures", None) or {}
-        what = "a worker failed"
-        if failures:  # every failed rank, the first to end first (it is the cause more often than not)
-            order = forked_workers.by_end(failures) or sorted(failures, key=lambda r: failures[r].timestamp)
-            what = ", ".join(f"rank {rank} {_ended(failures[rank].exitcode)}" for rank in order)
-        sys.stderr.write(f"accel launch: {what}; restarting the worker group (restart {done} of "
-                         f"{spec.max_restarts}, ACCEL_RESTART_COUNT={done} in the new workers)\n")
+        stopped = (lambda rank: watch.stopped_by_launcher(rank, attempt=done - 1)) if watch else (lambda rank: False)
+        # every failed rank, the first to end first (it is the cause more often than not), then its traceback
+        lines = failure_report.restart_lines(failures, output.held_errors(failures), stopped, (
+            f"restarting the worker group (restart {done} of {spec.max_restarts}, ACCEL_RESTART_COUNT={done} in the "
+            "new workers)"))
+        output.keep_in_logs(failures)
+        sys.stderr.write("".join(f"{line}\n" for line in lines))
         sys.stderr.flush()
         return original(agent, worker_group)
 
@@ -547,13 +551,7 @@ def _announcing_restarts():
         LocalElasticAgent._monitor_workers = original_monitor
 
 
-def _ended(exitcode: int, note: str = "") -> str:
-    """How a worker ended (then `note`), and for a signal what it means (its own crash, the OOM killer, another
-    process)."""
-    if exitcode >= 0:
-        return f"exited with code {exitcode}{note}"
-    signum = -exitcode
-    return f"was killed by signal {signum}{hang_report.signal_name(signum)}{note}: {hang_report.signal_meaning(signum)}"
+_ended = failure_report.ended  # how a worker ended, and for a signal what it means
 
 
 def _not_preempted(stop: preempt.PreemptionWatch, rank: int, code: int) -> None:
@@ -580,30 +578,25 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
     try:
         forking = forked_workers.wanted(on_cpu=(cfg.distributed_type == "MULTI_CPU" or bool(cfg.use_cpu))
                                         and not _CUDA_QUERIED[0])
-        with (watch.around_agent(), _announcing_restarts(), stop.around_agent(),
+        with (watch.around_agent(), _announcing_restarts(watch), stop.around_agent(),
               rendezvous_wait.around_agent(cfg, lambda: watch.cleanup(keep=False)),
               job_reaper.reaping_workers(stop.stop_mark),  # no worker's process group outlives the job (or us)
               forked_workers.forking_workers() if forking else contextlib.nullcontext()):
             output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
-        hang = watch.report(exc.failures)
-        if hang is not None:  # printed last: which rank never came (or left), what the others waited in, stacks
-            sys.stderr.write("".join(f"{line}\n" for line in hang.lines))
+        errors = output.held_errors(exc.failures)  # the workers' exceptions, which they left to us to print
+        hidden = getattr(exc, "accel_hidden_lines", [])  # --local_ranks_filter: hidden failed ranks' last lines
+        hang = watch.report(exc.failures, errors)
+        if hang is not None:  # which rank never came (or left, or failed), what the others waited in
+            sys.stderr.write("".join(f"{line}\n" for line in [*hang.lines[:1], *hidden, *hang.lines[1:]]))
             code = _exit_code(exc.failures[hang.first_rank].exitcode if hang.exitcode is None else hang.exitcode)
             _not_preempted(stop, hang.first_rank, code)
             return code
-        first_rank, first = exc.get_first_failure()
-        order = forked_workers.by_end(exc.failures)  # the first to end first (torchrun knows the second only)
-        if order:
-            first_rank, first = order[0], exc.failures[order[0]]
-        for rank, failure in sorted(exc.failures.items()):
-            note = " (first failure)" if rank == first_rank and len(exc.failures) > 1 else ""
-            how = _ended(failure.exitcode, note)
-            if rank != first_rank and failure.exitcode < 0 and watch.stopped_by_launcher(rank):
-                how = (f"was stopped by accel launch (signal {-failure.exitcode}, "
-                       f"{hang_report.signal_name(-failure.exitcode).strip(' ()')}) after rank {first_rank} failed")
-            sys.stderr.write(f"accel launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}\n")
+        first_rank = failure_report.order(exc.failures, errors, watch.stopped_by_launcher)[0]
+        first = exc.failures[first_rank]
+        lines = failure_report.failure_lines(exc.failures, first_rank, errors, watch.stopped_by_launcher, hidden)
+        sys.stderr.write("".join(f"{line}\n" for line in lines))  # the summary first, the traceback once
         _not_preempted(stop, first_rank, _exit_code(first.exitcode))
         return _exit_code(first.exitcode)
     except SignalException as exc:
@@ -614,7 +607,8 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
                 sys.stderr.write(stopped + "\n")
             return stop.stopped_code()
         if not in_group:
-            sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}; the workers were stopped\n")
+            sys.stderr.write(f"accel launch: stopped by signal {int(exc.sigval)}"
+                             f"{hang_report.signal_name(int(exc.sigval))}; the workers were stopped\n")
         return 128 + int(exc.sigval)
     except SystemExit as exc:  # torchrun's own argument errors (checks.check_torchrun_argv refuses them first)
         if exc.code in (None, 0):
@@ -632,4 +626,4 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
         # says it once for every group)
         return stop.finish(quiet=os.environ.get(ft_launch.GROUP_ENV) is not None)
     finally:
-        watch.cleanup(keep=hang is not None)
+        watch.cleanup(keep=hang is not None and hang.keeps_folder)

@@ -10,9 +10,15 @@
 * `--local_ranks_filter 0[,1...]` (torchrun's flag): only these local ranks (on every machine) reach the
   console. The others' output still goes to `--log_dir` when given. Errors are never lost: without
   `--log_dir`, a hidden rank's stderr goes to a temporary file (removed after the run), and when that rank
-  fails its last lines are printed before the failure summary.
+  fails its last lines are printed after the launcher's summary line, before its traceback.
 * One process with `--log_dir` runs under torchrun's agent too (it is the agent that writes the files).
 * Warnings every rank repeats are printed by rank 0 only: see accel/core/rank_warnings.py (done in the workers).
+* A worker's uncaught exception is not printed by the worker: it goes to torchrun's error file
+  (accel/core/uncaught.py), and the launcher prints it once, after its summary line (cli/failure_report.py): the
+  traceback as `[rank<R>]: ` lines (torch's own prefix), an accel one-line error as `accel: error: <message>`. With
+  `--log_dir` it is also appended to that rank's `rank<R>.stderr.log`. torchrun's log lines that only repeat what
+  accel's lines say (a worker failed, the workers are being stopped, a signal arrived) are left out.
+  `ACCEL_FULL_TRACEBACKS=1` shows everything: each worker prints its own traceback, torchrun's lines stay.
 
 torchrun's agent runs with `RankLogsSpecs`, a `LogsSpecs` (torchrun's own extension point for where worker
 output goes), through torchrun's `parse_args` / `config_from_args` / `elastic_launch`.
@@ -21,16 +27,27 @@ output goes), through torchrun's `parse_args` / `config_from_args` / `elastic_la
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from accel.cli._common import UsageError, add_flag
+from accel.core import uncaught
 
 LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 RANK_LINE_PREFIX = "[rank${rank}]:"
 FAILURE_TAIL_LINES = 20
+MESSAGE_CHARS = 300  # an exception's text in the launcher's own lines (the traceback below has all of it)
+# torchrun's log lines that accel's own lines say better: (logger, message template)
+TORCHRUN_LINES_SAID = {
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers"),
+    ("torch.distributed.elastic.multiprocessing.api", "Sending process %s closing signal %s"),
+    ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"),
+}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -168,11 +185,15 @@ def _rank_logs_specs_class():
                     if tees[local_rank] & Std.ERR:
                         dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
                 dest.error_files[local_rank] = base + ".error.json"
+                with contextlib.suppress(FileNotFoundError):  # an earlier run's (same --log_dir): never this one's
+                    os.remove(dest.error_files[local_rank])
                 env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
             return dest
 
-        def report_hidden_failures(self, failures) -> None:
-            """The last stderr lines of each failed rank whose output the console did not show."""
+        def hidden_lines(self, failures) -> list[str]:
+            """The last stderr lines of each failed rank whose output the console did not show (without their
+            newlines)."""
+            out: list[str] = []
             for rank in sorted(failures):
                 path = self.hidden_stderr.get(rank)
                 if path is None or not os.path.isfile(path):
@@ -180,13 +201,10 @@ def _rank_logs_specs_class():
                 with open(path, errors="replace") as fh:
                     lines = fh.readlines()[-FAILURE_TAIL_LINES:]
                 where = "" if self.temporary else f" (all of it: {path})"  # a temporary one is removed
-                sys.stderr.write(f"accel launch: last stderr lines of rank {rank}, hidden by --local_ranks_filter"
-                                 f"{where}:\n")
+                out.append(f"accel launch: last stderr lines of rank {rank}, hidden by --local_ranks_filter{where}:")
                 prefix = f"[rank{rank}]:"  # torch.distributed's excepthook already puts it before tracebacks
-                sys.stderr.writelines(line if line.startswith(prefix) else prefix + line for line in lines)
-                if lines and not lines[-1].endswith("\n"):
-                    sys.stderr.write("\n")
-            sys.stderr.flush()
+                out += [(line if line.startswith(prefix) else prefix + line).rstrip("\n") for line in lines]
+            return out
 
         def cleanup(self) -> None:
             if self.temporary and self._folder is not None:
@@ -202,6 +220,7 @@ def run_agent(torchrun_argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    uncaught.not_a_worker()  # (its environment gets the workers' run folder)
     args = torchrun.parse_args(torchrun_argv)
     if args.log_dir and args.tee != "0":
         os.environ.setdefault(LINE_PREFIX_ENV, RANK_LINE_PREFIX)
@@ -213,9 +232,111 @@ def run_agent(torchrun_argv: list[str]) -> None:
     specs = _rank_logs_specs_class()(args.log_dir, given._redirects, given._tee, given._local_ranks_filter)
     config.logs_specs = specs
     try:
-        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+        with quiet_torchrun_lines():
+            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:  # its failures read their error files already
-        specs.report_hidden_failures(exc.failures)
+        # printed by the launcher after its summary line (cli/launch.py)
+        exc.accel_hidden_lines = specs.hidden_lines(exc.failures)  # type: ignore[attr-defined]
+        keep_in_logs(exc.failures)
         raise
     finally:
         specs.cleanup()
+
+
+# -------------------------------------------------------------------------------------------------------
+# the workers' exceptions (accel/core/uncaught.py writes them to torchrun's error file)
+# -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class HeldError:
+    """A worker's uncaught exception as its error file tells it."""
+
+    message: str  # "ValueError: its text", on one line
+    line: str  # the exception's own text, on one line
+    traceback: str  # as Python prints it
+    one_line: bool  # an accel one-line error: `accel: error: <line>` is all there is to show
+    printed: bool  # the worker printed it itself (ACCEL_FULL_TRACEBACKS=1, or a hook of the script's own)
+    time_ns: int | None = None  # when the worker reported it
+
+    def short(self) -> str:
+        """`message`, cut to MESSAGE_CHARS for the launcher's own lines."""
+        text = self.line if self.one_line else self.message
+        return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 3].rstrip() + "..."
+
+
+def held_error(failure) -> HeldError | None:
+    """The exception in a torchrun `ProcessFailure`'s error file, or None (no file: a signal, `sys.exit`, a worker
+    that failed before `import accel`)."""
+    data = getattr(failure, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    extra = message.get("extraInfo")
+    if not isinstance(extra, dict):
+        extra = {}
+    ours = extra.get(uncaught.INFO_KEY)
+    stack = extra.get("py_callstack")
+    if not isinstance(stack, str):
+        stack = ""
+    text = " ".join(message["message"].split())
+    if not isinstance(ours, dict):  # torch's own `record` (and no hook of accel's after it): the worker printed it
+        return HeldError(text, text, stack, one_line=False, printed=True)
+    when = ours.get("time_ns")
+    return HeldError(text, " ".join(str(ours.get("line", "")).split()), stack, bool(ours.get("one_line")),
+                     bool(ours.get("printed")), when if isinstance(when, int) else None)
+
+
+def held_errors(failures: dict) -> dict[int, HeldError]:
+    """Global rank -> its exception, for the failed ranks that left one."""
+    errors = {rank: held_error(failure) for rank, failure in failures.items()}
+    return {rank: error for rank, error in errors.items() if error is not None}
+
+
+def error_lines(rank: int, error: HeldError | None) -> list[str]:
+    """What the launcher prints of a rank's exception: the traceback as `[rank<R>]: ` lines (torch's prefix), or an
+    accel one-line error's line; nothing when the worker printed it itself."""
+    if error is None or error.printed:
+        return []
+    if error.one_line:
+        return [f"accel: error: {error.line}"]
+    prefix = f"[rank{rank}]: "
+    return [prefix + line if line else "" for line in error.traceback.rstrip("\n").split("\n")]
+
+
+def keep_in_logs(failures: dict) -> None:
+    """With --log_dir, append each failed rank's exception (which it did not print) to its `rank<R>.stderr.log`, so
+    the file holds what a worker that prints its own traceback would have left there."""
+    for failure in failures.values():
+        error = held_error(failure)
+        path = str(getattr(failure, "error_file", ""))
+        if error is None or error.printed or not path.endswith(".error.json"):
+            continue
+        log = path[: -len(".error.json")] + ".stderr.log"
+        if not os.path.isfile(log):  # on the console only (no --log_dir)
+            continue
+        text = f"accel: error: {error.line}\n" if error.one_line else error.traceback
+        with contextlib.suppress(OSError), open(log, "a") as fh:
+            fh.write(text if text.endswith("\n") else text + "\n")
+
+
+class _SaidByAccel(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.name, record.msg) not in TORCHRUN_LINES_SAID
+
+
+@contextlib.contextmanager
+def quiet_torchrun_lines():
+    """Leave out torchrun's log lines that accel's own lines say (TORCHRUN_LINES_SAID), unless
+    ACCEL_FULL_TRACEBACKS asks for everything."""
+    if uncaught.full():
+        yield
+        return
+    said = _SaidByAccel()
+    loggers = [logging.getLogger(name) for name in sorted({name for name, _ in TORCHRUN_LINES_SAID})]
+    for logger in loggers:
+        logger.addFilter(said)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(said)

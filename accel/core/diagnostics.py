@@ -14,7 +14,8 @@ So, in every worker `accel launch` started (it sets `ACCEL_DIAGNOSTICS_DIR`), `P
 * `sys.excepthook` writes `collective_rank<R>.json` when the uncaught exception is a failed collective: which one
   (from the traceback, else torch's flight recorder, which records every collective's name), whether it ran in
   backward, when it started (the flight recorder's wall-clock time: the launcher tells a peer that exited before
-  it from one that exited while it waited), the message and the traceback's frames.
+  it from one that exited while it waited), the message and the traceback's frames. Then the exception goes on to
+  `accel.core.uncaught`'s hook, which leaves it (traceback and all) to the launcher to print once.
 * When the script ends (it returned, called sys.exit, or raised), `ended_rank<R>.txt` gets the time, written at
   the start of the interpreter's shutdown, before `PartialState` destroys the process group (which is what makes
   the peers' collectives fail). The launcher then names a rank that left while the others waited in a collective,
@@ -39,7 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
-DIR_ENV = "ACCEL_DIAGNOSTICS_DIR"  # the run folder `accel launch` chose; unset: no files, no hooks
+from accel.core.uncaught import DIR_ENV  # the run folder `accel launch` chose; unset: no files, no hooks
+
 STACK_SIGNAL = signal.SIGUSR1  # not among the signals torchrun forwards (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
 FLIGHT_RECORDER_DIR = "flight_recorder"
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # torch's own file name, so torch's fr_trace analyzer reads the folder
@@ -91,12 +93,6 @@ def flight_recorder_path(run_dir: str | os.PathLike, rank: int | str) -> Path:
 # worker side
 # ---------------------------------------------------------------------------------------------------------
 
-def _is_config_error(exc_type) -> bool:
-    """accel's ConfigError (a one-line message naming the key, the value and what is allowed) or a subclass, known by
-    name: accel.config sits above this module."""
-    return any(cls.__name__ == "ConfigError" and cls.__module__.startswith("accel.") for cls in exc_type.__mro__)
-
-
 def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | None:
     """Register the stack dump and the failed-collective record for this worker (once; only under `accel launch`).
 
@@ -124,12 +120,7 @@ def install_worker_hooks(rank: int, timeout_s: float | None = None) -> Path | No
             write_record(record_path(folder, rank), exc)
         except Exception:  # a diagnostic must never hide the user's own error
             pass
-        if _is_config_error(exc_type):  # a refusal found once the model is known: one line (rank 0), not a traceback
-            if rank == 0:
-                sys.stderr.write(f"accel: error: {exc}\n")
-                sys.stderr.flush()
-            return
-        previous(exc_type, exc, tb)
+        previous(exc_type, exc, tb)  # accel.core.uncaught's: the exception goes to the launcher (or one line)
 
     sys.excepthook = record_then_report
 

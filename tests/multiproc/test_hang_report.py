@@ -122,10 +122,13 @@ def test_the_headline_names_the_rank_that_left_with_its_exit_code(left_job):
     rank0 = next(i for i, line in enumerate(lines) if line.startswith("accel launch: rank 0 "))
     # rank 0 waited (its collective failed as gloo saw rank 1's connection close, or it was stopped while waiting)
     assert re.search(r"waited in all_reduce and (failed without rank 1|was still waiting) \(", lines[rank0]), lines
-    assert "dist.all_reduce(total, group=group)  # rank 0 waits here" in "\n".join(lines[rank0 + 1:])
+    assert "dist.all_reduce(total, group=group)  # rank 0 waits here" in "\n".join(lines[rank0:])
     assert not any("stuck" in line or "never reached" in line or "timed out" in line for line in lines)
-    assert lines[-1].startswith("accel launch: rank 1 ended without reaching the collective that rank 0 waited in"
-                                if code == 0 else "accel launch: the job failed because rank 1 ended (see its output")
+    if code == 0:  # a hang: each rank's stack, and what to change
+        assert lines[-1].startswith("accel launch: rank 1 ended without reaching the collective that rank 0 waited in")
+    else:  # a failure rank 0 only waited for: one line, where it waited (no stack), and nothing after it
+        assert lines[rank0] == lines[-1] and "hang_worker.py:" in lines[rank0], lines
+        assert not any(line.startswith("    File ") or "every thread's stack" in line for line in lines), lines
 
 
 # ----------------------------------------------------------------------------------------------------------

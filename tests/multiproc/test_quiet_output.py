@@ -3,6 +3,8 @@ limited to chosen ranks, warnings once per job, and a hidden rank's error still 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.multiproc
@@ -58,7 +60,12 @@ def test_quiet_output_log_dir_and_rank_filter(run_accel, isolated_env, tmp_path)
     assert "[rank1]:stdout of rank 1" in result.stdout and "[rank1]:stderr of rank 1" in result.stderr
     before, tail = result.stderr.split("accel launch: last stderr lines of rank 0, hidden by --local_ranks_filter")
     assert "stdout of rank 0" not in console and "stderr of rank 0" not in result.stdout + before
-    # ... but hidden rank 0's failure is not: its last stderr lines come before the summary
+    # ... but hidden rank 0's failure is not: the launcher's summary line first, then its last stderr lines, then its
+    # traceback (which the worker left to the launcher), once; the log file has the traceback too
+    assert re.search(r"\naccel launch: rank 0 \(local rank 0, pid \d+\) exited with code 1: RuntimeError: rank 0 fails "
+                     r"on purpose\n$", before), before
     assert f"(all of it: {logs / 'rank0.stderr.log'})" in tail.splitlines()[0]
-    assert "\n[rank0]:stderr of rank 0\n" in tail and "\n[rank0]: RuntimeError: rank 0 fails on purpose\n" in tail
-    assert "accel launch: rank 0 (local rank 0, pid " in tail.split("RuntimeError: rank 0 fails on purpose")[1]
+    assert "\n[rank0]:stderr of rank 0\n" in tail
+    assert tail.endswith("\n[rank0]: RuntimeError: rank 0 fails on purpose\n"), tail
+    assert result.stderr.count("Traceback (most recent call last)") == 1
+    assert "RuntimeError: rank 0 fails on purpose\n" in (logs / "rank0.stderr.log").read_text()
