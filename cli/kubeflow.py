@@ -4,15 +4,18 @@ Kubeflow Trainer v2 (a TrainJob on the torch runtime) sets in every pod what tor
 flags (torchrun's argparse `env` action: `--nnodes` defaults to $PET_NNODES, and so on). accel launch reads them as
 the values of its own settings:
 
-    PET_NNODES          -> num_machines
-    PET_NPROC_PER_NODE  -> num_processes = PET_NPROC_PER_NODE x num_machines (accel's num_processes is the total)
+    PET_NNODES          -> num_machines (N, or N:N as Kubeflow writes it for an elastic policy of fixed size)
+    PET_NPROC_PER_NODE  -> num_processes = PET_NPROC_PER_NODE x num_machines (accel's num_processes is the total;
+                           torchrun's auto/cpu/gpu are one line unless a flag or the file gives num_processes)
     PET_NODE_RANK       -> machine_rank
     PET_MASTER_ADDR     -> main_process_ip    } for several machines only: one machine meets on 127.0.0.1
     PET_MASTER_PORT     -> main_process_port  } on a free port, as without them
 
-Precedence, key by key: `accel launch` flags (and `srun`'s values) > the config file > PET_* > accel's defaults.
-torchrun's own order is flag > PET_* > default (it has no file); Accelerate's `accelerate launch` ignores PET_*
-altogether (it fills torchrun's arguments from its flags and file, so PET_NPROC_PER_NODE=2 starts one process).
+The variables are read by accel.runtime.cluster_env (`read_pet`), as under a plain `python train.py`: a value reads,
+or is refused, alike under both. Precedence, key by key: `accel launch` flags (and `srun`'s values) > the config
+file > PET_* > accel's defaults. torchrun's own order is flag > PET_* > default (it has no file); Accelerate's
+`accelerate launch` ignores PET_* altogether (it fills torchrun's arguments from its flags and file, so
+PET_NPROC_PER_NODE=2 starts one process).
 One exception to "the file wins": every pod reads the same file, so a file's num_machines that differs from
 PET_NNODES, or its machine_rank that differs from PET_NODE_RANK, would make the pods run separate jobs (or claim one
 rank): that is a one-line error, and a flag (--num_machines, --machine_rank) says it is meant.
@@ -22,7 +25,8 @@ the pod's index and WORLD_SIZE the number of pods (releases that multiply it by 
 PET_NODE_RANK, which are then read instead). These are node-level values, for `torchrun --nnodes $WORLD_SIZE
 --node_rank $RANK`, never process ranks: accel launch takes num_machines = WORLD_SIZE, machine_rank = RANK and the
 main address and port from MASTER_ADDR/MASTER_PORT, one process per pod unless num_processes (the total) says more.
-Inside a launcher's worker (LOCAL_RANK or TORCHELASTIC_RUN_ID set) they are process ranks, and are left alone.
+Inside a launcher's worker (LOCAL_RANK, TORCHELASTIC_RUN_ID or ACCEL_LAUNCH_CONFIG set: cluster_env's
+`launcher_worker`) they are process ranks, and are left alone.
 """
 
 from __future__ import annotations
@@ -33,9 +37,8 @@ from typing import Any
 
 from accel.cli._common import UsageError
 from accel.config.errors import shown
-from accel.config.schema import MAX_PROCESSES_PER_MACHINE
+from accel.runtime.cluster_env import PET, ClusterEnvError, PetEnv, launcher_worker, read_pet  # the one reading
 
-PET = "Kubeflow Trainer"
 PYTORCHJOB = "PyTorchJob"
 PET_VARIABLES = {"num_machines": "PET_NNODES", "machine_rank": "PET_NODE_RANK", "main_process_ip": "PET_MASTER_ADDR",
                  "main_process_port": "PET_MASTER_PORT"}
@@ -76,34 +79,26 @@ def _number(env: Mapping[str, str], name: str, low: int, high: int | None, allow
     return number
 
 
-def _pet(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], int | None] | None:
-    if not any(_text(env, name) for name in (*PET_VARIABLES.values(), NPROC_VARIABLE)):
+def _pet(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], PetEnv | None] | None:
+    """PET_* as accel.runtime.cluster_env reads them (the one reading, as under plain python): PET_NNODES as N or N:N;
+    PET_NPROC_PER_NODE a number, or torchrun's word (refused in `read` where the count is needed)."""
+    try:
+        pet = read_pet(env)
+    except ClusterEnvError as exc:
+        raise UsageError(str(exc)) from None
+    if pet is None:
         return None
-    nnodes_text = _text(env, "PET_NNODES")
-    if nnodes_text is not None and ":" in nnodes_text:  # torchrun's elastic range MIN:MAX
-        low, _, high = nnodes_text.partition(":")
-        if low.strip() != high.strip():
-            raise UsageError(f"$PET_NNODES={shown(nnodes_text)}: an elastic range of nodes; allowed: a fixed number of "
-                             "nodes (accel launch runs a fixed number of machines), or --num_machines")
-        env = {**env, "PET_NNODES": low}
-    found: dict[str, Any] = {
-        "num_machines": _number(env, "PET_NNODES", 1, None, "a whole number of nodes from 1"),
-        "machine_rank": _number(env, "PET_NODE_RANK", 0, None, "this node's rank, a whole number from 0"),
-        "main_process_ip": _text(env, "PET_MASTER_ADDR"),
-        "main_process_port": _number(env, "PET_MASTER_PORT", 1, 65535, "a port number from 1 to 65535"),
-    }
-    nproc = _number(env, NPROC_VARIABLE, 1, MAX_PROCESSES_PER_MACHINE,
-                    f"a whole number of processes per node from 1 to {MAX_PROCESSES_PER_MACHINE} (torchrun's auto, "
-                    "cpu and gpu are not taken: Kubeflow Trainer resolves numProcPerNode to a number)")
+    found: dict[str, Any] = {"num_machines": pet.nnodes, "machine_rank": pet.node_rank,
+                             "main_process_ip": pet.master_addr, "main_process_port": pet.master_port}
     values = {key: value for key, value in found.items() if value is not None}
-    return values, {key: PET_VARIABLES[key] for key in values}, nproc
+    return values, {key: PET_VARIABLES[key] for key in values}, pet
 
 
-def _pytorchjob(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], int | None] | None:
+def _pytorchjob(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], PetEnv | None] | None:
     world, rank = _text(env, "WORLD_SIZE"), _text(env, "RANK")
     if world is None and rank is None:
         return None
-    if _text(env, "LOCAL_RANK") is not None or _text(env, "TORCHELASTIC_RUN_ID") is not None:
+    if launcher_worker(env):
         return None  # a launcher's worker: process ranks, not pods
     if world is None or rank is None:
         have, missing = ("WORLD_SIZE", "RANK") if rank is None else ("RANK", "WORLD_SIZE")
@@ -136,7 +131,7 @@ def read(env: Mapping[str, str], given: Mapping[str, Any], file_values: Mapping[
         found, engine = _pytorchjob(env), PYTORCHJOB
     if found is None:
         return None
-    raw, names, nproc = found
+    raw, names, pet_env = found
     pod = PodEnv(engine)
 
     def winner(key: str) -> str | None:
@@ -170,8 +165,14 @@ def read(env: Mapping[str, str], given: Mapping[str, Any], file_values: Mapping[
     if machines > 1 and "machine_rank" not in raw and winner("machine_rank") is None:  # PET_* only: RANK is required
         raise UsageError(f"num_machines {machines} but $PET_NODE_RANK is not set ({engine}): every pod would claim "
                          "machine rank 0; allowed: $PET_NODE_RANK set to the pod's index, or --machine_rank")
-    per_node = 1 if nproc is None else nproc
     over = winner("num_processes")
+    nproc = None if pet_env is None else pet_env.nproc
+    if pet_env is not None and over is None:  # torchrun's auto/cpu/gpu: the count is needed, and unknown here
+        try:
+            nproc = pet_env.processes_per_node()
+        except ClusterEnvError as exc:
+            raise UsageError(str(exc)) from None
+    per_node = 1 if not isinstance(nproc, int) else nproc
     if over is not None:
         if nproc is not None:
             pod.unused.append(f"${NPROC_VARIABLE}={nproc} ({over} wins)")

@@ -26,15 +26,16 @@ ssh clients), names the host that failed first and exits with its code.
 
 SLURM (`srun --ntasks-per-node=1 accel launch ...` in a job step of several nodes): machine_rank,
 num_machines and main_process_ip come from SLURM_PROCID (SLURM_NODEID), SLURM_STEP_NUM_NODES (SLURM_NNODES)
-and the first host of SLURM_STEP_NODELIST (SLURM_JOB_NODELIST), unless given as flags; they beat the
-config file's values (a file cannot know which node it is read on).
+and the first host of SLURM_STEP_NODELIST (SLURM_NODELIST, SLURM_JOB_NODELIST; the list is never expanded
+whole), unless given as flags; they beat the config file's values (a file cannot know which node it is read
+on). SLURM's, Kubeflow's PET_* and MPI's machine counts and ranks must agree (one line naming both otherwise).
+The variables are read by accel.runtime.cluster_env, as under plain python.
 """
 
 from __future__ import annotations
 
-import functools
-
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -43,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.config.errors import shown
 from accel.config.schema import MAX_PROCESSES_PER_MACHINE
 from accel.config.text_file import read_text
-from accel.runtime.cluster_env import expand_hostlist, first_int  # SLURM: host lists, integer variables
+# the one reading of each scheduler's variables, shared with plain python
+from accel.runtime.cluster_env import ClusterEnvError, check_machines, read_mpi, read_slurm
 
 SSH_COMMAND_ENV = "ACCEL_SSH_COMMAND"
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes"
@@ -235,20 +237,26 @@ def plan_machines(pool: dict[str, int], include: str | None = None, exclude: str
 # SLURM
 # -------------------------------------------------------------------------------------------------------
 
-def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
-    return first_int(env, names, lambda name, value: UsageError(f"${name}={value!r} is not an integer (set by SLURM?)"))
+@contextlib.contextmanager
+def _one_line() -> Iterator[None]:
+    """A scheduler's variable that accel cannot take (accel.runtime.cluster_env's one line) as accel launch's error."""
+    try:
+        yield
+    except ClusterEnvError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
     """machine_rank/num_machines/main_process_ip for a SLURM job step of several nodes, minus the keys in
-    `given` (the flags the user gave). Empty outside `srun`, or on one node."""
-    if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+    `given` (the flags the user gave). Empty outside `srun`, or on one node. First, every scheduler's machine count
+    and rank against every other's (SLURM, Kubeflow's PET_*, MPI): one line when two disagree."""
+    with _one_line():
+        check_machines(env, given)
+        step = read_slurm(env)
+    if step is None or step.nodes is None:
         return {}  # not in a job step: a batch script or salloc shell runs on one node only
-    nodes = _env_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"))
-    if nodes is None:
-        return {}
+    nodes, tasks = step.nodes, step.tasks
     if nodes[1] <= 1:
-        tasks = _env_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
         if tasks is not None and tasks[1] > 1 and given.get("machine_rank") is None:  # N launchers: N separate jobs
             raise UsageError(f"SLURM started {tasks[1]} tasks on one node (${tasks[0]}); accel launch must run once "
                              "per node: srun --ntasks-per-node=1 accel launch ... (it starts the processes itself)")
@@ -256,22 +264,18 @@ def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
     wanted = {key for key in ("num_machines", "machine_rank", "main_process_ip") if given.get(key) is None}
     if not wanted:
         return {}
-    tasks = _env_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
     if tasks is not None and tasks[1] != nodes[1]:
         raise UsageError(f"SLURM started {tasks[1]} tasks on {nodes[1]} nodes (${tasks[0]}); accel launch must run "
                          "once per node: srun --ntasks-per-node=1 accel launch ... (it starts the processes itself)")
     found: dict[str, Any] = {"num_machines": nodes[1]}
-    rank = _env_int(env, ("SLURM_PROCID", "SLURM_NODEID"))
+    rank = step.procid or step.nodeid
     if rank is not None:
         found["machine_rank"] = rank[1]
-    nodelist_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
-                        None)
-    if nodelist_var is not None:
-        try:
-            found["main_process_ip"] = expand_hostlist(env[nodelist_var])[0]
-        except ValueError as exc:
-            raise UsageError(f"${nodelist_var}={env[nodelist_var]!r} is not a SLURM host list ({exc}); "
-                             "give --main_process_ip") from None
+    if "main_process_ip" in wanted:
+        with _one_line():
+            host = step.main_host(env, "give --main_process_ip")  # the first host only: never the whole list
+        if host is not None:
+            found["main_process_ip"] = host
     missing = wanted - set(found)
     if missing:
         raise UsageError(f"in a SLURM job step of {nodes[1]} nodes but {', '.join(sorted(missing))} could not be "
@@ -279,23 +283,19 @@ def slurm_overrides(env: Mapping[str, str], given: dict) -> dict:
     return {key: found[key] for key in wanted}
 
 
-def _not_an_mpi_integer(family: str, name: str, value: str) -> UsageError:
-    return UsageError(f"${name}={value!r} is not an integer (set by {family}'s mpirun?)")
-
-
 def refuse_mpi_launchers(env: Mapping[str, str], given: dict) -> None:
     """`mpirun -np N accel launch ...` (N > 1): every launcher would start a job of its own. Refused in one line,
     unless its machine rank is given (one launcher per machine, as with a hostfile or `srun`)."""
-    from accel.runtime.cluster_env import MPI_FAMILIES
-
     if given.get("machine_rank") is not None:
         return
-    for family, (size_var, *_) in MPI_FAMILIES:
-        size = first_int(env, (size_var,), functools.partial(_not_an_mpi_integer, family))
-        if size is not None and size[1] > 1:
-            raise UsageError(f"{family}'s mpirun started {size[1]} processes (${size_var}) and each accel launch "
-                             "would start a job of its own: run `mpirun -np N python train.py` (Accelerator() forms "
-                             "one group from MPI's variables), or one accel launch per machine with --machine_rank")
+    with _one_line():
+        worlds = read_mpi(env)
+    for world in worlds:
+        if world.size > 1:
+            raise UsageError(f"{world.family}'s mpirun started {world.size} processes (${world.size_var}) and each "
+                             "accel launch would start a job of its own: run `mpirun -np N python train.py` "
+                             "(Accelerator() forms one group from MPI's variables), or one accel launch per machine "
+                             "with --machine_rank")
 
 
 # -------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Process state: rank, world size, local rank, device, and the lifetime of the default process group.
 
-It reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), under `srun` without a launcher
-made from SLURM's task variables first (accel.runtime.cluster_env). There is one process
-group per process, so there is one state per process: `PartialState()` returns it.
+It reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), under `srun` or `mpirun` without a
+launcher made from SLURM's or MPI's variables first, once every scheduler's variables agree (accel.runtime.cluster_env).
+There is one process group per process, so there is one state per process: `PartialState()` returns it.
 """
 
 from __future__ import annotations
@@ -103,16 +103,12 @@ class PartialState:
 
         export_restart_count()  # again: a worker forked by notebook_launcher imported accel before its restart
         if not dist.is_initialized():
-            from accel.runtime.cluster_env import (
-                export_mpi_task_env,
-                export_slurm_task_env,
-                refuse_pet_without_launcher,
-            )
+            from accel.runtime.cluster_env import export_task_env
 
-            # `srun` or `mpirun` without a launcher: RANK, WORLD_SIZE, ... from SLURM's task variables, else MPI's;
-            # a Kubeflow Trainer pod that asks for several processes needs a launcher
-            if not (export_slurm_task_env() or export_mpi_task_env()):
-                refuse_pet_without_launcher(os.environ)
+            # `srun` or `mpirun` without a launcher: RANK, WORLD_SIZE, ... from SLURM's task variables, else MPI's,
+            # once every scheduler's variables agree; a Kubeflow Trainer pod that asks for several processes needs a
+            # launcher. A refusal is a ClusterEnvError: one line, printed alone when uncaught (accel.core.uncaught)
+            export_task_env()
         self.num_processes = _env_int("WORLD_SIZE", 1)
         self.process_index = _env_int("RANK", 0)
         self.local_process_index = _env_int("LOCAL_RANK", 0)

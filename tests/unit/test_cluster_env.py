@@ -14,9 +14,10 @@ from accel.runtime.cluster_env import (
     ClusterEnvError,
     derived_port,
     expand_hostlist,
-    export_slurm_task_env,
+    export_task_env,
     mpi_task_env,
     slurm_task_env,
+    task_env,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -43,19 +44,20 @@ def test_srun_task_becomes_torchruns_variables():
     assert slurm_task_env(step) == {**env, "WORLD_SIZE": "8", "MASTER_ADDR": "gpu7", "MASTER_PORT": "12345"}
     assert slurm_task_env({**TASK, "MASTER_ADDR": "10.0.0.9"})["MASTER_ADDR"] == "10.0.0.9"
     environ = dict(TASK)
-    export_slurm_task_env(environ)
+    export_task_env(environ)
     assert environ["RANK"] == "3" and environ["SLURM_PROCID"] == "3"
 
 
 @pytest.mark.parametrize("change", [
     {"SLURM_STEP_ID": None},  # the batch script itself: SLURM_NTASKS describes the allocation, accel launch may follow
     {"SLURM_NTASKS": "1"},  # one task: a one-process job
-    {"RANK": "0"}, {"WORLD_SIZE": "4"}, {"LOCAL_RANK": "0"},  # a launcher's worker (srun accel launch, torchrun)
+    {"LOCAL_RANK": "0"}, {"TORCHELASTIC_RUN_ID": "x"},  # a launcher's worker (srun accel launch, torchrun)
     {"ACCEL_LAUNCH_CONFIG": "{}"},  # started by accel launch
 ])
 def test_srun_variables_are_left_alone_outside_a_launcherless_step(change):
     env = {k: v for k, v in {**TASK, **change}.items() if v is not None}
-    assert slurm_task_env(env) is None
+    assert slurm_task_env(env) is None and task_env(env) is None
+    # torchrun's RANK/WORLD_SIZE set without a launcher are compared with SLURM's (tests/unit/test_cluster_variables.py)
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -280,12 +282,12 @@ def test_mpirun_processes_become_torchruns_variables(env, wanted):
 
 @pytest.mark.parametrize("env", [
     {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"},  # one process: nothing to form
-    {**OPEN_MPI, "RANK": "3"},  # a launcher already set torchrun's variables
+    {**OPEN_MPI, "LOCAL_RANK": "1", "RANK": "3"},  # a launcher already set torchrun's variables
     {**OPEN_MPI, "ACCEL_LAUNCH_CONFIG": "{}"},  # a worker of accel launch
     {},
 ])
 def test_mpirun_variables_are_left_alone_where_they_do_not_apply(env):
-    assert mpi_task_env(env) is None
+    assert mpi_task_env(env) is None and task_env(env) is None
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -317,8 +319,6 @@ def test_mpirun_of_several_accel_launchers_is_refused(clean_env, capsys):
 def test_a_trainjob_pod_without_a_launcher_is_one_line(monkeypatch):
     """A TrainJob whose command is `python train.py`: PET_NPROC_PER_NODE=2 asks torchrun for 2 processes, but none
     starts them; before, the pod trained alone (1 process) without a word."""
-    from accel.runtime.cluster_env import refuse_pet_without_launcher
-
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCEL_LAUNCH_CONFIG", "SLURM_STEP_ID", "SLURM_STEPID",
                  "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -326,6 +326,11 @@ def test_a_trainjob_pod_without_a_launcher_is_one_line(monkeypatch):
     monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
     _partial_state_refuses(ClusterEnvError, r"^\$PET_NPROC_PER_NODE=2 \(Kubeflow Trainer\) asks for several "
                                             r"processes, .*`accel launch train.py`")
-    refuse_pet_without_launcher({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"})  # one process: nothing to start
-    refuse_pet_without_launcher({"PET_NNODES": "2", "RANK": "0"})  # torchrun's (or accel launch's) worker
-    refuse_pet_without_launcher({"PET_NPROC_PER_NODE": "auto"})  # a word: the count is the launcher's to choose
+    assert task_env({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "1"}) is None  # one process: nothing to start
+    assert task_env({"PET_NNODES": "2", "RANK": "0", "LOCAL_RANK": "0"}) is None  # torchrun's (or accel launch's) worker
+    # a PyTorchJob pod of one process: its WORLD_SIZE/RANK count pods (PET_NPROC_PER_NODE=auto, the operator's default)
+    assert task_env({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "WORLD_SIZE": "2",
+                     "RANK": "1"}) is None
+    # torchrun's word without torchrun: the same line as under accel launch (tests/unit/test_cluster_variables.py)
+    with pytest.raises(ClusterEnvError, match=r"^\$PET_NPROC_PER_NODE='auto': bad value; allowed: a whole number"):
+        task_env({"PET_NPROC_PER_NODE": "auto"})

@@ -14,13 +14,13 @@ from accel.cli.launch import launch_parser
 from accel.cli.main import build_parser
 from accel.cli.multinode import (
     Machine,
-    expand_hostlist,
     filter_hosts,
     forwarded_env,
     parse_hostfile,
     plan_machines,
     slurm_overrides,
 )
+from accel.runtime.cluster_env import expand_hostlist
 
 POOL = {"w0": 4, "w1": 4, "w2": 2}
 
