@@ -30,27 +30,38 @@ class ReplicasDiverged(SystemExit):
 _INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def tensor_fingerprint(tensor: torch.Tensor) -> int:
-    """The sum of `tensor`'s bits, element by element, folded below 2**31 (this rank's shard of a DTensor)."""
+def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor`'s bits, element by element, as an int64 tensor on its device (this rank's shard of a
+    DTensor); summed in int64 without a copy, exact below 2**32 elements."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     local = local.detach()
     if local.numel() == 0 or local.device.type == "meta":
-        return 0
+        return torch.zeros((), dtype=torch.int64)
     if local.dtype == torch.bool:
         local = local.to(torch.uint8)
     bits = local.contiguous().view(_INTEGER[local.element_size()]) if local.is_floating_point() or \
         local.is_complex() else local
-    return int(bits.sum(dtype=torch.int64)) % FOLD  # (summed in int64 without a copy: exact below 2**32 elements)
+    return bits.sum(dtype=torch.int64)
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> int:
+    """One tensor's fingerprint: its bit sum folded below 2**31."""
+    return int(_bit_sum(tensor)) % FOLD
 
 
 def fingerprints(models: list) -> tuple[list[str], torch.Tensor]:
-    """(names, float64 fingerprints) of the prepared models' parameters, in order ('model i: name')."""
-    names, values = [], []
+    """(names, float64 fingerprints on the CPU) of the prepared models' parameters, in order ('model i: name'); one
+    transfer from the device for all of them."""
+    names, sums = [], []
     for i, model in enumerate(models):
         for name, param in model.named_parameters():
             names.append(f"model {i}: {name}" if len(models) > 1 else name)
-            values.append(float(tensor_fingerprint(param)))
-    return names, torch.tensor(values, dtype=torch.float64)
+            sums.append(_bit_sum(param))
+    if not sums:
+        return names, torch.zeros(0, dtype=torch.float64)
+    device = sums[0].device
+    folded = torch.stack([s.to(device) for s in sums]).remainder(FOLD)
+    return names, folded.cpu().to(torch.float64)
 
 
 def _over_groups(manager, tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
