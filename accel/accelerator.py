@@ -152,10 +152,16 @@ class Accelerator(AccelerateMembers):
         self.topology = Topology.for_config(self.state.num_processes, self.config.parallelism)
         scaler = find_handler(self.kwargs_handlers, GradScalerKwargs)
         autocast = find_handler(self.kwargs_handlers, AutocastKwargs)
+        from accel.core.shim_version import shim_active
+
         self.precision = PrecisionPolicy(self.config.mixed_precision, self.state.device,
                                          scaler.to_kwargs() if scaler else None,
                                          autocast.to_kwargs() if autocast else None,
-                                         find_handler(self.kwargs_handlers, AORecipeKwargs))
+                                         find_handler(self.kwargs_handlers, AORecipeKwargs),
+                                         as_accelerate=shim_active())
+        note = self.precision.cpu_fp16_note()
+        if note is not None and self.state.is_main_process:
+            warnings.warn(note, UserWarning, stacklevel=2)
         plugin = gradient_accumulation_plugin
         self.gradient_state = GradientState(
             num_steps=self.config.gradient_accumulation_steps,

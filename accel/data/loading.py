@@ -628,7 +628,17 @@ class DataLoaderShard(DataLoader):
             current = following
 
     def _last_remainder(self) -> int:
-        return getattr(self._shard, "remainder", -1)
+        """The real samples of the last step's batches: the shard's count where it padded the last round, else
+        Accelerate's `length % total_batch_size` (one process included, so `gather_for_metrics` trims a fixed-size
+        value of the last batch as it does); -1 without a length or with drop_last."""
+        padded = getattr(self._shard, "remainder", -1)
+        if padded != -1 or getattr(self._shard, "drop_last", False) or self.drop_last:
+            return padded
+        try:
+            length, total = self.total_dataset_length, self.total_batch_size
+        except (TypeError, AttributeError, NotImplementedError):
+            return -1
+        return length % total if total else -1
 
     def _fast_forward_owner(self) -> "DataLoaderShard":
         return self._parent if self._parent is not None else self  # (a skip_first_batches view: its loader's budget)

@@ -4,6 +4,8 @@
 `fp16`: autocast to float16 plus dynamic loss scaling; a step with inf/nan gradients is skipped.
 `fp8`: the recipe converts the chosen Linear layers to torchao's Float8Linear (float8 matmuls with dynamic
 scales); everything else runs as `bf16`.
+`fp16` on a CPU under `import accelerate` (the shim): float32 without scaling, as Accelerate runs it (it turns fp16
+on only off the CPU); under `import accel`, float16 autocast with a CPU GradScaler. Either way one line says which.
 Master weights stay float32 in every mode. Works on CPU and CUDA alike.
 """
 
@@ -25,18 +27,32 @@ class PrecisionPolicy:
     """One object that answers every precision question for the Accelerator and the backends."""
 
     def __init__(self, mode: str, device: torch.device, scaler_kwargs: dict | None = None,
-                 autocast_kwargs: dict | None = None, float8_recipe=None) -> None:
+                 autocast_kwargs: dict | None = None, float8_recipe=None, as_accelerate: bool = False) -> None:
         if mode not in MIXED_PRECISIONS:
             raise ConfigError(f"mixed_precision: bad value {mode!r}; allowed: one of {', '.join(MIXED_PRECISIONS)}")
         self.mode = mode
         self.device_type = torch.device(device).type
         self.dtype: torch.dtype | None = _DTYPES[mode]
+        # Accelerate turns fp16 on only off the CPU (`mode` still reads fp16, as its `mixed_precision` does)
+        self.float32_fp16 = mode == "fp16" and self.device_type == "cpu" and as_accelerate
+        if self.float32_fp16:
+            self.dtype = None
         self.autocast_kwargs = dict(autocast_kwargs or {})
         self.float8 = _float8_settings(torch.device(device), float8_recipe) if mode == "fp8" else None
         self.scaler = None
         self.scaler_kwargs = dict(scaler_kwargs or {})
-        if mode == "fp16":
+        if mode == "fp16" and not self.float32_fp16:
             self.scaler = torch.amp.GradScaler(self.device_type, **self.scaler_kwargs)
+
+    def cpu_fp16_note(self) -> str | None:
+        """What fp16 runs on a CPU, in one line (None elsewhere): it differs between Accelerate and accel."""
+        if self.mode != "fp16" or self.device_type != "cpu":
+            return None
+        if self.float32_fp16:
+            return ("accel: mixed_precision fp16 on a CPU runs in float32 without loss scaling, as Accelerate runs it "
+                    "(it turns fp16 on only off the CPU); bf16 runs half precision on a CPU")
+        return ("accel: mixed_precision fp16 on a CPU runs float16 autocast with a CPU GradScaler (Accelerate runs "
+                "float32 here, and so does accel under `import accelerate`)")
 
     def fsdp_policy(self):
         """FSDP2's `MixedPrecisionPolicy` for this policy (None in fp32): parameters gathered in the compute dtype,

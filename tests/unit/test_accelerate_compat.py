@@ -307,3 +307,57 @@ def test_seedable_sampler_replaces_the_sampler_inside_a_custom_batch_sampler():
         orders.append([b.tolist() for b in loader])
     assert orders == [[[2, 6, 1, 8], [4, 5, 0, 9], [3, 7]], [[8, 4, 9, 0], [5, 1, 6, 7], [2, 3]],
                       [[2, 6, 3, 8], [7, 9, 1, 4], [5, 0]]]
+
+
+_AS_ACCELERATE = r"""
+import json, warnings
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as said:
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+set_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.DataLoader(torch.randn(36, 8), batch_size=32)
+model, optimizer, data = accelerator.prepare(model, optimizer, data)
+losses, gathered = [], []
+for _ in range(3):
+    for x in data:
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        gathered.append(accelerator.gather_for_metrics(torch.zeros(32)).shape[0])
+print(json.dumps({"mode": accelerator.mixed_precision, "scaler": accelerator.scaler is not None, "losses": losses,
+                  "gathered": gathered, "said": [str(w.message) for w in said if "fp16" in str(w.message)]}))
+"""
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("accelerate") is None,
+                    reason="the real accelerate package (a test extra) is not installed")
+def test_the_shim_follows_accelerate_on_cpu_fp16_and_the_last_batch_of_gather_for_metrics():
+    """Under `import accelerate`, fp16 on a CPU runs float32 without a scaler (Accelerate turns fp16 on only off the
+    CPU; accel ran float16 autocast, ~2e-4 off from the first forward) and says so in one line; gather_for_metrics on
+    one process trims a fixed-size value of the last batch to the real samples (36 items, batch 32: 32 then 4; accel
+    gave 32 and 32). Same numbers as the real Accelerate 1.15, bit for bit."""
+    import json
+
+    from accel.shim import PATH
+
+    def run(pythonpath: str | None) -> dict:
+        env = {"PATH": "", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+        out = subprocess.run([sys.executable, "-c", _AS_ACCELERATE], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    shim, real = run(PATH), run(None)
+    assert shim["said"] == ["accel: mixed_precision fp16 on a CPU runs in float32 without loss scaling, as "
+                            "Accelerate runs it (it turns fp16 on only off the CPU); bf16 runs half precision on a CPU"]
+    assert real["said"] == []
+    del shim["said"], real["said"]
+    assert shim == real and real["mode"] == "fp16" and not real["scaler"] and real["gathered"] == [32, 4] * 3

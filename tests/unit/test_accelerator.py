@@ -326,3 +326,17 @@ def test_activation_checkpointing_recomputes_blocks_with_equal_gradients(mode):
     assert calls == {"no": 1, "no eval": 2, mode: 2, mode + " eval": 3}
     for key, value in grads["no"].items():
         assert torch.allclose(grads[mode][key], value, atol=1e-6, rtol=0), key
+
+
+def test_fp16_on_a_cpu_says_what_runs_under_import_accel():
+    """accel keeps float16 autocast and a CPU GradScaler for fp16 on a CPU (Accelerate runs float32 there; under
+    `import accelerate` accel does too, tests/unit/test_accelerate_compat.py): one line says which."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    notes = [str(w.message) for w in said if "fp16 on a CPU" in str(w.message)]
+    assert notes == ["accel: mixed_precision fp16 on a CPU runs float16 autocast with a CPU GradScaler (Accelerate "
+                     "runs float32 here, and so does accel under `import accelerate`)"]
+    assert accelerator.scaler is not None and accelerator.precision.dtype == torch.float16
