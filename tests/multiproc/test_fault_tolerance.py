@@ -292,3 +292,20 @@ def test_a_signal_to_the_head_ends_the_job_as_without_fault_tolerance(tmp_path, 
             or "after its restarts" in line]
     assert ours == [f"accel launch: stopped by signal {int(signum)} ({name}); every replica group was stopped"], ours
     assert not _left_behind(mark)
+
+
+def test_a_group_later_than_the_start_timeout_is_left_behind_in_one_line(tmp_path, isolated_env):
+    """`--ft_start_timeout 2` and group 1 eight seconds late: group 0 says in one line that it starts without
+    group 1, and trains alone; group 1 heals from it when it comes and both end with the same weights."""
+    mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
+                               "--ft_start_timeout", 2, SCRIPT, "--out", tmp_path, "--steps", 40, "--start-delay", 8,
+                               "--alone-sleep", 0.2)
+    said = [line for line in err.splitlines() if "not come within" in line]
+    assert said == ["accel: fault tolerance: replica group(s) 1 not come within fault_tolerance.start_timeout (2 s); "
+                    "the others start without them (they heal from them when they come)"], err[-3000:]
+    records = _records(tmp_path)
+    assert records[(0, 0, 0)][0]["participants"] == 1  # group 0 began alone
+    assert records[(1, 0, 0)][0]["after"] > 1  # group 1 healed: it began at the others' step
+    first, second = (load_file(str(tmp_path / f"weights-g{g}-r0.safetensors")) for g in (0, 1))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not _left_behind(mark)
