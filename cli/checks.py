@@ -360,10 +360,11 @@ def layout(cfg: AccelConfig) -> str:
             f"accumulation {cfg.gradient_accumulation_steps}")
 
 
-def start_line(cfg: AccelConfig, sources: dict[str, tuple[str, object]]) -> str:
-    """`accel launch`'s first line: what runs (`layout`) and where each value not accel's own default came from."""
+def start_line(cfg: AccelConfig, sources: dict[str, tuple[str, object]], note: str = "") -> str:
+    """`accel launch`'s first line: what runs (`layout`), where each value not accel's own default came from, then
+    `note` (cli/shim.py's when the launcher turned the shim on by itself)."""
     where = set_by(cfg, sources)
-    return f"accel launch: {layout(cfg)}" + (f" (set by {where})" if where else "")
+    return f"accel launch: {layout(cfg)}" + (f" (set by {where})" if where else "") + (f"; {note}" if note else "")
 
 
 def print_dry_run(cfg: AccelConfig, sources: dict, env: dict[str, str], command: list[str]) -> int:

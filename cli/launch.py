@@ -57,6 +57,7 @@ import sys
 from accel.cli import accelerate_flags, checks, failure_report, forked_workers, job_reaper, kubeflow, multinode, output
 from accel.cli import fault_tolerance as ft_launch
 from accel.cli import preemption as preempt
+from accel.cli import shim as auto_shim
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli import hang_report, rendezvous_wait
 from accel.cli.hang_report import HangWatch
@@ -409,6 +410,8 @@ def run_command(args: argparse.Namespace) -> int:
     preemptible = os.environ.get(multinode.HEAD_WATCH_ENV) != "1"  # a --hostfile head stops its launchers by SIGTERM
     multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
     script_argv = _script_argv(args)
+    if auto_shim.auto_shim(args):  # an Accelerate script, no Accelerate installed: through the shim (cli/shim.py)
+        args.accelerate_shim = args.shim_by_itself = True
     if args.hostfile:
         return multinode.run_on_hosts(args, script_argv, lambda more: checks.resolve_checked(
             args.config_file, {**flag_overrides(args), **more}, "accel launch", FLAGS_SOURCE, hold_warnings=True),
@@ -482,7 +485,8 @@ def _dry_run(args: argparse.Namespace, cfg: AccelConfig, command: list[str]) -> 
 def _say_start(args: argparse.Namespace, cfg: AccelConfig) -> None:
     """The start line (`checks.start_line`) on stderr; not from a replica group's own launcher (its head said it)."""
     if os.environ.get(ft_launch.GROUP_ENV) is None:
-        sys.stderr.write(checks.start_line(cfg, value_sources(args)) + "\n")
+        note = auto_shim.NOTE if getattr(args, "shim_by_itself", False) else ""
+        sys.stderr.write(checks.start_line(cfg, value_sources(args), note) + "\n")
         sys.stderr.flush()
 
 

@@ -1,5 +1,5 @@
 """`accel`: the command line entry point (`accel config`, `accel launch`, `accel env`, `accel plot`,
-`accel estimate-memory`, `accel plan`, `accel merge-weights`).
+`accel estimate-memory`, `accel plan`, `accel merge-weights`, `accel shim`).
 
 Every user mistake (bad flag, bad config value, missing script, port in use, ...) is reported as ONE line,
 `accel <cmd>: error: <message>`, on stderr with exit code 2 and no traceback.
@@ -18,7 +18,8 @@ from accel.cli import launch as launch_cmd
 from accel.cli import merge as merge_cmd
 from accel.cli import plan as plan_cmd
 from accel.cli import plot as plot_cmd
-from accel.cli._common import OneLineParser, UsageError
+from accel.cli import shim as shim_cmd
+from accel.cli._common import OneLineParser, UsageError, unrecognized
 from accel.config import ConfigError
 
 
@@ -31,7 +32,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--version", action="version", version=f"accel {__version__}",
                         help="print accel's version and exit")
     subparsers = parser.add_subparsers(dest="command", parser_class=OneLineParser,
-                                       metavar="{config,launch,env,plot,estimate-memory,plan,merge-weights}")
+                                       metavar="{config,launch,env,plot,estimate-memory,plan,merge-weights,shim}")
     config_cmd.register(subparsers)
     launch_cmd.register(subparsers)
     env_cmd.register(subparsers)
@@ -39,6 +40,7 @@ def build_parser() -> OneLineParser:
     estimate_cmd.register(subparsers)
     plan_cmd.register(subparsers)
     merge_cmd.register(subparsers)
+    shim_cmd.register(subparsers)
     return parser
 
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extras = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
     if extras:  # report them as the subcommand's error (`accel launch: error: ...`), not the top level's
         sub = _subparsers(parser).get(args.command, parser) if args.command else parser
-        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+        sub.error(unrecognized(sub, extras))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

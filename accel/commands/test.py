@@ -1,5 +1,6 @@
 """Accelerate's `accelerate test`: run Accelerate's own test_script.py with `accel launch --accelerate_shim` (the
-config from --config_file or accel's default), to check that this machine can run distributed training."""
+config from --config_file or accel's default), to check that this machine can run distributed training. Where no real
+Accelerate is installed (so no test_script.py), accel's own check runs instead (accel/commands/launch_check.py)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,19 @@ def test_script_path() -> Path:
     return script
 
 
+def check_script_path() -> Path:
+    """accel's own check, run where Accelerate (and so its test_script.py) is not installed."""
+    return Path(__file__).with_name("launch_check.py")
+
+
 def test_command(args: argparse.Namespace) -> None:
-    """`accel launch --accelerate_shim [--config_file F] test_script.py`; CalledProcessError when it fails."""
+    """`accel launch [--config_file F] --accelerate_shim test_script.py` (`accel launch [--config_file F]
+    launch_check.py` where Accelerate is not installed); CalledProcessError when it fails."""
+    from accel.core.shim_version import real_accelerate_installed
+
     config = ["--config_file", args.config_file] if args.config_file else []
-    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--accelerate_shim", *config, str(test_script_path())]
+    shim = ["--accelerate_shim", str(test_script_path())] if real_accelerate_installed() else [str(check_script_path())]
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", *config, *shim]
     result = subprocess.run(cmd)
     if result.returncode != 0:
         raise subprocess.CalledProcessError(result.returncode, cmd)
