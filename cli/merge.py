@@ -28,7 +28,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "unsafe_serialization", action="store_true", default=False,
              help="accepted for Accelerate's command line; accel still writes safetensors (never pickle)")
     add_flag(parser, "remove_checkpoint_dir", action="store_true", default=False,
-             help="delete CHECKPOINT_DIR after the merged file is written")
+             help="delete the checkpoint (the whole save_state folder when given its state/) once the merged file "
+                  "is written")
     parser.set_defaults(func=run)
     return parser
 

@@ -1086,16 +1086,23 @@ def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwarg
 
 
 def _read_dat_weight(path: str, info: Mapping) -> torch.Tensor:
-    """A tensor Accelerate offloaded (a raw ``.dat`` numpy memmap; bfloat16/float8 stored as int16/int8)."""
-    import numpy as np
+    """A tensor Accelerate offloaded (a raw ``.dat`` numpy memmap; bfloat16/float8 stored as int16/int8: the bytes
+    are the tensor's either way), read into the tensor's own memory through a descriptor checked to be a regular file
+    of exactly the bytes its shape and dtype need (a pipe, device or shorter file is one CheckpointError line)."""
+    import math
 
-    shape = tuple(info["shape"]) or (1,)
-    stored = info["dtype"]
-    numpy_dtype = "int16" if stored == "bfloat16" else "int8" if stored.startswith("float8_") else stored
-    array = np.memmap(path, dtype=numpy_dtype, shape=shape, mode="r")
-    tensor = torch.tensor(array[0] if len(info["shape"]) == 0 else array)
-    if stored == "bfloat16" or stored.startswith("float8_"):
-        tensor = tensor.view(getattr(torch, stored))
+    from accel.checkpoint.layout import checked_files
+
+    stored, shape = info.get("dtype"), info.get("shape")
+    dtype = getattr(torch, stored, None) if isinstance(stored, str) else None
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, list):
+        raise ValueError(f"offloaded weight {path}: dtype {str(stored)[:40]!r} and shape {str(shape)[:80]}; allowed: "
+                         "a torch dtype name and a list of sizes (the offload index as Accelerate writes it)")
+    tensor = torch.empty(shape, dtype=dtype)
+    size = math.prod(shape) * dtype.itemsize
+    with checked_files().open(path, size=size) as checked:
+        if size:
+            checked.read_into(tensor.view(-1).view(torch.uint8).numpy(), 0)
     return tensor
 
 
@@ -1150,15 +1157,16 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
     gives its module, the rest on the CPU) or a torch file (``torch.load(weights_only=True)`` on the CPU). A
     safetensors file saved by TensorFlow/Flax is refused; one without metadata is read as PyTorch's, with a
     warning. A file of a ``save_model`` folder is first checked against its checksum (``CheckpointError`` when
-    damaged; ``model_io.verify_saved_file``)."""
-    model_io.verify_saved_file(checkpoint_file)
+    damaged; ``model_io.verify_saved_file``). The file is read through a descriptor checked to be a regular file, the
+    one verified (a pipe or device that took its name is one CheckpointError line, never a hang)."""
+    from accel.checkpoint.layout import checked_files
+
+    opened = checked_files()
+    model_io.verify_saved_file(checkpoint_file, opened)
     checkpoint_file = str(checkpoint_file)
     if not checkpoint_file.endswith(".safetensors"):
-        return model_io.torch_load_weights(checkpoint_file)
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(checkpoint_file, framework="pt") as f:
+        return model_io.torch_load_weights(checkpoint_file, opened)
+    with model_io.safe_open_checked(checkpoint_file, opened) as f:
         metadata = f.metadata()
         names = list(f.keys())
     if metadata is None:
@@ -1171,10 +1179,10 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
                       "sure you save your model with the `save_pretrained` method.")
     if metadata["format"] != "pt":
         raise ValueError(f"The checkpoint passed was saved with {metadata['format']}, we need a the pt format.")
-    if device_map is None:
-        return load_file(checkpoint_file)
-    if len(set(device_map.values())) == 1:
-        return load_file(checkpoint_file, device=next(iter(device_map.values())))
+    if device_map is None or len(set(device_map.values())) == 1:
+        device = "cpu" if device_map is None else next(iter(device_map.values()))
+        with model_io.safe_open_checked(checkpoint_file, opened, device=device) as f:
+            return {key: f.get_tensor(key) for key in names}
     devices = list(set(device_map.values()) - {"disk"})
     if "cpu" not in devices:
         devices.append("cpu")  # whatever the map does not place (or sends to disk) is read onto the CPU
@@ -1186,7 +1194,7 @@ def load_state_dict(checkpoint_file, device_map: Mapping[str, Device] | None = N
     wanted["cpu"].extend(k for k in names if k not in placed)
     tensors = {}
     for device in devices:
-        with safe_open(checkpoint_file, framework="pt", device=device) as f:
+        with model_io.safe_open_checked(checkpoint_file, opened, device=device) as f:
             for key in wanted[device]:
                 tensors[key] = f.get_tensor(key)
     return tensors

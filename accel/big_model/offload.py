@@ -139,8 +139,10 @@ def _entry_path(file: str | os.PathLike, offload_folder: str | os.PathLike | Non
 def load_offloaded_weight(
     weight_info: Mapping, offload_folder: str | os.PathLike | None = None, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """Read one tensor an index entry describes (memory-mapped, then released), in the entry's dtype."""
-    from safetensors import safe_open
+    """Read one tensor an index entry describes (memory-mapped, then released), in the entry's dtype. The file is
+    opened through a descriptor checked to be a regular file (a pipe or device in its place is one CheckpointError
+    line, never a hang)."""
+    from accel.checkpoint.model_io import safe_open_checked
 
     path = _entry_path(weight_info["safetensors_file"], offload_folder)
     if not path.is_file():
@@ -153,7 +155,7 @@ def load_offloaded_weight(
     if wanted and wanted not in dtypes:
         raise ValueError(f"Offloaded weight {weight_info.get('weight_name')!r}: dtype {str(wanted)[:40]!r}; allowed: a "
                          "torch dtype name")
-    with safe_open(str(path), framework="pt", device=str(device or "cpu")) as f:
+    with safe_open_checked(path, device=str(device or "cpu")) as f:
         name = weight_info["weight_name"]
         held = f.get_slice(name).get_shape() if shape is not None else None  # the header only: nothing read yet
         if held is not None and shape is not None and list(held) != list(shape):

@@ -21,21 +21,32 @@ runs any code it names. `SafeFileSystemReader` is that reader with `read_metadat
 `TensorsOnlyPlanner` rebuilds a folder's tensors only: DCP reads a non-tensor item with `torch.load(...,
 weights_only=False)` (DefaultLoadPlanner.load_bytes), so non-tensor items are never read. The tensor items are
 read by torch with `torch.load(weights_only=True)` from slices checked as above.
+
+Every data file is read through a descriptor checked to be a regular file (accel.core.checked_file), the same file
+`check_metadata` sized: a FIFO or a link to a device that takes a file's name after the check is one MetadataError
+line, never a hang. `CheckedSafetensorsReader` is torch's `HuggingFaceStorageReader` (accel's state/ folders) read
+the same way, and only the files the checkpoint's manifest lists.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
 import stat
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+from accel.core.checked_file import CheckedFiles
 
 MAX_METADATA_BYTES = 256 << 20  # 256 MiB: a 70B model's optimizer state over 512 ranks is about 100 MB
 MAX_DIMS = 64
@@ -196,9 +207,15 @@ def _size(value: Any, what: str, path: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def check_metadata(metadata: Any, folder: Path, path: Path) -> None:
+def data_files() -> CheckedFiles:
+    """A DCP folder's record of the data files a read opens: each checked on its descriptor, the same file after."""
+    return CheckedFiles(MetadataError, "a regular file inside the checkpoint")
+
+
+def check_metadata(metadata: Any, folder: Path, path: Path, opened: CheckedFiles | None = None) -> None:
     """Refuse (MetadataError naming `path`) a Metadata whose fields are not what torch writes, or that would make
-    DCP allocate more than the folder's files hold, or read outside them."""
+    DCP allocate more than the folder's files hold, or read outside them. Each data file is sized on an opened
+    descriptor, recorded in `opened` so that the read finds the same file."""
     import torch.distributed.checkpoint.metadata as dcp_md
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -235,8 +252,10 @@ def check_metadata(metadata: Any, folder: Path, path: Path) -> None:
                       "items stored as they are (no compression or other transform)")
         slices.setdefault(_data_file(rel, folder, path), []).append((offset, length))
     sizes = {}
+    opened = opened or data_files()
     for rel, spans in slices.items():
-        sizes[rel] = os.stat(folder / rel).st_size
+        with opened.open(folder / rel) as checked:  # the name may have changed since _data_file's stat
+            sizes[rel] = checked.size
         end = 0
         for offset, length in sorted(spans):
             if offset < end or offset + length > sizes[rel]:
@@ -341,11 +360,34 @@ class _Window:
         return data
 
 
+class _CheckedFileSystem(FileSystem):
+    """torch's file system, whose streams for reading are the checked descriptors of `opened` (a copy of each)."""
+
+    def __init__(self, opened: CheckedFiles):
+        super().__init__()
+        self.opened = opened
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "r" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.opened.open(path) as checked, os.fdopen(os.dup(checked.fd), "rb") as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader (its storage data, file system and data reads unchanged) whose `read_metadata`
-    reads `.metadata` (or a rank's `__<rank>.metadata`) through the allow-list and checks it against the folder, and
-    whose every item slice is checked (`check_tensor_item`) before torch's `torch.load(weights_only=True)` reads
-    it: weights_only still admits calls such as `bytearray(n)`, which a planted item could make allocate at will."""
+    """torch's FileSystemReader (its storage data and data reads unchanged) whose `read_metadata` reads `.metadata`
+    (or a rank's `__<rank>.metadata`) through the allow-list and checks it against the folder, whose every item
+    slice is checked (`check_tensor_item`) before torch's `torch.load(weights_only=True)` reads it (weights_only
+    still admits calls such as `bytearray(n)`, which a planted item could make allocate at will), and whose data
+    files are read through the descriptors `check_metadata` checked (the same files)."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._opened = data_files()
+        self.fs = _CheckedFileSystem(self._opened)
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         where = f"{Path(self.path) / sinfo.relative_path} (bytes {sinfo.offset}-{sinfo.offset + sinfo.length})"
@@ -360,13 +402,106 @@ class SafeFileSystemReader(FileSystemReader):
         checked = getattr(self, "_checked", {})
         if path not in checked:  # read once: the caller's first read names a refusal, DCP's load reuses it
             metadata = read_metadata_file(path)
-            check_metadata(metadata, Path(self.path), path)
+            check_metadata(metadata, Path(self.path), path, self._opened)
             self._checked = {**checked, path: metadata}
         metadata = self._checked[path]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_md.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class CheckedSafetensorsReader(HuggingFaceStorageReader):
+    """torch's HuggingFaceStorageReader (the safetensors files of accel's state/ folder) reading only the files
+    `names` lists (torch's reads every .safetensors file it finds there, one added after the checks included), each
+    through a descriptor checked to be a regular file, the one the load checked first (`opened`, the load's
+    `layout.checked_files()`); safetensors maps it by the descriptor's name (CheckedFile.name), so large files are
+    not read into memory. read_metadata and read_data are torch's, over those files."""
+
+    def __init__(self, path: str, opened: CheckedFiles, names: list[str]) -> None:
+        super().__init__(path)
+        self._opened, self._names = opened, list(names)
+
+    @contextmanager
+    def _safe_open(self, file_name: str) -> Iterator[Any]:
+        from safetensors import safe_open
+
+        with self._opened.open(file_name) as checked:
+            handle = safe_open(checked.name, framework="pt")  # maps the checked file; the name is not used again
+        with handle as f:
+            yield f
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The files' tensors as DCP's metadata, read once: the caller's first read raises a refusal itself (DCP
+        would wrap it in an AssertionError of several lines), DCP's load reuses it."""
+        if getattr(self, "_metadata", None) is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _read_metadata(self) -> Any:
+        import torch.distributed.checkpoint.metadata as dcp_md
+        from safetensors.torch import _getdtype
+        from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY, _HFStorageInfo
+
+        entries: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        for name in self._names:
+            file_name = str(Path(self.path) / name)
+            with self._safe_open(file_name) as f:
+                extra = f.metadata() or {}
+                sharding = json.loads(extra[CUSTOM_METADATA_KEY]) if extra.get(CUSTOM_METADATA_KEY) else None
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    shape, dtype = list(piece.get_shape()), _getdtype(piece.get_dtype())
+                    offsets = sharding[key][SAVED_OFFSETS_KEY] if sharding is not None else [0] * len(shape)
+                    _add_chunk(entries, key, shape, offsets, dtype)
+                    storage[dcp_md.MetadataIndex(fqn=key, offset=offsets)] = _HFStorageInfo(
+                        relative_path=file_name, shape=torch.Size(shape), dtype=dtype)
+        metadata = dcp_md.Metadata(state_dict_metadata=entries, storage_data=storage)
+        metadata.storage_meta = dcp_md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from torch.futures import Future
+
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for file_name, items in per_file.items():
+            with self._safe_open(file_name) as f:
+                for item in items:
+                    _read_item(f, item, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _add_chunk(entries: dict, key: str, shape: list, offsets: list, dtype: torch.dtype) -> None:
+    """One saved piece of tensor `key` into DCP's metadata (as torch's HuggingFaceStorageReader builds it)."""
+    import torch.distributed.checkpoint.metadata as dcp_md
+
+    chunk = dcp_md.ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
+    whole = [n + o for n, o in zip(shape, offsets, strict=True)]
+    if key not in entries:
+        entries[key] = dcp_md.TensorStorageMetadata(properties=dcp_md.TensorProperties(dtype=dtype),
+                                                    size=torch.Size(whole), chunks=[chunk])
+        return
+    entries[key].chunks.append(chunk)
+    entries[key].size = torch.Size([max(a, b) for a, b in zip(entries[key].size, whole, strict=True)])
+
+
+def _read_item(f: Any, item: Any, planner: Any) -> None:
+    """Copy one read request's slice of a safetensors file into the planner's tensor (torch's reader does the same)."""
+    slices = tuple(slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths,
+                                                                             strict=True))
+    tensor = f.get_slice(item.storage_index.fqn)[slices]
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise ValueError(f"{item.storage_index.fqn}: a saved piece of size {list(tensor.size())}, the tensor to read "
+                         f"into {list(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
 
 
 class TensorsOnlyPlanner(_EmptyStateDictLoadPlanner):
@@ -388,5 +523,5 @@ class TensorsOnlyPlanner(_EmptyStateDictLoadPlanner):
         raise MetadataError(f"refused to unpickle the non-tensor item {read_item.dest_index.fqn!r}; allowed: tensors")
 
 
-__all__ = ["MAX_METADATA_BYTES", "MetadataError", "SafeFileSystemReader", "TensorsOnlyPlanner", "check_metadata",
-           "check_tensor_item", "read_metadata_file"]
+__all__ = ["MAX_METADATA_BYTES", "CheckedSafetensorsReader", "MetadataError", "SafeFileSystemReader",
+           "TensorsOnlyPlanner", "check_metadata", "check_tensor_item", "data_files", "read_metadata_file"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
 import secrets
@@ -22,6 +21,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from accel.core.checked_file import CheckedFiles
 from accel.core.safe_json import JSONFileError, read_json
 
 MANIFEST = "accel_checkpoint.json"
@@ -150,17 +150,18 @@ INLINE_CHECKSUMS = ".state-checksums.json"  # the writer's checksums, beside sta
 _CHECKSUM_FORM = re.compile(r"^(?:crc32:[0-9a-f]{8}|sha256:[0-9a-f]{64})$")
 
 
-def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
+def file_checksum(path: Path, algorithm: str = CHECKSUM, opened: CheckedFiles | None = None) -> str:
     """`crc32:<8 hex>` (or with `algorithm="sha256"`, `sha256:<64 hex>`) of a file's bytes, streamed in CHUNK
-    pieces (the whole file is never in memory)."""
+    pieces (the whole file is never in memory) through the descriptor checked to be a regular file (`opened`: the
+    load's record, so the file is the one it checked before)."""
     if algorithm == "crc32":
         value = 0
-        for chunk in _file_chunks(Path(path)):
+        for chunk in _file_chunks(Path(path), opened):
             value = zlib.crc32(chunk, value)
         return f"crc32:{value:08x}"
     if algorithm == "sha256":
         digest = hashlib.sha256()
-        for chunk in _file_chunks(Path(path)):
+        for chunk in _file_chunks(Path(path), opened):
             digest.update(chunk)
         return f"sha256:{digest.hexdigest()}"
     raise ValueError(f"checksum algorithm {algorithm!r}; known: crc32, sha256")
@@ -169,41 +170,27 @@ def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
 _WINDOW = 8 * CHUNK  # bytes of a file mapped at a time
 
 
-def _file_chunks(path: Path):
-    """A file's bytes in CHUNK pieces: read through a memory map, in _WINDOW windows (no copy out of the page
+def checked_files() -> CheckedFiles:
+    """A load's record of the files it opens (accel.core.checked_file): each is opened without blocking and checked
+    on its descriptor, and a file opened again in the same load must be the one first checked."""
+    return CheckedFiles(CheckpointError, "a regular file (a checkpoint holds only regular files and folders)")
+
+
+def _file_chunks(path: Path, opened: CheckedFiles | None = None):
+    """A file's bytes in CHUNK pieces, read through one checked descriptor (a pipe or device that took the file's
+    name is one CheckpointError, never a hang): through a memory map, in _WINDOW windows (no copy out of the page
     cache: crc32 then runs 1.5x as fast as over read() buffers), else read into one reused buffer."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        start = 0
-        if size and hasattr(mmap, "MAP_POPULATE"):
-            while start < size:
-                length = min(_WINDOW, size - start)
-                try:
-                    window = mmap.mmap(f.fileno(), length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                       prot=mmap.PROT_READ, offset=start)
-                except (OSError, ValueError):
-                    if start:
-                        raise
-                    break  # a file system without memory maps: read it
-                with window, memoryview(window) as view:
-                    for offset in range(0, length, CHUNK):
-                        with view[offset:offset + CHUNK] as chunk:
-                            yield chunk
-                start += length
-            if start >= size:
-                return
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            yield view[:n]
+    with (opened or checked_files()).open(path) as checked:
+        yield from checked.chunks(CHUNK, _WINDOW)
 
 
-def verify_file_checksum(path: Path | str, expected: str) -> bool:
+def verify_file_checksum(path: Path | str, expected: str, opened: CheckedFiles | None = None) -> bool:
     """Whether the file's bytes match `expected`, a checksum as a manifest lists it: `crc32:<8 hex>` (what accel
-    writes) or `sha256:<64 hex>` (checkpoints saved before). ValueError for any other form."""
+    writes) or `sha256:<64 hex>` (checkpoints saved before). ValueError for any other form; CheckpointError for a
+    file that is not a regular file (read through its checked descriptor; `opened`: the load's record)."""
     if not isinstance(expected, str) or not _CHECKSUM_FORM.match(expected):
         raise ValueError(f"checksum {expected!r}; allowed: crc32:<8 hex digits> or sha256:<64 hex digits>")
-    return file_checksum(Path(path), expected.partition(":")[0]) == expected
+    return file_checksum(Path(path), expected.partition(":")[0], opened) == expected
 
 
 def manifest_checksum(manifest: dict, algorithm: str = CHECKSUM) -> str:
@@ -468,21 +455,45 @@ def latest_checkpoint(folder: Path) -> Path:
 
 
 def rotate(folder: Path, total_limit: int | None) -> None:
+    """Remove the oldest complete checkpoints beyond `total_limit`, each out of sight first (`remove_folder`)."""
     if total_limit is None:
         return
     found = numbered_checkpoints(folder)
     for _, path in found[: max(len(found) - total_limit, 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_folder(path)
+
+
+def remove_folder(path: Path) -> None:
+    """Delete a checkpoint folder without a reader ever seeing it half-deleted: it leaves its name in one rename, to
+    a hidden temporary sibling (`.tmp-<name>-<host>-<pid>-<id>`, which `latest_checkpoint` and every loader ignore,
+    and which a later save removes if this process dies before it does), and only then is it deleted. A folder
+    already gone (another process rotated it) is fine; one that cannot be renamed is left whole, with a warning."""
+    hidden = temporary_sibling(Path(path))
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        import warnings
+
+        warnings.warn(f"{path}: not removed ({exc.strerror or exc}): it could not be renamed out of sight first, and "
+                      "removing it in place could show a reader a partial checkpoint", stacklevel=2)
+        return
+    fsync_dir(hidden.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 # -- reading ----------------------------------------------------------------------------------------------
 
-def read_manifest(folder: Path, share: tuple[int, int] = (0, 1), verify_files: bool = True) -> dict:
+def read_manifest(folder: Path, share: tuple[int, int] = (0, 1), verify_files: bool = True,
+                  opened: CheckedFiles | None = None) -> dict:
     """The manifest of a complete checkpoint, after checking every listed file is there with its size, the
     manifest's own checksum, and the checksums of the files: of every `world`-th one from `rank` for
     `share=(rank, world)` (the processes of a load verify a share each). A manifest written before checksums
     (or by hand, without them) is checked by sizes only. With `verify_files=False` the files' checksums are checked
-    for their form only: the caller verifies the bytes with `FileVerification` (while it reads them)."""
+    for their form only: the caller verifies the bytes with `FileVerification` (while it reads them). Each file is
+    checked on an opened descriptor; `opened` (the load's `checked_files()`) then holds what every later read of the
+    load must find again."""
     folder = Path(folder)
     if not folder.is_dir():
         interrupted = sorted(folder.parent.glob(f".old-{folder.name}-*")) if folder.parent.is_dir() else []
@@ -504,15 +515,17 @@ def read_manifest(folder: Path, share: tuple[int, int] = (0, 1), verify_files: b
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: damaged ('files' is {type(files).__name__}, expected a mapping)")
+    opened = opened or checked_files()
     for rel, size in files.items():
-        file, actual = regular_file(folder, rel, path)
+        file, actual = regular_file(folder, rel, path, opened)
         if type(size) is not int or actual != size:
             raise CheckpointError(f"{file}: damaged (size {actual} bytes, expected {size!r})")
-    _verify_checksums(folder, path, manifest, files, share if verify_files else (0, 0))
+    _verify_checksums(folder, path, manifest, files, share if verify_files else (0, 0), opened)
     return manifest
 
 
-def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, share: tuple[int, int]) -> None:
+def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, share: tuple[int, int],
+                      opened: CheckedFiles) -> None:
     """The manifest's own checksum, then the checksums of this process's share of the files; crc32 (accel's) and
     sha256 (checkpoints saved before) are both verified."""
     saved = manifest.get("checksum")
@@ -533,7 +546,12 @@ def _verify_checksums(folder: Path, path: Path, manifest: dict, files: dict, sha
                                   "crc32:<8 hex digits> or sha256:<64 hex digits>)")
     rank, world = share
     if world:
-        FileVerification(folder, manifest, share).result()
+        FileVerification(folder, manifest, share, opened).result()
+
+
+def _listed_size(sizes: dict, rel: str) -> int:
+    size = sizes.get(rel)
+    return size if type(size) is int else 0
 
 
 def _share(files, share: tuple[int, int]) -> list[str]:
@@ -546,12 +564,15 @@ class FileVerification:
     threads from the moment it is made, so that the load reads the tensors meanwhile; `result()` waits and raises
     the CheckpointError of the first damaged file (in name order), `stop()` abandons what is left. zlib and hashlib
     release the GIL on large buffers: the hashing runs beside the main thread's reading. A manifest without
-    checksums verifies nothing."""
+    checksums verifies nothing. Each file is read through a checked descriptor (`opened`: the load's record, so it
+    is the file the load checked first)."""
 
-    def __init__(self, folder: Path, manifest: dict, share: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, folder: Path, manifest: dict, share: tuple[int, int] = (0, 1),
+                 opened: CheckedFiles | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._folder, self._stopped = Path(folder), False
+        self._folder, self._stopped, self._opened = Path(folder), False, opened or checked_files()
+        sizes = manifest.get("files") or {}
         checksums = manifest.get("checksums") or {}
         self._expected = {rel: checksums[rel] for rel in _share(checksums, share)}
         self._futures: dict = {}
@@ -560,7 +581,7 @@ class FileVerification:
             workers = min(4, os.cpu_count() or 1, len(self._expected))
             self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="accel-verify")
             # the largest files first: the threads finish together
-            order = sorted(self._expected, key=lambda rel: -_size(self._folder / rel))
+            order = sorted(self._expected, key=lambda rel: -_listed_size(sizes, rel))
             self._futures = {rel: self._pool.submit(self._matches, rel) for rel in order}
             self._pool.shutdown(wait=False)
 
@@ -569,12 +590,12 @@ class FileVerification:
         algorithm = expected.partition(":")[0]
         if algorithm == "crc32":
             value = 0
-            for chunk in _file_chunks(self._folder / rel):
+            for chunk in _file_chunks(self._folder / rel, self._opened):
                 if self._stopped:
                     return True
                 value = zlib.crc32(chunk, value)
             return f"crc32:{value:08x}" == expected
-        return file_checksum(self._folder / rel, algorithm) == expected
+        return file_checksum(self._folder / rel, algorithm, self._opened) == expected
 
     def result(self) -> None:
         for rel in sorted(self._futures):
@@ -588,19 +609,13 @@ class FileVerification:
             future.cancel()
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:
+def regular_file(folder: Path, rel, manifest: Path, opened: CheckedFiles | None = None) -> tuple[Path, int]:
     """`folder/rel` and its size, for a manifest entry naming a regular file inside `folder`: no absolute path, no
     '..', no backslash (checked on the name, so the manifest cannot point outside), and what the name reaches is a
     regular file under folders, never a device or pipe (reading would not end, or block). Links inside the folder
     are followed, as every loader follows them: a checkpoint downloaded with huggingface_hub is a folder of links
-    into ../../blobs."""
+    into ../../blobs. The file itself is checked on an opened descriptor (opened without blocking), recorded in
+    `opened` so that the load's later reads find the same file."""
     parts = PurePosixPath(rel).parts if isinstance(rel, str) and rel and "\\" not in rel and "\0" not in rel else ()
     if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
         raise CheckpointError(f"{manifest}: file entry {rel!r} is not inside the checkpoint; allowed: relative "
@@ -618,4 +633,5 @@ def regular_file(folder: Path, rel, manifest: Path) -> tuple[Path, int]:
         wanted, kind = (stat.S_ISREG, "a regular file") if i == len(parts) - 1 else (stat.S_ISDIR, "a folder")
         if not wanted(mode.st_mode):
             raise CheckpointError(f"{path}: not {kind}; a checkpoint holds only regular files and folders")
-    return path, mode.st_size
+    with (opened or checked_files()).open(path) as checked:  # the name may have changed since the stat above
+        return path, checked.size

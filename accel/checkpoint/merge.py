@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -41,16 +40,21 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike, output_path: str | os.
     """Accelerate's `merge_fsdp_weights`: merge the sharded checkpoint `checkpoint_dir` into
     `output_path/model.safetensors`. In a distributed job every process calls it (as in Accelerate): the main one
     merges, the others wait for it and return None; a failure is the same one-line MergeError on every rank.
-    `remove_checkpoint_dir`: delete `checkpoint_dir` once the merged file is in place."""
+    `remove_checkpoint_dir`: delete the checkpoint once the merged file is in place (the whole save_state folder
+    when given its `state/`: a manifest without its files would look like a complete checkpoint), renamed out of
+    sight first (`layout.remove_folder`), so no reader sees it half-deleted."""
+    from accel.checkpoint.layout import remove_folder
+
     checkpoint_dir = Path(checkpoint_dir)
     if not safe_serialization:
         _say_unsafe_once()
     written, error = None, None
     if _is_main_process():
         try:
-            written = merge(*checkpoint_kind(checkpoint_dir), Path(output_path))[0]
+            kind, folder = checkpoint_kind(checkpoint_dir)
+            written = merge(kind, folder, Path(output_path))[0]
             if remove_checkpoint_dir:
-                shutil.rmtree(checkpoint_dir)
+                remove_folder(folder)
         except MergeError as exc:
             error = str(exc)
     error = _from_main(error)
@@ -147,9 +151,9 @@ def _read_dcp(reader, planner) -> dict:
         dcp_format._load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:  # a damaged or truncated file; DCP's carries tracebacks
         first = next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
-        refused = "dcp_reader.MetadataError: "  # a refused item names its file itself
-        if refused in first:
-            raise MergeError(f"cannot read the checkpoint: {first.split(refused, 1)[1]}") from None
+        for refused in ("dcp_reader.MetadataError: ", "layout.CheckpointError: "):  # these name their file
+            if refused in first:
+                raise MergeError(f"cannot read the checkpoint: {first.split(refused, 1)[1]}") from None
         raise MergeError(f"cannot read the checkpoint in {reader.path}: {first}") from None
     finally:
         root.disabled = was_disabled
@@ -223,12 +227,11 @@ def _check_manifest_shape(path: Path, manifest: dict) -> None:
 
 def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
     """Every model of an accel save_state checkpoint, by its parameter names, tied names sharing one tensor."""
-    import torch.distributed.checkpoint as dcp
+    from accel.checkpoint.layout import MANIFEST, CheckpointError, checked_files, read_manifest
 
-    from accel.checkpoint.layout import MANIFEST, CheckpointError, read_manifest
-
+    opened = checked_files()  # every file is read through a checked descriptor, the one first checked
     try:
-        manifest = read_manifest(folder)
+        manifest = read_manifest(folder, opened=opened)
     except CheckpointError as exc:
         raise MergeError(str(exc)) from None
     _check_manifest_shape(folder / MANIFEST, manifest)
@@ -237,7 +240,7 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
         from accel.checkpoint import training_state
 
         checked_specs, checked_aliases = training_state._checked_manifest(folder / MANIFEST, manifest)
-        training_state._check_state_files(folder, manifest, checked_specs, checked_aliases)
+        training_state._check_state_files(folder, manifest, checked_specs, checked_aliases, opened)
     except CheckpointError as exc:
         raise MergeError(str(exc)) from None
     specs = manifest.get("skeleton", {}).get("models")
@@ -249,7 +252,11 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
         raise MergeError(f"{folder}: parameters ({names}) are held in accel's tensor-parallel fused layout, which a "
                          "merge cannot put back without the model; write the full weights with "
                          "accelerator.save_model instead")
-    saved = _read_dcp(dcp.HuggingFaceStorageReader(str(folder / "state")), _models_only_planner())
+    try:
+        reader = training_state.state_reader(folder, manifest, opened)
+    except CheckpointError as exc:
+        raise MergeError(f"cannot read the checkpoint: {exc}") from None
+    saved = _read_dcp(reader, _models_only_planner())
     aliases = manifest.get("aliases") or {}
     models = []
     for spec in specs:
@@ -277,10 +284,10 @@ def _write(state: dict[str, torch.Tensor], output: Path) -> list[Path]:
 
 
 def describe(path: Path) -> str:
-    """One line for the CLI: what was written."""
-    from safetensors import safe_open
+    """One line for the CLI: what was written (read back through a checked descriptor, as every loader reads)."""
+    from accel.checkpoint.model_io import safe_open_checked
 
-    with safe_open(str(path), "pt") as f:
+    with safe_open_checked(path) as f:
         count = len(list(f.keys()))
     return f"merged {count} tensors into {path}"
 

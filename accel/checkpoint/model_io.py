@@ -55,8 +55,9 @@ import shutil
 import stat
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from decimal import Decimal, InvalidOperation
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import cast
@@ -68,6 +69,7 @@ from accel.checkpoint.layout import (
     CheckpointError,
     PublishLock,
     atomic_write,
+    checked_files,
     file_checksums,
     fsync_dir,
     manifest_checksum,
@@ -77,6 +79,7 @@ from accel.checkpoint.layout import (
     verify_file_checksum,
     write_json,
 )
+from accel.core.checked_file import CheckedFiles
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",
@@ -694,7 +697,7 @@ def _checked_shard_path(folder: Path, entry, index_path: Path, key: str | None =
     return path
 
 
-def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
+def _read_index(index_path: Path, opened: CheckedFiles) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
     index = read_json(index_path)
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ValueError(f"{index_path}: no 'weight_map' mapping; allowed: a JSON object with 'weight_map' (tensor "
@@ -717,7 +720,7 @@ def _read_index(index_path: Path) -> tuple[list[tuple[Path, list[str] | None]], 
         checksums = meta.get(_CHECKSUMS_KEY)
         if not isinstance(checksums, dict) or not set(paths) <= set(checksums):
             raise CheckpointError(f"{index_path}: damaged ('{_CHECKSUMS_KEY}' does not list every shard file)")
-        _verify_files(index_path, {name: checksums[name] for name in paths})  # the files this load reads
+        _verify_files(index_path, {name: checksums[name] for name in paths}, opened)  # the files this load reads
     return [(paths[entry], keys) for entry, keys in files.items()], tied
 
 
@@ -735,21 +738,23 @@ def _check_own_checksum(record: Path, saved, body: dict) -> None:
         raise CheckpointError(f"{record}: damaged (its content does not match its checksum: edited or corrupted)")
 
 
-def _verify_files(record: Path, checksums: dict) -> None:
+def _verify_files(record: Path, checksums: dict, opened: CheckedFiles | None = None) -> None:
     """Every file ``checksums`` lists (plain names in ``record``'s folder) against its checksum, several at a time;
-    the first mismatch (in name order) is one line naming the file."""
+    the first mismatch (in name order) is one line naming the file. Each is read through a checked descriptor
+    (``opened``: the load's record, so the load later reads the file verified here)."""
+    opened = opened or checked_files()
     folder = record.parent
     for name, expected in checksums.items():
         if not isinstance(name, str) or not name or any(c in name for c in "/\\\0") or name in (".", ".."):
             raise CheckpointError(f"{record}: damaged (it lists {str(name)[:80]!r}, not a file name)")
         if not isinstance(expected, str):
             raise CheckpointError(f"{record}: damaged (the checksum of {name} is {str(expected)[:80]!r})")
-        if not (folder / name).is_file():
+        if not os.path.lexists(folder / name):  # what is there is checked on its descriptor when read
             raise CheckpointError(f"{folder / name}: missing (listed in {record.name})")
 
     def matches(name: str) -> bool | None:
         try:
-            return verify_file_checksum(folder / name, checksums[name])
+            return verify_file_checksum(folder / name, checksums[name], opened)
         except ValueError:  # not a checksum accel knows
             return None
 
@@ -775,12 +780,14 @@ def _load_record(path: Path) -> dict:
     return content
 
 
-def verify_saved_file(path: str | os.PathLike) -> None:
+def verify_saved_file(path: str | os.PathLike, opened: CheckedFiles | None = None) -> None:
     """Verify one weights file against the checksums of the save it belongs to, when one beside it lists it:
     ``accel_checksums.json`` (a single-file save: every file it lists is verified, ``config.json`` too) or the
     index (that shard). Raises a one-line :class:`CheckpointError` naming a damaged file; a file no record lists
-    (written by another tool) passes unchecked."""
+    (written by another tool) passes unchecked. ``opened``: the load's record of the files it checked (a later read
+    of the file must find the one verified here)."""
     path = Path(path)
+    opened = opened or checked_files()
     folder = path.parent
     sidecar = folder / CHECKSUMS_NAME
     if sidecar.is_file():
@@ -790,9 +797,9 @@ def verify_saved_file(path: str | os.PathLike) -> None:
         version = content.get("version")
         if not isinstance(version, int) or version > 1:
             raise CheckpointError(f"{sidecar}: written by a newer accel (format version {version!r})")
-        if path.name in content["files"] and _described_by(path, content.get("save_id")):
+        if path.name in content["files"] and _described_by(path, content.get("save_id"), opened):
             _check_own_checksum(sidecar, content.get("checksum"), content)
-            _verify_files(sidecar, {path.name: content["files"][path.name]})  # the file this load reads
+            _verify_files(sidecar, {path.name: content["files"][path.name]}, opened)  # the file this load reads
             return
     for index_name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
         index_path = folder / index_name
@@ -803,28 +810,30 @@ def verify_saved_file(path: str | os.PathLike) -> None:
         checksums = meta.get(_CHECKSUMS_KEY) if isinstance(meta, dict) else None
         if isinstance(meta, dict) and isinstance(checksums, dict) and path.name in checksums:
             _check_own_checksum(index_path, meta.get(_INDEX_CHECKSUM_KEY), _index_body(index))
-            _verify_files(index_path, {path.name: checksums[path.name]})
+            _verify_files(index_path, {path.name: checksums[path.name]}, opened)
             return
 
 
-def _described_by(path: Path, save_id) -> bool:
+def _described_by(path: Path, save_id, opened: CheckedFiles) -> bool:
     """Whether a sidecar with `save_id` describes this weights file: a safetensors file another tool wrote over the
     save (transformers' save_pretrained into the same folder) lacks the id in its header, and loads unchecked. A
-    header that cannot be read is checked (its checksum then names the damage)."""
+    header that cannot be read is checked (its checksum then names the damage). Read through a checked descriptor
+    (a pipe or device in the file's place is one CheckpointError), never beyond the file's size."""
     if path.suffix != ".safetensors" or not isinstance(save_id, str):
         return True
     try:
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            header = loads_json(f.read(min(length, 100_000_000)), path)
+        with opened.open(path) as checked:
+            length = int.from_bytes(checked.read(0, min(8, checked.size)), "little")
+            header = loads_json(checked.read(8, min(length, checked.size - 8, 100_000_000)), path)
         return (header.get("__metadata__") or {}).get(_SAVE_ID_KEY) == save_id
     except (OSError, ValueError, AttributeError, TypeError):
         return True
 
 
-def _resolve_checkpoint(checkpoint) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
+def _resolve_checkpoint(checkpoint, opened: CheckedFiles) -> tuple[list[tuple[Path, list[str] | None]], dict[str, str]]:
     """[(file, keys from the index or None)], tied aliases from the index. The checksums of a save_model folder
-    (the index's, or ``accel_checksums.json``'s) are verified here, before anything reads a tensor."""
+    (the index's, or ``accel_checksums.json``'s) are verified here, before anything reads a tensor, each file
+    through a checked descriptor recorded in ``opened``."""
     path = Path(checkpoint)
     if path.is_dir():
         for candidate in _FOLDER_CANDIDATES:
@@ -840,22 +849,53 @@ def _resolve_checkpoint(checkpoint) -> tuple[list[tuple[Path, list[str] | None]]
         hint = f"; an interrupted save left the previous one at {str(aside[-1])!r}" if aside else ""
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist{hint}.")
     if path.name.endswith(".json"):
-        return _read_index(path)
+        return _read_index(path, opened)
     if path.suffix == ".safetensors" or path.suffix in _TORCH_LOAD_SUFFIXES:
-        verify_saved_file(path)
+        verify_saved_file(path, opened)
         return [(path, None)], {}
     raise ValueError(
         f"Unsupported checkpoint file {str(path)!r}: expected .safetensors, .bin, .pt, .pth or an index .json."
     )
 
 
-def _safe_open(path: Path):
+@contextmanager
+def safe_open_checked(path: str | os.PathLike, opened: CheckedFiles | None = None, device="cpu") -> Iterator:
+    """safetensors' ``safe_open`` of ``path`` through a descriptor checked to be a regular file (``opened``: the
+    load's record, so it is the file checked before): safetensors maps the file the descriptor holds, by its name
+    (``CheckedFile.name``), so the file is never read whole into memory, and a pipe or device that took the name
+    after a check is one CheckpointError line, never a hang."""
     from safetensors import safe_open
 
+    with (opened or checked_files()).open(path) as checked:
+        _check_declared_size(checked, Path(path))
+        try:
+            handle = safe_open(checked.name, framework="pt", device=device)
+        except Exception as exc:
+            raise RuntimeError(f"Could not read safetensors file {str(path)!r}: {exc}") from exc
+    with handle as f:
+        yield f
+
+
+_MAX_HEADER = 100_000_000  # safetensors' own limit on a header
+
+
+def _check_declared_size(checked, path: Path) -> None:
+    """A safetensors file holds the bytes its header declares (8 + the header + the last tensor's end): a shorter
+    one (cut by a copy, or replaced) is one CheckpointError line naming both sizes; what else is wrong with the
+    header is left to safetensors, which names it."""
+    if checked.size < 8:
+        raise CheckpointError(f"{path}: damaged (size {checked.size} bytes; allowed: a safetensors file, at least 8)")
+    length = int.from_bytes(checked.read(0, 8), "little")
+    if length > min(checked.size - 8, _MAX_HEADER):
+        raise CheckpointError(f"{path}: damaged (size {checked.size} bytes, its header alone declares {8 + length})")
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:
-        raise RuntimeError(f"Could not read safetensors file {str(path)!r}: {exc}") from exc
+        header = json.loads(checked.read(8, length))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        declared = 8 + length + int(end)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return  # not a header safetensors reads: it says so itself
+    if checked.size < declared:
+        raise CheckpointError(f"{path}: damaged (size {checked.size} bytes, its header declares {declared})")
 
 
 _PICKLE_ALLOWED = ("allowed: tensors and plain containers (dict, list, tuple, str, int, float, bool, None); "
@@ -867,23 +907,30 @@ class UnsafeWeightsError(pickle.UnpicklingError, RuntimeError):
     ``RuntimeError`` as accel's did."""
 
 
-def torch_load_weights(path: str | os.PathLike):
+def torch_load_weights(path: str | os.PathLike, opened: CheckedFiles | None = None):
     """``torch.load(path, weights_only=True)`` on the CPU. A file the weights-only unpickler refuses (a pickle that
     would import a function or build an object: ``os.system``, a class of the saving script) is one line naming the
     file and what it asked for (:class:`UnsafeWeightsError`); nothing of the file runs. What weights_only admits but
     could allocate at the pickle's word (``bytearray(2**28)`` from a 150-byte record, a tensor reaching past its
     storage) is refused first by accel.checkpoint.torch_file, as is a pre-1.6 (non-zip) file. Another failure (a
-    truncated archive) is one ``RuntimeError`` line."""
+    truncated archive) is one ``RuntimeError`` line. The check and torch read the same file, through one checked
+    descriptor (``opened``: the load's record): a pipe or device there is one CheckpointError line."""
+    with (opened or checked_files()).open(path) as checked:
+        return _torch_load_checked(Path(path), checked.name)
+
+
+def _torch_load_checked(path: Path, name: str):
+    """`torch_load_weights` of the file opened as `name` (its checked descriptor's); messages name `path`."""
     from accel.checkpoint.torch_file import TorchFileError, check_torch_zip
 
     try:
-        check_torch_zip(path, str(path))
+        check_torch_zip(name, str(path))
     except TorchFileError as exc:
         what = str(exc).removeprefix(f"{path}: ").split("; allowed:")[0]
         raise UnsafeWeightsError(f"{path}: refused before torch.load(weights_only=True): {what}; "
                                  f"{_PICKLE_ALLOWED}") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(name, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeWeightsError(f"{path}: refused by torch.load(weights_only=True): {_refused_global(exc)}; "
                                  f"{_PICKLE_ALLOWED}") from None
@@ -912,8 +959,8 @@ def _first_line(exc: BaseException) -> str:
     return (lines[0][:200] if lines else type(exc).__name__)
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
-    obj = torch_load_weights(path)
+def _torch_load(path: Path, opened: CheckedFiles) -> dict[str, torch.Tensor]:
+    obj = torch_load_weights(path, opened)
     if not isinstance(obj, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
     ):
@@ -1018,14 +1065,15 @@ class CheckpointPlan:
 
     def __init__(self, checkpoint, loader: TensorLoader):
         self.checkpoint = checkpoint
-        files, tied = _resolve_checkpoint(checkpoint)
+        self.opened = checked_files()  # every file is read through a checked descriptor, the same file each time
+        files, tied = _resolve_checkpoint(checkpoint, self.opened)
         expected = set(loader.slots)
         self.files: list[tuple[Path, list[str] | None]] = []  # keys None: a whole .bin file, read later
         checkpoint_keys: list[str] = []
         for path, index_keys in files:
             keys = index_keys
             if path.suffix == ".safetensors":
-                with _safe_open(path) as f:
+                with safe_open_checked(path, self.opened) as f:
                     try:
                         file_keys = list(f.keys())
                         file_tied = _parse_tied((f.metadata() or {}).get(_TIED_KEY), f"file {str(path)!r}")
@@ -1049,7 +1097,7 @@ class CheckpointPlan:
 
         self.single_bin: dict[str, torch.Tensor] | None = None
         if len(files) == 1 and files[0][1] is None and files[0][0].suffix != ".safetensors":
-            self.single_bin = _torch_load(files[0][0])
+            self.single_bin = _torch_load(files[0][0], self.opened)
             checkpoint_keys = list(self.single_bin)
             for key, value in self.single_bin.items():
                 if key in expected:
@@ -1086,12 +1134,12 @@ class CheckpointPlan:
         for path, keys in files:
             if path.suffix == ".safetensors":
                 assert keys is not None  # a safetensors file's keys were read when it was checked
-                with _safe_open(path) as f:
+                with safe_open_checked(path, self.opened) as f:
                     for key in keys:
                         stored = getattr(torch, _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), ""), None)
                         yield path, key, stored, lambda f=f, key=key, path=path: _read_safetensor(f, path, key)
                 continue
-            shard = self.single_bin if self.single_bin is not None else _torch_load(path)
+            shard = self.single_bin if self.single_bin is not None else _torch_load(path, self.opened)
             wanted: list[str] = list(shard) if keys is None else keys
             absent = [k for k in wanted if k not in shard]
             if absent:

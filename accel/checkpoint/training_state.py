@@ -40,7 +40,7 @@ import torch.distributed as dist
 from accel.checkpoint import layout, main_save, tree
 from accel.checkpoint.async_save import AsyncCheckpointer, spawn_checkpoint_process_without_main
 from accel.checkpoint.layout import CheckpointError
-from accel.core.safe_json import JSONFileError, parse_json, read_json
+from accel.core.safe_json import JSONFileError, parse_json
 from accel.runtime.progress import stages
 
 
@@ -664,6 +664,7 @@ class _LoadPlan:
     aliases: dict
     rng: dict | None
     models: list
+    opened: Any = None  # the load's layout.checked_files(): every read finds the file first checked
     targets: dict = field(default_factory=dict)
     in_place: bool = False
 
@@ -685,6 +686,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     rank, world = _rank_world()
     _one_folder_everywhere(folder, "load_state")
     verification: list[layout.FileVerification] = []  # (made by _checked_files once the manifest is read)
+    opened = layout.checked_files()  # each file is read through a checked descriptor, the same file every time
 
     def run(step):
         try:
@@ -698,7 +700,7 @@ def load_training_state(input_dir: str | os.PathLike, objects: TrainingObjects) 
     try:
         with stages("load_state", 3) as begin:  # DCP reads in one call: the bar names the step, with elapsed time
             begin("checking files")
-            plan = run(lambda: _checked_files(folder, objects, rank, verification))
+            plan = run(lambda: _checked_files(folder, objects, rank, verification, opened))
             run(lambda: _check_against_objects(folder, plan, objects))  # collectives inside (ZeRO consolidates)
             begin("reading tensors")
             if plan.in_place or (os.cpu_count() or 1) < OVERLAP_MIN_CPUS:  # in place: the live tensors are
@@ -730,16 +732,19 @@ def _damage_first(step, verification: list):
 
 
 def _checked_files(folder: Path, objects: TrainingObjects, rank: int,
-                   verification: list[layout.FileVerification]) -> _LoadPlan:
+                   verification: list[layout.FileVerification], opened: Any = None) -> _LoadPlan:
     """The manifest and every file it names checked, this rank's RNG states read; then the load pre-hooks
     (Accelerate's `hook(models, input_dir)`: they take out the models they load themselves), once the files'
-    checksums, verified in threads from here on (`verification`), are found right."""
+    checksums, verified in threads from here on (`verification`), are found right. Every file is read through a
+    descriptor checked to be a regular file, the one `opened` recorded at its first open (a pipe or device that
+    took a file's name after a check is one CheckpointError, never a hang)."""
+    opened = opened or layout.checked_files()
     share = (rank, _rank_world()[1])
-    manifest = layout.read_manifest(folder, share=share, verify_files=False)
-    verification.append(layout.FileVerification(folder, manifest, share))
+    manifest = layout.read_manifest(folder, share=share, verify_files=False, opened=opened)
+    verification.append(layout.FileVerification(folder, manifest, share, opened))
     specs, aliases = _checked_manifest(folder / layout.MANIFEST, manifest)
-    _check_state_files(folder, manifest, specs, aliases)
-    rng = _read_rng(folder, rank, manifest)
+    _check_state_files(folder, manifest, specs, aliases, opened)
+    rng = _read_rng(folder, rank, manifest, opened)
     if objects.load_hooks:  # a hook may load a model itself from the folder: its files are verified first
         verification[0].result()
     views = objects.hook_models()
@@ -748,7 +753,7 @@ def _checked_files(folder: Path, objects: TrainingObjects, rank: int,
         hook(shown, str(folder))
     # the prepared models whose module the hooks left in the list (in the list's order): those are loaded here
     models = [objects.models[i] for view in shown for i, v in enumerate(views) if v is view]
-    return _LoadPlan(manifest, specs, aliases, rng, models)
+    return _LoadPlan(manifest, specs, aliases, rng, models, opened)
 
 
 def _check_against_objects(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
@@ -820,20 +825,35 @@ def _targets(plan: _LoadPlan, live: dict, loads) -> tuple[dict, bool]:
 def _read_tensors(folder: Path, plan: _LoadPlan, world: int, verification: list) -> None:
     """Read the tensors into `plan.targets` (into fresh tensors while the checksums are verified, or once they are
     found right), then wait for the verification."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
+        reader = state_reader(folder, plan.manifest, plan.opened or layout.checked_files())
         with _quiet_single_process():
-            dcp_load(plan.targets, storage_reader=HuggingFaceStorageReader(str(folder / "state")), no_dist=world == 1)
+            dcp_load(plan.targets, storage_reader=reader, no_dist=world == 1)
     except (Exception, CheckpointException) as exc:  # name the folder; DCP's message says which key or file
         partly = "; the models' and optimizers' tensors may be partly overwritten: load again" if plan.in_place else ""
+        cause = _root_cause(exc, 0)[1]
+        if isinstance(cause, CheckpointError):  # the reader's own refusal (a file replaced): it names the file
+            raise CheckpointError(f"{cause}{partly}") from None
         raise CheckpointError(f"{folder / 'state'}: could not be loaded: {first_cause(exc)}{partly}") from None
     for pending in verification:  # before the objects get what was read
         pending.result()
     for key, original in plan.aliases.items():
         plan.targets[key] = plan.targets[original]
+
+
+def state_reader(folder: Path, manifest: dict, opened):
+    """DCP's reader of the checkpoint's state/ files, reading only the files the manifest lists, each through a
+    checked descriptor (`opened`: the load's record): accel.checkpoint.dcp_reader.CheckedSafetensorsReader. Their
+    headers are read here, so a file refused is this one-line CheckpointError, not DCP's wrapped one."""
+    from accel.checkpoint.dcp_reader import CheckedSafetensorsReader
+
+    names = sorted(rel.removeprefix("state/") for rel in manifest["files"] if rel.startswith("state/"))
+    reader = CheckedSafetensorsReader(str(folder / "state"), opened, names)
+    reader.read_metadata()
+    return reader
 
 
 def _restore(folder: Path, plan: _LoadPlan, objects: TrainingObjects) -> None:
@@ -950,9 +970,10 @@ def _checked_manifest(path: Path, manifest: dict) -> tuple[dict, dict]:
     return specs, aliases
 
 
-def _check_state_files(folder: Path, manifest: dict, specs: dict, aliases: dict) -> None:
+def _check_state_files(folder: Path, manifest: dict, specs: dict, aliases: dict, opened: Any = None) -> None:
     """state/ holds only the files the manifest lists (DCP reads every file there), and their safetensors
-    headers hold every tensor of the manifest with its dtype and whole shape, inside the files' sizes."""
+    headers hold every tensor of the manifest with its dtype and whole shape, inside the files' sizes (each read
+    through a checked descriptor: `opened`, the load's record)."""
     state, path = folder / "state", folder / layout.MANIFEST
     listed = {rel: size for rel, size in manifest["files"].items() if rel.startswith("state/")}
     if not listed and not specs:
@@ -964,23 +985,25 @@ def _check_state_files(folder: Path, manifest: dict, specs: dict, aliases: dict)
             raise CheckpointError(f"{state / entry}: not listed in {path}; a checkpoint's state/ holds only the "
                                   "files its manifest lists")
     chunks: dict[str, list] = {}
+    opened = opened or layout.checked_files()
     for rel, size in listed.items():
-        _read_header(folder / rel, size, chunks)
+        _read_header(folder / rel, size, chunks, opened)
     for key, (shape, dtype) in specs.items():
         if key not in aliases:
             _check_chunks(path, state, key, shape, dtype, chunks.get(key, []))
 
 
-def _read_header(file: Path, size: int, chunks: dict) -> None:
+def _read_header(file: Path, size: int, chunks: dict, opened: Any = None) -> None:
     """Add the tensors a safetensors file's header lists to `chunks` (key -> [(dtype code, offsets, shape)]),
-    after checking each lies inside the file with the bytes its dtype and shape need."""
-    with open(file, "rb") as fh:
-        head = fh.read(8)
+    after checking each lies inside the file with the bytes its dtype and shape need. The file is read through a
+    descriptor checked to be a regular file of `size` bytes (the manifest's), never beyond it."""
+    with (opened or layout.checked_files()).open(file, size=size) as checked:
+        head = checked.read(0, min(8, size))
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(size - 8, _MAX_HEADER):
             raise CheckpointError(f"{file}: damaged (not a safetensors file: header length {length}, file size {size})")
         try:
-            header = parse_json(fh.read(length), "the header")
+            header = parse_json(checked.read(8, length), "the header")
             sharding = parse_json((header.get("__metadata__") or {}).get("DCP_SHARDING_INFO") or "{}",
                                   "its DCP_SHARDING_INFO")
         except JSONFileError as exc:
@@ -1089,10 +1112,14 @@ def _save_rng(folder: Path, rank: int) -> None:
     write_rng(folder, rank, rng_snapshot())
 
 
-def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
+_RNG_BYTES = 1 << 20  # an RNG file: a few KB (torch's state, one per GPU, Python's and NumPy's)
+
+
+def _read_rng(folder: Path, rank: int, manifest: dict, opened: Any = None) -> dict | None:
     """This rank's RNG states, read and tried on fresh generators (so a damaged one fails here, before anything
-    is loaded); None where the checkpoint has none for this rank."""
-    from safetensors.torch import load_file
+    is loaded); None where the checkpoint has none for this rank. Each file is read whole through a descriptor
+    checked to be a regular file of the size the manifest lists (where it lists one), of at most _RNG_BYTES."""
+    from safetensors.torch import load as load_safetensors
 
     saved_world = manifest["world_size"]
     if rank >= saved_world:
@@ -1105,10 +1132,12 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
         warnings.warn(f"load_state: {folder} was saved by the main process alone (save_state called there only): no "
                       f"RNG states for rank {rank}, which keeps its own", stacklevel=1)
         return None
-    tensors_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.safetensors", folder / layout.MANIFEST)
-    json_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.json", folder / layout.MANIFEST)
+    opened = opened or layout.checked_files()
+    tensors_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.safetensors", folder / layout.MANIFEST, opened)
+    json_file, _ = layout.regular_file(folder, f"rng/rank_{rank}.json", folder / layout.MANIFEST, opened)
+    raw = _rng_bytes(folder, f"rng/rank_{rank}.safetensors", manifest, opened)
     try:
-        tensors = load_file(str(tensors_file))
+        tensors = load_safetensors(raw)
         cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
         for state in [tensors["torch"], *cuda]:
             if state.dtype != torch.uint8 or state.dim() != 1:
@@ -1116,8 +1145,9 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
         torch.Generator().set_state(tensors["torch"])
     except Exception as exc:
         raise CheckpointError(f"{tensors_file}: damaged ({first_cause(exc)})") from None
+    text = _rng_bytes(folder, f"rng/rank_{rank}.json", manifest, opened)
     try:
-        plain = read_json(json_file, max_bytes=1 << 20, error=CheckpointError)  # about 16 KB: two RNG states
+        plain = parse_json(text, str(json_file), error=CheckpointError)
     except CheckpointError as exc:
         raise CheckpointError(str(exc).replace(f"{json_file}: ", f"{json_file}: damaged: ", 1)) from None
     try:
@@ -1126,6 +1156,14 @@ def _read_rng(folder: Path, rank: int, manifest: dict) -> dict | None:
         raise CheckpointError(f"{json_file}: damaged ({exc})") from None
     except Exception as exc:
         raise CheckpointError(f"{json_file}: damaged ({first_cause(exc)})") from None
+
+
+def _rng_bytes(folder: Path, rel: str, manifest: dict, opened) -> bytes:
+    """A rank's RNG file, whole: of the size the manifest lists for it (a late joiner's is not listed), of at most
+    _RNG_BYTES."""
+    listed = manifest["files"].get(rel)
+    with opened.open(folder / rel, size=listed if type(listed) is int else None, max_bytes=_RNG_BYTES) as checked:
+        return checked.read()
 
 
 def rng_state(tensors: dict, plain: dict, checked: bool = False) -> dict:

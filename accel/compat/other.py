@@ -241,19 +241,30 @@ def load(f, map_location=None, **kwargs):
     call only: torch's list of allowed globals is as it was afterwards). With weights_only the file is checked first
     (`accel.checkpoint.torch_file.check_torch_zip`): weights_only still lets a pickle call `bytearray(n)`, so what
     it would build beyond tensors views of their records, containers, numbers and numpy arrays is refused in one
-    ValueError line naming the file."""
+    ValueError line naming the file. A path is opened once, checked on its descriptor (a pipe or device there is one
+    CheckpointError line, never a hang), and the check and torch read that same file."""
     import os
 
+    if isinstance(f, (str, os.PathLike)):
+        from accel.checkpoint.layout import checked_files
+
+        with checked_files().open(f) as checked:
+            return _load_checked(checked.name, str(f), map_location, kwargs)
+    return _load_checked(f, getattr(f, "name", None) or "the file given to load", map_location, kwargs)
+
+
+def _load_checked(f, source: str, map_location, kwargs: dict):
+    """`load` of `f` (a name or a file), checked first with weights_only; `source` names it in a refusal."""
     from accel.checkpoint.torch_file import check_torch_zip
 
     saved = torch.serialization.get_safe_globals()
     kwargs.setdefault("weights_only", True)
     if kwargs["weights_only"]:
-        if isinstance(f, (str, os.PathLike)):
-            check_torch_zip(f, str(f), numpy=True)
+        if isinstance(f, str):
+            check_torch_zip(f, source, numpy=True)
         elif hasattr(f, "seek") and hasattr(f, "tell"):
             start = f.tell()
-            check_torch_zip(f, getattr(f, "name", None) or "the file given to load", numpy=True)
+            check_torch_zip(f, source, numpy=True)
             f.seek(start)
     try:
         torch.serialization.add_safe_globals(_load_safe_globals())

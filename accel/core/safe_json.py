@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-from pathlib import Path
 from typing import Any
 
 MAX_BYTES = 64 << 20  # 64 MiB: a manifest or a 100k-tensor index is a few MB; Python's objects take ~10x the text
@@ -86,31 +84,16 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, max_depth:
 
 
 def read_bounded(path: str | os.PathLike, max_bytes: int, allowed: str, error: type[Exception]) -> bytes:
-    """The bytes of `path`, a regular file (a link to one is followed) of at most `max_bytes`, read without blocking
-    on a pipe and without allocating beyond the bound; `error(one line)` naming the file and `allowed` (what the
-    file should be) otherwise."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"{path}: not a regular file; allowed: {allowed}")
-        if info.st_size > max_bytes:
-            raise error(f"{path}: {info.st_size} bytes; allowed: {allowed} of at most {_size(max_bytes)}")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(min(info.st_size, max_bytes) + 1)  # read(n) allocates n bytes first
-    except OSError as exc:
-        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # it grew while being read
-        raise error(f"{path}: over {max_bytes} bytes; allowed: {allowed} of at most {_size(max_bytes)}")
-    return data
+    """The bytes of `path`, a regular file (a link to one is followed) of at most `max_bytes`, read through the
+    descriptor that was checked (`accel.core.checked_file`: a pipe or device is refused without blocking, even one
+    that replaced the file after a check by name) and never beyond the size checked; `error(one line)` naming the
+    file and `allowed` (what the file should be) otherwise."""
+    from accel.core.checked_file import open_checked
+
+    with open_checked(path, error=error, allowed=allowed) as checked:
+        if checked.size > max_bytes:
+            raise error(f"{path}: {checked.size} bytes; allowed: {allowed} of at most {_size(max_bytes)}")
+        return checked.read()
 
 
 def parse_json(data: bytes | str, source: str, *, max_depth: int = MAX_DEPTH,

@@ -536,10 +536,9 @@ def test_truncated_shard_named(tmp_path):
     index = json.loads(index_path.read_text())
     del index["metadata"]["accel_checksums"], index["metadata"]["accel_index_checksum"]
     index_path.write_text(json.dumps(index))
-    with pytest.raises(Exception) as info:
+    with pytest.raises(CheckpointError) as info:  # shorter than its safetensors header declares: one line
         load_checkpoint_in_model(Tiny(), tmp_path)
-    assert victim.name in str(info.value)
-    assert info.value.__cause__ is not None  # the safetensors error is chained
+    assert str(info.value).startswith(f"{victim}: damaged (size ") and "its header declares" in str(info.value)
 
 
 def test_truncated_single_file_named(tmp_path):
