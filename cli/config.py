@@ -11,15 +11,18 @@ involve several keys, and with the checks `accel launch` and `accel env` run (`a
 check_launchable`: the layout on num_processes, the combinations accel has, fp8's torchao), so a saved config
 is one `accel launch` accepts. A refused combination prints the one-line error and asks the offending question
 again. When stdin ends right after an invalid or refused answer, nothing is saved and `accel config` exits 2
-with that error. fp8 is offered only when torchao is installed. The file is saved to `--config_file`, else
-`$ACCEL_CONFIG_FILE`, else `~/.cache/accel/default_config.yaml`.
+with that error. A choice question offers the values the config schema declares for its key (`accel.config.schema`),
+the same ones the error for another answer lists; fp8 without torchao installed is refused in one line naming the
+package, and asked again. The file is saved to `--config_file`, else `$ACCEL_CONFIG_FILE`, else
+`~/.cache/accel/default_config.yaml`. When that file exists, the first question is whether to overwrite it (Enter, "no"
+or the end of stdin leave it unchanged and exit 0, as `accel config default` does without --force); `--force`
+overwrites without asking.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import os
 import re
 import sys
@@ -31,10 +34,7 @@ from typing import Any
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 
 from accel.config import (
-    MIXED_PRECISIONS,
     PACKAGED_DEFAULT,
-    PP_SCHEDULES,
-    RDZV_BACKENDS,
     USER_CONFIG_ENV,
     AccelConfig,
     ConfigError,
@@ -46,6 +46,7 @@ from accel.config import (
 )
 from accel.backends.launchable import check_launchable
 from accel.config.errors import shown
+from accel.config.schema import SECTIONS, TOP_FIELDS
 
 ANSWERS_SOURCE = "accel config answers"
 REQUIRED = object()  # a question without a default
@@ -56,11 +57,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         "config",
         help="write a config file by answering questions",
         description="Answer a few questions (one per line on stdin; Enter takes the [default]) and save the "
-        "config file that `accel launch` and `Accelerator` read.",
+        "config file that `accel launch` and `Accelerator` read. An existing file is overwritten only after you "
+        "answer yes to the first question, or with --force.",
         allow_abbrev=False,
     )
     add_flag(parser, "config_file", metavar="PATH", default=None,
              help=f"where to save (default: ${USER_CONFIG_ENV}, else {_home_path(default_user_config_path())})")
+    add_flag(parser, "force", dest="force_overwrite", action="store_true",
+             help="overwrite an existing file without asking")
     parser.set_defaults(func=run_questionnaire)
     sub = parser.add_subparsers(dest="config_command", metavar="{default}")
     default = sub.add_parser(
@@ -124,12 +128,11 @@ def _multi_machine(answers: dict) -> bool:
     return answers.get("num_machines", 1) > 1
 
 
-def offered_mixed_precisions() -> tuple[str, ...]:
-    """fp8 is offered only where it is accepted: with torchao installed (answering it anyway is refused in one
-    line naming the package, and asked again)."""
-    if importlib.util.find_spec("torchao") is None:
-        return tuple(mode for mode in MIXED_PRECISIONS if mode != "fp8")
-    return MIXED_PRECISIONS
+def schema_choices(key: str) -> tuple[str, ...]:
+    """The values the config schema declares for `key` (dotted for a section's field): what a choice question offers,
+    and what the error for any other answer lists (accel.config.schema's `allowed_values`), so the two agree."""
+    section, _, name = key.rpartition(".")
+    return tuple((SECTIONS[section] if section else TOP_FIELDS)[name]["choices"])
 
 
 # "Sequence length parallelism" answers: which degree question follows (sp_size, cp_size; none: neither). The
@@ -165,14 +168,14 @@ QUESTIONS: list[Question] = [
     Question("main_process_port", "Which port should the main machine use for the rendezvous?", "int",
              lambda answers, defaults: defaults.main_process_port or DEFAULT_MULTI_MACHINE_PORT, _multi_machine),
     Question("rdzv_backend", "Which rendezvous backend (static: machine_rank is the node rank; c10d)?", "choice",
-             _from_defaults("rdzv_backend"), _multi_machine, choices=RDZV_BACKENDS),
+             _from_defaults("rdzv_backend"), _multi_machine, choices=schema_choices("rdzv_backend")),
     Question("use_cpu", "Run on the CPU only, even if GPUs are available?", "bool", _from_defaults("use_cpu")),
     Question("num_processes", "How many processes in total, over all machines?", "int",
              lambda answers, defaults: max(defaults.num_processes, answers.get("num_machines", 1))),
     Question("gpu_ids", "Which GPUs should be used (\"all\" or ids like 0,1)?", "str", _from_defaults("gpu_ids"),
              lambda answers: not answers.get("use_cpu", False)),
     Question("mixed_precision", "Mixed precision?", "choice", _from_defaults("mixed_precision"),
-             choices=offered_mixed_precisions()),
+             choices=schema_choices("mixed_precision")),
     Question("gradient_accumulation_steps", "How many gradient accumulation steps?", "int",
              _from_defaults("gradient_accumulation_steps")),
     Question("parallelism.zero_stage", "ZeRO stage (0: plain DDP, 1, 2 or 3)?", "int",
@@ -183,7 +186,8 @@ QUESTIONS: list[Question] = [
     Question("parallelism.tp_size", "Tensor-parallel size (1: none)?", "int", _from_defaults("parallelism.tp_size")),
     Question("parallelism.pp_size", "Pipeline-parallel size (1: none)?", "int", _from_defaults("parallelism.pp_size")),
     Question("parallelism.pp_schedule", "Pipeline schedule?", "choice", _from_defaults("parallelism.pp_schedule"),
-             lambda answers: answers.get("parallelism.pp_size", 1) > 1, choices=PP_SCHEDULES),
+             lambda answers: answers.get("parallelism.pp_size", 1) > 1,
+             choices=schema_choices("parallelism.pp_schedule")),
     Question("parallelism.pp_microbatches", "How many micro-batches per step?", "int",
              _from_defaults("parallelism.pp_microbatches"),
              lambda answers: answers.get("parallelism.pp_size", 1) > 1, default_label="pp_size"),
@@ -450,16 +454,37 @@ def run_questionnaire(args: argparse.Namespace) -> int:
     asker = Asker()
     asker.say(f"accel config: answer each question; press Enter for the default in [brackets]. "
               f"Saving to {path}")
+    if path.exists() and not getattr(args, "force_overwrite", False) and not confirm_overwrite(path, asker):
+        sys.stdout.flush()
+        sys.stderr.write(f"accel config: {path} already exists; it was not changed (answer yes to overwrite it, "
+                         "pass --force, or choose another --config_file)\n")
+        return 0
     cfg = questionnaire(asker)
     saved = save(cfg, path)
     asker.say(f"Configuration saved to {saved.resolve()}")
     return 0
 
 
+OVERWRITE = Question("overwrite", "", "bool", lambda answers, defaults: False, saved=False)  # yes/no, no config key
+
+
+def confirm_overwrite(path: Path, asker: Asker) -> bool:
+    """Ask whether to overwrite the existing `path`: yes overwrites; no, Enter or the end of stdin leave it."""
+    prompt = f"{path} already exists. Overwrite it? (yes/no) [no]: "
+    while True:
+        text = asker.read(prompt)
+        if text is None or not text.strip():
+            return False
+        try:
+            return bool(_convert(OVERWRITE, text))
+        except ValueError as exc:
+            asker.say(f"  {exc}")
+
+
 def run_default(args: argparse.Namespace) -> int:
     path = target_path(args.default_config_file or args.config_file)
     check_save_target(path)
-    if path.exists() and not args.force:
+    if path.exists() and not (args.force or getattr(args, "force_overwrite", False)):
         sys.stderr.write(f"accel config default: {path} already exists; it was not changed "
                          "(run `accel config`, pass --force, or choose another --config_file)\n")
         return 0

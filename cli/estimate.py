@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import textwrap
 import time
 
 from accel.cli._common import UsageError, add_flag
@@ -100,7 +102,10 @@ def _size(n: float) -> str:
     return str(n)
 
 
-def render(result: dict, seconds: float) -> str:
+def render(result: dict, seconds: float, width: int | None = None) -> str:
+    """The report as text: the tables as they are, the prose (the largest layer, how activations were measured, what
+    is assumed) wrapped to `width` columns (default: `text_width()`)."""
+    width = text_width() if width is None else width
     lines = [f"{result['model']}: {result['params']:,} parameters (built on the meta device in {seconds:.1f} s)", "",
              f"{'dtype':<10} {'weights':>12} {'largest layer':>14}  {'largest parameter':>18}"]
     for w in result["weights"]:
@@ -109,7 +114,7 @@ def render(result: dict, seconds: float) -> str:
     w = result["weights"][0]
     unit = w["largest_layer"]["name"]
     unit = "<root> (the parameters outside the repeated blocks: FSDP2's root unit)" if unit == "<root>" else unit
-    lines.append(f"largest layer: {unit}; largest parameter: {w['largest_param']['name']}")
+    lines += _wrapped(f"largest layer: {unit}; largest parameter: {w['largest_param']['name']}", width)
     t = result["training"]
     sequence = "".join(f" x {name} {t[f'{name}_size']}" for name in ("sp", "cp") if t.get(f"{name}_size", 1) > 1)
     lines += ["", f"Training with AdamW, per rank: {t['num_processes']} processes = dp {t['dp_size']} x "
@@ -130,6 +135,19 @@ def render(result: dict, seconds: float) -> str:
             whole = a.get(f"one_process_{name}_checkpointing_bytes")
             lines.append(f"  {name + ' checkpointing:':<20}{_size(a[f'{name}_checkpointing_bytes']):>11}"
                          + (f"  (one process, whole sequence: {_size(whole)})" if whole is not None else ""))
-        lines.append(f"  measured by {a['method']}")
-    lines += ["", "Assumed: " + result["assumptions"] + "."]
+        lines += _wrapped(f"measured by {a['method']}", width, indent="  ")
+    lines += ["", *_wrapped("Assumed: " + result["assumptions"] + ".", width)]
     return "\n".join(lines)
+
+
+MAX_WIDTH = 100  # prose lines wrap at the terminal's width, at most this (a wide terminal's lines stay readable)
+
+
+def text_width() -> int:
+    """The terminal's columns (100 when stdout is no terminal), at most MAX_WIDTH."""
+    return max(40, min(shutil.get_terminal_size((MAX_WIDTH, 24)).columns, MAX_WIDTH))
+
+
+def _wrapped(text: str, width: int, indent: str = "") -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False)

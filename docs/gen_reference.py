@@ -1,8 +1,9 @@
 """Write the generated reference pages of the documentation site (issue 45): every config key from the config schema
-(accel/config/schema.py) and every CLI command from its argparse parser (accel.cli.main.build_parser), so neither
-can drift from the code.
+(accel/config/schema.py), every CLI command from its argparse parser (accel.cli.main.build_parser), and the
+Accelerator API page's list of members in Accelerate's order (the text itself comes from the docstrings, through
+mkdocstrings), so none can drift from the code.
 
-    python docs/gen_reference.py            # rewrite docs/config_reference.md and docs/cli_reference.md
+    python docs/gen_reference.py            # rewrite docs/{config,cli}_reference.md and reference_accelerator.md
     python docs/gen_reference.py --check    # exit 1 naming the stale pages (tests/docs/test_generated_reference.py)
 """
 
@@ -146,7 +147,87 @@ def cli_reference() -> str:
     return "\n".join(lines)
 
 
-PAGES = {"config_reference.md": config_reference, "cli_reference.md": cli_reference}
+# The Accelerator's documented members, in the order of Accelerate's own guide: construct, prepare, the loop, save and
+# load, track, then the rest. A documented member missing here is added to the last section (the page never loses
+# one); a name here that is not a documented member fails the generator (a renamed method, a lost docstring).
+ACCELERATOR_SECTIONS: dict[str, list[str]] = {
+    "Construction": [],  # the class and its constructor's arguments
+    "Preparing": ["prepare"],
+    "The training loop": ["backward", "accumulate", "no_sync", "trigger_sync_in_backward", "unscale_gradients",
+                          "clip_grad_norm_", "autocast", "step", "optimizer_step_was_skipped", "gather_for_metrics",
+                          "shift_labels", "reduce_sequence_loss", "maybe_context_parallel", "join_uneven_inputs",
+                          "set_trigger", "check_trigger", "profile", "profile_handler"],
+    "Saving and loading": ["save_state", "load_state", "wait_for_checkpoint", "register_for_checkpointing",
+                           "register_save_state_pre_hook", "register_load_state_pre_hook", "skip_first_batches",
+                           "preemption_requested", "save_model", "save", "get_state_dict", "unwrap_model"],
+    "Experiment tracking": ["init_trackers", "get_tracker", "log", "end_training"],
+    "Utilities": ["free_memory", "verify_device_map", "multi_device", "torch_device_mesh", "is_fsdp2", "fp8_backend",
+                  "data_parallel_shard_rank", "context_parallel_rank"],
+}
+ACCELERATOR_TAIL = """## Configuration objects
+
+::: accel.config.schema.ParallelismConfig
+    options:
+      members: false
+
+::: accel.checkpoint.layout.ProjectConfiguration
+
+::: accel.data.loading.DataLoaderConfiguration
+
+## Process state
+
+::: accel.runtime.state.PartialState
+    options:
+      members: false
+
+## Big-model inference
+
+::: accel.big_model.dispatch.init_empty_weights
+
+::: accel.big_model.dispatch.load_checkpoint_and_dispatch
+
+::: accel.big_model.modeling.load_checkpoint_in_model"""
+
+
+def documented_members(cls: type) -> list[str]:
+    """The public members `cls` itself defines with a docstring (what mkdocstrings shows), aliases left out
+    (`clear = free_memory`), in source order."""
+    names = []
+    for name, value in vars(cls).items():
+        function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        if name.startswith("_") or not callable(function) or getattr(function, "__name__", name) != name:
+            continue
+        if (value.__doc__ if isinstance(value, property) else function.__doc__):
+            names.append(name)
+    return names
+
+
+def accelerator_reference() -> str:
+    from accel.accelerator import Accelerator
+
+    documented = documented_members(Accelerator)
+    listed = [name for names in ACCELERATOR_SECTIONS.values() for name in names]
+    wrong = [name for name in listed if name not in documented]
+    if wrong or len(set(listed)) < len(listed):
+        raise SystemExit(f"docs/gen_reference.py: ACCELERATOR_SECTIONS names {wrong or 'a member twice'}, not once "
+                         "each a documented member of Accelerator")
+    sections = {title: list(names) for title, names in ACCELERATOR_SECTIONS.items()}
+    sections[list(sections)[-1]] += [name for name in documented if name not in listed]
+    lines = [HEADER.format(source="the Accelerator's docstrings (ACCELERATOR_SECTIONS orders them)"), "",
+             "# The `Accelerator` API", "",
+             "Generated from the docstrings, in the order of Accelerate's guide: construct it, prepare, the training "
+             "loop, saving and loading, tracking, utilities. The names, arguments and meanings are Accelerate's; what "
+             "each method does in accel's loop, with examples: [The Accelerator](accelerator.md).", ""]
+    for title, names in sections.items():
+        lines += [f"## {title}", ""]
+        if title == "Construction":
+            lines += ["::: accel.accelerator.Accelerator", "    options:", "      members: false", ""]
+        lines += [line for name in names for line in (f"::: accel.accelerator.Accelerator.{name}", "")]
+    return "\n".join(lines) + ACCELERATOR_TAIL
+
+
+PAGES = {"config_reference.md": config_reference, "cli_reference.md": cli_reference,
+         "reference_accelerator.md": accelerator_reference}
 
 
 def stale() -> list[str]:

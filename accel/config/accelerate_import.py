@@ -19,6 +19,7 @@ from accel.config.schema import (
     PARALLEL_FIELDS,
     TOP_FIELDS,
     ConfigError,
+    UnknownKeys,
     check_value,
     unknown_key,
 )
@@ -166,21 +167,25 @@ def from_parallelism_config_section(section: dict, source: str) -> dict:
     cp_comm_strategy; DeepSpeed's Ulysses options (sp_seq_length, ...) are accepted and unused."""
     where = "parallelism_config."
     par: dict = {}
+    unknown = UnknownKeys(source)
     for key, value in section.items():
-        short = key.removeprefix("parallelism_config_")
-        if short not in _PARALLELISM_CONFIG_KEYS or short == key:
-            raise unknown_key(key, [f"parallelism_config_{name}" for name in _PARALLELISM_CONFIG_KEYS], source, where)
-        field = _PARALLELISM_CONFIG_KEYS[short]
-        if field is None or value is None:  # None: Accelerate's "not given"
-            continue
-        meta = PARALLEL_FIELDS[field]
-        if field in _PARALLELISM_SIZES:
-            meta = {**meta, "optional": False}
-        if field == "cp_comm_strategy":  # Accelerate's names too: allgather, alltoall (torch's ring rotation)
-            meta = {**meta, "choices": tuple(dict.fromkeys((*meta["choices"], *ACCELERATE_CP_COMM_STRATEGIES)))}
-        par[field] = check_value(value, meta, where + key, source)
-        if field == "cp_comm_strategy":
-            par[field] = ACCELERATE_CP_COMM_STRATEGIES.get(par[field], par[field])
+        with unknown.check():
+            short = key.removeprefix("parallelism_config_")
+            if short not in _PARALLELISM_CONFIG_KEYS or short == key:
+                raise unknown_key(key, [f"parallelism_config_{name}" for name in _PARALLELISM_CONFIG_KEYS], source,
+                                  where)
+            field = _PARALLELISM_CONFIG_KEYS[short]
+            if field is None or value is None:  # None: Accelerate's "not given"
+                continue
+            meta = PARALLEL_FIELDS[field]
+            if field in _PARALLELISM_SIZES:
+                meta = {**meta, "optional": False}
+            if field == "cp_comm_strategy":  # Accelerate's names too: allgather, alltoall (torch's ring rotation)
+                meta = {**meta, "choices": tuple(dict.fromkeys((*meta["choices"], *ACCELERATE_CP_COMM_STRATEGIES)))}
+            par[field] = check_value(value, meta, where + key, source)
+            if field == "cp_comm_strategy":
+                par[field] = ACCELERATE_CP_COMM_STRATEGIES.get(par[field], par[field])
+    unknown.raise_found()
     if all(par.get(name, 1) == 1 for name in _PARALLELISM_SIZES):
         par.pop("dp_replicate_size", None)
         par.pop("dp_shard_size", None)
@@ -195,10 +200,13 @@ def from_dynamo_section(section: dict, source: str) -> dict:
     """Accelerate's `dynamo_config:` section (dynamo_backend: INDUCTOR, dynamo_mode, dynamo_use_fullgraph, ...):
     the same names as accel's top-level keys."""
     out = {}
+    unknown = UnknownKeys(source)
     for key, value in section.items():
-        if key not in DYNAMO_KEYS:
-            raise unknown_key(key, DYNAMO_KEYS, source, "dynamo_config.")
-        out[key] = check_value(value, TOP_FIELDS[key], f"dynamo_config.{key}", source)
+        with unknown.check():
+            if key not in DYNAMO_KEYS:
+                raise unknown_key(key, DYNAMO_KEYS, source, "dynamo_config.")
+            out[key] = check_value(value, TOP_FIELDS[key], f"dynamo_config.{key}", source)
+    unknown.raise_found()
     return out
 
 
@@ -210,13 +218,16 @@ _FP8_OTHER_BACKENDS_KEYS = ("fp8_format", "amax_history_len", "amax_compute_algo
 def check_fp8_section(section: dict, source: str) -> None:
     """Accelerate's `fp8_config:` section: accel's fp8 is torchao's (`backend: AO`); Transformer Engine (TE) and
     MS-AMP are refused in one line, their tuning keys are accepted and not used."""
+    unknown = UnknownKeys(source)
     for key, value in section.items():
-        if key == "backend":
-            if str(value).upper() != "AO":
-                raise ConfigError(f"{source}: key 'fp8_config.backend': {shown(value)} is not supported by accel; "
-                                  "allowed: AO (torchao's float8 training)")
-        elif key not in _FP8_OTHER_BACKENDS_KEYS:
-            raise unknown_key(key, ("backend",) + _FP8_OTHER_BACKENDS_KEYS, source, "fp8_config.")
+        with unknown.check():
+            if key == "backend":
+                if str(value).upper() != "AO":
+                    raise ConfigError(f"{source}: key 'fp8_config.backend': {shown(value)} is not supported by "
+                                      "accel; allowed: AO (torchao's float8 training)")
+            elif key not in _FP8_OTHER_BACKENDS_KEYS:
+                raise unknown_key(key, ("backend",) + _FP8_OTHER_BACKENDS_KEYS, source, "fp8_config.")
+    unknown.raise_found()
 
 
 # ---------------------------------------------------------------------------------------------------------

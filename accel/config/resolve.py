@@ -40,6 +40,7 @@ from accel.config.schema import (
     AccelConfig,
     ConfigError,
     ParallelismConfig,
+    UnknownKeys,
     check_carried_deepspeed_json,
     check_consistency,
     check_value,
@@ -77,56 +78,59 @@ def parse_layer(raw: Any, source: str, base_dir: str | os.PathLike | None = None
     par: dict = {}
     accelerate_type = None
     ds_files: list[tuple[Path, str]] = []  # (path, the key that names it)
+    unknown = UnknownKeys(source)  # every unknown key named at once
     for key, value in raw.items():
-        if key == DEEPSPEED_FILE_KEY:
-            path = deepspeed_path(value, key, source, base)
-            if path is not None:
-                ds_files.append((path, key))
-            continue
-        if key in TOP_FIELDS:
-            if key == "distributed_type" and isinstance(value, str) and value.upper() in ("DEEPSPEED", "FSDP"):
-                accelerate_type = value.upper()
-                continue
-            if key == "distributed_type" and isinstance(value, str) and value.upper() not in DISTRIBUTED_TYPES:
-                raise ConfigError(f"{source}: key 'distributed_type': bad value {shown(value)}; allowed: "
-                                  f"{', '.join(DISTRIBUTED_TYPES)} (Accelerate's DEEPSPEED and FSDP also load)")
-            out[key] = check_value(value, TOP_FIELDS[key], key, source)
-        elif key in _CHECKED_SECTIONS:
-            if value is None:
-                continue
-            checked = _checked_section(key, value, source)
-            if key == "parallelism":
-                par.update(checked)
-            elif checked:
-                out.setdefault(key, {}).update(checked)
-        elif key in ACCELERATE_SECTIONS:
-            if not value:
-                continue
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key '{key}': expected a mapping, got {shown(value)}")
-            if key == "deepspeed_config":
-                if str(raw.get("distributed_type") or "DEEPSPEED").upper() != "DEEPSPEED":
-                    continue  # Accelerate keeps inactive sections around; only the active one counts
-                path = deepspeed_path(value.get(DEEPSPEED_FILE_KEY), f"{key}.{DEEPSPEED_FILE_KEY}", source, base)
+        with unknown.check():
+            if key == DEEPSPEED_FILE_KEY:
+                path = deepspeed_path(value, key, source, base)
                 if path is not None:
-                    ds_files.append((path, f"{key}.{DEEPSPEED_FILE_KEY}"))
-                ds_par, ds_top = from_deepspeed_section(value, source)
-                par.update(ds_par)
-                out.update({k: v for k, v in ds_top.items() if k not in raw})
-            elif key == "fsdp_config":
-                if str(raw.get("distributed_type", "FSDP")).upper() != "FSDP":
+                    ds_files.append((path, key))
+                continue
+            if key in TOP_FIELDS:
+                if key == "distributed_type" and isinstance(value, str) and value.upper() in ("DEEPSPEED", "FSDP"):
+                    accelerate_type = value.upper()
                     continue
-                par.update(from_fsdp_section(value, source))
-            elif key == "fp8_config":
-                check_fp8_section(value, source)
-            elif key == "dynamo_config":  # the top-level keys of the same names win
-                out.update({k: v for k, v in from_dynamo_section(value, source).items() if k not in raw})
+                if key == "distributed_type" and isinstance(value, str) and value.upper() not in DISTRIBUTED_TYPES:
+                    raise ConfigError(f"{source}: key 'distributed_type': bad value {shown(value)}; allowed: "
+                                      f"{', '.join(DISTRIBUTED_TYPES)} (Accelerate's DEEPSPEED and FSDP also load)")
+                out[key] = check_value(value, TOP_FIELDS[key], key, source)
+            elif key in _CHECKED_SECTIONS:
+                if value is None:
+                    continue
+                checked = _checked_section(key, value, source)
+                if key == "parallelism":
+                    par.update(checked)
+                elif checked:
+                    out.setdefault(key, {}).update(checked)
+            elif key in ACCELERATE_SECTIONS:
+                if not value:
+                    continue
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{source}: key '{key}': expected a mapping, got {shown(value)}")
+                if key == "deepspeed_config":
+                    if str(raw.get("distributed_type") or "DEEPSPEED").upper() != "DEEPSPEED":
+                        continue  # Accelerate keeps inactive sections around; only the active one counts
+                    path = deepspeed_path(value.get(DEEPSPEED_FILE_KEY), f"{key}.{DEEPSPEED_FILE_KEY}", source, base)
+                    if path is not None:
+                        ds_files.append((path, f"{key}.{DEEPSPEED_FILE_KEY}"))
+                    ds_par, ds_top = from_deepspeed_section(value, source)
+                    par.update(ds_par)
+                    out.update({k: v for k, v in ds_top.items() if k not in raw})
+                elif key == "fsdp_config":
+                    if str(raw.get("distributed_type", "FSDP")).upper() != "FSDP":
+                        continue
+                    par.update(from_fsdp_section(value, source))
+                elif key == "fp8_config":
+                    check_fp8_section(value, source)
+                elif key == "dynamo_config":  # the top-level keys of the same names win
+                    out.update({k: v for k, v in from_dynamo_section(value, source).items() if k not in raw})
+                else:
+                    par.update(from_parallelism_config_section(value, source))
+            elif key in ACCELERATE_IGNORED_KEYS:
+                continue
             else:
-                par.update(from_parallelism_config_section(value, source))
-        elif key in ACCELERATE_IGNORED_KEYS:
-            continue
-        else:
-            raise unknown_key(key, KNOWN_TOP_KEYS, source)
+                raise unknown_key(key, KNOWN_TOP_KEYS, source)
+    unknown.raise_found()
     if accelerate_type is not None and "zero_stage" not in par and not ds_files:
         par["zero_stage"] = 3 if accelerate_type == "FSDP" else 2  # Accelerate's default stage for DeepSpeed
     if par:
@@ -149,10 +153,13 @@ def _checked_section(name: str, value: Any, source: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: key '{name}': expected a mapping, got {shown(value)}")
     checked = {}
+    unknown = UnknownKeys(source)
     for field, field_value in value.items():
-        if field not in fields:
-            raise unknown_key(field, tuple(fields), source, f"{name}.")
-        checked[field] = check_value(field_value, fields[field], f"{name}.{field}", source)
+        with unknown.check():
+            if field not in fields:
+                raise unknown_key(field, tuple(fields), source, f"{name}.")
+            checked[field] = check_value(field_value, fields[field], f"{name}.{field}", source)
+    unknown.raise_found()
     return checked
 
 

@@ -658,11 +658,63 @@ def check_carried_deepspeed_json(data: Any, path: Any, source: str) -> None:
         raise ConfigError(f"{source}: key 'deepspeed_json_path': bad value {shown(path)}; allowed: a path (or null)")
 
 
-def unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> ConfigError:
+@dataclass(frozen=True)
+class _Unknown:
+    name: str                # as shown, with its section (`parallelism.tp_sise`)
+    close: str | None        # the known key it most likely meant
+    where: str               # the section ("parallelism."), "" at the top level
+    known: tuple[str, ...]   # the keys known there
+
+
+class UnknownKeyError(ConfigError):
+    """One or more unknown keys of one source, named in one line: `unknown_key` makes one, `UnknownKeys` joins those
+    of a whole layer so that every typo is named at once."""
+
+    def __init__(self, source: str, unknown: list[_Unknown]):
+        self.source, self.unknown = source, unknown
+        super().__init__(_unknown_message(source, unknown))
+
+
+def _unknown_message(source: str, unknown: list[_Unknown]) -> str:
+    if len(unknown) == 1:
+        one = unknown[0]
+        hint = f"did you mean '{one.close}'?" if one.close else f"known keys: {', '.join(sorted(one.known))}"
+        return f"{source}: unknown key '{one.name}'; {hint}"
+    names = ", ".join(f"'{u.name}'" + (f" (did you mean '{u.close}'?)" if u.close else "") for u in unknown)
+    known = {u.where: u.known for u in unknown if not u.close}  # one list per section with a key matching nothing
+    tails = [f"known {where.rstrip('.') + ' ' if where else ''}keys: {', '.join(sorted(keys))}"
+             for where, keys in known.items()]
+    return f"{source}: unknown keys {names}" + "".join(f"; {tail}" for tail in tails)
+
+
+def unknown_key(key: str, known: tuple[str, ...] | list[str], source: str, where: str = "") -> UnknownKeyError:
     name = str(key) if isinstance(key, str) and len(key) <= 60 and key.isprintable() else shown(key).strip("'\"")
     close = difflib.get_close_matches(str(key)[:100], list(known), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"{source}: unknown key '{where}{name}'{hint}")
+    return UnknownKeyError(source, [_Unknown(f"{where}{name}", close[0] if close else None, where, tuple(known))])
+
+
+class UnknownKeys:
+    """Every unknown key of a layer, named at once: run each key's check under `check()`; an unknown key is kept and
+    the next key checked. Once one was found, another mistake (a bad value) is not raised: the unknown keys came
+    first and are what `raise_found()` names, in one line."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.found: list[_Unknown] = []
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except UnknownKeyError as exc:
+            self.found.extend(exc.unknown)
+        except ConfigError:
+            if not self.found:
+                raise
+
+    def raise_found(self) -> None:
+        if self.found:
+            raise UnknownKeyError(self.source, self.found)
 
 
 def check_consistency(cfg: AccelConfig, source: str = "config") -> None:

@@ -54,3 +54,51 @@ def test_a_stale_page_is_named(gen, tmp_path, monkeypatch):
     page.write_text(page.read_text().replace("total processes over all machines", "processes"))
     assert gen.stale() == ["docs/config_reference.md"]
     assert gen.main(["--check"]) == 1
+
+
+def test_the_accelerator_page_lists_each_documented_member_once_in_accelerates_order(gen):
+    """docs/reference_accelerator.md: the class (its constructor) first, then prepare, the loop, saving and loading,
+    tracking and the utilities, each documented member of Accelerator exactly once."""
+    import re
+
+    from accel.accelerator import Accelerator
+
+    page = (ROOT / "docs" / "reference_accelerator.md").read_text()
+    sections = re.findall(r"^## (.+)$", page, flags=re.M)
+    assert sections[:6] == ["Construction", "Preparing", "The training loop", "Saving and loading",
+                            "Experiment tracking", "Utilities"]
+    members = re.findall(r"^::: accel\.accelerator\.Accelerator\.(\w+)$", page, flags=re.M)
+    assert sorted(members) == sorted(gen.documented_members(Accelerator)) and len(set(members)) == len(members)
+    order = {name: i for i, name in enumerate(members)}
+    assert order["prepare"] < order["backward"] < order["accumulate"] < order["clip_grad_norm_"] < order["step"]
+    assert order["step"] < order["save_state"] < order["load_state"] < order["init_trackers"] < order["free_memory"]
+    assert page.index("::: accel.accelerator.Accelerator\n") < page.index("## Preparing")
+
+
+def test_a_new_documented_member_lands_under_utilities_and_a_stale_name_fails(gen, monkeypatch):
+    from accel.accelerator import Accelerator
+
+    def shiny(self):
+        """A new documented method."""
+
+    monkeypatch.setattr(Accelerator, "shiny", shiny, raising=False)
+    page = gen.accelerator_reference()
+    assert page.index("## Utilities") < page.index("::: accel.accelerator.Accelerator.shiny") < page.index(
+        "## Configuration objects")
+    monkeypatch.setitem(gen.ACCELERATOR_SECTIONS, "Preparing", ["prepare", "prepare_everything"])
+    with pytest.raises(SystemExit, match="prepare_everything"):
+        gen.accelerator_reference()
+
+
+def test_the_site_formats_long_signatures_and_hides_the_internal_base():
+    """mkdocstrings formats a signature longer than line_length one argument a line only with ruff or black: the docs
+    extra installs ruff; the Accelerator's internal mix-in is not shown as its base."""
+    import tomllib
+
+    import yaml
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    assert any(req.split("=")[0] in ("ruff", "black") for req in extras), extras
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
+    options = config["plugins"][1]["mkdocstrings"]["handlers"]["python"]["options"]
+    assert options["show_bases"] is False and options["separate_signature"] is True and options["line_length"] <= 100

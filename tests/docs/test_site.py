@@ -176,6 +176,18 @@ def test_the_api_reference_and_the_search_index_are_built(site):
     assert "preemption_requested" in text and "zero_stage" in text
 
 
+def test_the_api_page_is_in_accelerates_order_with_a_wrapped_signature_and_no_internal_base(site):
+    import html
+
+    api = (site / "reference_accelerator" / "index.html").read_text()
+    ids = re.findall(r'id="accel\.accelerator\.Accelerator(?:\.(\w+))?"', api)
+    assert ids[0] == "" and ids.index("prepare") < ids.index("backward") < ids.index("step") < ids.index("save_state")
+    assert "Bases:" not in api and "AccelerateMembers" not in api
+    signature = re.search(r'<div class="doc-signature highlight"><pre><span></span><code>(.*?)</code>', api, re.S)
+    lines = html.unescape(re.sub(r"<[^>]+>", "", signature.group(1))).splitlines()
+    assert lines[0] == "Accelerator(" and len(lines) > 10 and max(map(len, lines)) <= 100, lines
+
+
 @pytest.mark.skipif(find() is None, reason="no Chromium here (apt-get install chromium; .ci/run installs it)")
 def test_pages_open_without_console_errors(site, tmp_path):
     shots = Path(os.environ.get("ACCEL_DOCS_SCREENSHOTS") or tmp_path)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
 import textwrap
+from pathlib import Path
 
+import pytest
 import yaml
 
 from accel.config import AccelConfig, PACKAGED_DEFAULT, read_config_file, build_config, resolve_config
@@ -166,3 +170,102 @@ def test_no_subcommand_and_unknown_flags_exit_2(run_accel):
     result = run_accel("config", "--nope")
     line = assert_one_line_error(result, "config")
     assert "--nope" in line
+
+
+# -- the choices a question offers are the schema's, as the error for another answer lists them ----------------------
+
+def _offered_and_allowed(out: str, prompt: str) -> tuple[list[str], list[str]]:
+    """The choices the prompt offers `(a/b/c)` and the ones the refusal of a bad answer lists (`one of a, b, c`)."""
+    offered = re.search(re.escape(prompt) + r" \(([^)]*)\)", out).group(1).split("/")
+    allowed = re.search(r"allowed: one of ([^\n]*)", out).group(1).split(", ")
+    return offered, allowed
+
+
+def test_every_choice_question_offers_the_schemas_choices():
+    from accel.cli.config import QUESTIONS, schema_choices
+    from accel.config.schema import PARALLEL_FIELDS, TOP_FIELDS
+
+    asked = [q for q in QUESTIONS if q.kind == "choice" and q.saved]
+    assert {q.key for q in asked} >= {"mixed_precision", "rdzv_backend", "parallelism.pp_schedule"}
+    for question in asked:
+        section, _, name = question.key.rpartition(".")
+        assert question.choices == schema_choices(question.key) == (PARALLEL_FIELDS if section else TOP_FIELDS)[
+            name]["choices"], question.key
+
+
+@pytest.mark.parametrize("torchao", [True, False])
+def test_mixed_precision_prompt_and_its_error_list_the_same_choices(run_accel, tmp_path, torchao):
+    env = {}
+    if not torchao:  # the prompt is the same; fp8 is then refused naming torchao, and asked again
+        hide = tmp_path / "hide_torchao"
+        hide.mkdir()
+        (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torchao'] = None\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))
+    answers = ["1", "yes", "1", "fp32", *([] if torchao else ["fp8"]), "bf16"]
+    result = run_accel("config", "--config_file", tmp_path / "c.yaml", input="\n".join(answers) + "\n", env=env)
+    assert result.returncode == 0, result.stderr
+    offered, allowed = _offered_and_allowed(result.stdout, "Mixed precision?")
+    assert offered == allowed == ["no", "fp16", "bf16", "fp8"]
+    assert result.stdout.count("Mixed precision?") == (2 if torchao else 3)
+    if not torchao:
+        assert "key 'mixed_precision': fp8 needs torchao, which is not installed" in result.stdout
+    assert resolve_config(tmp_path / "c.yaml").mixed_precision == "bf16"
+
+
+# -- an existing file is overwritten only when the user says so -------------------------------------------------------
+
+SAVED = "mixed_precision: bf16\n"
+NOT_CHANGED = "already exists; it was not changed (answer yes to overwrite it, pass --force, or choose another"
+
+
+@pytest.mark.parametrize("answers", ["", "\n", "no\n", "maybe\nn\n1\nyes\n"])
+def test_an_existing_file_is_left_alone_unless_the_answer_is_yes(run_accel, tmp_path, answers):
+    target = tmp_path / "mine.yaml"
+    target.write_text(SAVED)
+    result = run_accel("config", "--config_file", target, input=answers)
+    assert result.returncode == 0, result.stderr
+    assert f"{target} already exists. Overwrite it? (yes/no) [no]: " in result.stdout
+    assert "Mixed precision?" not in result.stdout  # no question asked after a no
+    assert result.stderr == f"accel config: {target} {NOT_CHANGED} --config_file)\n"
+    assert target.read_text() == SAVED
+    if answers.startswith("maybe"):
+        assert "'maybe': please answer yes or no" in result.stdout
+
+
+def test_yes_or_force_overwrites_an_existing_file(run_accel, tmp_path):
+    target = tmp_path / "mine.yaml"
+    target.write_text(SAVED)
+    result = run_accel("config", "--config_file", target, input="yes\n1\nyes\n2\n")
+    assert result.returncode == 0, result.stderr
+    assert "Overwrite it?" in result.stdout and f"saved to {target.resolve()}" in result.stdout
+    cfg = resolve_config(target)
+    assert (cfg.use_cpu, cfg.num_processes, cfg.mixed_precision) == (True, 2, "no")
+
+    target.write_text(SAVED)
+    result = run_accel("config", "--force", "--config_file", target, input="1\nyes\n4\n")  # no question first
+    assert result.returncode == 0, result.stderr
+    assert "Overwrite it?" not in result.stdout
+    assert resolve_config(target).num_processes == 4
+
+    target.write_text(SAVED)  # `accel config --force default` as `accel config default --force`
+    assert run_accel("config", "--force", "default", "--config_file", target).returncode == 0
+    assert resolve_config(target).mixed_precision == "no"
+
+
+def test_a_new_file_is_written_without_the_overwrite_question(run_accel, tmp_path):
+    target = tmp_path / "new.yaml"
+    result = run_accel("config", "--config_file", target, input="1\nyes\n")
+    assert result.returncode == 0, result.stderr
+    assert "Overwrite it?" not in result.stdout and target.is_file()
+
+
+def test_the_cli_page_says_what_config_does_with_an_existing_file():
+    """docs/cli_reference.md (generated from the parsers) and docs/configuration.md say what the tests above hold."""
+    root = Path(__file__).resolve().parents[2]
+    cli = (root / "docs" / "cli_reference.md").read_text()
+    assert "An existing file is overwritten only after you answer yes to the first question, or with --force." in cli
+    assert "| `--force` |  |  | overwrite an existing file without asking |" in cli
+    assert "An existing file is left alone unless --force is given." in cli  # `accel config default`
+    configuration = " ".join((root / "docs" / "configuration.md").read_text().split())
+    assert ("When the file exists, the first question is whether to overwrite it: only `yes` does; Enter, `no` or the "
+            "end of input leave it unchanged") in configuration

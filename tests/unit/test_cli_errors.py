@@ -82,7 +82,33 @@ LAUNCH_PROBES = [
      ["tp2_one_process.yaml", "key 'num_processes': 1 is not divisible by tp_size x pp_size = 2"]),
     ("bad-flag-value", ["--num_processes", "two", "train.py"], ["--num_processes", "'two'"]),
     ("unknown-flag", ["--num_gpus", "2", "train.py"], ["--num_gpus"]),
+    # a near miss is refused (never taken as an abbreviation of the flag) and the flag named
+    ("misspelt-flag", ["--num_process", "2", "train.py"],
+     ["unrecognized arguments: --num_process; did you mean --num_processes? (see 'accel launch --help')"]),
+    ("misspelt-flag-with-value", ["--mixed-precison=bf16", "train.py"], ["did you mean --mixed-precision?"]),
 ]
+
+
+def test_a_misspelt_launch_flag_names_the_flag_it_resembles(run_accel, workdir):
+    result = run_accel("launch", "--num_process", "2", "--cpu", "train.py", cwd=workdir)
+    assert result.stderr == ("accel launch: error: unrecognized arguments: --num_process; did you mean "
+                             "--num_processes? (see 'accel launch --help')\n")
+    assert result.returncode == 2 and not (workdir / "script_ran").exists()
+    # no hint for a flag that resembles none; every near miss named when there are several (accel env takes no script)
+    one_line_error(run_accel("launch", "--cpu", "--nope", "train.py", cwd=workdir), "launch", "arguments: --nope (see")
+    one_line_error(run_accel("env", "--num_proc", "2", "--mixed_precison", "bf16", cwd=workdir), "env",
+                   "unrecognized arguments: --num_proc 2 --mixed_precison bf16; did you mean --num_processes (for "
+                   "--num_proc), --mixed_precision (for --mixed_precison)?")
+
+
+def test_accelerates_launch_parser_names_the_flag_too(capsys):
+    """`accelerate launch` through the shim (accel.commands) parses with the same one-line parser."""
+    from accel.commands.launch import launch_command_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch_command_parser().parse_args(["--num_process", "2", "train.py"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --num_process; did you mean --num_processes?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,needles", [p[1:] for p in LAUNCH_PROBES], ids=[p[0] for p in LAUNCH_PROBES])
@@ -91,13 +117,14 @@ def test_launch_refuses_in_one_line_before_starting_anything(run_accel, workdir,
     assert not (workdir / "script_ran").exists()
 
 
-def test_fp8_without_torchao_is_refused_by_launch_and_not_offered_by_config(run_accel, workdir, without_torchao):
+def test_fp8_without_torchao_is_refused_by_launch_and_by_config(run_accel, workdir, without_torchao):
     one_line_error(run_accel("launch", "--cpu", "--mixed_precision", "fp8", "train.py", cwd=workdir,
                              env=without_torchao), "launch", "mixed_precision", "fp8 needs torchao", "accel[fp8]")
     assert not (workdir / "script_ran").exists()
-    # one machine, CPU, one process, then fp8 anyway: refused, asked again, and stdin ends
+    # one machine, CPU, one process, then fp8: refused, asked again, and stdin ends
     result = run_accel("config", "--config_file", workdir / "fp8.yaml", input="1\nyes\n1\nfp8\n", env=without_torchao)
-    assert "Mixed precision? (no/fp16/bf16) [no]" in result.stdout  # fp8 is not offered
+    # the schema's choices, as a bad answer's error lists them (tests/unit/test_cli_config.py)
+    assert "Mixed precision? (no/fp16/bf16/fp8) [no]" in result.stdout
     one_line_error(result, "config", "mixed_precision", "fp8 needs torchao")
     assert not (workdir / "fp8.yaml").exists()
 

@@ -65,6 +65,40 @@ def test_bad_files_name_file_key_value_and_allowed(tmp_path, text, message):
     assert "\n" not in str(info.value)
 
 
+def test_every_unknown_key_is_named_at_once(tmp_path):
+    path = write(tmp_path / "typos.yaml", "mixed_precison: fp16\nnum_processes: 2\nnum_procesess: 2\nparallelism:\n"
+                                          "  zero_stag: 2\n  tp_sise: 1\ndynamo_config:\n  dynamo_bakend: eager\n")
+    with pytest.raises(ConfigError) as info:
+        resolve_config(path)
+    assert str(info.value) == (
+        f"{path}: unknown keys 'mixed_precison' (did you mean 'mixed_precision'?), 'num_procesess' (did you mean "
+        "'num_processes'?), 'parallelism.zero_stag' (did you mean 'zero_stage'?), 'parallelism.tp_sise' (did you mean "
+        "'tp_size'?), 'dynamo_config.dynamo_bakend' (did you mean 'dynamo_backend'?)")
+
+
+def test_unknown_keys_without_a_close_match_list_the_known_keys_once_per_section(tmp_path):
+    path = write(tmp_path / "odd.yaml", "foo: 1\nbar: 2\nparallelism:\n  baz: 3\nmixed_precison: fp16\n")
+    with pytest.raises(ConfigError) as info:
+        resolve_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: unknown keys 'foo', 'bar', 'parallelism.baz', 'mixed_precison' (did you mean "
+                              "'mixed_precision'?); known keys: checkpoint_async, ")
+    assert message.count("known keys:") == 1
+    assert message.count("known parallelism keys: activation_checkpointing, ") == 1
+    assert "\n" not in message
+
+
+def test_a_bad_value_before_an_unknown_key_is_the_error_and_one_after_it_waits(tmp_path):
+    """The first mistake in the file is named: a bad value before any unknown key is that error (as before); after an
+    unknown key the layer is still read for more unknown keys, and the bad value is named once they are fixed."""
+    first = write(tmp_path / "first.yaml", "num_processes: 0\nnum_procesess: 2\n")
+    with pytest.raises(ConfigError, match="key 'num_processes': bad value 0"):
+        resolve_config(first)
+    later = write(tmp_path / "later.yaml", "num_procesess: 2\nnum_processes: 0\nfoo_bar: 1\n")
+    with pytest.raises(ConfigError, match=r"keys 'num_procesess' \(did you mean 'num_processes'\?\), 'foo_bar'"):
+        resolve_config(later)
+
+
 def test_missing_named_file():
     with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
         resolve_config("nope.yaml")

@@ -191,6 +191,84 @@ def test_activation_errors_are_one_line(args, fragment, capsys):
     assert fragment in err and err.count("\n") == 1
 
 
+# -- what the text report looks like: prose wrapped, no torch warning -------------------------------------------
+@pytest.mark.parametrize("columns, width", [("300", 100), ("60", 60)])
+def test_the_prose_is_wrapped_to_the_terminal_at_most_100_columns(monkeypatch, capsys, columns, width):
+    from accel.planning.estimate import ASSUMPTIONS
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["estimate-memory", f"{__name__}:small"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= max(width, 83)  # 83: the layouts table, never wrapped
+    assumed = lines[next(i for i, line in enumerate(lines) if line.startswith("Assumed: ")):]
+    assert len(assumed) > 5 and max(len(line) for line in assumed) <= width
+    assert " ".join(assumed) == f"Assumed: {ASSUMPTIONS}."  # every word kept, none split
+
+
+class Func(torch.nn.Module):
+    """Like transformers' hub-kernel function wrappers (a module per wrapped function, outside the model's tree):
+    two of the same class name, one entered inside the other, make torch's ModTracker warn."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+INNER = Func(torch.relu)
+OUTER = Func(lambda x: INNER(x) * 2)
+
+
+class WithFuncs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return OUTER(self.fc(self.embed(ids)))
+
+
+def with_funcs() -> torch.nn.Module:
+    return WithFuncs()
+
+
+def test_the_activation_measurement_prints_no_torch_warning(monkeypatch, capsys):
+    import contextlib
+    import warnings
+
+    from accel.planning import estimate as planning
+
+    def caught(quiet: bool) -> list[str]:
+        formatwarning = warnings.formatwarning
+        with warnings.catch_warnings(record=True) as records, monkeypatch.context() as patch:
+            warnings.simplefilter("always")
+            if not quiet:
+                patch.setattr(planning, "_quiet_mod_tracker", contextlib.nullcontext)
+            assert main(["estimate-memory", f"{__name__}:with_funcs", "--batch_size", "2", "--seq_len", "4"]) == 0
+        warnings.formatwarning = formatwarning  # what torch replaces to print it
+        return [str(record.message) for record in records]
+
+    assert any(planning.MOD_TRACKER_WARNING in message for message in caught(quiet=False))  # torch does warn here
+    formatwarning = warnings.formatwarning
+    assert caught(quiet=True) == []
+    assert warnings.formatwarning is formatwarning  # and torch's replacement of it is undone
+    assert capsys.readouterr().err == ""
+
+
+def test_a_transformers_model_with_batch_size_prints_no_warning(tmp_path, capsys):
+    import warnings
+
+    _tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert main(["estimate-memory", str(tmp_path), "--batch_size", "1", "--seq_len", "16"]) == 0
+    assert [str(r.message) for r in records if "PyTorch" in str(r.message)] == []
+    assert "Please file a bug" not in capsys.readouterr().err
+
+
 # -- tensor and pipeline parallelism: what accel's plan splits and where its split cuts ------------------------
 def _llama_spec(tie: bool = False, layers: int = 4):
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from accel.cli import launch
 from accel.cli.main import main
 
 SAVED = "mixed_precision: bf16\ngradient_accumulation_steps: 2\nparallelism:\n  zero_stage: 2\n"  # `accel config`'s
+ROOT = Path(__file__).resolve().parents[2]
 NOTE = "gradient_accumulation_steps is 2 but the loop reached its first optimizer step without entering"
 
 
@@ -97,6 +99,26 @@ def test_state_and_accelerator_print_accelerates_summary_then_accels_degrees(sav
     assert repr(accelerator) == summary + "Gradient accumulation steps: 2\n"
 
 
+@pytest.mark.parametrize("gpus, words", [(0, "4 processes (MULTI_CPU, gloo)"), (4, "4 processes (MULTI_GPU, nccl)")])
+def test_four_processes_without_cpu_say_whether_they_run_on_gpus_or_the_cpu(saved_config, monkeypatch, capsys, gpus,
+                                                                            words):
+    """docs/getting_started.md: `accel launch --num_processes 4` is one process per GPU on NCCL where there are GPUs,
+    and on a machine without one the same four on the CPU over gloo, which the start line says."""
+    path, script = saved_config
+    path.unlink()
+    monkeypatch.setattr(launch, "_run_torchrun", lambda cfg, argv, preemptible=True: 0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert main(["launch", "--num_processes", "4", str(script)]) == 0
+    assert capsys.readouterr().err == (f"accel launch: {words}, DDP, dp_replicate 4, mixed precision no, gradient "
+                                       "accumulation 1 (set by accel launch flags: num_processes 4)\n")
+    getting_started = " ".join((ROOT / "docs" / "getting_started.md").read_text().split())
+    assert "accel launch --num_processes 4 examples/quickstart.py # four processes: one per GPU (NCCL), or CPU (gloo)" \
+        in getting_started
+    assert "e.g. on a laptop `accel launch: 4 processes (MULTI_CPU, gloo), DDP, dp_replicate 4, ...`" in getting_started
+
+
 # -- accel env ---------------------------------------------------------------------------------------------------
 
 def test_env_names_where_each_value_came_from(saved_config, capsys):
@@ -109,6 +131,28 @@ def test_env_names_where_each_value_came_from(saved_config, capsys):
                  f"  zero_stage: 2  # {path}", "num_processes: 2  # accel env flags",
                  "rdzv_backend: static  # packaged default", "  enabled: false  # default"):
         assert f"    {line}\n" in out, line
+
+
+def test_env_names_the_cluster_variable_behind_each_value(saved_config, monkeypatch, capsys):
+    """docs/clusters.md: `accel env` names each value's source, a scheduler's variables included."""
+    path, _ = saved_config
+    path.unlink()
+    for name, value in {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+                        "PET_MASTER_ADDR": "accel-train-node-0-0", "PET_MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["env", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    for line in ("num_processes: 4  # $PET_NPROC_PER_NODE x num_machines (Kubeflow Trainer)",
+                 "num_machines: 2  # $PET_NNODES (Kubeflow Trainer)",
+                 "machine_rank: 1  # $PET_NODE_RANK (Kubeflow Trainer)",
+                 "main_process_ip: accel-train-node-0-0  # $PET_MASTER_ADDR (Kubeflow Trainer)",
+                 "main_process_port: 29400  # $PET_MASTER_PORT (Kubeflow Trainer)", "use_cpu: true  # accel env flags",
+                 "mixed_precision: 'no'  # packaged default"):
+        assert f"    {line}\n" in out, line
+    for page in ("getting_started.md", "clusters.md"):  # what the pages say, held by this test and the one above
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        assert ("`accel env` shows the result and where each value came from" in text
+                or "`accel launch --dry_run` and `accel env` name each value's source" in text), page
 
 
 # -- the accumulation note ------------------------------------------------------------------------------------------
