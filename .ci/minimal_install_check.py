@@ -74,7 +74,7 @@ def _installed_names() -> set[str]:
 
 
 def declared_extras() -> set[str]:
-    return set(importlib.metadata.metadata("accel").get_all("Provides-Extra") or ())
+    return set(importlib.metadata.metadata("accel-train").get_all("Provides-Extra") or ())
 
 
 # -- the checks ------------------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def check_import(venv: Path) -> str:
 
 def check_only_base_dependencies() -> str:
     """The venv holds no optional dependency of accel (so the refusals below are real)."""
-    requires = importlib.metadata.requires("accel") or []
+    requires = importlib.metadata.requires("accel-train") or []
     base = {_name(r) for r in requires if "extra ==" not in r}
     optional = {_name(r) for r in requires if "extra ==" in r} - base
     present = sorted(optional & _installed_names())
@@ -132,7 +132,7 @@ def check_probes() -> str:
 
 
 def _one_line_naming(message: str, extra: str) -> str:
-    install = f"pip install 'accel[{extra}]'"
+    install = f"pip install 'accel-train[{extra}]'"
     if extra not in declared_extras():
         raise CheckFailed(f"extra {extra!r} is not in accel's [project.optional-dependencies]")
     if "\n" in message.strip() or "Traceback" in message:

@@ -24,7 +24,7 @@ just created and nothing was logged to is removed when the run switches away fro
 restarted by `accel launch --max_restarts` continues its log: it calls `load_state()` again. A checkpoint of
 another project, or whose run folder is not in this project, leaves the new run as it is.
 
-jsonl and csv need no extra library; the others need theirs (`pip install 'accel[tensorboard]'`, ...), and asking
+jsonl and csv need no extra library; the others need theirs (`pip install 'accel-train[tensorboard]'`, ...), and asking
 for one that is missing is a one-line ImportError naming it.
 """
 
@@ -291,12 +291,12 @@ class _CSVLines(list):
 
 # -- Accelerate's trackers ------------------------------------------------------------------------------------------
 class TensorBoardTracker(GeneralTracker):
-    """TensorBoard (`pip install 'accel[tensorboard]'`): a SummaryWriter on `<logging_dir>/<run_name>`; numbers
+    """TensorBoard (`pip install 'accel-train[tensorboard]'`): a SummaryWriter on `<logging_dir>/<run_name>`; numbers
     as scalars, strings as text, dicts through `add_scalars`; the config through `add_hparams` and `hparams.yml`."""
 
     name = "tensorboard"
     requires_logging_directory = True
-    library = ("tensorboard", "pip install 'accel[tensorboard]'")
+    library = ("tensorboard", "pip install 'accel-train[tensorboard]'")
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike, **kwargs):
         super().__init__()
@@ -389,10 +389,10 @@ class _RunTracker(GeneralTracker):
 
 
 class WandBTracker(_RunTracker):
-    """Weights & Biases (`pip install 'accel[wandb]'`); `init_kwargs={"wandb": {...}}` go to `wandb.init`."""
+    """Weights & Biases (`pip install 'accel-train[wandb]'`); `init_kwargs={"wandb": {...}}` go to `wandb.init`."""
 
     name = "wandb"
-    library = ("wandb", "pip install 'accel[wandb]'")
+    library = ("wandb", "pip install 'accel-train[wandb]'")
 
     @on_main_process
     def log_images(self, values: dict, step: int | None = None, **kwargs):
@@ -494,13 +494,13 @@ class AimTracker(GeneralTracker):
 
 
 class MLflowTracker(GeneralTracker):
-    """MLflow (`pip install 'accel[mlflow]'`): an experiment named `experiment_name` (the project name), one run;
+    """MLflow (`pip install 'accel-train[mlflow]'`): an experiment named `experiment_name` (the project name), one run;
     the tracking URI is MLflow's own (`MLFLOW_TRACKING_URI`, e.g. `file:/path/mlruns`). Numbers only, as in
     Accelerate (other values are dropped with a warning)."""
 
     name = "mlflow"
     requires_logging_directory = False
-    library = ("mlflow", "pip install 'accel[mlflow]'")
+    library = ("mlflow", "pip install 'accel-train[mlflow]'")
 
     def __init__(self, experiment_name: str | None = None, logging_dir: str | os.PathLike | None = None,
                  run_id: str | None = None, tags: dict | str | None = None, nested_run: bool | None = False,

@@ -149,7 +149,7 @@ def train_fp8(cpu: bool) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:
-        return {"status": "SKIP", "why": "torchao is not installed (pip install 'accel[fp8]')"}
+        return {"status": "SKIP", "why": "torchao is not installed (pip install 'accel-train[fp8]')"}
     base = _train(cpu, 13, "bf16", _llama(cpu), monitor=True)
     fp8 = _train(cpu, 13, "fp8", _llama(cpu), monitor=True)
     tokens = fp8[2].get("throughput/tokens_per_sec", 0)

@@ -60,7 +60,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fault tolerance (torchft: replica groups that heal from a live peer)")
     add_flag(group, "fault_tolerance", action="store_true", default=None,
              help="train as replica groups under torchft; a failed group restarts and heals without a checkpoint "
-                  "(needs pip install 'accel[ft]')")
+                  "(needs pip install 'accel-train[ft]')")
     add_flag(group, "ft_group_size", type=int, metavar="N", default=None,
              help="replica groups; each runs num_processes / N processes (default 2)")
     add_flag(group, "ft_replica_id", type=int, metavar="I", default=None,

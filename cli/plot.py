@@ -58,7 +58,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", default="curves.png", metavar="PATH",
                         help="file to write (default: curves.png)")
     parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="png, svg, pdf (need matplotlib: pip install 'accel[plot]') or html "
+                        help="png, svg, pdf (need matplotlib: pip install 'accel-train[plot]') or html "
                         "(one self-contained page); default: from the output's suffix")
     parser.add_argument("--smoothing", type=float, default=0.6, metavar="W",
                         help="EMA weight in [0, 1) as in TensorBoard (default: 0.6; 0 turns smoothing off)")
@@ -288,7 +288,7 @@ def _scalars(folder: Path) -> dict:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError:
         raise UsageError(f"{folder}: reading TensorBoard event files needs tensorboard: "
-                         "pip install 'accel[tensorboard]'") from None
+                         "pip install 'accel-train[tensorboard]'") from None
     accumulator = EventAccumulator(str(folder), size_guidance={SCALARS: 0})
     try:
         accumulator.Reload()
@@ -390,7 +390,7 @@ def build_figure(runs: list[Run], metrics: list[str], smoothing: float):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("png, svg and pdf output need matplotlib: pip install 'accel[plot]' "
+        raise UsageError("png, svg and pdf output need matplotlib: pip install 'accel-train[plot]' "
                          "(or write --format html, which does not)") from None
     rows, cols = _grid(len(metrics))
     fig = Figure(figsize=(4.6 * cols, 3.2 * rows + 0.5), layout="constrained")

@@ -386,7 +386,8 @@ class FaultToleranceConfig:
     over the network), without a checkpoint. `num_processes` stays the total: each group has num_processes /
     group_size processes (in the config of one group, the one with a replica_id, it is that group's)."""
 
-    enabled: bool = _spec(False, bool, help="train as replica groups under torchft (needs pip install 'accel[ft]')")
+    enabled: bool = _spec(False, bool,
+                          help="train as replica groups under torchft (needs pip install 'accel-train[ft]')")
     group_size: int = _spec(2, int, lo=1, help="replica groups (torchtitan's group_size); each group runs "
                                                "num_processes / group_size processes")
     replica_id: int | None = _spec(None, int, lo=0, optional=True,
@@ -760,7 +761,7 @@ def check_consistency(cfg: AccelConfig, source: str = "config") -> None:
     check_fault_tolerance(cfg, source)
     if cfg.mixed_precision == "fp8" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"{source}: key 'mixed_precision': fp8 needs torchao, which is not installed; install it "
-                          "with pip install 'accel[fp8]', or allowed now: no, bf16, fp16")
+                          "with pip install 'accel-train[fp8]', or allowed now: no, bf16, fp16")
 
 
 
@@ -814,4 +815,4 @@ def check_fault_tolerance(cfg: AccelConfig, source: str = "config") -> None:
         installed = False
     if not installed:
         raise ConfigError(f"{where}enabled': fault tolerance needs torchft, which is not installed; install it with "
-                          "pip install 'accel[ft]', or allowed now: false")
+                          "pip install 'accel-train[ft]', or allowed now: false")

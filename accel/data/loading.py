@@ -1043,7 +1043,7 @@ def stateful_classes() -> tuple[type, type, type]:
         from accel.data.stateful import DispatcherPosition, Position, SkipLoaderInit, StatefulDataLoader
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata (its StatefulDataLoader); install it with "
-                          "`pip install 'accel[torchdata]'` or `pip install torchdata`") from error
+                          "`pip install 'accel-train[torchdata]'` or `pip install torchdata`") from error
     if not _STATEFUL_BUILT:
         for name, bases, doc in (
                 ("StatefulDataLoaderShard", (Position, DataLoaderShard, StatefulDataLoader),

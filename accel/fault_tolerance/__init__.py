@@ -8,7 +8,7 @@ without reading a checkpoint. See docs/fault_tolerance.md.
 
 The core never imports this package, except through the backend registry (a config with a `fault_tolerance`
 section selects the `fault_tolerant` backend) and Accelerate's `accelerate.local_sgd` path (`accel/local_sgd.py`).
-torchft itself is imported only when a job asks for fault tolerance (`pip install 'accel[ft]'`).
+torchft itself is imported only when a job asks for fault tolerance (`pip install 'accel-train[ft]'`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 REPLICAS_DIVERGED_EXIT_CODE = 76
 
 MISSING_TORCHFT = ("fault tolerance needs torchft, which is not installed; install the extra: "
-                   "pip install 'accel[ft]'  (or: pip install torchft)")
+                   "pip install 'accel-train[ft]'  (or: pip install torchft)")
 
 
 def require_torchft():

@@ -312,7 +312,7 @@ def _config(model: str) -> tuple:
         from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:
         raise EstimateError("reading a transformers config needs transformers; install it with "
-                            "pip install 'accel[transformers]'") from None
+                            "pip install 'accel-train[transformers]'") from None
     path = Path(model)
     kind = inputs.kind_of(path)
     if kind is not None:

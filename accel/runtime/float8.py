@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 
-INSTALL = "pip install 'accel[fp8]' (torchao)"
+INSTALL = "pip install 'accel-train[fp8]' (torchao)"
 
 
 @dataclasses.dataclass

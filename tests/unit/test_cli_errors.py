@@ -119,7 +119,7 @@ def test_launch_refuses_in_one_line_before_starting_anything(run_accel, workdir,
 
 def test_fp8_without_torchao_is_refused_by_launch_and_by_config(run_accel, workdir, without_torchao):
     one_line_error(run_accel("launch", "--cpu", "--mixed_precision", "fp8", "train.py", cwd=workdir,
-                             env=without_torchao), "launch", "mixed_precision", "fp8 needs torchao", "accel[fp8]")
+                             env=without_torchao), "launch", "mixed_precision", "fp8 needs torchao", "accel-train[fp8]")
     assert not (workdir / "script_ran").exists()
     # one machine, CPU, one process, then fp8: refused, asked again, and stdin ends
     result = run_accel("config", "--config_file", workdir / "fp8.yaml", input="1\nyes\n1\nfp8\n", env=without_torchao)

@@ -139,7 +139,7 @@ def test_missing_transformers_names_the_install(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers -> ImportError
     assert main(["estimate-memory", "gpt2"]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'accel[transformers]'" in err and err.count("\n") == 1
+    assert "pip install 'accel-train[transformers]'" in err and err.count("\n") == 1
 
 
 # -- activations (fake tensors under torch's MemTracker) ----------------------------------------------------------

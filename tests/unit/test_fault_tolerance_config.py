@@ -68,7 +68,7 @@ def test_without_torchft_one_line_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # what `import torchft` sees when it is not installed
     with pytest.raises(ConfigError) as info:
         config_from_dict({"num_processes": 2, "fault_tolerance": {"enabled": True}})
-    assert "fault tolerance needs torchft, which is not installed; install it with pip install 'accel[ft]'" \
+    assert "fault tolerance needs torchft, which is not installed; install it with pip install 'accel-train[ft]'" \
         in str(info.value)
     from accel.fault_tolerance import require_torchft
 

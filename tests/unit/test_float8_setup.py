@@ -22,7 +22,7 @@ def test_fp8_without_torchao_is_refused_at_config_time(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         resolve_config(config)
     message = str(info.value)
-    assert "key 'mixed_precision': fp8 needs torchao" in message and "pip install 'accel[fp8]'" in message
+    assert "key 'mixed_precision': fp8 needs torchao" in message and "pip install 'accel-train[fp8]'" in message
     assert "\n" not in message
 
 

@@ -102,5 +102,5 @@ def test_probes_without_optional_packages(isolated_env, tmp_path):
         assert result["found"][name] is False, name
     assert len(result["found"]) > 40  # every probe was called
     for extra, error in result["refused"]:  # one line naming the extra, never a bare ModuleNotFoundError
-        assert f"pip install 'accel[{extra}]'" in error and "\n" not in error, (extra, error)
+        assert f"pip install 'accel-train[{extra}]'" in error and "\n" not in error, (extra, error)
         assert not error.startswith("ModuleNotFoundError"), error

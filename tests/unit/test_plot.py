@@ -188,8 +188,8 @@ def test_bad_input_is_one_line_exit_2(run_accel, logs, tmp_path, case, expected)
     assert not (tmp_path / "c.png").exists()
 
 
-@pytest.mark.parametrize("missing, extra, target", [("matplotlib", "accel[plot]", "runs"),
-                                                     ("tensorboard", "accel[tensorboard]", "tb")])
+@pytest.mark.parametrize("missing, extra, target", [("matplotlib", "accel-train[plot]", "runs"),
+                                                     ("tensorboard", "accel-train[tensorboard]", "tb")])
 def test_missing_optional_package_names_the_extra(logs, tmp_path, capsys, monkeypatch, missing, extra, target):
     monkeypatch.setitem(sys.modules, missing, None)
     for name in [m for m in sys.modules if m.startswith(missing + ".")]:

@@ -165,8 +165,8 @@ def test_all_means_every_installed_tracker(tmp_path):
     assert "jsonl" not in LoggerType and "csv" not in LoggerType  # LoggerType stays Accelerate's
 
 
-@pytest.mark.parametrize("module,extra", [("tensorboard", "accel[tensorboard]"), ("wandb", "accel[wandb]"),
-                                          ("mlflow", "accel[mlflow]"), ("aim", "pip install aim"),
+@pytest.mark.parametrize("module,extra", [("tensorboard", "accel-train[tensorboard]"), ("wandb", "accel-train[wandb]"),
+                                          ("mlflow", "accel-train[mlflow]"), ("aim", "pip install aim"),
                                           ("comet_ml", "pip install comet_ml"), ("clearml", "pip install clearml"),
                                           ("dvclive", "pip install dvclive"), ("swanlab", "pip install swanlab"),
                                           ("trackio", "pip install trackio")])
