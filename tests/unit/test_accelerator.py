@@ -195,7 +195,7 @@ def test_fp8_without_torchao_and_unknown_arguments_are_clear_errors(monkeypatch)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"fp8 needs torchao.*pip install 'accel\[fp8\]'"):
+    with pytest.raises(ConfigError, match=r"fp8 needs torchao.*pip install 'accel-train\[fp8\]'"):
         Accelerator(cpu=True, mixed_precision="fp8")
     with pytest.raises(ConfigError, match="mixed_precision.*'fp32'.*allowed: one of no, fp16, bf16, fp8"):
         Accelerator(cpu=True, mixed_precision="fp32")

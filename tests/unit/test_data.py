@@ -587,7 +587,7 @@ def test_stateful_loader_needs_torchdata_and_says_so(monkeypatch):
     for name in [n for n in sys.modules if n == "torchdata" or n.startswith("torchdata.")] + ["torchdata"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed (an earlier test may have imported it)
     monkeypatch.delitem(sys.modules, "accel.data.stateful", raising=False)
-    with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*accel\[torchdata\]"):
+    with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*accel-train\[torchdata\]"):
         DataLoaderConfiguration(use_stateful_dataloader=True)
 
 

@@ -72,7 +72,7 @@ def test_without_torchft_one_line_names_the_extra(monkeypatch):
         in str(info.value)
     from accel.fault_tolerance import require_torchft
 
-    with pytest.raises(ImportError, match=r"pip install 'accel\[ft\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'accel-train\[ft\]'"):
         require_torchft()
 
 
