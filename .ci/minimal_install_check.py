@@ -207,6 +207,21 @@ def check_quickstart(examples: Path, project_dir: Path, launch_flags: list[str],
     return f"{epochs[-1]}; {len(steps)} steps logged"
 
 
+def check_accelerate_command(examples: Path, project_dir: Path) -> str:
+    """An Accelerate user's command with accel alone: `eval "$(accel shim)"`, then `accelerate launch
+    --num_processes 2 quickstart.py` (docs/shim.md) trains on 2 processes."""
+    bin_dir = Path(sys.executable).parent
+    script = (f'eval "$({bin_dir / "accel"} shim)" && accelerate launch --cpu --num_processes 2 '
+              f'{examples / "quickstart.py"} --project_dir {project_dir}')
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180, cwd=project_dir.parent,
+                          env=env, stdin=subprocess.DEVNULL)
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    if proc.returncode != 0 or not epochs or not epochs[-1].endswith("on 2 process(es)"):
+        raise CheckFailed(f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]!r}")
+    return epochs[-1]
+
+
 def check_plot_html(project_dir: Path) -> str:
     out = project_dir.parent / "curves.html"
     proc = run_accel(["plot", project_dir, "-o", out], project_dir.parent)
@@ -267,6 +282,8 @@ def main() -> int:
     checks.start("quickstart, 2 processes", check_quickstart, args.examples, two, launch_two, 2)
     checks.start("quickstart, 1 process", check_quickstart, args.examples, one, [], 1)
     checks.start("accel env", check_env, work)
+    checks.start("accelerate launch (eval \"$(accel shim)\"), 2 processes", check_accelerate_command, args.examples,
+                 work / "runs_accelerate")
     checks.start("shim without Accelerate: metadata and version", check_shim_metadata, work)
     checks.start("refused: accel estimate-memory gpt2", refused_by_cli, "transformers", ["estimate-memory", "gpt2"],
                  work)
