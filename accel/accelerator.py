@@ -22,7 +22,9 @@ from accel.runtime.accumulation import GradientState
 from accel.backends.base import select_backend
 from accel.backends.compilation import compile_options
 from accel.checkpoint.async_save import AsyncCheckpointer
-from accel.compat.accelerator_members import AccelerateMembers
+from accel.compat.accelerator_members import AccelerateMembers, refuse_quantized_placement
+from accel.compat.other import strip_data_parallel
+from accel.core.probes import is_bitsandbytes_multi_backend_available, is_xpu_available
 from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
 from accel.config.kwargs import (
     AORecipeKwargs,
@@ -37,7 +39,7 @@ from accel.optimizer import AcceleratedOptimizer
 from accel.runtime.precision import PrecisionPolicy
 from accel.runtime.replaced_parameters import ReplacedParameters, layout_name
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
-from accel.runtime.state import DistributedType, PartialState, check_device_matches
+from accel.runtime.state import AcceleratorState, DistributedType, check_device_matches
 from accel.config.topology import Topology
 
 _NOT_YET = "is not available yet in accel"
@@ -143,8 +145,8 @@ class Accelerator(AccelerateMembers):
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         offload = bool(self.config.parallelism.offload_params or self.config.parallelism.offload_optimizer)
-        self.state = PartialState(cpu=self.config.use_cpu, cpu_collectives=offload,
-                                  **(init.to_kwargs() if init else {}))
+        self.state = AcceleratorState(cpu=self.config.use_cpu, cpu_collectives=offload,
+                                      **(init.to_kwargs() if init else {}))
         self.state.check_cpu_collectives(offload)
         self._checkpointer = AsyncCheckpointer()  # an asynchronous save_state in flight: waited for before teardown
         self.state.add_release_callback(self._checkpointer.close)
@@ -385,6 +387,10 @@ class Accelerator(AccelerateMembers):
         if any(model is prepared for prepared in self._models):  # prepared already: as it is, listed once
             return model
         placement = self.device_placement if device_placement is None else device_placement
+        # a model transformers loaded in 8/4 bits with a device map (the probes are this module's names, which
+        # Accelerate's tests patch)
+        refuse_quantized_placement(model, self.device, self.use_distributed, is_bitsandbytes_multi_backend_available(),
+                                   is_xpu_available())
         mapped = self.verify_device_map(model)  # dispatched by a device_map: it stays as the map placed it
         if mapped and self.use_distributed and os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false") != "true":
             raise ValueError("prepare: You can't train a model that has been loaded with `device_map='auto'` in any "
@@ -792,12 +798,21 @@ class Accelerator(AccelerateMembers):
     # ------------------------------------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's own module, without the backend's wrapper (and optionally the autocast wrapper)."""
+        """The user's own module, without the backend's wrapper or torch's DDP/DataParallel (and optionally the
+        autocast wrapper). A `torch.compile` wrapper is kept with `keep_torch_compile` (as Accelerate does): the same
+        one when it holds the module directly, else a new wrapper of the module with the same compile settings (the
+        prepared model's own wrapper is left as it is, still around its DDP)."""
         compiled = model if hasattr(model, "_orig_mod") else None
         inner = self.backend.unwrap_model(cast(torch.nn.Module, model._orig_mod) if compiled is not None else model)
+        inner = strip_data_parallel(inner)  # torch's DDP/DataParallel a script wrapped itself, as Accelerate unwraps
         if not keep_fp32_wrapper:
             PrecisionPolicy.unwrap_forward(inner)
-        return model if compiled is not None and keep_torch_compile and inner is model._orig_mod else inner
+        if compiled is None or not keep_torch_compile:
+            return inner
+        if inner is model._orig_mod:
+            return model
+        context = getattr(model, "dynamo_ctx", None)
+        return cast(torch.nn.Module, type(model)(inner, context) if context is not None else torch.compile(inner))
 
     @staticmethod
     def verify_device_map(model: torch.nn.Module) -> bool:
@@ -848,8 +863,9 @@ class Accelerator(AccelerateMembers):
     # ------------------------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Also save/restore these objects (anything with `state_dict` and `load_state_dict`) in save_state."""
-        invalid = [repr(o) for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
-        if invalid:
+        invalid = [f"Item at index {i} ({type(o).__name__}: {' '.join(str(o).split())[:80]})"
+                   for i, o in enumerate(objects) if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if invalid:  # Accelerate's words for each ("Item at index N"), in one line
             raise ValueError("register_for_checkpointing: these objects lack state_dict/load_state_dict: "
                              + ", ".join(invalid))
         self._custom_objects.extend(objects)
@@ -1010,9 +1026,13 @@ class Accelerator(AccelerateMembers):
         other files kept (model_io.save_state_dict_sharded)."""
         from accel.checkpoint.model_io import save_state_dict_sharded
 
+        from accel.big_model.modeling import get_state_dict_offloaded_model, has_offloaded_params
         from accel.checkpoint.main_save import main_process_writes
 
-        state = self.get_state_dict(model)
+        if any(has_offloaded_params(module) for module in model.modules()):  # big-model hooks: each module's weights
+            state = get_state_dict_offloaded_model(model)  # brought in from the CPU or disk, one at a time
+        else:
+            state = self.get_state_dict(model)
 
         def write() -> None:
             config = getattr(self.unwrap_model(model), "config", None)
@@ -1065,17 +1085,27 @@ class Accelerator(AccelerateMembers):
         return f"{self.state!r}Gradient accumulation steps: {self.gradient_accumulation_steps}\n"
 
 
-def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:
-    """`method` (bound) called through a weak reference to its object: no reference cycle through the backend."""
-    ref = weakref.WeakMethod(method)
+class _weakly:
+    """`method` (bound) called through a weak reference to its object: no reference cycle through the backend. A
+    pickled copy (Accelerate's tests pickle the Accelerator) refers to the copy of that object, weakly again."""
 
-    def call() -> Any:
-        bound = ref()
+    def __init__(self, method: Callable[[], Any]) -> None:
+        self._ref = weakref.WeakMethod(cast(Any, method))
+
+    def __call__(self) -> Any:
+        bound = self._ref()
         if bound is None:
             raise RuntimeError("the Accelerator that prepared these objects is gone")
         return bound()
 
-    return call
+    def __getstate__(self) -> dict:
+        bound = self._ref()  # the object itself: pickle writes it once (the copy being made), not a second copy
+        return {"owner": getattr(bound, "__self__", None), "name": getattr(bound, "__name__", None)}
+
+    def __setstate__(self, state: dict) -> None:
+        owner, name = state["owner"], state["name"]
+        self._ref = (weakref.WeakMethod(getattr(owner, name)) if owner is not None and name
+                     else cast(Any, lambda: None))
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -249,8 +249,8 @@ class AlignDevicesHook(ModelHook):
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         self._slots = list(_tensor_slots(module, self.tensor_names, self.place_submodules))
-        if self.offload and self.execution_device is None:
-            raise ValueError("AlignDevicesHook(offload=True) needs an execution_device to bring the weights to.")
+        # offload without an execution_device (as Accelerate allows): each call brings the weights in where
+        # weights_map holds them (the CPU copies made here)
         if self.offload:
             keep = [] if self.offload_buffers else [s for s in self._slots if not s[3]]
             offloaded = [s for s in self._slots if s not in keep]

@@ -158,8 +158,8 @@ def set_module_tensor_to_device(
             raise ValueError(f"{tensor_name!r} is on the meta device: a value is needed to put it on {device}.")
         value = old
     elif value.shape != old.shape:
-        raise ValueError(f"set_module_tensor_to_device: value of shape {tuple(value.shape)} for {tensor_name!r}, "
-                         f"which has shape {tuple(old.shape)}; the shapes must match.")
+        raise ValueError(f'Trying to set a tensor of shape {value.shape} in "{attr}" (which has shape {old.shape}), '
+                         "this looks incorrect.")  # Accelerate's words (its tests compare them)
     dtype = resolve_dtype(dtype)
     if dtype is None and value.is_floating_point() and old.is_floating_point():
         dtype = old.dtype

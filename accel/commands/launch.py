@@ -168,8 +168,29 @@ def _shim_on() -> bool:
     return active()
 
 
+def _script_of_real_test_utils(script: str | None) -> str | None:
+    """A script Accelerate's tests name inside the `accelerate` package (`path_in_accelerate_package("test_utils",
+    "scripts", ...)`, built from `accelerate.__file__`): under the shim that folder is the shim's, which holds no
+    `test_utils`; the shim loads `accelerate.test_utils` from the real Accelerate installation, so the script is read
+    there too. Any other path is kept as it is."""
+    from accel.core.shim_version import FACADE
+    from accel.shim import REAL_ONLY, real_accelerate_dir
+
+    if not script or os.path.exists(script):
+        return script
+    package = os.path.dirname(FACADE)
+    relative = os.path.relpath(os.path.abspath(script), package)
+    real = real_accelerate_dir()
+    if real is None or relative.split(os.sep)[0] != REAL_ONLY[0].split(".")[1]:
+        return script
+    found = os.path.join(real, relative)
+    return found if os.path.isfile(found) else script
+
+
 def launch_command(args: argparse.Namespace) -> None:
     """Run `accel launch` for `args` and wait; `subprocess.CalledProcessError` when it fails."""
+    if getattr(args, "training_script", None):
+        args.training_script = _script_of_real_test_utils(args.training_script)
     _resolved(_accel_args(args))  # a bad flag or config fails here, in one line, before any process starts
     argv = to_argv(args)
     if _shim_on() and "--accelerate_shim" not in argv:

@@ -74,3 +74,42 @@ class AccelerateMembers:
     @flag_tensor.setter
     def flag_tensor(self, value) -> None:
         self.__dict__["_trigger"] = value
+
+
+def refuse_quantized_placement(model: Any, device: Any, distributed: bool, bnb_on_cpu: bool, on_xpu: bool) -> None:
+    """Accelerate's `prepare_model` checks of a model transformers loaded in 8 or 4 bits (bitsandbytes:
+    `is_loaded_in_8bit` / `is_loaded_in_4bit`) with an `hf_device_map`: it cannot be trained on several devices in a
+    distributed run, on another device than this process's, nor with CPU or disk offload (a CPU entry is allowed
+    where bitsandbytes' multi-backend runs on the CPU, `bnb_on_cpu`, and not on XPU, `on_xpu`). Accelerate's errors,
+    word for word (its tests match them)."""
+    import torch
+
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+    device_map = getattr(model, "hf_device_map", None)
+    if not quantized or not device_map:
+        return
+    devices = set(device_map.values())
+    if len(devices) > 1 and distributed:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple devices "
+                         "in any distributed mode. In order to use 8-bit or 4-bit models that have been loaded across "
+                         "multiple GPUs the solution is to use Naive Pipeline Parallelism. Therefore you should not "
+                         "specify that you are under any distributed regime in your accelerate config.")
+    if len(devices) == 1:
+        (placed,) = devices
+        index: int | None
+        if isinstance(placed, torch.device):
+            index = placed.index
+        elif isinstance(placed, str):
+            index = None if placed == "disk" else torch.device(placed).index
+        else:
+            index = None if placed is None else int(placed)
+        here = torch.device(device.type) if index is None else torch.device(device.type, index)
+        if not (device.type == "cpu" and bnb_on_cpu) and here != device and (device.index is not None or index != 0):
+            raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on a different "
+                             "device than the one you're training on. Make sure you loaded the model on the correct "
+                             "device using for example `device_map={'':torch.cuda.current_device()}` or "
+                             "`device_map={'':torch.xpu.current_device()}`")
+    if ("cpu" in devices and (not bnb_on_cpu or on_xpu)) or "disk" in devices:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload. If you want train the 8-bit or 4-bit model in CPU, please install bitsandbytes with "
+                         "multi-backend, see https://huggingface.co/docs/bitsandbytes/main/en/installation#multi-backend")

@@ -4,7 +4,7 @@ import enum
 
 from accel.runtime.accumulation import GradientAccumulationPlugin  # noqa: F401
 from accel.checkpoint.layout import ProjectConfiguration  # noqa: F401
-from accel.compat.parallel_handlers import (  # noqa: F401 (Accelerate's names in this module)
+from accel.config.parallel_handlers import (  # noqa: F401 (Accelerate's names in this module)
     DeepSpeedSequenceParallelConfig,
     TorchContextParallelConfig,
     TorchTensorParallelConfig,

@@ -70,6 +70,14 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
     return str(cfg.save(path))
 
 
+def _logger() -> logging.Logger:
+    """This module's logger; under the shim Accelerate's name for it (`accelerate.utils.environment`, where scripts and
+    Accelerate's tests listen)."""
+    from accel.core.shim_version import shim_active
+
+    return logging.getLogger("accelerate.utils.environment") if shim_active() else logger
+
+
 def convert_dict_to_env_variables(current_env: dict) -> list[str]:
     """`KEY=value\n` lines for a launcher's environment file; an item with an empty key or value, or with one of
     `; \\n < >` or a space in it, is skipped with a warning."""
@@ -78,7 +86,8 @@ def convert_dict_to_env_variables(current_env: dict) -> list[str]:
         if not any(char in key + value for char in ";\n<> ") and len(key) >= 1 and len(value) >= 1:
             lines.append(f"{key}={value}\n")
         else:
-            logger.warning(f"WARNING: Skipping {key}={value} as it contains forbidden characters or missing values.")
+            _logger().warning(f"WARNING: Skipping {key}={value} as it contains forbidden characters or missing "
+                              "values.")
     return lines
 
 

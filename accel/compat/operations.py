@@ -24,16 +24,13 @@ from accel.runtime.ops import (
     get_data_structure,
     initialize_tensors,
     is_tensor_like,
+    is_torch_tensor,
     pad_across_processes,
     recursively_apply,
     reduce,
     send_to_device,
     slice_tensors,
 )
-
-
-def is_torch_tensor(tensor) -> bool:
-    return isinstance(tensor, torch.Tensor)
 
 
 def is_tensor_information(tensor_info) -> bool:

@@ -116,6 +116,13 @@ def _unwrap_original_forward(model: torch.nn.Module) -> None:
         model.forward = forward if getattr(forward, "__self__", None) is model else types.MethodType(forward, model)
 
 
+def strip_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside torch's DistributedDataParallel / DataParallel wrappers (`.module`, nested ones too)."""
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = cast(torch.nn.Module, model.module)
+    return model
+
+
 def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                                 keep_torch_compile: bool = True, recursive: bool = False) -> torch.nn.Module:
     """The user's module inside DDP (`.module`) and, unless `keep_torch_compile`, a `torch.compile` wrapper (or the
@@ -129,8 +136,7 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
         compiled, inner = model, model.__dict__["_orig_mod"]
     else:
         inner = model
-    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        inner = cast(torch.nn.Module, inner.module)
+    inner = strip_data_parallel(inner)
     if not keep_fp32_wrapper:
         PrecisionPolicy.unwrap_forward(inner)
         _unwrap_original_forward(inner)

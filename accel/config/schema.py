@@ -200,6 +200,11 @@ class ParallelismConfig:
         derive_stage = self.zero_stage is None
         if derive_stage:
             self.zero_stage = 0
+        if cp_handler is None and self.cp_size > 1:  # Accelerate's default handler: the field's strategy, else the
+            from accel.config.parallel_handlers import TorchContextParallelConfig  # environment's (its error if bad)
+
+            known = self.cp_comm_strategy in ("allgather", "alltoall", "ring")
+            cp_handler = TorchContextParallelConfig(self.cp_comm_strategy if known else None)
         strategy = getattr(cp_handler, "cp_comm_strategy", None)  # Accelerate's TorchContextParallelConfig
         if isinstance(strategy, str) and self.cp_comm_strategy == "allgather":
             self.cp_comm_strategy = strategy

@@ -187,6 +187,11 @@ class BatchSamplerShard(Sampler):
         # Only torch's own BatchSampler guarantees fixed-size batches; custom ones may vary (None).
         self.batch_size = batch_sampler.batch_size if type(batch_sampler) is BatchSampler else None
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        if split_batches and getattr(batch_sampler, "batch_size", None) is None:  # refused as Accelerate does
+            raise ValueError(f"split_batches=True needs a batch sampler with a batch_size; this "
+                             f"{type(batch_sampler).__name__} has none (its batches may vary in size); allowed: a "
+                             f"batch sampler whose batch_size is a round multiple of num_processes ({num_processes}), "
+                             "or split_batches=False")
         if split_batches and self.batch_size is not None and self.batch_size % num_processes:
             raise ValueError(
                 _split_message(f"batch_size ({self.batch_size})", num_processes)
@@ -445,6 +450,10 @@ class DataLoaderShard(DataLoader):
         self.use_stateful_dataloader = self._on_stateful_loader  # Accelerate's attribute
         self.device = device
         self.seed = int(seed)
+        if gradient_state is None:  # a loader built without an Accelerator: the process's current state (Accelerate's)
+            from accel.runtime.accumulation import GradientState
+
+            gradient_state = GradientState()
         self.gradient_state = gradient_state
         self.non_blocking = non_blocking
         self.iteration = 0

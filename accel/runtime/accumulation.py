@@ -8,19 +8,32 @@ from __future__ import annotations
 
 
 class GradientState:
-    """Shared by the Accelerator, the prepared optimizers/schedulers and the prepared data loaders."""
+    """Shared by the Accelerator, the prepared optimizers/schedulers and the prepared data loaders.
 
-    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True, adjust_scheduler: bool = True,
-                 sync_each_batch: bool = False):
-        self.num_steps = num_steps
-        self.sync_each_batch = sync_each_batch
-        self.sync_with_dataloader = sync_with_dataloader
-        self.adjust_scheduler = adjust_scheduler
+    Each Accelerator builds its own (with its settings), which becomes the process's current one: Accelerate's
+    `GradientState()`, without arguments, is that one (another object over the same attributes: a setting changed
+    through the Accelerator is seen there), or a new one with the defaults where there is none yet (a loader built
+    without an Accelerator). `_reset_state()` forgets the current one; the objects that hold it keep it.
+    """
+
+    _shared_state: dict = {}  # the current state's attributes ({} before any, and after _reset_state)
+
+    def __init__(self, num_steps: int | None = None, sync_with_dataloader: bool | None = None,
+                 adjust_scheduler: bool | None = None, sync_each_batch: bool | None = None):
+        settings = (num_steps, sync_with_dataloader, adjust_scheduler, sync_each_batch)
+        if all(value is None for value in settings) and GradientState._shared_state:
+            self.__dict__ = GradientState._shared_state  # Accelerate's GradientState(): the current one
+            return
+        self.num_steps = 1 if num_steps is None else num_steps
+        self.sync_each_batch = bool(sync_each_batch)
+        self.sync_with_dataloader = True if sync_with_dataloader is None else sync_with_dataloader
+        self.adjust_scheduler = True if adjust_scheduler is None else adjust_scheduler
         self._sync_gradients = True
         self._windowed = False  # set once the loop decides which micro-steps sync: accumulate(), or itself
         self._noted = False
         self.step = 0
         self.dataloader_references: list = []  # stack of loaders being iterated (innermost last)
+        GradientState._shared_state = self.__dict__
 
     @property
     def sync_gradients(self) -> bool:
@@ -47,7 +60,9 @@ class GradientState:
 
     @classmethod
     def _reset_state(cls) -> None:
-        """Accelerate's name (its test helpers call it between tests); each Accelerator owns its own state here."""
+        """Accelerate's name (its test helpers call it between tests): forget the current state, so the next
+        `GradientState()` starts a new one (the objects holding the old one keep it)."""
+        GradientState._shared_state = {}
 
     # -- data loaders report their iteration here -------------------------------------------------------
     def _add_dataloader(self, loader) -> None:

@@ -22,11 +22,14 @@ class CannotPadNestedTensorWarning(UserWarning):
     """pad_across_processes met a nested tensor: it is left as it is (Accelerate's warning)."""
 
 
-def is_tensor_like(obj: Any) -> bool:
-    return isinstance(obj, torch.Tensor)
+def is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
 
 
-def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is_tensor_like,
+is_tensor_like = is_torch_tensor  # accel's earlier name
+
+
+def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is_torch_tensor,
                       error_on_other_type: bool = False, **kwargs) -> Any:
     """Apply `func` to every leaf of `data` that passes `test_type`, keeping the container types. Other leaves are
     kept as they are, or refused with `error_on_other_type` (Accelerate's argument)."""
@@ -41,8 +44,9 @@ def recursively_apply(func: Callable, data: Any, *args, test_type: Callable = is
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
-        raise TypeError(f"{func.__name__}: unsupported type {type(data).__name__} in the data; allowed: nested "
-                        "lists, tuples and dicts of tensors")
+        raise TypeError(f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested "
+                        "list/tuple/dicts of objects that are valid for "
+                        f"`{getattr(test_type, '__name__', test_type)}` should be passed.")  # Accelerate's words
     return data
 
 

@@ -83,14 +83,17 @@ class PartialState:
     # Every instance shares one attribute dict (Accelerate's shared state): an object kept from before
     # `_reset_state()` is unusable until a new PartialState() initialises the state again, then sees it.
     _shared_state: dict = {}
-    _carried = None  # (owns the process group, release callbacks) of a state forgotten by _reset_state()
+    # (owns the process group, release callbacks) of a state forgotten by _reset_state()
+    _carried: "tuple[bool, list] | None" = None
 
     def __new__(cls, cpu: bool = False, **kwargs: Any) -> "PartialState":
         if PartialState._instance is None:
-            instance = super().__new__(cls)
+            instance = super().__new__(PartialState)
             instance.__dict__ = PartialState._shared_state
             instance.__dict__.setdefault("_initialized", False)
             PartialState._instance = instance
+        if cls is not PartialState:  # AcceleratorState: its own object over the same attribute dict
+            return cast("type[AcceleratorState]", cls)._view()
         return PartialState._instance
 
     def __init__(self, cpu: bool = False, backend: str | None = None, init_method: str | None = None,
@@ -395,18 +398,19 @@ class PartialState:
         self.destroy()
 
     def __getattr__(self, name: str):
+        kind = type(self).__name__  # PartialState or AcceleratorState, as Accelerate's errors name them
         if name in ("num_processes", "process_index", "local_process_index", "device", "backend", "use_cpu"):
-            raise AttributeError(f"`AcceleratorState` object has no attribute `{name}`. This happens if "
-                                 "`AcceleratorState._reset_state()` was called and an `Accelerator` or `PartialState` "
-                                 "was not reinitialized.")
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+            raise AttributeError(f"`{kind}` object has no attribute `{name}`. This happens if `{kind}._reset_state()` "
+                                 "was called and an `Accelerator` or `PartialState` was not reinitialized.")
+        raise AttributeError(f"'{kind}' object has no attribute '{name}'")
 
     @classmethod
     def _reset_for_tests(cls) -> None:
-        if cls._instance is not None and cls._instance._initialized:
-            cls._instance.destroy()
+        instance = PartialState._instance
+        if instance is not None and instance._initialized:
+            instance.destroy()
         PartialState._shared_state.clear()  # objects kept from before are unusable until the state is re-initialised
-        cls._instance = None
+        PartialState._instance = None
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
@@ -415,12 +419,28 @@ class PartialState:
         (as in Accelerate); the next state takes it over, with the release callbacks of what uses it."""
         if cls._shared_state.get("_initialized"):
             shared = cls._shared_state
-            cls._carried = (shared.get("_owns_group", False), shared.get("_release_callbacks", []))
+            PartialState._carried = (shared.get("_owns_group", False), shared.get("_release_callbacks", []))
         cls._shared_state.clear()
-        cls._instance = None
+        PartialState._instance = None
 
 
-AcceleratorState = PartialState
+class AcceleratorState(PartialState):
+    """Accelerate's `AcceleratorState` (what `accelerator.state` is): in accel the same process state as PartialState,
+    one attribute dict seen through both (a value set on one is read on the other, and `_reset_state()` of either
+    forgets both), under its own name: errors name it as Accelerate's do."""
+
+    _view_object: "AcceleratorState | None" = None
+
+    @classmethod
+    def _view(cls) -> "AcceleratorState":
+        shared = cast(PartialState, PartialState._instance).__dict__
+        view = cls.__dict__.get("_view_object")
+        if view is None or view.__dict__ is not shared:
+            view = object.__new__(cls)
+            view.__dict__ = shared
+            cls._view_object = view
+        shared.setdefault("_initialized", False)
+        return view
 
 
 def _store_of_this_attempt(rank: int, world_size: int, timeout: timedelta) -> dict[str, Any]:

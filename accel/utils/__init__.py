@@ -58,7 +58,7 @@ _LAZY = {
                     "accel.compat.deepspeed"),
     "get_module_class_from_name": "accel.compat.dataclasses",
     **dict.fromkeys(("DeepSpeedSequenceParallelConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig"),
-                    "accel.compat.parallel_handlers"),
+                    "accel.config.parallel_handlers"),
     **dict.fromkeys(("disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading",
                      "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "get_fsdp2_grad_scaler"),
                     "accel.utils.fsdp_utils"),

@@ -37,7 +37,7 @@ BUDGET_1_16 = 120  # the tests that differ from 1.15.0's
 def test_accelerate_unit_suite_on_accel():
     unit_suite.prepare()  # the download is not part of the budget
     start = time.monotonic()
-    # 3 files at a time: test_data_loader.py spends most of its time waiting (see unit_suite.FILE_SECONDS)
+    # 3 pytest processes at a time: their start-up and waits overlap on 2 cores
     results = unit_suite.run_suite("accel", only=sorted(unit_suite.read_ids(unit_suite.PASSING_FILE)), jobs=3)
     seconds = time.monotonic() - start
     problems = unit_suite.compare(results)

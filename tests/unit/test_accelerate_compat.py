@@ -361,3 +361,83 @@ def test_the_shim_follows_accelerate_on_cpu_fp16_and_the_last_batch_of_gather_fo
     assert real["said"] == []
     del shim["said"], real["said"]
     assert shim == real and real["mode"] == "fp16" and not real["scaler"] and real["gathered"] == [32, 4] * 3
+
+
+def test_accelerator_and_partial_state_are_two_views_of_one_state():
+    """`accelerator.state` is an AcceleratorState over PartialState's attributes: a value set through one is read
+    through the other, and the errors after `_reset_state()` name the class used, as Accelerate's do."""
+    from accel.state import AcceleratorState, PartialState
+
+    accelerator = Accelerator(cpu=True)
+    assert type(accelerator.state) is AcceleratorState and AcceleratorState() is accelerator.state
+    partial = PartialState()
+    accelerator.state.some_value = 3
+    assert partial.some_value == 3 and partial.num_processes == accelerator.num_processes == 1
+    with pytest.raises(AttributeError, match="^'PartialState' object has no attribute 'other'$"):
+        partial.other
+    try:
+        accelerator.state._reset_state()
+        with pytest.raises(AttributeError, match="^`AcceleratorState` object has no attribute `num_processes`. This "
+                                                 r"happens if `AcceleratorState._reset_state\(\)` was called"):
+            accelerator.num_processes
+        with pytest.raises(AttributeError, match=r"if `PartialState._reset_state\(\)`"):
+            partial.num_processes
+    finally:
+        assert Accelerator(cpu=True).num_processes == 1 and partial.num_processes == 1
+
+
+def test_gradient_state_without_arguments_is_the_current_accelerators():
+    from accel.runtime.accumulation import GradientState
+
+    accelerator = Accelerator(cpu=True)
+    current = GradientState()
+    accelerator.gradient_accumulation_steps = 4
+    accelerator.sync_gradients = False
+    assert current.num_steps == 4 and current.sync_gradients is False
+    assert GradientState(num_steps=2).num_steps == 2 and GradientState().num_steps == 2  # the newest is current
+    assert accelerator.gradient_state.num_steps == 4  # each Accelerator keeps its own
+    GradientState._reset_state()
+    assert GradientState._shared_state == {} and GradientState().num_steps == 1 and current.num_steps == 4
+    loader = prepare_data_loader(DataLoader(list(range(4)), batch_size=2))  # built without an Accelerator
+    assert loader.gradient_state.__dict__ is GradientState._shared_state
+
+
+def test_unwrap_model_takes_off_data_parallel_inside_torch_compile():
+    model = torch.nn.Linear(2, 4)
+    compiled = torch.compile(torch.nn.DataParallel(model))
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.unwrap_model(compiled, keep_torch_compile=False) is model
+    kept = accelerator.unwrap_model(compiled)
+    assert kept is not compiled and kept._orig_mod is model and isinstance(compiled._orig_mod, torch.nn.DataParallel)
+    own = torch.compile(model)
+    assert accelerator.unwrap_model(own) is own
+
+
+def test_a_pickled_accelerator_with_loaders_pickles_again():
+    import pickle
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(DataLoader(list(range(6)), batch_size=2))
+    copy = pickle.loads(pickle.dumps(accelerator))
+    assert [b.tolist() for b in copy._dataloaders[0]] == [[0, 1], [2, 3], [4, 5]]
+    assert pickle.loads(pickle.dumps(copy))._dataloaders[0].batch_size == 2
+
+
+def test_save_model_brings_offloaded_weights_in(tmp_path):
+    from accel.big_modeling import cpu_offload
+    from safetensors.torch import load_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    cpu_offload(model, execution_device="cpu")
+    assert model[0].weight.device.type == "meta"
+    Accelerator(cpu=True).save_model(model, str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], v) for k, v in expected.items())
+
+
+def test_a_quantized_model_with_cpu_offload_is_refused():
+    model = torch.nn.Linear(2, 2)
+    model.is_loaded_in_8bit, model.hf_device_map = True, {"": "cpu"}
+    with pytest.raises(ValueError, match="8-bit or 4-bit precision with CPU or disk offload"):
+        Accelerator(cpu=True).prepare_model(model)

@@ -315,7 +315,7 @@ def test_batches_are_moved_to_the_device():
 
 
 def test_end_of_dataloader_only_on_the_last_batch_and_gradient_state_registration():
-    state = GradientState()
+    state = GradientState(num_steps=1)  # a new state (GradientState() is the current Accelerator's, if any)
     dl = prepare_data_loader(DataLoader(Numbers(10), batch_size=3), gradient_state=state)
     flags, active = [], []
     for _ in dl:

@@ -145,8 +145,8 @@ def test_load_into_different_objects_is_refused(tmp_path):
 
 def test_register_for_checkpointing_checks_the_objects():
     accelerator, *_ = prepared()
-    with pytest.raises(ValueError, match="lack state_dict/load_state_dict: 42"):
-        accelerator.register_for_checkpointing(42)
+    with pytest.raises(ValueError, match=r"lack state_dict/load_state_dict: Item at index 1 \(int: 42\)$"):
+        accelerator.register_for_checkpointing(torch.nn.Module(), 42)
 
 
 def test_automatic_naming_rotation_and_latest(tmp_path):
