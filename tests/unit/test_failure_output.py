@@ -6,7 +6,7 @@
 * In a worker of `accel launch` an uncaught exception is not printed: it goes to torchrun's error file, which the
   launcher reads (cli/output.py) and prints once after its summary line (cli/failure_report.py, cli/hang_report.py).
 * torchrun's log lines that repeat accel's own are left out.
-The launches themselves: tests/multiproc/test_failure_output.py, test_exit_codes.py (Ctrl-C), test_quiet_output.py.
+The launches themselves: tests/multiproc/test_launch_failure_output.py, test_exit_codes.py (Ctrl-C), test_quiet_output.py.
 """
 
 from __future__ import annotations
