@@ -32,23 +32,17 @@ from pathlib import Path
 
 from accel.cli._common import UsageError, add_flag
 from accel.config import AccelConfig
-from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT
+from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT, FaultToleranceConfig
 
-# launch flag -> key of the fault_tolerance section
-FLAG_KEYS = {
-    "fault_tolerance": "fault_tolerance.enabled",
-    "ft_group_size": "fault_tolerance.group_size",
-    "ft_replica_id": "fault_tolerance.replica_id",
-    "ft_min_replicas": "fault_tolerance.min_replicas",
-    "ft_lighthouse": "fault_tolerance.lighthouse",
-    "ft_lighthouse_port": "fault_tolerance.lighthouse_port",
-    "ft_semi_sync_method": "fault_tolerance.semi_sync_method",
-    "ft_sync_steps": "fault_tolerance.sync_steps",
-    "ft_timeout": "fault_tolerance.timeout",
-    "ft_heartbeat_timeout": "fault_tolerance.heartbeat_timeout",
-    "ft_start_timeout": "fault_tolerance.start_timeout",
-    "ft_check_every": "fault_tolerance.check_every",
-}
+
+
+def flag_name(field: str) -> str:
+    """The launch flag of a `fault_tolerance` key: `--fault_tolerance` turns it on, `--ft_<key>` for the others."""
+    return "fault_tolerance" if field == "enabled" else f"ft_{field}"
+
+
+# launch flag -> key of the fault_tolerance section: every field of the schema, declared there once
+FLAG_KEYS = {flag_name(f.name): f"fault_tolerance.{f.name}" for f in dataclasses.fields(FaultToleranceConfig)}
 GROUP_ENV = "ACCEL_FT_REPLICA_ID"  # each group's workers (and launcher) see their replica id here too
 STOP_GRACE_S = 15.0  # after SIGTERM to a group's launcher, what is left of its session gets SIGKILL
 JOIN_TIMEOUT_MS = 10_000  # the lighthouse waits this long for heartbeating groups to join a quorum
@@ -56,33 +50,19 @@ QUORUM_TICK_MS = 100
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """`accel launch`'s fault-tolerance flags (the `fault_tolerance` config section's keys)."""
+    """`accel launch`'s fault-tolerance flags, one per key of the `fault_tolerance` config section, generated from its
+    field specs (help, type, choices, default: accel/config/schema.py)."""
     group = parser.add_argument_group("fault tolerance (torchft: replica groups that heal from a live peer)")
-    add_flag(group, "fault_tolerance", action="store_true", default=None,
-             help="train as replica groups under torchft; a failed group restarts and heals without a checkpoint "
-                  "(needs pip install 'accel-train[ft]')")
-    add_flag(group, "ft_group_size", type=int, metavar="N", default=None,
-             help="replica groups; each runs num_processes / N processes (default 2)")
-    add_flag(group, "ft_replica_id", type=int, metavar="I", default=None,
-             help="this group's index, when you start each group yourself (accel launch sets it otherwise)")
-    add_flag(group, "ft_min_replicas", type=int, metavar="N", default=None,
-             help="live groups a step needs to commit (default 1)")
-    add_flag(group, "ft_lighthouse", metavar="{start,HOST:PORT}", default=None,
-             help="start torchft's lighthouse here (default), or the address of a running one")
-    add_flag(group, "ft_lighthouse_port", type=int, metavar="PORT", default=None,
-             help=f"the port of the lighthouse started here (one machine: free; several: {DEFAULT_LIGHTHOUSE_PORT})")
-    add_flag(group, "ft_semi_sync_method", metavar="{local_sgd,diloco}", default=None,
-             help="synchronise the groups every --ft_sync_steps steps instead of every step (slow links)")
-    add_flag(group, "ft_sync_steps", type=int, metavar="N", default=None,
-             help="steps between synchronisations with --ft_semi_sync_method (default 20)")
-    add_flag(group, "ft_timeout", type=float, metavar="SECONDS", default=None,
-             help="how long an all-reduce, commit or healing over the groups may take (default 60)")
-    add_flag(group, "ft_heartbeat_timeout", type=float, metavar="SECONDS", default=None,
-             help="after how long without a heartbeat the lighthouse started here counts a group as gone (default 5)")
-    add_flag(group, "ft_start_timeout", type=float, metavar="SECONDS", default=None,
-             help="how long the first step waits for every replica group to come (default 300)")
-    add_flag(group, "ft_check_every", type=int, metavar="N", default=None,
-             help="committed steps between two checks that the groups hold the same weights (default 100; 0: off)")
+    for spec in dataclasses.fields(FaultToleranceConfig):
+        meta, name = spec.metadata, flag_name(spec.name)
+        if meta["kind"] is bool:
+            add_flag(group, name, action="store_true", default=None, help=meta["help"])
+            continue
+        default = "" if spec.default is None else f" (default {spec.default:g})" if isinstance(spec.default, float) \
+            else f" (default {spec.default})"
+        metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else \
+            (meta["unit"].upper() or {int: "N", float: "X", str: "VALUE"}[meta["kind"]])
+        add_flag(group, name, type=meta["kind"], metavar=metavar, default=None, help=meta["help"] + default)
 
 
 def runs_groups(cfg: AccelConfig) -> bool:

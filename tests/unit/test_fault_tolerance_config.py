@@ -85,6 +85,27 @@ def test_flags_fill_the_section():
         "semi_sync_method": "local_sgd", "sync_steps": 8, "timeout": 30.0}
 
 
+def test_every_key_of_the_section_has_its_flag_generated_from_the_schema():
+    """The flags come from FaultToleranceConfig's field specs (declared once): a key added there is a flag, with its
+    help and default; a value given to each sets that key."""
+    import dataclasses
+
+    from accel.config.schema import FaultToleranceConfig
+
+    fields = {f.name: f for f in dataclasses.fields(FaultToleranceConfig)}
+    values = {"group_size": "4", "replica_id": "1", "min_replicas": "2", "lighthouse": "head:29510",
+              "lighthouse_port": "29511", "semi_sync_method": "diloco", "sync_steps": "8", "outer_lr": "0.5",
+              "timeout": "30", "quorum_timeout": "7", "heartbeat_timeout": "2", "start_timeout": "9",
+              "check_every": "5"}
+    assert set(values) | {"enabled"} == set(fields)  # a new key: give it a value here
+    argv = ["--fault_tolerance", *[a for key, value in values.items() for a in (f"--ft_{key}", value)], "train.py"]
+    section = flag_overrides(launch_parser().parse_args(argv))["fault_tolerance"]
+    assert section == {"enabled": True, **{k: fields[k].metadata["kind"](v) for k, v in values.items()}}
+    help_text = " ".join(launch_parser().format_help().split())
+    for name, spec in fields.items():
+        assert " ".join(spec.metadata["help"].split()) in help_text, name
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--ft_group_size", "3"], "accel launch: error: "),
     (["--ft_lighthouse", "not an address"], "key 'fault_tolerance.lighthouse': bad value 'not an address'"),
