@@ -1,4 +1,4 @@
-"""Write the generated reference pages of the documentation site (issue 45): every config key from the config schema
+"""Write the generated reference pages of the documentation site: every config key from the config schema
 (accel/config/schema.py), every CLI command from its argparse parser (accel.cli.main.build_parser), and the
 Accelerator API page's list of members in Accelerate's order (the text itself comes from the docstrings, through
 mkdocstrings), so none can drift from the code.

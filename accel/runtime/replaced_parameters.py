@@ -1,4 +1,4 @@
-"""An optimizer that cannot train the prepared model, named in one line (issue 52).
+"""An optimizer that cannot train the prepared model, named in one line.
 
 Sharding (ZeRO 2/3, HSDP: FSDP2), tensor parallelism and expert parallelism give a model NEW parameter objects at
 `prepare` (DTensor shards, a rank's rows of the stacked experts). An optimizer passed to `prepare` is re-pointed at

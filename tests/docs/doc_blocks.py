@@ -1,4 +1,4 @@
-"""The fenced code blocks of README.md and docs/**/*.md, and the convention that says which of them run (issue 45).
+"""The fenced code blocks of README.md and docs/**/*.md, and the convention that says which of them run.
 
 Every python/bash/sh/shell/console block runs (tests/docs/test_doc_blocks.py), unless the line right before its
 opening fence is `<!-- not-run: <reason> -->`. A block of any language after `<!-- file: NAME -->` is written to NAME

@@ -1,4 +1,4 @@
-"""Docs that cannot rot (issue 45): every python and shell block of README.md and docs/**/*.md runs here, on the
+"""Docs that cannot rot: every python and shell block of README.md and docs/**/*.md runs here, on the
 CPU with tiny models, unless the line before it says why not (`<!-- not-run: <reason> -->`); every yaml block is a
 config accel accepts. The convention is in tests/docs/doc_blocks.py."""
 

@@ -1,4 +1,4 @@
-"""One source of truth (issue 45): the config-key and CLI reference pages are generated from the config schema and the
+"""One source of truth: the config-key and CLI reference pages are generated from the config schema and the
 argparse parsers (docs/gen_reference.py), and this fails when a committed page differs from what the code gives now.
 Regenerate with `python docs/gen_reference.py`."""
 

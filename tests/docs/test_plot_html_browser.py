@@ -1,4 +1,4 @@
-"""`accel plot --format html` as a reader sees it (issue 45): the page opened in headless Chromium shows one panel
+"""`accel plot --format html` as a reader sees it: the page opened in headless Chromium shows one panel
 per metric, each with a drawn line, and no console error, uncaught exception or failed load. A screenshot is kept
 under $ACCEL_DOCS_SCREENSHOTS when that is set (else in the test's temporary folder)."""
 

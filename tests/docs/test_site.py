@@ -1,4 +1,4 @@
-"""The documentation site (issue 45): `mkdocs build --strict` succeeds (a broken link, anchor or API reference fails
+"""The documentation site: `mkdocs build --strict` succeeds (a broken link, anchor or API reference fails
 it), every section that left the README is reachable from the home page in two clicks, and a few pages open in
 headless Chromium with no console error or failed load (screenshots under $ACCEL_DOCS_SCREENSHOTS when set).
 
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
                                 reason="the docs extra is not installed (pip install -e '.[docs]'); .ci/docs runs this")
 
-# The README's sections before issue 45 -> the heading they have on the site now (None: the same words). SLURM and
-# Kubernetes are docs/clusters.md's (issue 43); several machines and the hostfile stay in docs/launching.md.
+# The README's sections before the site -> the heading they have on the site now (None: the same words). SLURM and
+# Kubernetes are docs/clusters.md's; several machines and the hostfile stay in docs/launching.md.
 MOVED = {
     "Set-up": "Install",
     "The three lines": None,

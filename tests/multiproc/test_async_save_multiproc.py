@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 JOBS = {"ddp": [], "ddp_process": ["--mode", "process"], "zero3": ["--zero_stage", 3], "tp2": ["--tp_size", 2],
         "fail": ["--fail"],
-        # checkpoint integrity on 2 processes (issue 25, points 3 and 5): a flipped bit, another optimizer type
+        # checkpoint integrity on 2 processes: a flipped bit, another optimizer type
         "ddp_integrity": ["--integrity"], "zero3_integrity": ["--integrity", "--zero_stage", 3],
         "ddp_sgd": ["--optimizer", "sgd", "--load_from", "{root}/ddp_integrity/ckpt"],
         "zero3_sgd": ["--optimizer", "sgd", "--zero_stage", 3, "--load_from", "{root}/zero3_integrity/ckpt"]}

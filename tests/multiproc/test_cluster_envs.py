@@ -2,7 +2,7 @@
 `mpirun` of 2 processes without a launcher, Open MPI's and Hydra's variables):
 `srun` of 2 tasks without a launcher (SLURM's task variables), a Kubeflow Trainer pod (PET_NPROC_PER_NODE=2 under
 `accel launch`), two PyTorchJob pods (their WORLD_SIZE/RANK/MASTER_* under `accel launch --num_processes 2`).
-Every process must see one job of 2. Before issue 43's fix srun gave two 1-process jobs, PET_NPROC_PER_NODE=2
+Every process must see one job of 2. Without that, srun gave two 1-process jobs, PET_NPROC_PER_NODE=2
 started one process, and each PyTorchJob pod ran its own job of 2. The pure parts and the one-line errors:
 tests/unit/test_cluster_env.py."""
 

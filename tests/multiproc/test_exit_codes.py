@@ -1,5 +1,5 @@
-"""docs/troubleshooting.md "Exit codes" (in the README until issue 45): each code the table documents is what
-`accel launch` returns (issue 40).
+"""docs/troubleshooting.md "Exit codes": each code the table documents is what
+`accel launch` returns.
 
 Most codes are already asserted by the tests of their feature, listed in COVERED (not launched again here); this file
 launches only what no other test returns: a worker killed by SIGKILL (137), the launcher interrupted by SIGINT (130),
@@ -104,7 +104,7 @@ def test_sigint_to_the_launcher_is_130(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + signal.SIGINT, stderr
-    # one line after the start line: no worker's KeyboardInterrupt traceback, no torchrun log line (issue 53)
+    # one line after the start line: no worker's KeyboardInterrupt traceback, no torchrun log line
     lines = stderr.splitlines()
     assert lines[1:] == ["accel launch: stopped by signal 2 (SIGINT); the workers were stopped"], stderr
     assert lines[0].startswith("accel launch: 2 processes"), stderr

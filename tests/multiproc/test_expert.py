@@ -9,7 +9,7 @@ Tiny transformers Mixtral and Qwen2-MoE (shared expert) and a MoE block of our o
 synced backward calls per step, and bf16. On 4: dp 2 x ep 2, ZeRO-3 x ep 2, ZeRO-2 x ep 2 (our own block), ep 4.
 Stacked experts of a plan of our own (ep 2, ZeRO-3 x ep 2). Tensor parallelism within the experts (tp 2 on
 Mixtral and Qwen2-MoE, ZeRO-3 x tp 2), also with expert parallelism (tp 2 x ep 2, ZeRO-3 x tp 2 x ep 2). ZeRO-3
-with CPU offload x ep 2. Issue 41, each refused before: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
+with CPU offload x ep 2. Also: dp 2 x sp 2 x ep 2, dp 2 x cp 2 x ep 2 and ZeRO-3 x sp 2 x
 ep 2 (a Mixtral without the router's auxiliary loss, SDPA; the reference runs dp = 2 batches), HSDP (2 x 2) x ep 2,
 ZeRO-1 x ep 2 (Mixtral and our own ModuleList), ModuleList experts resharded under ZeRO-3 x ep 2, pp 2 x ep 2 and
 ZeRO-3 x pp 2 x ep 2 (1F1B, 2 micro-batches; GPipe; Interleaved1F1B on 4 layers). The expert elements each
@@ -58,7 +58,7 @@ RUNS = {
     "tp2-ep2-mixtral": (4, ["--tp_size", 2, "--ep_size", 2, "--save_model"]),
     "zero3-tp2-ep2-qwen2moe": (4, ["--tp_size", 2, "--ep_size", 2, "--zero_stage", 3, "--model", "qwen2moe"]),
     "zero3-offload-ep2-mixtral": (4, ["--ep_size", 2, "--zero_stage", 3, "--offload"]),  # experts' units offloaded too
-    # issue 41: ep composes with the other dimensions. Sequence (Ulysses) and context parallelism: dp 2 x sp/cp 2,
+    # ep composes with the other dimensions. Sequence (Ulysses) and context parallelism: dp 2 x sp/cp 2,
     # ep 2 over the dp ranks, expert gradients summed over the expert's replicas and the sequence ranks
     "sp2-ep2-mixtral": (4, ["--ep_size", 2, "--sp_size", 2, "--model", "mixtral-plain"]),
     "cp2-ep2-mixtral": (4, ["--ep_size", 2, "--cp_size", 2, "--model", "mixtral-plain"]),
@@ -85,11 +85,11 @@ RUNS = {
 RESUMES = {"resume-2": ["--ep_size", 2, "--save_at", 2],
            "resume-4-own": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3, "--model", "own"],
            "resume-4-zero3": ["--ep_size", 2, "--save_at", 2, "--zero_stage", 3],
-           # issue 41: pp 2 x ep 2 (each stage's ep ranks write their experts' rows), DDP and ZeRO-3 stages
+           # pp 2 x ep 2 (each stage's ep ranks write their experts' rows), DDP and ZeRO-3 stages
            "resume-4-pp": ["--ep_size", 2, "--pp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
            "resume-4-pp-zero3": ["--ep_size", 2, "--pp_size", 2, "--zero_stage", 3, "--model", "mixtral-plain",
                                  "--save_at", 2]}
-RESUMES.update({  # issue 41: ZeroRedundancyOptimizer over edp (stacked; ModuleList), dp 2 x sp 2 x ep 2, HSDP
+RESUMES.update({  # ZeroRedundancyOptimizer over edp (stacked; ModuleList), dp 2 x sp 2 x ep 2, HSDP
     "resume-4-zero1": ["--ep_size", 2, "--zero_stage", 1, "--save_at", 2],
     "resume-4-own-zero1": ["--ep_size", 2, "--zero_stage", 1, "--model", "own", "--save_at", 2],
     "resume-4-sp": ["--ep_size", 2, "--sp_size", 2, "--model", "mixtral-plain", "--save_at", 2],
@@ -175,7 +175,7 @@ def test_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_experts_held_per_rank(runs, name):
     """Each process holds 1/ep of the experts; under ZeRO 2/3 they are sharded again over their replicas, 1/dp
-    (stacked ones, and since issue 41 each expert of a ModuleList: before, those stayed whole on their ep rank,
+    (stacked ones, and each expert of a ModuleList: before, those stayed whole on their ep rank,
     1/ep); tensor parallelism divides by tp too."""
     processes, args = RUNS[name]
     args = [str(a) for a in args]

@@ -1,4 +1,4 @@
-"""A failed asynchronous save never looks like success to a job runner (issue 40, point 4), on 2 real processes.
+"""A failed asynchronous save never looks like success to a job runner, on 2 real processes.
 
 * The script ends without waiting for its asynchronous save, whose publication fails (a full disk, simulated): every
   process whose save failed prints one line naming the folder and the cause and exits with async_save.EXIT_CODE

@@ -1,4 +1,4 @@
-"""Nothing outlives an `accel launch` job, and forked workers behave like fresh interpreters (issue 40).
+"""Nothing outlives an `accel launch` job, and forked workers behave like fresh interpreters.
 
 * The job's end (exit 0, a failure, a restart of the worker group) ends every worker's process group: a `sleep`
   child a worker started is gone too (cli/job_reaper.py).

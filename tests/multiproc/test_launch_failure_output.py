@@ -1,4 +1,4 @@
-"""What a failed launch prints (issue 53): the launcher's summary line first, naming the rank that failed and its
+"""What a failed launch prints: the launcher's summary line first, naming the rank that failed and its
 exception; that rank's traceback once (the worker leaves it to the launcher: accel/core/uncaught.py); one line for
 each rank that only waited for it, without its traceback; no torchrun log lines. A restart is announced the same way,
 and a rank torchrun's agent stopped for it is named as stopped by accel launch, not as killed by another process.

@@ -3,7 +3,7 @@ one process on the full sequences (fp32): per-step losses within atol 1e-5, clip
 relative, final weights after 4 AdamW steps within atol 5e-4 (AdamW divides each gradient by its own running size, so
 a parameter whose gradient is nearly 0, e.g. GPT-2's key bias, turns rounding differences into lr-sized steps).
 
-Every batch shape (issue 41), on tied Llama and GPT-2 under sp 2, cp 2 and dp 2 x cp 2: `for (x,) in loader:
+Every batch shape, on tied Llama and GPT-2 under sp 2, cp 2 and dp 2 x cp 2: `for (x,) in loader:
 model(input_ids=x, labels=x)` (before: sp 2 first loss 3.598 against one process's 4.167), a list batch with a
 separate labels tensor and a padding mask, a namedtuple with packed position_ids, a dict with shift_labels the user
 shifted, labels=input_ids of a dict batch accel pads (cp 2, length 14), and a loss computed from the logits with
@@ -49,7 +49,7 @@ RUNS = {
     "tp2-sp2": (4, ["--sp_size", 2, "--tp_size", 2, "--kv_heads", 4], 1),
 }
 
-# every batch shape (issue 41): the labels reach the model unshifted, however they arrive, and the wrapped forward
+# every batch shape: the labels reach the model unshifted, however they arrive, and the wrapped forward
 # shifts them over the whole sequence; a loss computed from the logits uses shift_labels / reduce_sequence_loss
 LOOP_DATA = {"tuple": [], "list": ["--mask", "padding"], "namedtuple": ["--mask", "packed"], "shift_labels": [],
              "user_loss": [], "ids_as_labels": ["--length", 14]}

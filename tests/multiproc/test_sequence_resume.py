@@ -1,4 +1,4 @@
-"""A resume from save_state is bit-exact on 4 processes (issue 41): dp 2 x sp 2 and dp 2 x cp 2 (tiny Llama), dp 2 x
+"""A resume from save_state is bit-exact on 4 processes: dp 2 x sp 2 and dp 2 x cp 2 (tiny Llama), dp 2 x
 sp 2 with a tiny Mixtral MoE (no ep), ZeRO-3 x cp 2, and plain DDP over 4 ranks. Each layout runs 4 AdamW steps
 with a save_state after step 2, then a fresh Accelerator loads that state and runs steps 3-4: their losses and
 clipped gradient norms must be equal and the final weights torch.equal.

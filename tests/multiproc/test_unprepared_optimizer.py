@@ -1,4 +1,4 @@
-"""Issue 52, point 4: an optimizer that cannot train the prepared model is named in one line, on 2 CPU processes.
+"""An optimizer that cannot train the prepared model is named in one line, on 2 CPU processes.
 
 Under every layout that gives the model new parameters at `prepare` (ZeRO-2/3: FSDP2's shards, tensor parallelism's
 DTensors, expert parallelism's rows of the stacked experts), a loop that built its optimizer on the model before

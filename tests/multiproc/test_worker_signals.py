@@ -1,4 +1,4 @@
-"""A worker's own crash is named as one (issue 40, point 5), not as a kill "by another process than accel launch".
+"""A worker's own crash is named as one, not as a kill "by another process than accel launch".
 
 Two real 2-process launches (scripts/hang_worker.py --signal): rank 1 segfaults while rank 0 waits in an all_reduce
 (the hang report's "left" path), and rank 1 aborts (os.abort(), as C++'s std::terminate does) while rank 0 is outside

@@ -1,5 +1,5 @@
 """examples/clusters: each engine's job file, parsed, and its command run as `accel launch --dry_run` (as a CPU job)
-with the variables the engine sets in a pod (issue 43): the job it would start is the one the file describes. The
+with the variables the engine sets in a pod: the job it would start is the one the file describes. The
 Kubernetes manifests are checked against compact schemas of their CRDs (k8s_schemas.py, which names the sources), and
 the RayJob's entrypoint against ray_train.py's own parser, without starting Ray."""
 

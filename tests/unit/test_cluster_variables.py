@@ -1,5 +1,5 @@
-"""Every scheduler's variables read once, alike under `accel launch` and under a plain `python train.py` (issue 53,
-probes 4 to 6; accel.runtime.cluster_env):
+"""Every scheduler's variables read once, alike under `accel launch` and under a plain `python train.py`
+(accel.runtime.cluster_env):
 
 * Kubeflow's forms: PET_NNODES=N:N (what Kubeflow writes for an elastic policy of fixed size) and torchrun's
   PET_NPROC_PER_NODE=auto read, or are refused, with the same line under both; before, plain python trained alone.

@@ -56,7 +56,7 @@ def own_modulelist() -> ModelSpec:
 
 
 def test_modulelist_experts_are_resharded_under_zero3():
-    """issue 41: each ModuleList expert is an FSDP2 unit over its dp / ep replicas (before: whole on its ep rank)."""
+    """each ModuleList expert is an FSDP2 unit over its dp / ep replicas (before: whole on its ep rank)."""
     ep2 = training(own_modulelist(), num_processes=4, ep=2)["layouts"]
     experts = 4 * (16 * 8 + 8 * 16)
     assert ep2["zero3"]["params_bytes"] == (800 // 4 + experts // 4) * STATE

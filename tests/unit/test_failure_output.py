@@ -1,4 +1,4 @@
-"""The cause, once, first (issue 53, probe 8), without starting workers.
+"""The cause, once, first, without starting workers.
 
 * A script that does not compile is refused before any process starts: exit 2, one line with file:line.
 * An accel one-line error that reaches the top of a plain `python` script is that line alone (a refusal raised here,

@@ -1,4 +1,4 @@
-"""The `fault_tolerance` config section, its `accel launch` flags and `accel config` questions (issue 44): values
+"""The `fault_tolerance` config section, its `accel launch` flags and `accel config` questions: values
 and cross-key rules refused in one line naming the key, the bad value and what is allowed (CLI exit 2); a missing
 torchft named by its extra; how the launcher cuts the processes into replica groups."""
 

@@ -1,4 +1,4 @@
-"""The GPU paths read as NCCL runs them (issue 46), checked on the CPU: the default group's backend, CPU offload with a
+"""The GPU paths read as NCCL runs them, checked on the CPU: the default group's backend, CPU offload with a
 group made before Accelerator, the NVML probe that keeps forks usable, the expert norm's device on a rank without
 expert gradients, and the collective-device check itself (a host tensor sent where NCCL would refuse it fails)."""
 

@@ -1,5 +1,5 @@
-"""Path-valued flags of `accel launch` and flags whose empty value fell back to a default silently (issue 40, point
-7): each mistake is one line naming the flag, the value and what is allowed, exit code 2, and nothing is started
+"""Path-valued flags of `accel launch` and flags whose empty value fell back to a default silently: each
+mistake is one line naming the flag, the value and what is allowed, exit code 2, and nothing is started
 (the script would write a marker file)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exception texts the launcher embeds in its own lines are one line each (issue 40, point 6): the warning when the
+"""Exception texts the launcher embeds in its own lines are one line each: the warning when the
 workers' stacks could not be collected, a DeepSpeed config warning, a host's ssh client killed by a signal."""
 
 from __future__ import annotations

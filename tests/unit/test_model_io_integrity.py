@@ -1,4 +1,4 @@
-"""save_model folders (issue 25, points 3 and 4): every file checksummed and verified before the live model changes,
+"""save_model folders: every file checksummed and verified before the live model changes,
 the folder's model replaced in one step (never a mix, even when killed), the folder's other files kept, and
 concurrent saves serialised by the publish lock."""
 

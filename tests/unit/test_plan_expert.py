@@ -67,8 +67,8 @@ def test_ep2_layouts_on_4_processes_hold_less(mixtral):
     rows = plan(spec, Hardware(num_processes=4, device_memory=16 * GB), 8, 128, module=module)["layouts"]
     ep2 = [r for r in rows if r["ep_size"] == 2]
     assert ep2 and all(r["dp_size"] % 2 == 0 for r in ep2)
-    assert {r["zero_stage"] for r in ep2} == {0, 1, 2, 3}  # ZeRO-1 x ep since issue 41
-    staged = [r for r in ep2 if r["pp_size"] == 2]  # pp 2 x ep 2 (dp 2) since issue 41: each stage 1/2 the layers
+    assert {r["zero_stage"] for r in ep2} == {0, 1, 2, 3}  # ZeRO-1 x ep
+    staged = [r for r in ep2 if r["pp_size"] == 2]  # pp 2 x ep 2 (dp 2): each stage 1/2 the layers
     assert staged and all(r["dp_size"] == 2 and r["tp_size"] == 1 for r in staged)
     flat = next(r for r in ep2 if r["pp_size"] == 1 and r["tp_size"] == 1 and r["zero_stage"] == 0)
     assert max(r["model_state_bytes_per_rank"] for r in staged if r["zero_stage"] == 0) < \
@@ -88,7 +88,7 @@ def test_ep2_layouts_on_4_processes_hold_less(mixtral):
 
 @pytest.mark.parametrize("key", ["sp_size", "cp_size"])
 def test_ep_with_sequence_parallelism_is_planned(mixtral, key):
-    """issue 41: ep with sp/cp is proposed (it was skipped: check_available refused it); the sequence ranks are more
+    """ep with sp/cp is proposed (it was skipped: check_available refused it); the sequence ranks are more
     copies of each expert, so ZeRO-3 shards the experts over dp x seq / ep of them."""
     _, spec, module = mixtral
     rows = plan(spec, Hardware(num_processes=8, device_memory=16 * GB), 8, 128, module=module,

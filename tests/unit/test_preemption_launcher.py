@@ -187,7 +187,7 @@ def test_worker_reads_the_request_file_and_leaves_its_marks(tmp_path, monkeypatc
     try:
         assert preemption.requested(_OneProcess()) is False
         assert preemption.listening_path(tmp_path, 0).exists() and not preemption.seen_path(tmp_path, 0).exists()
-        assert signal.getsignal(signal.SIGTERM) is preemption._on_signal  # a job-wide SIGTERM asks too (issue 40)
+        assert signal.getsignal(signal.SIGTERM) is preemption._on_signal  # a job-wide SIGTERM asks too
         preemption.request_path(tmp_path).write_text("SIGTERM\n")
         assert preemption.requested(_OneProcess()) is True
         assert preemption.seen_path(tmp_path, 0).exists()

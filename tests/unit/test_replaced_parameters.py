@@ -1,4 +1,4 @@
-"""accel/runtime/replaced_parameters.py on one process (issue 52, point 4): which parameters `prepare` replaced, and
+"""accel/runtime/replaced_parameters.py on one process: which parameters `prepare` replaced, and
 the one line for an optimizer that cannot train the prepared model.
 
 The registry is driven by hand (a parameter swapped for a new object, as FSDP2 and tensor parallelism do), and

@@ -1,4 +1,4 @@
-"""sp/cp refuse a MoE model's router auxiliary loss (issue 41, found on the way): each rank would compute it on its
+"""sp/cp refuse a MoE model's router auxiliary loss: each rank would compute it on its
 slice only, the loss would count it sp_size times and its gradient would not be the whole sequence's (tiny Mixtral,
 sp 2: loss 4.592 against one process's 4.392, no error). The plain MoE (no router loss) runs and is tested on 4
 processes in tests/multiproc/test_sequence_resume.py."""

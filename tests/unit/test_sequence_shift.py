@@ -1,5 +1,5 @@
 """Label shifting and the token-weighted loss under sequence/context parallelism (accel/backends/sequence.py,
-sequence_layout.py; issue 41), in one process: each rank's slice of the labels shifted over the WHOLE sequence, accel's
+sequence_layout.py), in one process: each rank's slice of the labels shifted over the WHOLE sequence, accel's
 padding ignored even in labels built from input_ids, and the reduction of a loss computed outside the model. The
 group's collectives are simulated (every rank's slice is known here); tests/multiproc/test_sequence.py runs them."""
 

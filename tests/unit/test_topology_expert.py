@@ -38,7 +38,7 @@ def test_split_backward_schedules_with_experts_are_refused_naming_both(schedule)
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
 def test_pipeline_with_experts_composes(schedule):
-    """issue 41: was refused (BackendNotAvailable naming ep and pp)."""
+    """was refused (BackendNotAvailable naming ep and pp)."""
     check_available(ParallelismConfig(ep_size=2, pp_size=2, pp_schedule=schedule))
     check_available(ParallelismConfig(ep_size=2, pp_size=2, pp_schedule=schedule, zero_stage=3))
 
@@ -54,7 +54,7 @@ def test_ddp_zero_and_tp_compose(stage):
 @pytest.mark.parametrize("fields", [{"sp_size": 2}, {"cp_size": 2}, {"sp_size": 2, "zero_stage": 3},
                                     {"dp_replicate_size": 2, "dp_shard_size": 2, "zero_stage": 3}])
 def test_sequence_and_hsdp_compose(fields):
-    """issue 41: these were refused before (BackendNotAvailable naming ep and the other dimension)."""
+    """these were refused before (BackendNotAvailable naming ep and the other dimension)."""
     check_available(ParallelismConfig(ep_size=2, **fields))
 
 

@@ -1,4 +1,4 @@
-"""Issue 40, "nothing runs that the user did not write": files a loader reads are untrusted.
+"""Nothing runs that the user did not write: files a loader reads are untrusted.
 
 A planted pickle (a DCP `.metadata`, a `.distcp` item) runs nothing; a JSON value cannot make a loader allocate
 more than the file holds; every refusal is one line naming the file (and the key)."""
