@@ -232,10 +232,10 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device
         by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
     norms = []
     for group in by_mesh.values():
-        with quiet_logger("torch.distributed.tensor._redistribute"):  # a 2-D mesh (FSDP x TP, ep): torch notes
-            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=foreach)  # one all-reduce per
-            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # mesh dim (of a scalar) as
-            # suboptimal
+        # on a 2-D mesh (FSDP x TP, ep) torch logs its one all-reduce per mesh dimension (of a scalar) as suboptimal
+        with quiet_logger("torch.distributed.tensor._redistribute"):
+            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=foreach)
+            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         norms.append(whole.to(device=device, dtype=torch.float32))
     if not norms:
         return torch.zeros((), device=device)

@@ -95,8 +95,7 @@ def _staging_started(future: Future) -> None:
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A Parameter (or another tensor subclass but DTensor) as a plain tensor sharing its storage: the staged copy
-    holds plain tensors, never a subclass rebuilt through its pickle arguments. (Added while the second save's
-    `KeyError: <class 'type'>` on torch 2.11 was misread; its cause was a closed stager, see `_stage`.)"""
+    holds plain tensors, never a subclass rebuilt through its pickle arguments."""
     if type(tensor) is torch.Tensor or hasattr(tensor, "_local_tensor"):  # plain, or a DTensor (staged as one)
         return tensor
     return tensor.detach().as_subclass(torch.Tensor)
