@@ -27,6 +27,12 @@ pytestmark = pytest.mark.multiproc
 
 ATOL = 1e-5
 WEIGHT_ATOL = 5e-4
+# context parallelism attends each rank's query chunks to the gathered keys (SDPA on chunks, not one call on the whole
+# sequence): float32 sums in another order, which AdamW (lr 1e-2, its steps normalised per element) carries into the
+# next losses and the weights. Measured on cp2-llama-tied-list, on two machines with the same code: losses 6.2e-6 and
+# 1.34e-5 off (relative 3e-6), gradient norm up to 1.25e-4 relative, weights up to 6.3e-4, every element within
+# 1e-3; a wrong layout is 0.5-1.1 off in the loss
+CP_ATOL, CP_NORM_RTOL, CP_WEIGHT_ATOL = 2e-5, 2e-4, 1e-3
 SCRIPT = worker_module("seq_train").__file__
 
 # name -> (processes, worker arguments, data-parallel degree)
@@ -117,12 +123,16 @@ def test_matches_one_process_on_the_whole_sequence(runs, name):
     expected_weights, expected_losses, expected_norms = reference([str(a) for a in args], dp)
     result = json.loads((runs / name / "result.json").read_text())
     assert len(result["losses"]) == len(expected_losses)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses), atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=0, rtol=1e-4)
+    context = "--cp_size" in args
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses),
+                               atol=CP_ATOL if context else ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=0,
+                               rtol=CP_NORM_RTOL if context else 1e-4)
     weights = load_file(str(runs / name / "result.safetensors"))
     for key, value in expected_weights.items():
         if key in weights:
-            torch.testing.assert_close(weights[key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
+            torch.testing.assert_close(weights[key], value, atol=CP_WEIGHT_ATOL if context else WEIGHT_ATOL, rtol=0,
+                                       msg=key)
     assert set(weights) <= set(expected_weights) and len(weights) >= len(expected_weights) - 1  # lm_head when tied
 
 
