@@ -12,7 +12,7 @@ from accel.core.version import __version__
 from accel.core.restarts import export_restart_count
 
 # these two read the process's environment; a worker forked by `accel launch` calls them again with its own
-# (cli/forked_workers.py), since it loaded accel in the launcher
+# (accel/cli/forked_workers.py), since it loaded accel in the launcher
 export_restart_count()
 
 from accel.core.rank_warnings import warn_once_per_job  # noqa: E402

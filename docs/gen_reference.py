@@ -138,7 +138,7 @@ def cli_reference() -> str:
     from accel.cli.main import _subparsers, build_parser
 
     root = build_parser()
-    lines = [HEADER.format(source="the argparse parsers of cli/"), "", "# Command line", "",
+    lines = [HEADER.format(source="the argparse parsers of accel/cli/"), "", "# Command line", "",
              "Every `accel` command and argument, as `accel <command> --help` prints them. A mistake in any of them is "
              "one line `accel <command>: error: ...` and exit code 2 ([Troubleshooting](troubleshooting.md)).", "",
              "```text", _usage(root), "```", ""]

@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.env` over `accel env` (cli/env.py): `env_command` prints accel's report (versions,
+"""Accelerate's `accelerate.commands.env` over `accel env`: `env_command` prints accel's report (versions,
 devices, backends, the resolved config) and returns Accelerate's dict of the same facts."""
 
 from __future__ import annotations

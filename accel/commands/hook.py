@@ -1,4 +1,4 @@
-"""What the `accelerate` program of `eval "$(accel shim)"` runs (cli/shim.py): `python -m accel.commands.hook ARGS...`.
+"""What the `accelerate` program of `eval "$(accel shim)"` runs: `python -m accel.commands.hook ARGS...`.
 
 The shell reaches that program only where no other `accelerate` comes before it on PATH. At each call, in this order:
 

@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.launch` over `accel launch` (cli/launch.py).
+"""Accelerate's `accelerate.commands.launch` over `accel launch` (accel/cli/launch.py).
 
 `launch_command_parser()` is accel's launch parser (every `accelerate launch` flag, both spellings; the help lists
 one) with Accelerate's defaults in the namespace (`multi_gpu` False, `fsdp_sharding_strategy` "FULL_SHARD", ...) and

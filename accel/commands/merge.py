@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.merge` over `accel merge-weights` (cli/merge.py, accel/checkpoint/merge.py)."""
+"""Accelerate's `accelerate.commands.merge` over `accel merge-weights` (accel.cli.merge, accel.checkpoint.merge)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def shim_active() -> bool:
 
 
 SHIM_FOLDER = os.path.dirname(os.path.dirname(FACADE))  # accel/shim: holds accelerate/ and its dist-info
-PROGRAM_MARKER = "written by `accel shim`"  # in the `accelerate` program `accel shim` writes (cli/shim.py)
+PROGRAM_MARKER = "written by `accel shim`"  # in the `accelerate` program `accel shim` writes (accel/cli/shim.py)
 
 
 def _same_folder(entry: str, folder: str) -> bool:

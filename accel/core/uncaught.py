@@ -7,7 +7,7 @@
   set) the worker prints nothing: the exception goes to torchrun's error file, in torch's own format (what
   `torch.distributed.elastic.multiprocessing.errors.record` writes) with a few fields of accel's, and the launcher
   prints it once: its summary line naming the rank and the exception first, then that rank's traceback, then one line
-  for each other rank (cli/failure_report.py). A KeyboardInterrupt (the launcher passes Ctrl-C on) is held the same
+  for each other rank (accel.cli.failure_report). A KeyboardInterrupt (the launcher passes Ctrl-C on) is held the same
   way: the launcher's one line says it. When the file cannot be written, the exception is printed as usual.
 * `ACCEL_FULL_TRACEBACKS=1`: every exception is printed as Python prints it, by every rank, one-line errors included
   (and the launcher shows torchrun's own log lines and the stacks of the ranks that only waited).

@@ -1,5 +1,5 @@
 """What a cluster's scheduler says about this process: the ONE reading of each scheduler's variables, shared by
-`accel launch` (cli/multinode.py, cli/kubeflow.py) and a plain `python train.py` (`task_env`, through PartialState).
+`accel launch` (accel.cli: multinode, kubeflow) and a plain `python train.py` (`task_env`, through PartialState).
 
 The readers, one per scheduler, each naming a bad value in one line (ClusterEnvError: the variable, the value and
 what is allowed), the same line under `accel launch` and under plain python:
@@ -629,7 +629,7 @@ def export_task_env(environ=None) -> dict[str, str] | None:
 def machine_claims(env: Mapping[str, str]) -> list[Claim]:
     """What SLURM (a step of several nodes), Kubeflow's PET_* and MPI (several launchers) say about the machines
     under `accel launch`: their count and this machine's rank. (A pod's WORLD_SIZE/RANK are left out: they count
-    pods or processes, depending on the operator, cli/kubeflow.py.)"""
+    pods or processes, depending on the operator, accel/cli/kubeflow.py.)"""
     claims = []
     step = read_slurm(env)
     if step is not None and step.nodes is not None and step.nodes[1] > 1:

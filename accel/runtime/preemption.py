@@ -27,8 +27,8 @@ as the launcher's rule for workers that do not listen has it). The flag is this 
 still agree at the same step. A second signal, or `grace_period` seconds after the first, ends the process by that
 signal, as it would have without them. Under `accel launch` the launcher's own stop must still stop a worker at once:
 torchrun's agent stops workers with SIGTERM (at the grace period's end, at a second signal, when a worker failed,
-at a restart), so before it does the launcher leaves a `stop` mark in the folder (cli/preemption.py,
-cli/job_reaper.py), and a signal that finds the mark ends the worker at once. Under plain `torchrun` nothing is
+at a restart), so before it does the launcher leaves a `stop` mark in the folder (accel/cli/preemption.py,
+accel/cli/job_reaper.py), and a signal that finds the mark ends the worker at once. Under plain `torchrun` nothing is
 installed (torchrun stops its workers with SIGTERM): name the signals to catch in `ACCEL_PREEMPTION_SIGNALS` (e.g.
 `SIGTERM`; torchrun then waits 30 s for the workers before killing them).
 """

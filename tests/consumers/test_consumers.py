@@ -111,8 +111,7 @@ class Launch:
         cmd, extra = _command(impl, procs, HERE / WORKERS[family][0], self.out)
         start = time.perf_counter()
         try:
-            # run from the output folder: from the checkout's root, `accel` would be its accel/ (cli/ is installed as
-            # accel.cli), not the package the shim environment has
+            # run from the output folder: from the checkout's root, `accel` would be its accel/ folder, not the package the shim environment has
             proc = subprocess.run(cmd, cwd=self.out, env={**_env(root / "home"), **extra}, capture_output=True,
                                   text=True, timeout=TIMEOUT, start_new_session=True)
             self.rc, output = proc.returncode, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""`accel launch` on CPU forks its workers from the launcher (cli/forked_workers.py) instead of starting fresh
+"""`accel launch` on CPU forks its workers from the launcher (accel/cli/forked_workers.py) instead of starting fresh
 interpreters: a worker must not be able to tell. The same probe runs forked and with ACCEL_FRESH_WORKERS=1; what it
 sees of its interpreter (__name__, argv, sys.path[0], signal handlers, thread count, stdout) is
 equal, its atexit handlers run and its non-daemon threads are joined in both, and the forked ranks draw different

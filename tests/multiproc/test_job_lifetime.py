@@ -1,7 +1,7 @@
 """Nothing outlives an `accel launch` job, and forked workers behave like fresh interpreters.
 
 * The job's end (exit 0, a failure, a restart of the worker group) ends every worker's process group: a `sleep`
-  child a worker started is gone too (cli/job_reaper.py).
+  child a worker started is gone too (accel/cli/job_reaper.py).
 * A SIGKILLed launcher takes its workers and their children with it (the launcher's sentinel): no worker trains or
   writes on for a requeued job to find.
 * A forked worker's output equals a fresh interpreter's: a buffered log handler flushed at exit, multiprocessing, a

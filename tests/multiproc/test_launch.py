@@ -77,7 +77,7 @@ def test_failing_worker_stops_the_group_and_sets_the_exit_code(run_accel, tmp_pa
     assert "rank 1 failing on purpose" in result.stderr  # the worker's own stderr comes through
     summary = [line for line in result.stderr.splitlines() if line.startswith("accel launch: rank ")]
     assert any(line.startswith("accel launch: rank 1 ") and "exited with code 3" in line for line in summary)
-    assert "cli/launch.py" not in result.stderr and "torch/distributed/run.py\", line" not in result.stderr
+    assert "accel/cli/launch.py" not in result.stderr and "torch/distributed/run.py\", line" not in result.stderr
     assert records(out) == {}
 
 

@@ -1,4 +1,4 @@
-"""Accelerate's commands and imports with accel alone (cli/shim.py, accel/commands/hook.py; docs/shim.md): the
+"""Accelerate's commands and imports with accel alone (accel/cli/shim.py, accel/commands/hook.py; docs/shim.md): the
 `accelerate` program `eval "$(accel shim)"` puts at the end of PATH, which of a real Accelerate's command or accel's
 it runs, `python -m accelerate` under the shim, and `accel launch`'s own decision to put the shim on a script that
 imports `accelerate` where no real Accelerate is installed (said in the start line) and to change nothing where one

@@ -1,6 +1,6 @@
 """What a cluster's scheduler sets, read without starting processes: SLURM's host lists and task variables (`srun`
 without a launcher, accel.runtime.cluster_env), Kubeflow Trainer's PET_* and PyTorchJob's WORLD_SIZE/RANK under
-`accel launch` (cli/kubeflow.py) with their precedence, and the one-line errors (exit code 2) where they cannot
+`accel launch` (accel/cli/kubeflow.py) with their precedence, and the one-line errors (exit code 2) where they cannot
 form one job. The jobs themselves run in tests/multiproc/test_cluster_envs.py."""
 
 from __future__ import annotations

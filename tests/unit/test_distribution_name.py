@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRA = re.compile(r"""(?<![\w.-])([A-Za-z][\w.-]*)\[([a-z0-9_,-]+)\]""")  # name[extra] as pip takes it
-SCANNED = ("accel", "cli", "docs", "examples", "benchmarks", ".ci", "README.md", "CHANGELOG.md")
+SCANNED = ("accel", "docs", "examples", "benchmarks", ".ci", "README.md", "CHANGELOG.md")
 OTHERS = {"ray", "torch", "transformers", "accelerate", "jax", "sentence-transformers", "diffusers", "peft"}
 
 

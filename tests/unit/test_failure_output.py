@@ -4,7 +4,7 @@
 * An accel one-line error that reaches the top of a plain `python` script is that line alone (a refusal raised here,
   as accel/runtime/cluster_env.py raises them); ACCEL_FULL_TRACEBACKS=1 shows the traceback.
 * In a worker of `accel launch` an uncaught exception is not printed: it goes to torchrun's error file, which the
-  launcher reads (cli/output.py) and prints once after its summary line (cli/failure_report.py, cli/hang_report.py).
+  launcher reads (accel/cli/output.py) and prints once after its summary line (accel/cli/failure_report.py, accel/cli/hang_report.py).
 * torchrun's log lines that repeat accel's own are left out.
 The launches themselves: tests/multiproc/test_launch_failure_output.py, test_exit_codes.py (Ctrl-C), test_quiet_output.py.
 """

@@ -200,7 +200,7 @@ def test_a_wrong_value_of_any_key_is_one_line(place, data):
 
 def _section_keys() -> list[tuple[str, str]]:
     """(section, key) of Accelerate's config-file sections that accel reads: the keys its launch flags of the same names
-    map onto (cli/accelerate_flags.py), the dynamo keys and fp8's backend."""
+    map onto (accel/cli/accelerate_flags.py), the dynamo keys and fp8's backend."""
     from accel.cli.accelerate_flags import ACCEPTED
     from accel.config.accelerate_import import DYNAMO_KEYS
 

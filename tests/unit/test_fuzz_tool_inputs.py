@@ -3,7 +3,7 @@ every flag of their parsers, model configs, safetensors headers and indexes, cal
 csv, TensorBoard event files) and damaged checkpoints. The rule (docs/troubleshooting.md): each input either
 works (exit 0) or is refused in ONE line on stderr with exit code 2 and no traceback.
 
-The flags are read from `accel`'s parsers (cli/main.py `build_parser`), so a new one is fuzzed without a change here.
+The flags are read from `accel`'s parsers (accel/cli/main.py `build_parser`), so a new one is fuzzed without a change here.
 Models are tiny transformers configs built on the meta device; examples are derandomized (the same ones on every run)
 and few enough that the file runs in well under a minute. Also here: a tensor-parallel plan with a bad style is
 refused before launch, and torchrun's argument errors are one line with exit code 2.

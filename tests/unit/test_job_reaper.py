@@ -1,4 +1,4 @@
-"""cli/job_reaper.py without a launch: ending process groups, and the sentinel that ends them when its launcher dies
+"""accel/cli/job_reaper.py without a launch: ending process groups, and the sentinel that ends them when its launcher dies
 (the end-to-end checks are tests/multiproc/test_job_lifetime.py)."""
 
 from __future__ import annotations

@@ -39,8 +39,6 @@ ACCELERATE_TOP_LEVEL = {"accelerator", "big_modeling", "checkpointing", "data_lo
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
-    if parts[0] == "cli":
-        parts = ["accel", *parts]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -48,11 +46,8 @@ def _module_name(path: Path) -> str:
 
 def _sources() -> dict[str, Path]:
     found = {}
-    for base in ("accel", "cli"):
-        for path in sorted((ROOT / base).rglob("*.py")):
-            if base == "accel" and path.relative_to(ROOT / "accel").parts[0] == "cli":
-                continue  # a local link to cli/ (the installed package maps accel.cli there)
-            found[_module_name(path)] = path
+    for path in sorted((ROOT / "accel").rglob("*.py")):
+        found[_module_name(path)] = path
     return found
 
 

@@ -1,4 +1,4 @@
-"""Accelerate's `accelerate.commands.config` over `accel config` (cli/config.py): `get_config_parser`, `main`, and
+"""Accelerate's `accelerate.commands.config` over `accel config` (accel/cli/config.py): `get_config_parser`, `main`, and
 the config-file names of `config_args`."""
 
 from __future__ import annotations

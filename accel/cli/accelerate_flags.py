@@ -34,7 +34,7 @@ from accel.config import ConfigError
 from accel.config.errors import shown
 from accel.config.schema import C_INT_MAX, INT64_MAX, MAX_SECONDS
 
-FLAGS_SOURCE = "accel launch flags"  # cli/launch.py's name for the flags' layer (errors are rewritten to the flag)
+FLAGS_SOURCE = "accel launch flags"  # launch.py's name for the flags' layer (errors are rewritten to the flag)
 
 
 class _BadValue(Exception):

@@ -14,7 +14,7 @@
 * One process with `--log_dir` runs under torchrun's agent too (it is the agent that writes the files).
 * Warnings every rank repeats are printed by rank 0 only: see accel/core/rank_warnings.py (done in the workers).
 * A worker's uncaught exception is not printed by the worker: it goes to torchrun's error file
-  (accel/core/uncaught.py), and the launcher prints it once, after its summary line (cli/failure_report.py): the
+  (accel/core/uncaught.py), and the launcher prints it once, after its summary line (failure_report.py): the
   traceback as `[rank<R>]: ` lines (torch's own prefix), an accel one-line error as `accel: error: <message>`. With
   `--log_dir` it is also appended to that rank's `rank<R>.stderr.log`. torchrun's log lines that only repeat what
   accel's lines say (a worker failed, the workers are being stopped, a signal arrived) are left out.
@@ -235,7 +235,7 @@ def run_agent(torchrun_argv: list[str]) -> None:
         with quiet_torchrun_lines():
             elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:  # its failures read their error files already
-        # printed by the launcher after its summary line (cli/launch.py)
+        # printed by the launcher after its summary line (launch.py)
         exc.accel_hidden_lines = specs.hidden_lines(exc.failures)  # type: ignore[attr-defined]
         keep_in_logs(exc.failures)
         raise

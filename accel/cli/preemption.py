@@ -10,7 +10,7 @@ torchrun's `--signals_to_handle`, its list of the signals it turns into "stop th
    SignalException torchrun's handler raises: SIGTERM to the workers, SIGKILL 30 s later); exit code 128 + the
    signal's number, as before. First the `stop` mark goes into the folder: a worker that takes SIGTERM itself (it
    may have got the same signal from the scheduler, see accel/runtime/preemption.py) then stops at once. The mark is
-   also left around every other stop of the workers by torchrun's agent (cli/job_reaper.py).
+   also left around every other stop of the workers by torchrun's agent (job_reaper.py).
 3. The workers all exit 0 and at least one saw the request (this launcher's, or another machine's, which reached
    them through the all_reduce): the exit code is `EXIT_CODE` (75); with `requeue` under SLURM, machine_rank 0
    first runs `scontrol requeue <job id>`.
@@ -99,7 +99,7 @@ class PreemptionWatch:
 
     def stop_mark(self, stopping: bool) -> None:
         """Leave (`stopping`) or take away the `stop` mark: while it is there, a worker takes a signal as "stop now",
-        not as a preemption request (torchrun stops workers with SIGTERM). cli/job_reaper.py calls it around each
+        not as a preemption request (torchrun stops workers with SIGTERM). job_reaper.py calls it around each
         stop of the worker group."""
         if not self.enabled:
             return

@@ -1,7 +1,7 @@
 """Nothing a job started outlives it: every worker's process group is ended with the job, or with its launcher.
 
 Every worker leads its own session, hence its own process group (torchrun starts fresh workers with
-`Popen(start_new_session=True)`, a forked worker calls `setsid()`, cli/forked_workers.py), and what it starts stays
+`Popen(start_new_session=True)`, a forked worker calls `setsid()`, forked_workers.py), and what it starts stays
 in that group unless it leaves it itself: a `subprocess.Popen`, DataLoader workers, multiprocessing's children, the
 checkpoint process of `--checkpoint_async process`. torchrun signals only the groups of workers still running when it
 stops them; a worker that exited (0, or a failure) leaves its children running, and a SIGKILLed agent leaves

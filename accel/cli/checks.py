@@ -362,7 +362,7 @@ def layout(cfg: AccelConfig) -> str:
 
 def start_line(cfg: AccelConfig, sources: dict[str, tuple[str, object]], note: str = "") -> str:
     """`accel launch`'s first line: what runs (`layout`), where each value not accel's own default came from, then
-    `note` (cli/shim.py's when the launcher turned the shim on by itself)."""
+    `note` (shim.py's when the launcher turned the shim on by itself)."""
     where = set_by(cfg, sources)
     return f"accel launch: {layout(cfg)}" + (f" (set by {where})" if where else "") + (f"; {note}" if note else "")
 

@@ -18,7 +18,7 @@ merely stopped, so torchrun names the healthy rank as the first failure. `HangWa
    elsewhere), and returns the lines printed last, the rank that left or else the stuck one named as the first
    failure. When the rank that left failed (a non-zero exit code, a signal), the others only waited for it: the
    headline names it and its exception, its traceback follows once, then one line for each other rank (where it
-   waited, no stack; ACCEL_FULL_TRACEBACKS=1 shows the stacks), as cli/failure_report.py does without a collective.
+   waited, no stack; ACCEL_FULL_TRACEBACKS=1 shows the stacks), as failure_report.py does without a collective.
 
 Each machine's launcher reports its own ranks only.
 """
@@ -196,8 +196,8 @@ class HangWatch:
     # -- after the agent returned -----------------------------------------------------------------------------
     def report(self, failures: dict, errors: dict[int, HeldError] | None = None) -> HangReport | None:
         """The report for torchrun's failures (global rank -> ProcessFailure; `errors`: the exceptions the workers
-        left in their error files, cli/output.py), or None when no collective timed out and no rank left while
-        others waited in one (cli/failure_report.py then says what failed)."""
+        left in their error files, output.py), or None when no collective timed out and no rank left while
+        others waited in one (failure_report.py then says what failed)."""
         folder = self.latest or self.folder or self._last_attempt()
         if folder != self.folder:  # the stacks were asked for in an earlier attempt (or never)
             self.stopped = {}

@@ -10,7 +10,7 @@
 
 The first failure is the first rank to end on its own (a rank accel launch stopped never is): in the order forked
 workers ended (known exactly), else when each reported its exception, else when torchrun saw it end. When a rank
-failed while others waited for it in a collective, cli/hang_report.py says it in the same order; a restart
+failed while others waited for it in a collective, hang_report.py says it in the same order; a restart
 (--max_restarts) is announced the same way, in one line, followed by the failed rank's traceback.
 """
 

@@ -5,7 +5,7 @@
 
 Everything after the script (or module) name goes to it untouched, even arguments that look like our flags.
 Before anything starts, the script (or module) must exist and the config must pass `check_launchable`, the
-checks `accel env` and `accel config` run too (see cli/checks.py); `--dry_run` stops there and prints the
+checks `accel env` and `accel config` run too (see checks.py); `--dry_run` stops there and prints the
 resolved config (each value with where it came from) and the exact command.
 
 How it runs:
@@ -19,7 +19,7 @@ How it runs:
   one process). For several processes the launcher fills in the derived `distributed_type` (MULTI_GPU
   or MULTI_CPU) before handing the config over.
 * `accelerate launch`'s flags are taken too (--use_fsdp, --fsdp_*, --use_deepspeed, --offload_*_device, ...): see
-  cli/accelerate_flags.py. Those that describe training join the flags' layer as a config file's sections would.
+  accelerate_flags.py. Those that describe training join the flags' layer as a config file's sections would.
 * torch is imported only when needed: to count GPUs (not with --cpu) and to run torchrun's agent.
 * One process in total: the script replaces the launcher (`os.execvpe` of the current Python); no torchrun,
   no rendezvous, and the script's exit code is the launcher's.
@@ -40,7 +40,7 @@ How it runs:
     on the others): machine_rank 0 must be the machine at main_process_ip.
 
 When a worker fails, the agent stops the others; the launcher prints its summary line first (the rank that failed first
-and its exception), that rank's traceback once, then one line per other failed rank (cli/failure_report.py), and exits
+and its exception), that rank's traceback once, then one line per other failed rank (failure_report.py), and exits
 with the failed worker's exit code (128 + N for a worker killed by signal N).
 """
 
@@ -220,8 +220,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def flag_overrides(args: argparse.Namespace) -> dict:
     """The override layer (raw, not yet validated) made of the flags the user actually gave, then the values of a
-    cluster's environment that neither they nor the config file set (`srun`'s beat the file: cli/multinode.py;
-    a Kubernetes pod's do not: cli/kubeflow.py)."""
+    cluster's environment that neither they nor the config file set (`srun`'s beat the file: multinode.py;
+    a Kubernetes pod's do not: kubeflow.py)."""
     return flags_and_pod(args)[0]
 
 
@@ -410,7 +410,7 @@ def run_command(args: argparse.Namespace) -> int:
     preemptible = os.environ.get(multinode.HEAD_WATCH_ENV) != "1"  # a --hostfile head stops its launchers by SIGTERM
     multinode.stop_when_head_disconnects()  # a launcher started over ssh by --hostfile
     script_argv = _script_argv(args)
-    if auto_shim.auto_shim(args):  # an Accelerate script, no Accelerate installed: through the shim (cli/shim.py)
+    if auto_shim.auto_shim(args):  # an Accelerate script, no Accelerate installed: through the shim (shim.py)
         args.accelerate_shim = args.shim_by_itself = True
     if args.hostfile:
         return multinode.run_on_hosts(args, script_argv, lambda more: checks.resolve_checked(
@@ -420,7 +420,7 @@ def run_command(args: argparse.Namespace) -> int:
     # printed once every check below passed (a refusal is the one line)
     cfg = checks.resolve_checked(args.config_file, flag_overrides(args), "accel launch", FLAGS_SOURCE,
                                  hold_warnings=True)
-    if ft_launch.runs_groups(cfg):  # torchft's lighthouse and one launcher per replica group (cli/fault_tolerance.py)
+    if ft_launch.runs_groups(cfg):  # torchft's lighthouse and one launcher per replica group (fault_tolerance.py)
         checks.release_warnings()
         if not args.dry_run:
             _say_start(args, cfg)
@@ -571,7 +571,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
     os.environ.update(worker_env(cfg))
     watch = HangWatch(cfg.collective_timeout, cfg.num_machines)  # a collective that times out: its stuck rank named
     os.environ.update(watch.worker_env())
-    # SIGTERM (and preemption_signal) ask the workers to save and stop: cli/preemption.py
+    # SIGTERM (and preemption_signal) ask the workers to save and stop: preemption.py
     stop = preempt.PreemptionWatch(watch.run_dir, cfg.preemption_signal, cfg.grace_period, cfg.requeue,
                                    enabled=preemptible, machine_rank=cfg.machine_rank)
     os.environ.update(stop.worker_env())
@@ -586,7 +586,7 @@ def _run_torchrun(cfg: AccelConfig, torchrun_argv: list[str], preemptible: bool 
               rendezvous_wait.around_agent(cfg, lambda: watch.cleanup(keep=False)),
               job_reaper.reaping_workers(stop.stop_mark),  # no worker's process group outlives the job (or us)
               forked_workers.forking_workers() if forking else contextlib.nullcontext()):
-            output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (cli/output.py)
+            output.run_agent(torchrun_argv)  # torchrun's main, with accel's log layout (output.py)
     except ChildFailedError as exc:
         sys.stdout.flush()
         errors = output.held_errors(exc.failures)  # the workers' exceptions, which they left to us to print

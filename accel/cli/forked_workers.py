@@ -9,7 +9,7 @@ The seam is torch's own: torchrun's `SubprocessContext` asks `get_subprocess_han
 `ForkingSubprocessHandler` returns a `ForkedProcess`, which answers as the `subprocess.Popen` it replaces does (pid,
 poll, wait, returncode, send_signal), so the agent, its log files and tees, restarts, accel's hang report and the
 preemption watch work on it unchanged. The forked child then makes itself what `python -u SCRIPT ARGS` would be:
-its own session (it exits at once if its launcher died before that: cli/job_reaper.py ends the sessions it knows),
+its own session (it exits at once if its launcher died before that: job_reaper.py ends the sessions it knows),
 stdout/stderr on the agent's files (unbuffered), the worker's environment, Python's default signal handlers and no
 faulthandler of the agent's, fresh `random`/NumPy seeds, `sys.argv` and `sys.path[0]` of the script, the script run
 as `__main__`, and at the end what the interpreter does at exit (join non-daemon threads, `atexit` handlers, flush).
