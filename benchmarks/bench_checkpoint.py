@@ -248,10 +248,10 @@ def paired_loads(accelerator, path: Path) -> dict:
     """load_state's checksum cost measured within one process, so that noise between processes does not count:
     PAIRED_REPS rounds, each loading `path` with and without checksum verification (in turn first), read in place and
     into fresh tensors: the median seconds of each."""
-    import accel.checkpoint.training_state as training_state
+    import accel.checkpoint.state_load as state_load
     from accel.checkpoint import layout
 
-    real = (getattr(layout, "FileVerification", None), layout._verify_checksums, training_state.STAGING_BYTES)
+    real = (getattr(layout, "FileVerification", None), layout._verify_checksums, state_load.STAGING_BYTES)
     times: dict[str, list[float]] = {}
     try:
         for rnd in range(PAIRED_REPS):
@@ -260,7 +260,7 @@ def paired_loads(accelerator, path: Path) -> dict:
                     if real[0] is not None:
                         layout.FileVerification = real[0] if checks else NoVerification  # type: ignore[misc]
                     layout._verify_checksums = real[1] if checks else (lambda *args, **kwargs: None)
-                    training_state.STAGING_BYTES = 2**40 if fresh else real[2]
+                    state_load.STAGING_BYTES = 2**40 if fresh else real[2]
                     gc.collect()
                     t0 = time.perf_counter()
                     accelerator.load_state(str(path))
@@ -269,7 +269,7 @@ def paired_loads(accelerator, path: Path) -> dict:
     finally:
         if real[0] is not None:
             layout.FileVerification = real[0]  # type: ignore[misc]
-        layout._verify_checksums, training_state.STAGING_BYTES = real[1], real[2]
+        layout._verify_checksums, state_load.STAGING_BYTES = real[1], real[2]
     return {k: median(v) for k, v in times.items()}
 
 
@@ -307,6 +307,7 @@ def worker(op: str, path: Path, size: str) -> None:
     import safetensors.torch  # noqa: F401
 
     import accel.checkpoint.model_io  # noqa: F401
+    import accel.checkpoint.state_load
     import accel.checkpoint.training_state  # noqa: F401
 
     start = time.perf_counter()
@@ -335,7 +336,7 @@ def worker(op: str, path: Path, size: str) -> None:
         without_checksums()
         op = op.removesuffix("_nocrc")
     if op.endswith("_fresh"):  # read into fresh tensors, as every rank's share up to STAGING_BYTES (1 GiB) is
-        accel.checkpoint.training_state.STAGING_BYTES = 2**40
+        accel.checkpoint.state_load.STAGING_BYTES = 2**40
         op = op.removesuffix("_fresh")
     width = SIZES[size][1]
     if op == "accel_save_state_async":  # the loop's own step time, gradients kept (as in a loop): the baseline

@@ -23,16 +23,16 @@ from accel.big_model.hooks import (
     attach_align_device_hook,
     attach_execution_device_hook,
 )
-from accel.big_model.modeling import (
+from accel.big_model.checkpoint_loading import load_checkpoint_in_model
+from accel.big_model.device_map import (
     DEVICE_MAP_STRATEGIES,
-    _all_tensor_names,
+    _checked_device_map,
     _map_key,
     _resolve_device,
-    _checked_device_map,
     get_balanced_memory,
     infer_auto_device_map,
-    load_checkpoint_in_model,
 )
+from accel.big_model.module_tensors import _all_tensor_names
 from accel.big_model.offload import OffloadedWeightsLoader, PrefixedDataset, load_offload_index, offload_state_dict
 
 _logger = logging.getLogger(__name__)

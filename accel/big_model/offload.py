@@ -142,7 +142,7 @@ def load_offloaded_weight(
     """Read one tensor an index entry describes (memory-mapped, then released), in the entry's dtype. The file is
     opened through a descriptor checked to be a regular file (a pipe or device in its place is one CheckpointError
     line, never a hang)."""
-    from accel.checkpoint.model_io import safe_open_checked
+    from accel.checkpoint.weights_files import safe_open_checked
 
     path = _entry_path(weight_info["safetensors_file"], offload_folder)
     if not path.is_file():

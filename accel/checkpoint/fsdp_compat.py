@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from accel.checkpoint.backend_view import CheckpointBackend
 from accel.checkpoint.layout import CheckpointError
 from accel.core.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
@@ -41,7 +42,7 @@ def _input_folder(input_dir: str | os.PathLike, name: str) -> Path:
     return folder if folder.name == name else folder / name
 
 
-def _backend(accelerator: Any, function: str):
+def _backend(accelerator: Any, function: str) -> CheckpointBackend:
     backend = getattr(accelerator, "backend", None)
     if backend is None or not hasattr(backend, "checkpoint_model_state"):
         raise TypeError(f"{function}: argument 'accelerator': expected an accel Accelerator, got "
@@ -112,7 +113,8 @@ def load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index: int
     the load is strict)."""
     from torch.nn.modules.module import _IncompatibleKeys
 
-    from accel.checkpoint.training_state import TrainingObjects, _apply_rng, load_training_state
+    from accel.checkpoint.rng_states import _apply_rng
+    from accel.checkpoint.training_state import TrainingObjects, load_training_state
 
     _check_dcp(use_dcp, "load_fsdp_model")
     backend = _backend(accelerator, "load_fsdp_model")
@@ -140,7 +142,8 @@ def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, o
                         adapter_only: bool = False, use_dcp: bool = True) -> None:
     """Read what `save_fsdp_optimizer` wrote into `optimizer` (whose parameters are `model`'s); every process
     calls it."""
-    from accel.checkpoint.training_state import TrainingObjects, _apply_rng, load_training_state
+    from accel.checkpoint.rng_states import _apply_rng
+    from accel.checkpoint.training_state import TrainingObjects, load_training_state
 
     _check_dcp(use_dcp, "load_fsdp_optimizer")
     backend = _backend(accelerator, "load_fsdp_optimizer")

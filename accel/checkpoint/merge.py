@@ -237,10 +237,10 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
     _check_manifest_shape(folder / MANIFEST, manifest)
     try:  # as load_state checks them: state/ holds only the listed files, whose headers span the manifest's shapes
         # (DCP's reader reads every .safetensors file there, and sizes a tensor from its pieces' offsets)
-        from accel.checkpoint import training_state
+        from accel.checkpoint import state_checks
 
-        checked_specs, checked_aliases = training_state._checked_manifest(folder / MANIFEST, manifest)
-        training_state._check_state_files(folder, manifest, checked_specs, checked_aliases, opened)
+        checked_specs, checked_aliases = state_checks._checked_manifest(folder / MANIFEST, manifest)
+        state_checks._check_state_files(folder, manifest, checked_specs, checked_aliases, opened)
     except CheckpointError as exc:
         raise MergeError(str(exc)) from None
     specs = manifest.get("skeleton", {}).get("models")
@@ -253,7 +253,9 @@ def _accel_models(folder: Path) -> list[dict[str, torch.Tensor]]:
                          "merge cannot put back without the model; write the full weights with "
                          "accelerator.save_model instead")
     try:
-        reader = training_state.state_reader(folder, manifest, opened)
+        from accel.checkpoint.state_load import state_reader
+
+        reader = state_reader(folder, manifest, opened)
     except CheckpointError as exc:
         raise MergeError(f"cannot read the checkpoint: {exc}") from None
     saved = _read_dcp(reader, _models_only_planner())

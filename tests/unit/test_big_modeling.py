@@ -34,7 +34,7 @@ from accel.hooks import (
     remove_hook_from_module,
     remove_hook_from_submodules,
 )
-from accel.big_model import modeling
+from accel.big_model import device_map, modeling
 from accel.utils.modeling import (
     clean_device_map,
     compute_module_sizes,
@@ -314,7 +314,7 @@ def test_no_split_module_classes_respected():
 
 def test_gpu_maps_sequential_and_balanced(monkeypatch):
     """Two GPUs pretended (placement only, nothing runs): sequential fills GPU 0 first, balanced spreads."""
-    monkeypatch.setattr(modeling, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(device_map, "_gpu_count", lambda: 2)
     model = empty_net(8)
     sizes = compute_module_sizes(model)
     budget = {0: sizes[""], 1: sizes[""], "cpu": sizes[""]}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from accel import Accelerator, GradScalerKwargs
-from accel.checkpoint import layout, training_state
+from accel.checkpoint import layout, state_load
 from accel.checkpoint.layout import CheckpointError
 
 UNCHANGED = "nothing was published (a checkpoint already there is unchanged)"
@@ -363,7 +363,7 @@ def test_a_read_failing_midway_is_undone_when_staged(trained, monkeypatch, stage
     folder, objects = trained
     before = snapshot(*objects)
     if not staged:
-        monkeypatch.setattr(training_state, "STAGING_BYTES", 0)
+        monkeypatch.setattr(state_load, "STAGING_BYTES", 0)
 
     def read_half_then_fail(state_dict, **_):
         for tensor in list(state_dict.values())[:2]:
@@ -385,7 +385,7 @@ def test_both_ways_of_reading_restore_the_checkpoint(trained, monkeypatch, stage
     folder, objects = trained
     accelerator, model = objects[0], objects[1]
     if not staged:
-        monkeypatch.setattr(training_state, "STAGING_BYTES", 0)
+        monkeypatch.setattr(state_load, "STAGING_BYTES", 0)
     expected = {}
     from safetensors.torch import load_file
 
@@ -461,9 +461,9 @@ def test_changed_bytes_are_found_by_the_checksums_before_anything_changes(traine
     while the tensors are read into fresh tensors."""
     folder, objects = trained
     if what.endswith("in place"):
-        monkeypatch.setattr(training_state, "STAGING_BYTES", 0)
+        monkeypatch.setattr(state_load, "STAGING_BYTES", 0)
     if what.endswith("while read"):  # as with OVERLAP_MIN_CPUS cores or more
-        monkeypatch.setattr(training_state, "OVERLAP_MIN_CPUS", 1)
+        monkeypatch.setattr(state_load, "OVERLAP_MIN_CPUS", 1)
     before = snapshot(*objects)
     manifest_path = folder / layout.MANIFEST
     if what.startswith("manifest"):
@@ -495,7 +495,7 @@ def test_a_damaged_file_is_the_error_also_when_a_later_check_fails_while_it_is_v
     def mismatch(*_):
         raise CheckpointError("a mismatch found while the checksums are verified")
 
-    monkeypatch.setattr(training_state, "_check_against_objects", mismatch)
+    monkeypatch.setattr(state_load, "_check_against_objects", mismatch)
     with pytest.raises(CheckpointError) as caught:
         objects[0].load_state(str(folder))
     assert str(caught.value).startswith(f"{path}: damaged (its bytes do not match the checksum"), str(caught.value)

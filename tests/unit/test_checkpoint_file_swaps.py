@@ -18,7 +18,7 @@ import torch
 from file_swaps import SWAPS, finishes, replace, swap_after
 
 from accel import Accelerator
-from accel.checkpoint import dcp_reader, layout, model_io, training_state
+from accel.checkpoint import dcp_reader, layout, model_io, model_reader, state_checks, state_load, weights_files
 from accel.checkpoint.layout import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -80,7 +80,7 @@ def test_load_state_after_the_header_check(tmp_path, monkeypatch, kind):
     """The shard swapped once every check passed: DCP's read (torch's reader opened the name again) reads next."""
     accelerator, _model, folder = saved_state(tmp_path)
     shard = state_shard(folder)
-    done = swap_after(monkeypatch, training_state, "_check_state_files", shard, kind)
+    done = swap_after(monkeypatch, state_load, "_check_state_files", shard, kind)
     with pytest.raises(CheckpointError) as caught:
         finishes(lambda: accelerator.load_state(str(folder)), tmp_path)
     assert done
@@ -142,7 +142,7 @@ def plain_index(folder: Path) -> Path:
 def test_load_checkpoint_in_model_index_shard_after_its_check(tmp_path, monkeypatch, kind, checksums):
     folder = save_model(tmp_path / "m", max_shard_size=100) if checksums else plain_index(tmp_path / "m")
     shard = sorted(folder.glob("*.safetensors"))[-1]
-    done = swap_after(monkeypatch, model_io, "_checked_shard_path", shard, kind,
+    done = swap_after(monkeypatch, model_reader, "_checked_shard_path", shard, kind,
                       when=lambda f, entry, *a, **k: entry == shard.name)
     fresh = model()
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
@@ -158,7 +158,7 @@ def test_load_checkpoint_in_model_index_shard_after_its_check(tmp_path, monkeypa
 def test_load_checkpoint_in_model_single_file_after_its_verification(tmp_path, monkeypatch, kind, safe):
     folder = save_model(tmp_path / "m", safe_serialization=safe)
     file = folder / (model_io.SAFE_WEIGHTS_NAME if safe else model_io.WEIGHTS_NAME)
-    done = swap_after(monkeypatch, model_io, "verify_saved_file", file, kind)
+    done = swap_after(monkeypatch, weights_files, "verify_saved_file", file, kind)
     with pytest.raises(CheckpointError) as caught:
         finishes(lambda: model_io.load_checkpoint_in_model(model(), file), tmp_path)
     assert done
@@ -172,7 +172,7 @@ def test_accelerates_load_checkpoint_in_model_with_a_device_map(tmp_path, monkey
 
     folder = save_model(tmp_path / "m", max_shard_size=100)
     shard = sorted(folder.glob("*.safetensors"))[0]
-    swap_after(monkeypatch, model_io, "_checked_shard_path", shard, kind,
+    swap_after(monkeypatch, model_reader, "_checked_shard_path", shard, kind,
                when=lambda f, entry, *a, **k: entry == shard.name)
     with pytest.raises(CheckpointError) as caught:
         finishes(lambda: accel.load_checkpoint_in_model(model(), str(folder), device_map={"": "cpu"}), tmp_path)
@@ -184,7 +184,7 @@ def test_load_state_dict_after_its_verification(tmp_path, monkeypatch, kind):
     from accel.utils import load_state_dict
 
     file = save_model(tmp_path / "m") / model_io.SAFE_WEIGHTS_NAME
-    swap_after(monkeypatch, model_io, "verify_saved_file", file, kind)
+    swap_after(monkeypatch, weights_files, "verify_saved_file", file, kind)
     with pytest.raises(CheckpointError) as caught:
         finishes(lambda: load_state_dict(str(file)), tmp_path)
     one_line(caught.value, file, EXPECTED[kind])
@@ -232,7 +232,7 @@ def one_error_line(code: int, err: str, path: Path, needle: str) -> None:
 def test_merge_an_accel_folder_after_its_checks(tmp_path, monkeypatch, merge_cli, kind):
     _accelerator, _model, folder = saved_state(tmp_path)
     shard = state_shard(folder)
-    swap_after(monkeypatch, training_state, "_check_state_files", shard, kind)
+    swap_after(monkeypatch, state_checks, "_check_state_files", shard, kind)
     code, err = finishes(lambda: merge_cli(folder, tmp_path / "out"), tmp_path)
     one_error_line(code, err, shard, EXPECTED[kind])
     assert not (tmp_path / "out").exists()
@@ -293,7 +293,7 @@ def test_fsdp_compat_loader_reads_through_checked_files(tmp_path, monkeypatch):
     save_fsdp_model(None, accelerator, net, str(tmp_path))
     folder = tmp_path / "pytorch_model_fsdp_0"
     shard = state_shard(folder)
-    swap_after(monkeypatch, training_state, "_check_state_files", shard, "fifo")
+    swap_after(monkeypatch, state_load, "_check_state_files", shard, "fifo")
     with pytest.raises(CheckpointError) as caught:
         finishes(lambda: load_fsdp_model(None, accelerator, net, str(tmp_path)), tmp_path)
     one_line(caught.value, shard, EXPECTED["fifo"])

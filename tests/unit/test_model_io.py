@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from accel.checkpoint import model_io
+from accel.checkpoint import model_writer
 from accel.checkpoint.layout import CheckpointError
 from accel.checkpoint.model_io import (
     get_full_state_dict,
@@ -216,9 +216,9 @@ def test_atomic_write_leaves_no_temp_files_even_on_failure(tmp_path, monkeypatch
 def test_fsync_and_replace_used(tmp_path, monkeypatch):
     synced, replaced = [], []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(model_io.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(model_writer.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
     monkeypatch.setattr(
-        model_io.os, "replace", lambda a, b: (replaced.append((Path(a), Path(b))), real_replace(a, b))[1]
+        model_writer.os, "replace", lambda a, b: (replaced.append((Path(a), Path(b))), real_replace(a, b))[1]
     )
     paths = save_state_dict_sharded(get_full_state_dict(Tiny()), tmp_path / "out", max_shard_size="2KB")
     # each file written to a temporary name, then renamed, in a temporary folder that then became the model's

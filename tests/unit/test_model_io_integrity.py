@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from accel.checkpoint import layout, model_io
+from accel.checkpoint import layout, model_io, model_writer
 from accel.checkpoint.layout import CheckpointError
 from accel.checkpoint.model_io import get_full_state_dict, load_checkpoint_in_model, save_state_dict_sharded
 
@@ -315,7 +315,7 @@ def test_files_written_into_the_old_folder_during_the_swap_are_kept(tmp_path, mo
     out.mkdir()
     (out / "vocab.txt").write_text("old vocab")
     (out / "sub").mkdir()
-    real_swap = model_io.swap_in
+    real_swap = model_writer.swap_in
 
     def swap_in(tmp, target):
         (target / "late.txt").write_text("late")
@@ -326,7 +326,7 @@ def test_files_written_into_the_old_folder_during_the_swap_are_kept(tmp_path, mo
         os.replace(replacement, target / "vocab.txt")
         return real_swap(tmp, target)
 
-    monkeypatch.setattr(model_io, "swap_in", swap_in)
+    monkeypatch.setattr(model_writer, "swap_in", swap_in)
     save_state_dict_sharded(get_full_state_dict(Stack(1.0)), out)
     assert (out / "late.txt").read_text() == "late" and (out / "sub" / "late.txt").read_text() == "late too"
     assert (out / "vocab.txt").read_text() == "new vocab"
@@ -394,7 +394,7 @@ def test_in_place_when_a_file_cannot_be_linked(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(model_io.os, "link", refuse)
+    monkeypatch.setattr(model_writer.os, "link", refuse)
     with pytest.warns(UserWarning, match="cannot be linked"):
         save_state_dict_sharded(get_full_state_dict(Stack(2.0)), out, max_shard_size=SHARD)
     monkeypatch.undo()
@@ -446,7 +446,7 @@ SAVER = textwrap.dedent('''
     from pathlib import Path
     import torch
     from torch import nn
-    from accel.checkpoint import layout, model_io
+    from accel.checkpoint import layout, model_io, model_writer
 
     out, value, shard, kill, repeat = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
     model = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
@@ -460,19 +460,19 @@ SAVER = textwrap.dedent('''
         os.kill(os.getpid(), signal.SIGKILL)
 
     if kill == "shard":  # after the first shard is written
-        real_write = model_io.atomic_write
+        real_write = model_writer.atomic_write
         def atomic_write(directory, name, write):
             path = real_write(directory, name, write)
             die()
-        model_io.atomic_write = atomic_write
+        model_writer.atomic_write = atomic_write
     elif kill in ("swap", "swapped"):  # just before / after the folder is replaced
-        real_swap = model_io.swap_in
+        real_swap = model_writer.swap_in
         def swap_in(tmp, target):
             if kill == "swap":
                 die()
             old = real_swap(tmp, target)
             die()
-        model_io.swap_in = swap_in
+        model_writer.swap_in = swap_in
     elif kill == "in_place":  # the working directory is the folder: files move in one by one; die after two
         os.chdir(out)
         real_replace, moved = os.replace, []
@@ -482,13 +482,13 @@ SAVER = textwrap.dedent('''
                 moved.append(dst)
                 if len(moved) == 2:
                     die()
-        model_io.os.replace = replace
+        model_writer.os.replace = replace
     elif kill.startswith("race"):  # a wider window between linking the old folder's files and the swap
-        real_swap = model_io.swap_in
+        real_swap = model_writer.swap_in
         def swap_in(tmp, target):
             time.sleep(0.01)
             return real_swap(tmp, target)
-        model_io.swap_in = swap_in
+        model_writer.swap_in = swap_in
         if kill == "race_no_exchange":  # and between the two renames
             layout._exchange = lambda a, b: False
             real_replace = os.replace

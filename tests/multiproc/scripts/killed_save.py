@@ -8,7 +8,7 @@ import sys
 import torch
 
 from accel import Accelerator, ProjectConfiguration
-from accel.checkpoint import training_state
+from accel.checkpoint import layout, rng_states
 
 project_dir, kill_point = sys.argv[1], sys.argv[2]
 accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True))
@@ -28,8 +28,8 @@ def die(*args, **kwargs):
 
 
 if kill_point == "rng":  # the tensors of checkpoint_1 are written, the RNG files and manifest are not
-    training_state._save_rng = die
+    rng_states._save_rng = die
 else:  # everything is written; killed while the manifest is being written
-    training_state.layout.write_manifest = die
+    layout.write_manifest = die
 accelerator.save_state()
 print("not reached")

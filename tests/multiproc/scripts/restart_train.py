@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, ProjectConfiguration
-from accel.checkpoint import training_state
+from accel.checkpoint import rng_states
 from accel.utils import set_seed
 
 from resume_train import Progress  # registered for checkpointing: optimizer steps done, so a restart knows where it is
@@ -32,7 +32,7 @@ def die_inside_the_next_save() -> None:
     def die(*_args, **_kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    training_state.rng_snapshot = die  # called once this rank joined the save, before the manifest
+    rng_states.rng_snapshot = die  # called once this rank joined the save, before the manifest
 
 
 def main() -> None:
