@@ -81,6 +81,7 @@ def check_flags(args) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     from accel.config.schema import PP_SCHEDULES
+    from accel.planning.devices import DEVICES
 
     parser = subparsers.add_parser(
         "plan", help="pick a parallel layout for a model on your hardware (estimates, no memory used)",
@@ -111,8 +112,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(parser, "inter_bandwidth", default=None,
              help="GB/s per device between machines (default 25)")
     add_flag(parser, "flops", default=None, help="peak TFLOP/s per device (default 312, A100 bf16)")
-    add_flag(parser, "mixed_precision", default="bf16", choices=("no", "fp16", "bf16"),
-             help="the run's mixed precision (default %(default)s)")
+    add_flag(parser, "mixed_precision", default="bf16", choices=("no", "fp16", "bf16", "fp8"),
+             help="the run's mixed precision (default %(default)s; fp8: the blocks' linears in float8, torchao)")
+    add_flag(parser, "device", default=None, choices=tuple(DEVICES),
+             help="a GPU's datasheet figures (peak bf16/fp8 FLOP/s, memory, bandwidths); the flags above override "
+                  "each")
+    add_flag(parser, "compile", action="store_true",
+             help="the blocks run under torch.compile (fused memory-bound work); written with --write")
     add_flag(parser, "detect", action="store_true", help="read this machine's GPUs (else CPU cores and RAM)")
     add_flag(parser, "top", default=None,
              help="layouts to print (default 10); with --measure: layouts to run (default 3)")
@@ -136,9 +142,10 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def hardware(args):
     """The hardware a plan is for, from the flags `check_flags` parsed (memory sizes in bytes)."""
+    from accel.planning.devices import device
     from accel.planning.plan import GB, Hardware, detect
 
-    hw = detect() if args.detect else Hardware()
+    hw = detect() if args.detect else device(args.device).hardware(1) if args.device else Hardware()
     if args.num_processes is not None:
         hw.num_processes = args.num_processes
     hw.num_machines = args.num_machines
@@ -161,6 +168,8 @@ def apply_calibration(args, hw) -> str | None:
     from accel.planning.plan import apply_calibration as apply
     from accel.planning.measure import load_calibration
 
+    if args.device and args.calibration is None:
+        return None  # a preset describes other hardware than this machine's stored figures
     cal = load_calibration(args.calibration)
     if cal is None:
         return None
@@ -170,7 +179,7 @@ def apply_calibration(args, hw) -> str | None:
 
 def run(args) -> int:
     from accel.planning.estimate import EstimateError
-    from accel.planning.plan import plan, write_config
+    from accel.planning.plan import Recipe, plan, write_config
 
     start = time.perf_counter()
     try:
@@ -188,7 +197,8 @@ def run(args) -> int:
         spec, module = model(args.model)
         result = plan(spec, hw, args.batch_size, args.seq_len, args.mixed_precision, module=module,
                       measure_activations=args.activations == "measured", sp_size=args.sp_size,
-                      cp_size=args.cp_size, ep_size=args.ep_size, pp_schedule=args.pp_schedule)
+                      cp_size=args.cp_size, ep_size=args.ep_size, pp_schedule=args.pp_schedule,
+                      recipe=Recipe(compile=args.compile))
         if calibration:
             result["calibration"] = calibration
         if args.measure is not None:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,26 @@ STOP_ENV = "ACCEL_STOP_AFTER_STEPS"
 MEASURE_BATCH_ENV = "ACCEL_MEASURE_BATCH_SIZE"  # read by accel.data.loading.prepare_data_loader
 FILE_ENV = "ACCEL_MEASURE_FILE"
 CAL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How long `calibrate` measures the collectives: the sweep's sizes, the in-step runs (each: compute segments x
+    3 collective sizes, `pairs` paired trials of `calls` calls), the backend-cost trials. FULL is the default;
+    QUICK (a few seconds) checks the same figures with more noise (tests set it: `measure.EFFORT = QUICK`)."""
+
+    sweep: tuple = (2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24)
+    in_situ_runs: int = 3
+    segments: tuple = (0.002, 0.008)
+    pairs: int = 9
+    calls: int = 8
+    backend_trials: int = 7
+
+
+FULL = Effort()
+QUICK = Effort(sweep=(2 ** 14, 2 ** 18, 2 ** 22), in_situ_runs=1, segments=(0.001, 0.004), pairs=3, calls=4,
+               backend_trials=3)
+EFFORT = FULL  # what `calibrate` runs
 
 
 # -- inside the workers -------------------------------------------------------------------------------------
@@ -237,7 +258,8 @@ def half_rate_size(device: str, dtype, peak: float, sizes=(64, 256), width: bool
     return statistics.median(fits)
 
 
-def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], queue) -> None:
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], queue,
+                      effort: Effort = FULL) -> None:
     import torch
     import torch.distributed as dist
 
@@ -256,8 +278,8 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
                  "reduce_scatter": functools.partial(scatter, shard, full)}
         for name, call in calls.items():
             times[name].append((size, _median_call(call, backend, device)))
-    situ = _median_fields([_in_situ(backend, device, times) for _ in range(3)])  # noisy: 3 runs
-    situ.update(_backend_call_costs(backend, device, times))
+    situ = _median_fields([_in_situ(backend, device, times, effort) for _ in range(effort.in_situ_runs)])  # noisy
+    situ.update(_backend_call_costs(backend, device, times, trials=effort.backend_trials))
     fits = {name: _affine(points) for name, points in times.items()}  # seconds = fixed + size * per_byte
     best: dict[str, Any] = {name: ((2 if name == "all_reduce" else 1) * (world - 1) / world) / max(per_byte, 1e-15)
             for name, (_, per_byte) in fits.items()}  # ring bus bandwidth
@@ -306,11 +328,12 @@ def _compute_chain(device: str, seconds: float):
     return run
 
 
-def _in_situ(backend: str, device: str, iso: dict) -> dict:
+def _in_situ(backend: str, device: str, iso: dict, effort: Effort = FULL) -> dict:
     """What a blocking collective costs inside a training step, beyond the isolated time `iso` measured: ranks
     that compute between collectives arrive at different times and wait for each other (on a CPU the OS
-    scheduler and gloo's threads make that large; a GPU's kernels run alike). Segments of compute (2 and 8 ms)
-    each followed by an all_reduce (16 KiB, 1 MiB, 4 MiB: latency- to bandwidth-bound), against the compute alone
+    scheduler and gloo's threads make that large; a GPU's kernels run alike). Segments of compute
+    (`effort.segments`: 2 and 8 ms) each followed by an all_reduce (16 KiB, 1 MiB, 4 MiB: latency- to
+    bandwidth-bound), against the compute alone
     in paired trials (medians: the typical step); the extra per call is fitted as `sync_fixed` + `sync_slowdown` x
     the time of the sweep's call (`iso`, what accel.planning.plan interpolates). Also `overlap`: the share
     of an asynchronous all_reduce of about the same duration that hides behind matmuls (DDP's and FSDP2's
@@ -320,8 +343,8 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
-    rows, calls = [], 8
-    for seg in (0.002, 0.008):
+    rows, calls = [], effort.calls
+    for seg in effort.segments:
         chain = _compute_chain(device, seg)
         for size in (2 ** 14, 2 ** 20, 2 ** 22):
             x = torch.ones(size // 4, device=device)
@@ -338,7 +361,8 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
                 sync()
             alone(), interleaved()  # warm-up
             # paired trials, the median of their differences: the machine's drift hits both halves of a pair
-            pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)] for _ in range(9)]
+            pairs = [[_synced_times(f, 1, warmup=False)[0] for f in (alone, interleaved)]
+                     for _ in range(effort.pairs)]
             extra = statistics.median(b - a for a, b in pairs) / calls
             # against the sweep accel.planning.plan reads
             rows.append((1.0, _sweep_time(iso["all_reduce"], size), extra))
@@ -360,7 +384,8 @@ def _in_situ(backend: str, device: str, iso: dict) -> dict:
             "overlap": max(0.0, min(1.0, hidden / max(min(t_comm, t_compute), 1e-9)))}
 
 
-def _backend_call_costs(backend: str, device: str, iso: dict, width: int = 256, blocks: int = 4) -> dict:
+def _backend_call_costs(backend: str, device: str, iso: dict, width: int = 256, blocks: int = 4,
+                        trials: int = 7) -> dict:
     """Seconds torch's own backends add per collective beyond the sweep's time for it, on a small block stack
     (Linear(w, 2.7w) - GELU - Linear(2.7w, w), a [512, w] batch) against the same stack on one rank alone:
     `fsdp_call`: fully_shard per block, not resharded after forward (one all-gather and one reduce-scatter per
@@ -387,7 +412,7 @@ def _backend_call_costs(backend: str, device: str, iso: dict, width: int = 256, 
         def step():
             model(x).square().mean().backward()
             sync()
-        return _synced_median(step, backend, device, trials=7)
+        return _synced_median(step, backend, device, trials=trials)
 
     alone = step_time(copy.deepcopy(stack))
     sharded = copy.deepcopy(stack)
@@ -471,12 +496,12 @@ def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def allreduce_bandwidth(backend: str,
-                        sizes=(2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24)) -> tuple[dict, float]:
+def allreduce_bandwidth(backend: str, sizes=None, effort: Effort | None = None) -> tuple[dict, float]:
     """({collective: bytes/s} of a 2-process sweep of all_reduce, all_gather_into_tensor and
     reduce_scatter_tensor over `sizes` (16 KiB-16 MiB: TP activations to gradient buckets), seconds per ring hop
     of an all_reduce): a straight line through each collective's times, so the bandwidth is its slope and the
-    latency its fixed cost per call (on gloo about 2 ms per MB-sized call, far above a 4-byte message's)."""
+    latency its fixed cost per call (on gloo about 2 ms per MB-sized call, far above a 4-byte message's).
+    `effort`: how long (EFFORT when None; `sizes` replaces its sweep)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -486,7 +511,9 @@ def allreduce_bandwidth(backend: str,
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_allreduce_worker, args=(2, port, backend, list(sizes), queue), nprocs=2, join=True,
+    effort = effort or EFFORT
+    mp.start_processes(_allreduce_worker, args=(2, port, backend, list(sizes or effort.sweep), queue, effort),
+                       nprocs=2, join=True,
                        start_method="spawn")
     return queue.get()
 

@@ -1,4 +1,4 @@
-"""A device's peak FLOP/s, the denominator of the throughput monitor's MFU (accel/planning/throughput.py).
+"""A device's peak FLOP/s, the denominator of the throughput monitor's MFU (accel/runtime/throughput.py).
 
 GPUs: the vendor's datasheet figure for dense matrix math (no 2:4 sparsity: datasheets print the sparse figure, twice
 the dense one, with an asterisk), per precision: `bf16` (fp16 is the same rate on every GPU listed), `fp8`, `tf32`
