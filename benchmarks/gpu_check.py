@@ -32,6 +32,9 @@ before the fix; its fixed path is the section after it):
   the collective (the watchdog kills a NCCL job without a Python exception).
 
 Exit code 1 if any section FAILed.
+
+`--versus` runs benchmarks/versus.py instead (its flags follow): accel against torchtitan 0.3.0 and Accelerate
+1.15.0 on the same Llama, the same data and settings, one table of tokens/s, MFU and peak memory (its docstring).
 """
 
 from __future__ import annotations
@@ -375,7 +378,7 @@ dist.destroy_process_group()
 OFFLOAD_CLIP = ONE_RANK + """
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from accel.backends.base import clip_grads_with_norm, total_norm
+from accel.parallel.gradients import clip_grads_with_norm, total_norm
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 reference = [p.detach().clone() for p in model.parameters()]
@@ -540,7 +543,14 @@ def run_section(name: str, cpu: bool, timeout: float) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--versus" in argv:  # the other flags go to benchmarks/versus.py
+        from versus import main as versus_main
+
+        return versus_main([a for a in argv if a != "--versus"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versus", action="store_true", help="run benchmarks/versus.py instead: accel against "
+                        "torchtitan and Accelerate on the same model (its flags follow: --cpu, --configs, --json, ...)")
     parser.add_argument("--cpu", action="store_true", help="small sizes on the CPU; CUDA-only sections SKIP")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per section")
