@@ -32,20 +32,8 @@ def _default(value: object) -> str:
     return f"`{value}`"
 
 
-def _launch_flags() -> dict[str, str]:
-    """dest -> the `accel launch` flag that sets it (the first long option of the visible action)."""
-    from accel.cli.main import _subparsers, build_parser
-
-    launch = _subparsers(build_parser())["launch"]
-    flags = {}
-    for action in launch._actions:
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        if longs and action.help != argparse.SUPPRESS and action.dest not in flags:
-            flags[action.dest] = longs[0]
-    return flags
-
-
-def _rows(cls: type, prefix: str, flags: dict[str, str]) -> list[str]:
+def _rows(cls: type, prefix: str) -> list[str]:
+    from accel.cli.config_flags import KEY_FLAGS
     from accel.config.schema import allowed_values
 
     rows = []
@@ -54,8 +42,8 @@ def _rows(cls: type, prefix: str, flags: dict[str, str]) -> list[str]:
         if "kind" not in meta:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        flag = flags.get(f.name) if not prefix or prefix == "parallelism." else None
-        rows.append(f"| `{prefix}{f.name}`{f'<br>`{flag}`' if flag else ''} | {_cell(allowed_values(meta))} | "
+        flag = KEY_FLAGS.get(f"{prefix}{f.name}")
+        rows.append(f"| `{prefix}{f.name}`{f'<br>`--{flag}`' if flag else ''} | {_cell(allowed_values(meta))} | "
                     f"{_default(default)} | {_cell(meta['help'])} |")
     return rows
 
@@ -63,16 +51,16 @@ def _rows(cls: type, prefix: str, flags: dict[str, str]) -> list[str]:
 def config_reference() -> str:
     """Every field of AccelConfig with a spec, then each section (a field holding a dataclass of specs, such as
     `parallelism:`), in the schema's order."""
+    from accel.cli.config_flags import NO_FLAG
     from accel.config.schema import AccelConfig
 
-    flags = _launch_flags()
     table = ["| key, `accel launch` flag | allowed | default | meaning |", "|---|---|---|---|"]
     lines = [HEADER.format(source="accel/config/schema.py"), "", "# Config keys", "",
              "Every key of a config file (what `accel config` writes, `--config_file` reads), with what it allows, its "
              "default and the `accel launch` flag that sets it. Keys of the `parallelism:` section are also "
              "`accel.ParallelismConfig(...)` arguments. How the layers combine (defaults, the file, flags, "
              "`Accelerator(...)`) and Accelerate's and DeepSpeed's files: [Configuration](configuration.md).", "",
-             "## Top level", "", *table, *_rows(AccelConfig, "", flags), ""]
+             "## Top level", "", *table, *_rows(AccelConfig, ""), ""]
     for f in dataclasses.fields(AccelConfig):
         if "kind" in f.metadata or f.default_factory is dataclasses.MISSING:
             continue
@@ -81,7 +69,11 @@ def config_reference() -> str:
             continue
         doc = (type(section).__doc__ or "").strip().split("\n\n")[0]
         lines += [f"## `{f.name}:`", "", " ".join(doc.split()), "", *table,
-                  *_rows(type(section), f"{f.name}.", flags), ""]
+                  *_rows(type(section), f"{f.name}."), ""]
+    lines += ["## Keys without an `accel launch` flag", "",
+              "Each key above has the flag named under it, generated from the same declaration as its row "
+              "(accel/cli/config_flags.py), except these:", "", "| key | why |", "|---|---|",
+              *(f"| `{key}` | {_cell(why)} |" for key, why in NO_FLAG.items()), ""]
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accel.cli import config_flags
+from accel.cli.config_flags import field_spec
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 
 from accel.config import (
@@ -46,7 +48,6 @@ from accel.config import (
 )
 from accel.backends.launchable import check_launchable
 from accel.config.errors import shown
-from accel.config.schema import SECTIONS, TOP_FIELDS
 
 ANSWERS_SOURCE = "accel config answers"
 REQUIRED = object()  # a question without a default
@@ -76,7 +77,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     add_flag(default, "config_file", dest="default_config_file", metavar="PATH", default=None,
              help="where to save (same default as `accel config`)")
-    add_flag(default, "mixed_precision", metavar="{no,fp16,bf16,fp8}", default=None)
+    config_flags.add(default, "mixed_precision")
     add_flag(default, "force", action="store_true", help="overwrite an existing file")
     default.set_defaults(func=run_default)
     return parser
@@ -111,6 +112,8 @@ class Question:
     choices: tuple = ()
     default_label: str | None = None           # shown instead of the default value (e.g. for None)
     saved: bool = True                         # False: an answer that only decides later questions (no config key)
+    lo: float | None = None                    # the key's bounds (its spec's), checked with the config's rules
+    hi: float | None = None
 
 
 def _get(cfg: AccelConfig, key: str) -> Any:
@@ -131,8 +134,7 @@ def _multi_machine(answers: dict) -> bool:
 def schema_choices(key: str) -> tuple[str, ...]:
     """The values the config schema declares for `key` (dotted for a section's field): what a choice question offers,
     and what the error for any other answer lists (accel.config.schema's `allowed_values`), so the two agree."""
-    section, _, name = key.rpartition(".")
-    return tuple((SECTIONS[section] if section else TOP_FIELDS)[name]["choices"])
+    return tuple(field_spec(key)["choices"])
 
 
 # "Sequence length parallelism" answers: which degree question follows (sp_size, cp_size; none: neither). The
@@ -158,56 +160,50 @@ def _degree_default(key: str) -> Callable[[dict, AccelConfig], Any]:
     return lambda answers, defaults: max(_get(defaults, key), 2)
 
 
+def asked(key: str, default: Callable[[dict, AccelConfig], Any] | None = None,
+          applies: Callable[[dict], bool] = lambda answers: True, default_label: str | None = None) -> Question:
+    """The question of config key `key`: its prompt (the spec's `ask`), kind, choices and bounds come from the key's
+    spec (the flag and the reference row come from the same one); `default` is the packaged default's value unless
+    given."""
+    meta = field_spec(key)
+    if not meta["ask"]:
+        raise ValueError(f"config key {key!r} has no question (its spec has no `ask`)")
+    kind = ("bool" if meta["kind"] is bool else "choice" if meta["choices"] else "int" if meta["kind"] is int
+            else "str")
+    return Question(key, meta["ask"], kind, default or _from_defaults(key), applies, choices=tuple(meta["choices"]),
+                    default_label=default_label, lo=meta["lo"], hi=meta["hi"])
+
+
 QUESTIONS: list[Question] = [
-    Question("num_machines", "How many machines will you use (1 for this machine only)?", "int",
-             _from_defaults("num_machines")),
-    Question("machine_rank", "What is the rank of this machine (0 for the main machine)?", "int",
-             _from_defaults("machine_rank"), _multi_machine),
-    Question("main_process_ip", "What is the IP address of the main machine (machine_rank 0)?", "str",
-             lambda answers, defaults: defaults.main_process_ip or REQUIRED, _multi_machine),
-    Question("main_process_port", "Which port should the main machine use for the rendezvous?", "int",
-             lambda answers, defaults: defaults.main_process_port or DEFAULT_MULTI_MACHINE_PORT, _multi_machine),
-    Question("rdzv_backend", "Which rendezvous backend (static: machine_rank is the node rank; c10d)?", "choice",
-             _from_defaults("rdzv_backend"), _multi_machine, choices=schema_choices("rdzv_backend")),
-    Question("use_cpu", "Run on the CPU only, even if GPUs are available?", "bool", _from_defaults("use_cpu")),
-    Question("num_processes", "How many processes in total, over all machines?", "int",
-             lambda answers, defaults: max(defaults.num_processes, answers.get("num_machines", 1))),
-    Question("gpu_ids", "Which GPUs should be used (\"all\" or ids like 0,1)?", "str", _from_defaults("gpu_ids"),
-             lambda answers: not answers.get("use_cpu", False)),
-    Question("mixed_precision", "Mixed precision?", "choice", _from_defaults("mixed_precision"),
-             choices=schema_choices("mixed_precision")),
-    Question("gradient_accumulation_steps", "How many gradient accumulation steps?", "int",
-             _from_defaults("gradient_accumulation_steps")),
-    Question("parallelism.zero_stage", "ZeRO stage (0: plain DDP, 1, 2 or 3)?", "int",
-             _from_defaults("parallelism.zero_stage")),
-    Question("parallelism.offload_optimizer", "Offload the optimizer state to the CPU?", "bool",
-             _from_defaults("parallelism.offload_optimizer"),
-             lambda answers: answers.get("parallelism.zero_stage", 0) >= 2),  # CPU offload needs ZeRO 2 or 3
-    Question("parallelism.tp_size", "Tensor-parallel size (1: none)?", "int", _from_defaults("parallelism.tp_size")),
-    Question("parallelism.pp_size", "Pipeline-parallel size (1: none)?", "int", _from_defaults("parallelism.pp_size")),
-    Question("parallelism.pp_schedule", "Pipeline schedule?", "choice", _from_defaults("parallelism.pp_schedule"),
-             lambda answers: answers.get("parallelism.pp_size", 1) > 1,
-             choices=schema_choices("parallelism.pp_schedule")),
-    Question("parallelism.pp_microbatches", "How many micro-batches per step?", "int",
-             _from_defaults("parallelism.pp_microbatches"),
-             lambda answers: answers.get("parallelism.pp_size", 1) > 1, default_label="pp_size"),
+    asked("num_machines"),
+    asked("machine_rank", applies=_multi_machine),
+    asked("main_process_ip", lambda answers, defaults: defaults.main_process_ip or REQUIRED, _multi_machine),
+    asked("main_process_port", lambda answers, defaults: defaults.main_process_port or DEFAULT_MULTI_MACHINE_PORT,
+          _multi_machine),
+    asked("rdzv_backend", applies=_multi_machine),
+    asked("use_cpu"),
+    asked("num_processes", lambda answers, defaults: max(defaults.num_processes, answers.get("num_machines", 1))),
+    asked("gpu_ids", applies=lambda answers: not answers.get("use_cpu", False)),
+    asked("mixed_precision"),
+    asked("gradient_accumulation_steps"),
+    asked("parallelism.zero_stage"),
+    asked("parallelism.offload_optimizer",  # CPU offload needs ZeRO 2 or 3
+          applies=lambda answers: answers.get("parallelism.zero_stage", 0) >= 2),
+    asked("parallelism.tp_size"),
+    asked("parallelism.pp_size"),
+    asked("parallelism.pp_schedule", applies=lambda answers: answers.get("parallelism.pp_size", 1) > 1),
+    asked("parallelism.pp_microbatches", applies=lambda answers: answers.get("parallelism.pp_size", 1) > 1,
+          default_label="pp_size"),
     Question("sequence_parallelism", "Sequence length parallelism for long sequences (sp: Ulysses, all-to-all over "
              "the heads; cp: context parallel, K/V all-gathered)?", "choice", _sequence_default,
              choices=SEQUENCE_CHOICES, saved=False),
-    Question("parallelism.sp_size", "Sequence-parallel size (each process holds 1/N of every sequence)?", "int",
-             _degree_default("parallelism.sp_size"), _sequence_is("sp")),
-    Question("parallelism.cp_size", "Context-parallel size (each process holds 2 of 2N chunks of every sequence)?",
-             "int", _degree_default("parallelism.cp_size"), _sequence_is("cp")),
-    Question("parallelism.ep_size", "Expert-parallel size for mixture-of-experts models (each MoE layer's experts "
-             "divided among N data-parallel processes; 1: none)?", "int", _from_defaults("parallelism.ep_size")),
-    Question("fault_tolerance.enabled", "Fault tolerance without restarts (torchft: replica groups; a failed group "
-             "heals from a live one, the others keep training)?", "bool", _from_defaults("fault_tolerance.enabled")),
-    Question("fault_tolerance.group_size", "How many replica groups (each runs num_processes / N processes)?", "int",
-             _from_defaults("fault_tolerance.group_size"), _fault_tolerant),
-    Question("fault_tolerance.min_replicas", "How many live groups must a step have to commit?", "int",
-             _from_defaults("fault_tolerance.min_replicas"), _fault_tolerant),
-    Question("fault_tolerance.lighthouse", "torchft's lighthouse: start one with the job (start), or the host:port "
-             "of a running one?", "str", _from_defaults("fault_tolerance.lighthouse"), _fault_tolerant),
+    asked("parallelism.sp_size", _degree_default("parallelism.sp_size"), _sequence_is("sp")),
+    asked("parallelism.cp_size", _degree_default("parallelism.cp_size"), _sequence_is("cp")),
+    asked("parallelism.ep_size"),
+    asked("fault_tolerance.enabled"),
+    asked("fault_tolerance.group_size", applies=_fault_tolerant),
+    asked("fault_tolerance.min_replicas", applies=_fault_tolerant),
+    asked("fault_tolerance.lighthouse", applies=_fault_tolerant),
 ]
 QUESTION_BY_KEY = {q.key: q for q in QUESTIONS}
 UNSAVED = frozenset(q.key for q in QUESTIONS if not q.saved)

@@ -30,19 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from accel.cli._common import UsageError, add_flag
+from accel.cli import config_flags
+from accel.cli._common import UsageError
 from accel.config import AccelConfig
-from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT, FaultToleranceConfig
+from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT
 
-
-
-def flag_name(field: str) -> str:
-    """The launch flag of a `fault_tolerance` key: `--fault_tolerance` turns it on, `--ft_<key>` for the others."""
-    return "fault_tolerance" if field == "enabled" else f"ft_{field}"
-
-
-# launch flag -> key of the fault_tolerance section: every field of the schema, declared there once
-FLAG_KEYS = {flag_name(f.name): f"fault_tolerance.{f.name}" for f in dataclasses.fields(FaultToleranceConfig)}
 GROUP_ENV = "ACCEL_FT_REPLICA_ID"  # each group's workers (and launcher) see their replica id here too
 STOP_GRACE_S = 15.0  # after SIGTERM to a group's launcher, what is left of its session gets SIGKILL
 JOIN_TIMEOUT_MS = 10_000  # the lighthouse waits this long for heartbeating groups to join a quorum
@@ -51,18 +43,9 @@ QUORUM_TICK_MS = 100
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """`accel launch`'s fault-tolerance flags, one per key of the `fault_tolerance` config section, generated from its
-    field specs (help, type, choices, default: accel/config/schema.py)."""
+    field specs (config_flags.py)."""
     group = parser.add_argument_group("fault tolerance (torchft: replica groups that heal from a live peer)")
-    for spec in dataclasses.fields(FaultToleranceConfig):
-        meta, name = spec.metadata, flag_name(spec.name)
-        if meta["kind"] is bool:
-            add_flag(group, name, action="store_true", default=None, help=meta["help"])
-            continue
-        default = "" if spec.default is None else f" (default {spec.default:g})" if isinstance(spec.default, float) \
-            else f" (default {spec.default})"
-        metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else \
-            (meta["unit"].upper() or {int: "N", float: "X", str: "VALUE"}[meta["kind"]])
-        add_flag(group, name, type=meta["kind"], metavar=metavar, default=None, help=meta["help"] + default)
+    config_flags.add(group, *config_flags.section_keys("fault_tolerance"))
 
 
 def runs_groups(cfg: AccelConfig) -> bool:

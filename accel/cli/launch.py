@@ -54,15 +54,15 @@ import os
 import socket
 import sys
 
-from accel.cli import accelerate_flags, checks, failure_report, forked_workers, job_reaper, kubeflow, multinode, output
+from accel.cli import accelerate_flags, checks, config_flags, failure_report, forked_workers, job_reaper, kubeflow
+from accel.cli import multinode, output
 from accel.cli import fault_tolerance as ft_launch
 from accel.cli import preemption as preempt
 from accel.cli import shim as auto_shim
 from accel.cli._common import DEFAULT_MULTI_MACHINE_PORT, UsageError, add_flag
 from accel.cli import hang_report, rendezvous_wait
 from accel.cli.hang_report import HangWatch
-from accel.config.errors import shown
-from accel.config.schema import C_INT_MAX, MAX_SECONDS
+from accel.config.schema import C_INT_MAX
 from accel.fault_tolerance import REPLICAS_DIVERGED_EXIT_CODE as REPLICAS_DIVERGED
 from accel.config import (
     LAUNCH_ENV,
@@ -75,42 +75,9 @@ from accel.config import resolve_launch_config as _resolve_launch_config
 
 FLAGS_SOURCE = "accel launch flags"
 
-# launch flag -> key of the config layer it overrides (dotted for the parallelism section)
-_FLAG_KEYS = {
-    "num_processes": "num_processes",
-    "num_machines": "num_machines",
-    "machine_rank": "machine_rank",
-    "main_process_ip": "main_process_ip",
-    "main_process_port": "main_process_port",
-    "mixed_precision": "mixed_precision",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gpu_ids": "gpu_ids",
-    "rdzv_backend": "rdzv_backend",
-    "zero_stage": "parallelism.zero_stage",
-    "tp_size": "parallelism.tp_size",
-    "pp_size": "parallelism.pp_size",
-    "sp_size": "parallelism.sp_size",
-    "cp_size": "parallelism.cp_size",
-    "ep_size": "parallelism.ep_size",
-    "cp_comm_strategy": "parallelism.cp_comm_strategy",
-    "pp_schedule": "parallelism.pp_schedule",
-    "pp_microbatches": "parallelism.pp_microbatches",
-    "activation_checkpointing": "parallelism.activation_checkpointing",
-    "dynamo_backend": "dynamo_backend",
-    "dynamo_mode": "dynamo_mode",
-    "dynamo_use_fullgraph": "dynamo_use_fullgraph",
-    "dynamo_use_dynamic": "dynamo_use_dynamic",
-    "dynamo_use_regional_compilation": "dynamo_use_regional_compilation",
-    "deepspeed_config_file": "deepspeed_config_file",  # read as its own layer, between the file and the flags
-    "collective_timeout": "collective_timeout",
-    "preemption_signal": "preemption_signal",
-    "grace_period": "grace_period",
-    "requeue": "requeue",
-    "checkpoint_async": "checkpoint_async",
-    "throughput_monitor": "throughput_monitor",
-    "throughput_log_every": "throughput_log_every",
-    **ft_launch.FLAG_KEYS,  # --fault_tolerance, --ft_*: the fault_tolerance section
-}
+# launch flag -> key of the config layer it sets: one per config key (config_flags.py, from the schema's specs), and
+# the DeepSpeed JSON, read as its own layer between the config file and the other flags
+_FLAG_KEYS = {**config_flags.FLAG_KEYS, "deepspeed_config_file": "deepspeed_config_file"}
 # the flags that feed the config (`accel env` takes them too), Accelerate's among them
 CONFIG_FLAGS = tuple(_FLAG_KEYS) + accelerate_flags.CONFIG_FLAGS
 
@@ -134,66 +101,22 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_flag(hw, "cpu", action="store_true", default=None, help="run on the CPU only (use_cpu: true)")
     add_flag(hw, "multi_gpu", action="store_true", default=None,
              help="one process per GPU (distributed_type: MULTI_GPU)")
-    add_flag(hw, "gpu_ids", metavar="IDS", default=None, help='GPUs to use, "all" or like "0,1"')
-    add_flag(hw, "mixed_precision", metavar="{no,fp16,bf16,fp8}", default=None)
+    config_flags.add(hw, "gpu_ids", "mixed_precision")
     dist = parser.add_argument_group("processes and machines")
-    add_flag(dist, "num_processes", type=int, metavar="N", default=None, help="total processes over all machines")
-    add_flag(dist, "num_machines", type=int, metavar="N", default=None)
-    add_flag(dist, "machine_rank", type=int, metavar="R", default=None,
-             help="this machine's rank; with static rendezvous it is the node rank (0: the main machine)")
-    add_flag(dist, "main_process_ip", metavar="IP", default=None, help="address of the machine with machine_rank 0")
-    add_flag(dist, "main_process_port", type=int, metavar="PORT", default=None,
-             help="rendezvous port (one machine: a free port when not given; several: 29500)")
-    add_flag(dist, "rdzv_backend", metavar="{static,c10d}", default=None)
+    config_flags.add(dist, "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                     "rdzv_backend")
     add_flag(dist, "max_restarts", type=int, metavar="N", default=0, help="restarts of the worker group on failure")
-    add_flag(dist, "collective_timeout", type=_seconds, metavar="SECONDS", default=None,
-             help="how long a collective may wait for every process; then the job stops and names the processes "
-                  "that never came (default 600)")
+    config_flags.add(dist, "collective_timeout")
     stop = parser.add_argument_group("preemption (SIGTERM asks the workers to save and stop: "
                                       "accelerator.preemption_requested)")
-    add_flag(stop, "preemption_signal", metavar="{SIGUSR1,SIGUSR2,SIGTERM}", default=None,
-             help="one more signal that asks the workers to save and stop, e.g. SLURM's --signal=B:USR1@120")
-    add_flag(stop, "grace_period", type=_seconds, metavar="SECONDS", default=None,
-             help="how long the workers get to save and stop after the request before they are stopped (default 300)")
-    add_flag(stop, "requeue", action="store_true", default=None,
-             help=f"after the workers stopped for a preemption request, `scontrol requeue` the SLURM job (exit code "
-                  f"{preempt.preemption.EXIT_CODE} either way)")
+    config_flags.add(stop, "preemption_signal", "grace_period", "requeue")
     train = parser.add_argument_group("training")
-    add_flag(train, "gradient_accumulation_steps", type=int, metavar="N", default=None)
-    add_flag(train, "checkpoint_async", metavar="{no,thread,process}", default=None,
-             help="save_state writes in the background (thread or process); the loop waits only for the copy")
-    add_flag(train, "throughput_monitor", action="store_true", default=None,
-             help="log samples/s, tokens/s, step time, peak memory and MFU through the trackers and the progress bar")
-    add_flag(train, "throughput_log_every", type=int, metavar="N", default=None,
-             help="optimizer steps per throughput report (default 10)")
-    add_flag(train, "zero_stage", type=int, metavar="{0,1,2,3}", default=None)
-    add_flag(train, "tp_size", type=int, metavar="N", default=None)
-    add_flag(train, "pp_size", type=int, metavar="N", default=None)
-    add_flag(train, "sp_size", type=int, metavar="N", default=None,
-             help="sequence parallelism (Ulysses): each process holds 1/N of every sequence; attention all-to-alls "
-                  "to whole sequences over 1/N of the heads")
-    add_flag(train, "cp_size", type=int, metavar="N", default=None,
-             help="context parallelism: each process holds 2 of 2N chunks of every sequence (balanced for causal "
-                  "attention); attention all-gathers K and V")
-    add_flag(train, "ep_size", type=int, metavar="N", default=None,
-             help="expert parallelism: each MoE layer's experts divided among N data-parallel processes, tokens sent "
-                  "to them by all-to-all (N divides the data-parallel degree)")
-    add_flag(train, "cp_comm_strategy", metavar="{allgather,ring}", default=None,
-             help="context parallelism's K/V exchange: allgather (any mask, gloo and NCCL) or ring (torch's ring "
-                  "attention on CUDA where it applies; elsewhere allgather)")
-    add_flag(train, "pp_schedule", metavar="NAME", default=None,
-             help="GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, or the zero-bubble V schedules "
-                  "ZBVZeroBubble and DualPipeV (2 stages per process; DualPipeV: pp_microbatches >= 2 x pp_size)")
-    add_flag(train, "pp_microbatches", type=int, metavar="M", default=None, help="micro-batches per pipeline step")
-    add_flag(train, "activation_checkpointing", metavar="{no,full,selective}", default=None,
-             help="recompute each repeated block's activations in backward (saves activation memory)")
-    add_flag(train, "dynamo_backend", metavar="{no,inductor,eager,aot_eager,...}", default=None,
-             help="torch.compile the model with this backend (no: eager)")
-    add_flag(train, "dynamo_mode", metavar="{default,reduce-overhead,max-autotune,...}", default=None)
-    add_flag(train, "dynamo_use_fullgraph", action="store_true", default=None, help="compile without graph breaks")
-    add_flag(train, "dynamo_use_dynamic", action="store_true", default=None, help="compile with dynamic shapes")
-    add_flag(train, "dynamo_use_regional_compilation", action="store_true", default=None,
-             help="compile each repeated block (faster to compile) instead of the whole model")
+    config_flags.add(train, "gradient_accumulation_steps", "checkpoint_async", "throughput_monitor",
+                     "throughput_log_every", *(f"parallelism.{key}" for key in (
+                         "zero_stage", "tp_size", "pp_size", "sp_size", "cp_size", "ep_size", "cp_comm_strategy",
+                         "pp_schedule", "pp_microbatches", "activation_checkpointing")),
+                     "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+                     "dynamo_use_regional_compilation")
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,
              help="a DeepSpeed JSON config: its ZeRO stage, offload, batch sizes, clipping, accumulation and fp16/bf16 "
                   "are used (over the config file; the other flags win); DeepSpeed itself is not needed")
@@ -496,17 +419,6 @@ def _exec_single(cfg: AccelConfig, script_argv: list[str], python: bool = True) 
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], command, env)  # replaces this process: never returns
-
-
-def _seconds(text: str) -> float | int:
-    """A flag's number of seconds (a whole one stays an int, so an error shows it as typed); the range is the
-    config's rule, checked with the other keys."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad value {shown(text)}; allowed: a finite number of seconds from 1 to "
-                                         f"{MAX_SECONDS}") from None
-    return int(value) if value.is_integer() and abs(value) <= 2**53 else value
 
 
 def _exit_code(code: int | None) -> int:

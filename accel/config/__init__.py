@@ -1,7 +1,7 @@
 """The one typed config tree, split by concept (see each module's docstring):
 
 * `errors`, `degrees`: the error type and the values derived from the parallel degrees (below everything);
-* `topology`: the degrees as one validated DeviceMesh;
+* `mesh_layout`: the degrees as named mesh dimensions (sizes, coordinates, shape; accel.runtime.topology builds it);
 * `kwargs`, `plugins`: Accelerate's handler and plugin classes, mapped onto this config;
 * `schema`: the dataclasses, field rules, cross-field rules and the values derived from them;
 * `accelerate_import`: Accelerate's config sections and DeepSpeed JSON files, as accel layers;

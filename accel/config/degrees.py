@@ -1,6 +1,6 @@
 """Values derived from the parallel degrees, each computed here only, so the config checks, the launcher, the
-backends and the topology agree. Plain arithmetic on a ParallelismConfig (duck-typed: this module is below the
-schema, which builds its mesh with the topology that uses these)."""
+backends and the mesh layout agree. Plain arithmetic on a ParallelismConfig (duck-typed: this module is below the
+parallelism section, whose mesh has the shape mesh_layout.py computes with these)."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ class ProfileKwargs(KwargsHandler):
 @dataclass
 class ThroughputMonitorKwargs(KwargsHandler):
     """accel's own (Accelerate has none): the throughput monitor's options; passing it in `kwargs_handlers` turns the
-    monitor on (accel/planning/throughput.py). `log_every`: optimizer steps per report (None: the config's
+    monitor on (accel/runtime/throughput.py). `log_every`: optimizer steps per report (None: the config's
     `throughput_log_every`); `flops_per_token`: FLOPs of forward + backward per token (per sample where batches
     carry no token ids), for MFU where accel cannot count them (a model without a transformers config) or to
     override its count; `peak_flops`: the device's peak FLOP/s, for a device accel's table lacks or to override it."""

@@ -1,6 +1,6 @@
 """Accelerate's handler objects for `ParallelismConfig(tp_handler=, cp_handler=, sp_handler=)`. accel's TP, CP and
 SP take their sizes and strategy from ParallelismConfig's fields; of these objects it reads `cp_comm_strategy`
-(schema.py) and `sp_allow_recurrent_layers` (accel/backends/sequence.py). The environment variables that fill their
+(schema.py) and `sp_allow_recurrent_layers` (accel/parallel/sequence.py). The environment variables that fill their
 unset fields are Accelerate's (`PARALLELISM_CONFIG_*`, which `accelerate launch` and `accel launch` set)."""
 
 from __future__ import annotations

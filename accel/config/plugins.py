@@ -36,7 +36,8 @@ from accel.config.accelerate_import import (
 )
 from accel.config.errors import ConfigError, shown
 from accel.config.fsdp_plugin_methods import FsdpPluginMethods, wrap_policy_name
-from accel.config.resolve import merge_layers
+from accel.config.parallelism import requested_zero_stage
+from accel.config.resolve import merge_layers, worker_layers
 from accel.config.schema import DYNAMO_BACKENDS, PARALLEL_FIELDS, TOP_FIELDS, AccelConfig, allowed_values, check_value
 
 # FSDP sharding strategy -> ZeRO stage; numbers are torch's ShardingStrategy values (and Accelerate's 1-5)
@@ -67,10 +68,10 @@ def _argument(owner: str, name: str, value: Any, meta: Mapping) -> Any:
                           f"{allowed_values(meta, value)}") from None
 
 
-def _stage_unset_default(layer: dict, stage: int, base: AccelConfig | None) -> dict:
-    """A plugin that names no stage means Accelerate's default `stage` unless the other layers (`base`:
-    the config file or launched config) already ask for ZeRO/FSDP sharding, whose stage then stays."""
-    if base is not None and base.parallelism.zero_stage > 0:
+def _stage_unset_default(layer: dict, stage: int, base_stage: int) -> dict:
+    """A plugin that names no stage means Accelerate's default `stage` unless the other layers (the config file or
+    launched config) already ask for ZeRO/FSDP sharding (`base_stage` above 0), whose stage then stays."""
+    if base_stage > 0:
         return layer
     return merge_layers([{"parallelism": {"zero_stage": stage}}, layer])
 
@@ -184,10 +185,17 @@ class DeepSpeedPlugin:
 
         `base` is the config the other layers resolve to (files or the launched config); it only decides
         the stage when nothing here names one (see the class docstring)."""
+        return self.layer_over(base.parallelism.zero_stage if base is not None else 0)
+
+    @property
+    def names_stage(self) -> bool:
+        """Whether the plugin decides the ZeRO stage itself (a JSON, or `zero_stage`), whatever the other layers ask."""
+        return self.hf_ds_config is not None or "zero_stage" in self._layer.get("parallelism", {})
+
+    def layer_over(self, base_stage: int) -> dict:
+        """`to_layer` over other layers that ask for ZeRO stage `base_stage` (0: none)."""
         layer = merge_layers([self._layer])  # a copy
-        if self.hf_ds_config is None and "zero_stage" not in layer.get("parallelism", {}):
-            layer = _stage_unset_default(layer, 2, base)
-        return layer
+        return layer if self.names_stage else _stage_unset_default(layer, 2, base_stage)
 
     @property
     def selected(self) -> bool:
@@ -329,10 +337,17 @@ class FullyShardedDataParallelPlugin(FsdpPluginMethods):
         """The config layer this plugin means (apply it with `Accelerator(...)`-argument precedence).
 
         `base` is the config the other layers resolve to; it only decides the stage when no strategy is given."""
-        layer = merge_layers([self._layer])
-        if "zero_stage" not in layer.get("parallelism", {}):
-            layer = _stage_unset_default(layer, 3, base)
-        return layer
+        return self.layer_over(base.parallelism.zero_stage if base is not None else 0)
+
+    @property
+    def names_stage(self) -> bool:
+        """Whether a sharding strategy (or `reshard_after_forward`) decides the ZeRO stage."""
+        return "zero_stage" in self._layer.get("parallelism", {})
+
+    def layer_over(self, base_stage: int) -> dict:
+        """`to_layer` over other layers that ask for ZeRO stage `base_stage` (0: none)."""
+        layer = merge_layers([self._layer])  # a copy
+        return layer if self.names_stage else _stage_unset_default(layer, 3, base_stage)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -413,12 +428,13 @@ def deepspeed_state_members(active: Any, given: Any) -> dict:
 # -------------------------------------------------------------------------------------------------------------
 
 def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugin: Any = None,
-                  base: AccelConfig | None = None) -> dict:
+                  base_layers: list[dict] | None = None) -> dict:
     """The `Accelerator(...)` layer with a plugin applied: the plugin's layer under the plain arguments
     (`mixed_precision=`, `gradient_accumulation_steps=` win), except that the plugin's parallelism keys win
-    over `parallelism_config=` (which sets every field). `base` is the config without the Accelerator's
-    arguments (the files or the launched config, resolved once by the caller); it is only read when the plugin
-    names no stage, and when omitted then, resolved here."""
+    over `parallelism_config=` (which sets every field). `base_layers` are the layers under the Accelerator's
+    arguments (the files or the launched config, read once by the caller, `worker_layers()`); they are only read
+    when the plugin names no stage (the stage they ask for decides its default, without building a config from
+    them), and when omitted then, read here."""
     if deepspeed_plugin is None and fsdp_plugin is None:
         return argument_layer
     if deepspeed_plugin is not None and fsdp_plugin is not None:
@@ -428,14 +444,14 @@ def apply_plugins(argument_layer: dict, deepspeed_plugin: Any = None, fsdp_plugi
     if isinstance(plugin, dict):
         raise ConfigError(f"Accelerator: argument '{name}': a dict of several plugins (one per model) is not "
                           "supported by accel; allowed: one plugin")
-    if not hasattr(plugin, "to_layer"):
+    if not hasattr(plugin, "layer_over"):
         raise ConfigError(f"Accelerator: argument '{name}': expected accel.DeepSpeedPlugin or "
                           f"accel.FullyShardedDataParallelPlugin, got {type(plugin).__name__}")
-    if base is None and _needs_base(plugin):
-        from accel.config.resolve import worker_config
-
-        base = worker_config()
-    layer = plugin.to_layer(base)
+    base_stage = 0
+    if not plugin.names_stage:
+        layers = worker_layers()[0] if base_layers is None else base_layers
+        base_stage = requested_zero_stage(merge_layers(layers).get("parallelism", {}))
+    layer = plugin.layer_over(base_stage)
     merged = merge_layers([layer, argument_layer])
     if "parallelism" in layer and "parallelism" in argument_layer:
         merged["parallelism"].update(layer["parallelism"])
@@ -457,11 +473,6 @@ def carried_deepspeed_plugin(config: AccelConfig) -> DeepSpeedPlugin | None:
         plugin = DeepSpeedPlugin(hf_ds_config=config.deepspeed_json)
     plugin.__dict__["_source"] = config.deepspeed_json_path  # named in DummyOptim/DummyScheduler errors
     return plugin
-
-
-def _needs_base(plugin: Any) -> bool:
-    return "zero_stage" not in plugin.to_layer(AccelConfig(parallelism={"zero_stage": 1})).get(  # type: ignore[arg-type]  # a dict is taken
-        "parallelism", {})
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -614,3 +614,27 @@ def test_carried_json_is_no_config_file_key_and_round_trips(tmp_path):
         config_from_dict({"deepspeed_json": [1]}, "$ACCEL_LAUNCH_CONFIG")
     assert str(info.value) == ("$ACCEL_LAUNCH_CONFIG: key 'deepspeed_json': bad value of type list; allowed: a "
                                "DeepSpeed JSON object (or null)")
+
+
+@pytest.mark.parametrize("plugin, file_stage, stage", [
+    (lambda: FullyShardedDataParallelPlugin(), None, 3),  # no stage anywhere: FSDP's default
+    (lambda: FullyShardedDataParallelPlugin(), "zero_stage: 2", 2),  # the file's stage stays
+    (lambda: DeepSpeedPlugin(), "dp_shard_size: 1", 2),  # DeepSpeed's default
+    (lambda: DeepSpeedPlugin(), "zero_stage: 1", 1),
+    (lambda: DeepSpeedPlugin(zero_stage=3), "zero_stage: 1", 3),  # a stage of its own wins
+])
+def test_an_accelerator_with_a_plugin_builds_its_config_once(tmp_path, monkeypatch, plugin, file_stage, stage):
+    """The plugin's default stage is decided from the layers under the arguments, without building a config from
+    them: the Accelerator's config is the one config built."""
+    from accel.config import schema
+
+    text = "use_cpu: true\n" + (f"parallelism:\n  {file_stage}\n" if file_stage else "")
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(write(tmp_path / "c.yaml", text)))
+    built = []
+    post_init = schema.AccelConfig.__post_init__
+    monkeypatch.setattr(schema.AccelConfig, "__post_init__", lambda self: (built.append(self), post_init(self))[1])
+    the_plugin = plugin()
+    accelerator = Accelerator(**{"fsdp_plugin" if isinstance(the_plugin, FullyShardedDataParallelPlugin)
+                                 else "deepspeed_plugin": the_plugin})
+    assert len(built) == 1 and built[0] is accelerator.config
+    assert accelerator.config.parallelism.zero_stage == stage

@@ -1,4 +1,6 @@
-"""Parallel degrees -> one validated `DeviceMesh` with named dimensions.
+"""Parallel degrees -> named mesh dimensions: their sizes, each rank's coordinates, the mesh's shape and the
+dimensions flattened from it. Pure arithmetic, no process group: the run's mesh and groups are built from this by
+accel/runtime/topology.py, and `ParallelismConfig.build_device_mesh` (Accelerate's API) builds a mesh of this shape.
 
 Rank layout is row-major over (pp, dp, seq, tp), as `init_device_mesh` lays it out: tp ranks are neighbours
 (they talk most), then the sequence ranks (sp for Ulysses, cp for context parallelism: they share one batch, each
@@ -12,19 +14,18 @@ config uses Accelerate's fields (dp_replicate_size / dp_shard_size), the mesh ha
 `dp` (the whole data-parallel group: data loading, DDP, metrics), `dp_shard_cp` and `dp_cp`. Size-1 dimensions
 are left out. With a sequence degree, `dp_cp` (the data-parallel ranks and the sequence ranks together) is where
 gradients are reduced and FSDP2 shards, as torchtitan does: each sequence rank computes part of every gradient.
-accel's code asks `submesh`/`group` by name, which answers `dp` the same way in both cases.
 
 Expert parallelism (ep_size) takes its ranks from the data-parallel ones, as torchtitan does: data-parallel rank d
 has ep coordinate d % ep (the ep ranks are neighbours) and edp coordinate d // ep (which copy of the experts it
 holds; with a sequence degree, (d // ep) x seq + the sequence coordinate: the sequence ranks hold the same experts
 and compute parts of their gradients, so they are replicas too). Each pipeline stage has its own ep and edp
-groups (pp is outside them). Its groups live on a second mesh (`expert_mesh`), since they cut the dp dimension.
+groups (pp is outside them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from accel.config.degrees import (
     check_expert_degree,
@@ -35,11 +36,17 @@ from accel.config.degrees import (
 )
 from accel.config.errors import ConfigError
 
+if TYPE_CHECKING:
+    from accel.config.parallelism import ParallelismConfig
+
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+LayoutT = TypeVar("LayoutT", bound="MeshLayout")
 
 
 @dataclass
-class Topology:
+class MeshLayout:
+    """The named dimensions of `world_size` ranks laid out by the parallel degrees (checked on construction)."""
+
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
@@ -49,9 +56,6 @@ class Topology:
     seq_size: int = 1  # the sequence degree (sp_size or cp_size)
     seq_name: str = "sp"  # its dimension's name: "sp" (Ulysses) or "cp" (context parallelism)
     ep_size: int = 1  # the expert-parallel degree, taken from the data-parallel ranks (ep divides dp)
-    _mesh: object = field(default=None, repr=False, compare=False)
-    _flat: dict = field(default_factory=dict, repr=False, compare=False)
-    _expert_mesh: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         model_parallel = model_parallel_size(self.tp_size, self.pp_size, self.seq_size)
@@ -83,9 +87,10 @@ class Topology:
         return cast(int, self.dp_replicate_size), cast(int, self.dp_shard_size)
 
     @classmethod
-    def for_config(cls, world_size: int, parallelism, accelerate_names: bool | None = None) -> Topology:
-        """The topology a ParallelismConfig asks for on `world_size` processes (sizes left out are derived:
-        `accel.config.schema.data_parallel_sizes`); the resolved sizes are recorded on the config, whose
+    def for_config(cls: type[LayoutT], world_size: int, parallelism: ParallelismConfig,
+                   accelerate_names: bool | None = None) -> LayoutT:
+        """The layout a ParallelismConfig asks for on `world_size` processes (sizes left out are derived:
+        `accel.config.degrees.data_parallel_sizes`); the resolved sizes are recorded on the config, whose
         Accelerate members (data_parallel_size, dp_shard_enabled, ...) then describe this run."""
         tp, pp, seq = parallelism.tp_size, parallelism.pp_size, sequence_parallel_size(parallelism)
         replicate = shard = None
@@ -94,10 +99,10 @@ class Topology:
         if accelerate_names is None:
             accelerate_names = parallelism.dp_replicate_size is not None or parallelism.dp_shard_size is not None
         seq_name = "cp" if getattr(parallelism, "cp_size", 1) > 1 else "sp"
-        topology = cls(world_size, tp, pp, replicate, shard, accelerate_names, seq_size=seq, seq_name=seq_name,
-                       ep_size=getattr(parallelism, "ep_size", 1))
-        parallelism._resolved = (topology.dp_replicate_size, topology.dp_shard_size)
-        return topology
+        layout = cls(world_size, tp, pp, replicate, shard, accelerate_names, seq_size=seq, seq_name=seq_name,
+                     ep_size=getattr(parallelism, "ep_size", 1))
+        parallelism.record_run_sizes(*layout._dp_sizes)
+        return layout
 
     @property
     def dp_size(self) -> int:
@@ -145,7 +150,8 @@ class Topology:
     def dp_rank(self, rank: int) -> int:
         return self.coordinates(rank)["dp"]
 
-    def _mesh_dims(self) -> list[tuple[str, int]]:
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """The mesh's (name, size) dimensions, outermost first; those of size 1 are left out."""
         if self.accelerate_names:
             data = [(name, self.sizes[name]) for name in DATA_PARALLEL_DIMS]
         else:
@@ -154,53 +160,21 @@ class Topology:
                                                 ("tp", self.tp_size)] if size > 1]
         return dims or [("dp", 1)]
 
-    def mesh(self, device_type: str):
-        """The one `DeviceMesh` over all ranks, built on first use (by every rank). Dimensions of size 1 are kept
-        out; with Accelerate's names, the flattened dp, dp_shard_cp and dp_cp are registered on it too."""
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            dims = self._mesh_dims()
-            names = tuple(n for n, _ in dims)
-            mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
-            data = tuple(n for n in DATA_PARALLEL_DIMS if n in names)
-            seq = (self.seq_name,) if self.seq_name in names else ()
-            if self.accelerate_names and data:
-                self._flat["dp"] = mesh[data]._flatten("dp")
-                if "dp_shard" in names:
-                    self._flat["dp_shard_cp"] = mesh[("dp_shard",) + seq]._flatten("dp_shard_cp")
-                self._flat["dp_cp"] = mesh[data + seq]._flatten("dp_cp")
-            elif seq and "dp" in names:  # the data-parallel and the sequence ranks: where gradients are reduced
-                self._flat["dp_cp"] = mesh[("dp",) + seq]._flatten("dp_cp")
-            elif seq:
-                self._flat["dp_cp"] = mesh[seq[0]]
-            self._mesh = mesh
-        return self._mesh
-
-    def expert_mesh(self, device_type: str):
-        """The mesh of expert parallelism, built on first use (by every rank): the data-parallel ranks cut into
-        (edp, ep), ep inner (neighbours exchange tokens), then `tp` (with tensor parallelism), the pipeline stages
-        in a leading `ep_rest` (each stage's MoE layers exchange tokens within the stage), the sequence ranks
-        folded into `edp`. An `ep` group holds each expert once (its ranks
-        exchange tokens by all-to-all); an `edp` group holds replicas of the same experts (the data-parallel
-        ranks with the same ep coordinate, and their sequence ranks: expert gradients are summed there and divided
-        by `expert_divisor`)."""
-        if self._expert_mesh is None:
-            import torch
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self.mesh(device_type)  # the main mesh's groups first, in the same order on every rank
-            edp = self.dp_size // self.ep_size
-            ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
-            # (pp, edp x seq, ep, tp): a sequence rank is one more replica of its dp rank's experts
-            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp_size, edp * self.seq_size, self.ep_size, self.tp_size)
-            if self.tp_size > 1:  # its own dimension: experts split within by TP are DTensors over (ep, tp)
-                names: tuple[str, ...] = ("ep_rest", "edp", "ep", "tp")
-            else:
-                ranks, names = ranks[..., 0], ("ep_rest", "edp", "ep")
-            self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-            self._expert_mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
-        return self._expert_mesh
+    def flattened_dims(self) -> dict[str, tuple[str, ...]]:
+        """The dimensions flattened from the mesh's, in the order they are made: with Accelerate's names `dp` (the
+        data-parallel dims), `dp_shard_cp` and `dp_cp`, as Accelerate's `build_device_mesh` makes them; with accel's,
+        `dp_cp` (dp and the sequence ranks) when both are there."""
+        names = tuple(name for name, _ in self.mesh_dims())
+        data = tuple(name for name in DATA_PARALLEL_DIMS if name in names)
+        seq = (self.seq_name,) if self.seq_name in names else ()
+        if self.accelerate_names and data:
+            flat = {"dp": data}
+            if "dp_shard" in names:
+                flat["dp_shard_cp"] = ("dp_shard",) + seq
+            return {**flat, "dp_cp": data + seq}
+        if seq and "dp" in names:
+            return {"dp_cp": ("dp",) + seq}
+        return {}
 
     @property
     def expert_divisor(self) -> int:
@@ -208,33 +182,3 @@ class Topology:
         other gradients are over `gradient_dim` (each sequence rank's loss counts its slice seq times:
         sequence.reduce_loss), which gives the single-process gradient of the mean loss."""
         return self.dp_size * self.seq_size
-
-    def submesh(self, name: str, device_type: str):
-        """One named dimension's mesh (flattened ones kept here: slicing those from the root is deprecated). With
-        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension; ep and edp are the expert
-        mesh's (`expert_mesh`)."""
-        if name in ("ep", "edp"):
-            return self.expert_mesh(device_type)[name]
-        mesh = self.mesh(device_type)
-        if name in self._flat:
-            return self._flat[name]
-        if not self.accelerate_names and name in DATA_PARALLEL_DIMS:
-            name = "dp"
-        return mesh[name]
-
-    def fsdp_mesh(self, device_type: str):
-        """The mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP (shards within a row, all-reduces
-        across rows), else the 1-D data-parallel dimension (with the sequence ranks: dp_cp)."""
-        mesh = self.mesh(device_type)
-        if self.seq_size > 1:  # the sequence ranks compute parts of the same gradients: sharded with dp, as torchtitan
-            return self.submesh("dp_cp", device_type)
-        if self.accelerate_names:
-            data = tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1)
-            return mesh[data] if data else self.submesh("dp", device_type)
-        return mesh["dp"]
-
-    def group(self, name: str, device_type: str):
-        """The process group of one named dimension, or None when that dimension has size 1."""
-        if self.sizes[name] == 1:
-            return None
-        return self.submesh(name, device_type).get_group()
