@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import warnings
@@ -20,12 +21,12 @@ import torch
 from accel.runtime import ops
 from accel.runtime.accumulation import GradientState
 from accel.backends.base import select_backend
-from accel.backends.compilation import compile_options
+from accel.transforms.compilation import compile_options
 from accel.checkpoint.async_save import AsyncCheckpointer
 from accel.compat.accelerator_members import AccelerateMembers, refuse_quantized_placement
 from accel.compat.other import strip_data_parallel
 from accel.core.probes import is_bitsandbytes_multi_backend_available, is_xpu_available
-from accel.config import AccelConfig, ParallelismConfig, build_config, worker_config, worker_layers
+from accel.config import AccelConfig, ParallelismConfig, worker_config, worker_layers
 from accel.config.kwargs import (
     AORecipeKwargs,
     AutocastKwargs,
@@ -40,7 +41,8 @@ from accel.runtime.precision import PrecisionPolicy
 from accel.runtime.replaced_parameters import ReplacedParameters, layout_name
 from accel.scheduler import AcceleratedScheduler, retarget_scheduler
 from accel.runtime.state import AcceleratorState, DistributedType, check_device_matches
-from accel.config.topology import Topology
+from accel.runtime.throughput import ThroughputMonitor, monitor_for
+from accel.runtime.topology import Topology
 
 _NOT_YET = "is not available yet in accel"
 
@@ -117,8 +119,8 @@ class Accelerator(AccelerateMembers):
         arguments.update(dynamo_layer(dynamo_backend, dynamo_plugin))
         arguments = tp_plugin_layer(arguments, torch_tp_plugin)  # under parallelism_config=, as in Accelerate
         layers = worker_layers()  # read once: a plugin's default stage depends on them, then the arguments go on top
-        base = build_config(*layers) if deepspeed_plugin is not None or fsdp_plugin is not None else None
-        self.config: AccelConfig = worker_config(apply_plugins(arguments, deepspeed_plugin, fsdp_plugin, base), layers)
+        arguments = apply_plugins(arguments, deepspeed_plugin, fsdp_plugin, layers[0])
+        self.config: AccelConfig = worker_config(arguments, layers)  # built once, the plugin's layer included
         if deepspeed_plugin is None and fsdp_plugin is None:  # a config file's / launch's DeepSpeed JSON: Accelerate
             deepspeed_plugin = deepspeed_plugins = carried_deepspeed_plugin(self.config)  # builds it; not re-applied
         self.deepspeed_plugin, self.fsdp_plugin = deepspeed_plugin, fsdp_plugin
@@ -141,7 +143,7 @@ class Accelerator(AccelerateMembers):
         self.trackers: list[Any] = []  # GeneralTracker instances, from init_trackers
         self._tracker_resume: dict | None = None  # the tracker run of a checkpoint loaded before init_trackers
 
-        backend_cls = select_backend(self.config.parallelism, self.config.fault_tolerance)  # before any process group
+        backend_cls = select_backend(self.config)  # before any process group
         compiling = compile_options(self.config, getattr(dynamo_plugin, "options", None))  # refused before launch too
         init = find_handler(self.kwargs_handlers, InitProcessGroupKwargs)
         offload = bool(self.config.parallelism.offload_params or self.config.parallelism.offload_optimizer)
@@ -171,7 +173,7 @@ class Accelerator(AccelerateMembers):
             adjust_scheduler=getattr(plugin, "adjust_scheduler", True),
             sync_each_batch=getattr(plugin, "sync_each_batch", False),
         )
-        self.backend = backend_cls(self.state, self.topology, self.precision, self.config.parallelism,
+        self.backend = backend_cls(self.state, self.topology, self.precision, self.config,
                                    self.kwargs_handlers, gradient_state=self.gradient_state,
                                    compile_options=compiling)
         self.precision.choose_scaler(self.backend.partial_gradients)
@@ -195,16 +197,34 @@ class Accelerator(AccelerateMembers):
         self._data_seed: int | None = None
         self._save_model_state_pre_hook: OrderedDict = OrderedDict()  # Accelerate's names
         self._load_model_state_pre_hook: OrderedDict = OrderedDict()
-        from accel.planning.throughput import monitor_for  # accel's own: tokens/s, MFU (None when off)
-
-        self.throughput = monitor_for(self, throughput_monitor, find_handler(self.kwargs_handlers,
-                                                                             ThroughputMonitorKwargs))
+        self.throughput = self._throughput_monitor(throughput_monitor)  # accel's own: tokens/s, MFU (None when off)
         # what a replica that heals receives (one truth); weakly, so the Accelerator is freed without gc as before
         self.backend.training_objects = _weakly(self._training_objects)
 
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------------------
+    def _throughput_monitor(self, enabled: bool | None) -> ThroughputMonitor | None:
+        """The throughput monitor when on, fed this run's degrees and device, the planner's FLOPs count and peak."""
+        from accel.planning.peak_flops import device_peak
+
+        return monitor_for(enabled, find_handler(self.kwargs_handlers, ThroughputMonitorKwargs), self.config,
+                           data_parallel_size=self.backend.data_parallel_size, num_processes=self.num_processes,
+                           device=self.device, is_main_process=self.is_main_process, log=self._log_throughput,
+                           model_flops=self._flops_per_token_of,
+                           device_peak=functools.partial(device_peak, self.device, self.mixed_precision))
+
+    def _flops_per_token_of(self, model: torch.nn.Module) -> Callable[[float], float] | None:
+        """The planner's FLOPs per token of a prepared model, by sequence length (None without a transformers
+        config)."""
+        from accel.planning.shape import module_shape, training_flops_per_token
+
+        shape = module_shape(self.unwrap_model(model, keep_torch_compile=False))
+        return None if shape is None else functools.partial(training_flops_per_token, shape)
+
+    def _log_throughput(self, metrics: dict[str, float], step: int) -> None:
+        self.log(metrics, step=step)
+
     @staticmethod
     def _argument_layer(mixed_precision, gradient_accumulation_steps, cpu, parallelism_config, plugin) -> dict:
         """The `Accelerator(...)` arguments that were given, as the highest-precedence config layer."""
@@ -401,6 +421,8 @@ class Accelerator(AccelerateMembers):
         before = self._replaced.snapshot(self.unwrap_model(model, keep_torch_compile=False))
         prepared = model if kept else self.backend.prepare_model(model, placement and not mapped)
         self._replaced.record(before, self.unwrap_model(prepared, keep_torch_compile=False))
+        if self.throughput is not None and not self._models:  # the first model's mode gates counting
+            self.throughput.watch(prepared)
         self._models.append(prepared)
         return prepared
 
@@ -614,23 +636,14 @@ class Accelerator(AccelerateMembers):
         cp_size), `labels` is this process's slice and the shift runs over the WHOLE sequence (the slices are
         gathered over the group), so each token of the slice gets the next token of the sequence; accel's padding is
         -100. With reduce_sequence_loss, the loss is one process's (docs/long_sequences.md)."""
-        from accel.backends.sequence_layout import real_length, shift_labels
-
-        sequence = getattr(self.backend, "sequence_parallel", None)
-        if sequence is None:
-            return shift_labels(labels, real_length(labels))
-        return sequence.shift_labels(labels, real=real_length(labels))
+        return self.backend.shift_labels(labels)
 
     def reduce_sequence_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> torch.Tensor:
         """The mean loss over the tokens, from this process's summed token losses (e.g. cross_entropy(...,
         reduction="sum")) and its number of counted tokens. Under sequence or context parallelism it is the whole
         sequence's mean on every process (counts summed over the group), with gradients that equal one process's;
         else `loss_sum / num_tokens` (0 tokens: 0)."""
-        sequence = getattr(self.backend, "sequence_parallel", None)
-        if sequence is not None:
-            return sequence.reduce_token_loss(loss_sum, num_tokens)
-        count = torch.as_tensor(num_tokens, device=loss_sum.device).to(loss_sum.dtype)
-        return loss_sum / count.clamp(min=1)
+        return self.backend.reduce_token_loss(loss_sum, num_tokens)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return ops.pad_across_processes(tensor, dim, pad_index, pad_first)

@@ -28,7 +28,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False  # Accelerate's attribute behind step_was_skipped (its tests set it directly)
         self.before_step: Callable[[], Any] | None = None  # e.g. automatic clipping (DeepSpeed's gradient_clipping)
         self._meter = meter_from_env()  # `accel plan --measure`: stop after N real steps; None otherwise
-        self._throughput: Any = None  # the throughput monitor (accel/planning/throughput.py) when on: ticked
+        self._throughput: Any = None  # the throughput monitor (accel/runtime/throughput.py) when on: ticked
         self._fused_checked: list[dict] = []  # the fused groups unfuse_mixed_groups looked at (a loaded state dict
         # makes new group dicts, with the saved `fused`: they are looked at again)
 

@@ -127,7 +127,7 @@ def make_model(layers: int, hidden: int, **options):
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from accel.backends.expert import expert_param_names
+    from accel.parallel.expert import expert_param_names
 
     torch.manual_seed(0)
     config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

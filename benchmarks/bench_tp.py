@@ -114,7 +114,7 @@ def worker(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     # parameters the tp plan splits (colwise: weight and bias, rowwise: weight), at full size, from the same
     # automatic plan accel applies with --tp_size 2; the rest (row-split biases) stays whole on every rank
-    from accel.backends.tensor import automatic_plan
+    from accel.parallel.tensor import automatic_plan
 
     modules = dict(model.named_modules())
     split_full = sum(

@@ -189,7 +189,7 @@ def reference(args: argparse.Namespace) -> dict:
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
-    import accel.backends.sequence as sequence
+    import accel.parallel.sequence as sequence
     from accel import Accelerator, ParallelismConfig
 
     calls = [0]

@@ -1,14 +1,22 @@
-"""Parallelism backends. `base.py` has the interface; this module knows, without importing torch, which
-backend a parallelism config asks for and whether this version of accel has it (so `accel launch` can
-refuse a config before starting any process)."""
+"""The step owners: the objects that own what lasts across training steps (the prepared models, the backward,
+no_sync, clipping, checkpoints' state) for one way of running data parallelism: `spmd` (each process runs the
+whole model: DDP, FSDP2/HSDP or alone), `zero` (adds ZeRO-1's optimizer), `pipeline` (the schedule over stages,
+each prepared by an inner step owner) and, in accel/fault_tolerance/, `fault_tolerant` (torchft's replica groups).
+None of them names a parallel dimension: each holds the run's list of parts (accel/parallel/) and calls the part
+protocol in order. `base.py` has the interface, `recipe.py` the ordered model transformations, `ddp.py` DDP's
+wrapping, `launchable.py` the one check a config passes before a launch.
+
+This module knows, without importing torch, which step owner a parallelism config asks for and whether this
+version of accel has it (so `accel launch` can refuse a config before starting any process)."""
 
 from __future__ import annotations
 
 from accel.config import ConfigError, ParallelismConfig
 from accel.config.degrees import model_parallel_size
+from accel.parallel.data_parallel import DataParallelPlan
 
-# backend name -> module that implements (and registers) it
-BACKEND_MODULES = {"ddp": "accel.backends.spmd", "zero": "accel.backends.zero", "tensor": "accel.backends.spmd",
+# backend name -> module that implements (and registers) it: one name per step owner
+BACKEND_MODULES = {"spmd": "accel.backends.spmd", "zero": "accel.backends.zero",
                    "pipeline": "accel.backends.pipeline",
                    # data parallelism over torchft's replica groups (the config's fault_tolerance section)
                    "fault_tolerant": "accel.fault_tolerance.backend"}
@@ -19,14 +27,11 @@ class BackendNotAvailable(ConfigError):
 
 
 def backend_name_for(parallelism: ParallelismConfig) -> str:
-    """Which backend a parallelism config asks for (combinations compose in the backend of the outermost)."""
+    """Which step owner a parallelism config asks for: the pipeline's with stages, ZeRO's when ZeRO is asked for,
+    else the one of every layout in which each process runs the whole model (parallel dimensions are its parts)."""
     if parallelism.pp_size > 1:
         return "pipeline"
-    if parallelism.tp_size > 1:
-        return "tensor"
-    if parallelism.zero_stage > 0 or parallelism.offload_optimizer or parallelism.offload_params:
-        return "zero"
-    return "ddp"
+    return "zero" if DataParallelPlan.decide(parallelism).zero else "spmd"
 
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # pipeline schedules that run one stage per process
@@ -43,18 +48,19 @@ def check_available(parallelism: ParallelismConfig, num_processes: int | None = 
     Every rule about which parallelisms compose lives here; `accel launch`, `accel env` and `Accelerator()` run
     it before any process starts (`accel config` re-asks the question that completed a refused combination)."""
     name = backend_name_for(parallelism)
-    offload = parallelism.offload_optimizer or parallelism.offload_params
+    data_parallel = DataParallelPlan.decide(parallelism)
+    offload = data_parallel.offload_asked
     if name == "pipeline" and offload:
         raise BackendNotAvailable(
             f"parallelism: pipeline parallelism (pp_size={parallelism.pp_size}) with CPU offload is not available yet "
             "in accel; allowed: offload_optimizer and offload_params false")
-    if parallelism.tp_size > 1 and (parallelism.zero_stage == 1 or offload):
+    if parallelism.tp_size > 1 and (data_parallel.stage == 1 or offload):
         raise BackendNotAvailable(
             f"parallelism: tensor parallelism (tp_size={parallelism.tp_size}) with ZeRO stage 1 or CPU offload is not "
             "available yet in accel; allowed: zero_stage 0, 2 or 3 without offload")
-    if offload and parallelism.zero_stage < 2:
+    if offload and not data_parallel.shards_gradients:
         raise ConfigError(f"parallelism: offload_optimizer/offload_params need zero_stage 2 or 3 (FSDP2's CPU "
-                          f"offload), got zero_stage={parallelism.zero_stage}; allowed: zero_stage 2 or 3 with offload")
+                          f"offload), got zero_stage={data_parallel.stage}; allowed: zero_stage 2 or 3 with offload")
     _check_sequence(parallelism)
     _check_expert(parallelism)
     schedule, per_rank = parallelism.pp_schedule, parallelism.pp_stages_per_rank
@@ -81,9 +87,9 @@ def check_split_backward(parallelism: ParallelismConfig, dp_size: int) -> None:
     accel/backends/ddp.py); FSDP2's (ZeRO 2/3, and TP with data parallelism) were measured wrong: refused."""
     if parallelism.pp_schedule not in SPLIT_BACKWARD_SCHEDULES or dp_size <= 1:
         return
-    if parallelism.zero_stage >= 2 or parallelism.tp_size > 1:
-        what = (f"zero_stage={parallelism.zero_stage}" if parallelism.zero_stage >= 2
-                else f"tp_size={parallelism.tp_size}")
+    stage = DataParallelPlan.decide(parallelism).stage
+    if stage >= 2 or parallelism.tp_size > 1:
+        what = f"zero_stage={stage}" if stage >= 2 else f"tp_size={parallelism.tp_size}"
         raise BackendNotAvailable(
             f"parallelism: pp_schedule {parallelism.pp_schedule} with data parallelism ({dp_size} replicas of each "
             f"stage) and {what} is not available yet in accel: its split backward skips FSDP2's gradient "
@@ -132,7 +138,7 @@ def _check_sequence(parallelism: ParallelismConfig) -> None:
 def _check_expert(parallelism: ParallelismConfig) -> None:
     """Expert parallelism (ep_size) runs with DDP, ZeRO 1-3, HSDP, sequence/context parallelism, tensor
     parallelism and pipeline stages (each stage's experts over its own ep group) over the data-parallel ranks it is
-    taken from (accel/backends/expert.py); what it has not been made to work with is refused here, by name."""
+    taken from (accel/parallel/expert.py); what it has not been made to work with is refused here, by name."""
     ep = getattr(parallelism, "ep_size", 1)
     if ep <= 1:
         return

@@ -12,13 +12,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from accel.backends import BACKEND_MODULES, check_available
-from accel.config import ParallelismConfig
+from accel.parallel.gradients import clip_grads_with_norm, quiet_logger, total_norm
+
+__all__ = ["Backend", "ParameterReplacements", "clip_grads_with_norm", "loss_input", "quiet_logger",
+           "refuse_stepped_optimizer", "register_backend", "select_backend", "total_norm"]
 
 if TYPE_CHECKING:
+    from accel.config.schema import AccelConfig
+    from accel.parallel.part import Part
     from accel.runtime.precision import PrecisionPolicy
     from accel.runtime.state import PartialState
-    from accel.config.topology import Topology
-
+    from accel.runtime.topology import Topology
 
 
 def loss_input(outputs):
@@ -27,6 +31,7 @@ def loss_input(outputs):
     if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), torch.Tensor):
         return outputs["logits"]
     return outputs
+
 
 class Backend:
     """Wraps models/optimizers for one kind of parallelism and owns what depends on it."""
@@ -40,14 +45,17 @@ class Backend:
     # the Accelerator's prepared objects, as save_state takes them (accel.checkpoint.training_state.TrainingObjects):
     # a backend that moves training state between processes itself (a replica that heals) takes this whole set
     training_objects: Callable[[], Any] | None = None
+    # the run's parallel dimensions beyond data parallelism (accel/parallel/part.py), called in this order
+    parts: "list[Part]" = []
 
     def __init__(self, state: "PartialState", topology: "Topology", precision: "PrecisionPolicy",
-                 parallelism: ParallelismConfig, kwargs_handlers: list | None = None, gradient_state=None,
+                 config: "AccelConfig", kwargs_handlers: list | None = None, gradient_state=None,
                  compile_options: dict | None = None) -> None:
         self.state = state
         self.topology = topology
         self.precision = precision
-        self.parallelism = parallelism
+        self.config = config  # the whole resolved config: each backend reads the sections it needs
+        self.parallelism = config.parallelism
         self.kwargs_handlers = list(kwargs_handlers or [])
         self.gradient_state = gradient_state  # accumulation steps, for backends that own the backward
         self.compile_options = compile_options  # torch.compile's (compilation.compile_options), None: eager
@@ -100,14 +108,46 @@ class Backend:
         model._accel_loss_forward = inner  # type: ignore[assignment]  # a plain attribute: the model's own forward
 
     def finish_loss(self, loss: torch.Tensor, target) -> torch.Tensor:
-        """The loss `loss_fn` computed on this rank's part of the data, as the step needs it (the loss of the whole
-        sequence under sequence parallelism)."""
+        """The loss `loss_fn` computed on this rank's part of the data, as the step needs it (each part reduces it in
+        turn, e.g. to the loss of the whole sequence when ranks hold slices of it)."""
+        for part in self.parts:
+            loss = part.reduce_loss(loss, target)
         return loss
 
     @property
     def batch_transform(self):
         """A function the prepared DataLoaders apply to each batch last (None: batches as they are)."""
-        return None
+        cutters = [part.cut_batch for part in self.parts if part.cuts_batches]
+        if len(cutters) <= 1:
+            return cutters[0] if cutters else None
+
+        def cut(batch):
+            for cutter in cutters:
+                batch = cutter(batch)
+            return batch
+
+        return cut
+
+    def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """A causal LM's labels shifted one token left, the last one -100 (Accelerator.shift_labels): a part whose
+        ranks hold slices of each sequence shifts over the whole sequence."""
+        for part in self.parts:
+            shifted = part.shift_labels(labels)
+            if shifted is not None:
+                return shifted
+        from accel.parallel.sequence_layout import real_length, shift_labels
+
+        return shift_labels(labels, real_length(labels))
+
+    def reduce_token_loss(self, loss_sum: torch.Tensor, num_tokens) -> torch.Tensor:
+        """The mean loss over the tokens from this rank's summed token losses and counted tokens
+        (Accelerator.reduce_sequence_loss); without a part that reduces it, `loss_sum / num_tokens` (0 tokens: 0)."""
+        for part in self.parts:
+            reduced = part.reduce_token_loss(loss_sum, num_tokens)
+            if reduced is not None:
+                return reduced
+        count = torch.as_tensor(num_tokens, device=loss_sum.device).to(loss_sum.dtype)
+        return loss_sum / count.clamp(min=1)
 
     # -- the step --------------------------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module):
@@ -183,7 +223,7 @@ class Backend:
     def checkpoint_layouts(self, model: torch.nn.Module) -> dict[str, str]:
         """Parameters held in a layout of accel's own (TP's reordered fused q/k/v), recorded by `save_state` so a
         checkpoint is never resumed into another layout."""
-        from accel.backends import fused
+        from accel.parallel import fused
 
         return fused.layouts(self.unwrap_model(model))
 
@@ -202,69 +242,6 @@ class Backend:
 
     def release(self) -> None:
         """Drop references to communication objects before the process group is destroyed."""
-
-
-@contextlib.contextmanager
-def quiet_logger(name: str):
-    """Raise one logger's level to ERROR for the duration."""
-    import logging
-
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device,
-               foreach: bool | None = None) -> torch.Tensor:
-    """The norm of all `grads` as one vector. Sharded (DTensor) gradients are reduced over their mesh; those on
-    different meshes (e.g. TP x FSDP layers and FSDP-only norms) are reduced one mesh at a time, then combined.
-    `foreach` as torch's get_total_norm takes it (None: the foreach kernels where the device has them; True where it
-    has none: torch's RuntimeError)."""
-    from accel.core import collective_check
-
-    collective_check.expect_reduction("clip_grad_norm_ (the sharded gradients' norm)", grads)
-    by_mesh: dict = {}
-    for grad in grads:
-        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
-    norms = []
-    for group in by_mesh.values():
-        # on a 2-D mesh (FSDP x TP, ep) torch logs its one all-reduce per mesh dimension (of a scalar) as suboptimal
-        with quiet_logger("torch.distributed.tensor._redistribute"):
-            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=foreach)
-            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        norms.append(whole.to(device=device, dtype=torch.float32))
-    if not norms:
-        return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def clip_grads_with_norm(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor,
-                         foreach: bool | None = None) -> None:
-    """Scale the gradients by max_norm / total when that is below 1 (each shard in place, whatever its mesh).
-    `foreach`: one foreach kernel per device and dtype (None: where the device has it; True where it has none:
-    the RuntimeError torch's clip_grads_with_norm_ raises); False: one multiplication per gradient."""
-    from torch.utils._foreach_utils import _device_has_foreach_support
-
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    groups: dict = {}
-    for p in parameters:
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    with torch.no_grad():
-        for (device, dtype), grads in groups.items():
-            scale = coefficient.to(device, dtype)
-            if foreach is not False and _device_has_foreach_support(device):
-                torch._foreach_mul_(grads, scale)
-            elif foreach:
-                raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-            else:
-                for grad in grads:
-                    grad.mul_(scale)
 
 
 class ParameterReplacements:
@@ -328,18 +305,19 @@ def register_backend(name: str):
     return decorator
 
 
-def select_backend(parallelism: ParallelismConfig, fault_tolerance=None) -> type[Backend]:
+def select_backend(config: "AccelConfig") -> type[Backend]:
     """The backend class for this config, or a clear error when it is not available. An enabled `fault_tolerance`
     section (accel.config.schema.FaultToleranceConfig, checked with the rest of the config) selects the
-    fault-tolerant data parallelism of accel/fault_tolerance/ with its settings."""
+    fault-tolerant data parallelism of accel/fault_tolerance/, which reads its settings from the config."""
     import importlib
 
-    if fault_tolerance is not None and fault_tolerance.enabled:
+    parallelism = config.parallelism
+    if config.fault_tolerance is not None and config.fault_tolerance.enabled:
         importlib.import_module(BACKEND_MODULES["fault_tolerant"])
-        return _REGISTRY["fault_tolerant"].configured(fault_tolerance)  # type: ignore[attr-defined]
+        return _REGISTRY["fault_tolerant"]
     name = check_available(parallelism)
     if parallelism.tp_plan:  # a plan given in the script (ParallelismConfig(tp_plan=...)): refused here, on every
-        from accel.backends.tensor_plan import check_plan_styles  # rank alike, not at prepare() with the model
+        from accel.parallel.tensor_plan import check_plan_styles  # rank alike, not at prepare() with the model
 
         check_plan_styles(parallelism.tp_plan)
     importlib.import_module(BACKEND_MODULES[name])  # registers itself

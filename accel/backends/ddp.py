@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel.config.kwargs import DistributedDataParallelKwargs
+from accel.parallel.gradients import sum_gradients
 
 
 def apply_ddp(model: torch.nn.Module, group, device: torch.device,
@@ -176,20 +177,6 @@ def ddp_pipeline_stages(stages: list, skip_sync: bool, split_backward: bool = Fa
         for _, module in ddp:
             grads = [p.grad for p in module.module.parameters() if p.grad is not None]
             sum_gradients(grads, module.process_group, divide_by=dist.get_world_size(module.process_group))
-
-
-def sum_gradients(grads: list[torch.Tensor], group, divide_by: int = 1) -> None:
-    """Sum `grads` over `group` (None: this rank alone) in one flat all-reduce, then divide by `divide_by`."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    flat.div_(divide_by)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
 
 
 def release_ddp(modules: list) -> None:

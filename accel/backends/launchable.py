@@ -29,11 +29,11 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
     check_available(cfg.parallelism, cfg.num_processes)  # first: a refused combination is named as such
     check_world_layout(cfg, source)
     if cfg.parallelism.tp_plan:  # the styles (its names need the model: the workers check those); imports torch
-        from accel.backends.tensor_plan import check_plan_styles
+        from accel.parallel.tensor_plan import check_plan_styles
 
         check_plan_styles(cfg.parallelism.tp_plan, f"{source}: key 'parallelism.tp_plan'")
     if cfg.dynamo_backend != "no":  # imports torch, only then
-        from accel.backends.compilation import compile_options
+        from accel.transforms.compilation import compile_options
 
         compile_options(cfg)
     return cfg

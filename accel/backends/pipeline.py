@@ -19,6 +19,7 @@ the schedule (`_strip_backward`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import weakref
 from typing import Any, Iterable
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.backends import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, check_split_backward, fused
+from accel.backends import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, check_split_backward
 from accel.backends.base import (
     Backend,
     ParameterReplacements,
@@ -41,6 +42,7 @@ from accel.backends.base import (
 from accel.backends.pipeline_split import StagePlan, balanced_split_points, check_split_points, run_stage, stage_model
 from accel.backends.recipe import materialize
 from accel.config import ConfigError
+from accel.parallel.part import norm_claims, norm_shares, with_shares
 
 
 class PipelineError(ValueError):
@@ -71,15 +73,21 @@ class PipelineBackend(Backend):
         self.placement = stage_placement(self.pp_size, self.num_stages, self.schedule)
         self.pp_rank = self.topology.coordinates(self.state.process_index)["pp"]
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.pp_rank]
-        inner_parallelism = dataclasses.replace(par, pp_size=1)
-        self.inner = select_backend(inner_parallelism)(self.state, self.topology, self.precision, inner_parallelism,
-                                                       self.kwargs_handlers, gradient_state=self.gradient_state,
-                                                       compile_options=self.compile_options)
+        inner_config = copy.copy(self.config)  # each stage is prepared as a whole model of the other degrees
+        inner_config.parallelism = dataclasses.replace(par, pp_size=1)
+        self.inner = select_backend(inner_config)(self.state, self.topology, self.precision, inner_config,
+                                                  self.kwargs_handlers, gradient_state=self.gradient_state,
+                                                  compile_options=self.compile_options)
         self._models: list[PipelineModel] = []
         self.backward_ran = False  # set by a training call of a pipeline model, cleared by backward()
         self.materialized = ParameterReplacements()  # a meta-device model's parameters, once allocated
 
     partial_gradients = True  # each stage holds its own: one inf on any stage skips the step everywhere
+
+    @property
+    def parts(self):  # Backend's class attribute: here the inner step owner's
+        """The parallel dimensions of each stage: the inner step owner's."""
+        return self.inner.parts
 
     # -- model ------------------------------------------------------------------------------------------------
     def attach_loss(self, model: nn.Module) -> None:
@@ -95,7 +103,7 @@ class PipelineBackend(Backend):
         plan = StagePlan(model, points)
         if not on_meta:
             self._sync_initial_weights(model)
-        self.inner.plan_whole_model(model)  # e.g. TP's plan: checked on the whole model, applied per stage
+        self.inner.plan_whole_model(model)  # e.g. a split plan: checked on the whole model, applied per stage
         users = plan.stages_of_param(model)
         params = {id(p): p for p in model.parameters()}
         aliases: dict[int, list[str]] = {}
@@ -117,17 +125,13 @@ class PipelineBackend(Backend):
             _retie(view, tied)
             self.materialized.record(before, view)
         stages = []
-        before_experts = len(getattr(self.inner, "experts", ()))
         for index, shell, run in shells:
             _install_stage_forward(shell, run, index, self.precision)
             prepared = self.inner.prepare_model(shell, device_placement=False)
             stages.append((index, shell, prepared))
         wrapped = PipelineModel(self, view, stages, tied, originals)
-        layouts = getattr(self.inner, "experts", [])[before_experts:]
-        if layouts:  # pp x ep: this process's stages' experts as one layout (the inner backend's checkpoints read it)
-            from accel.backends.expert import merge_layouts
-
-            wrapped._accel_experts = merge_layouts(layouts)  # type: ignore[assignment]  # a plain attribute
+        for part in self.parts:  # what each part recorded per stage, as one model's (checkpoints read it)
+            part.adopt(wrapped, [shell for _, shell, _ in shells])
         if on_meta and tied:
             wrapped.broadcast_tied_weights()
         self._models.append(wrapped)
@@ -196,45 +200,21 @@ class PipelineBackend(Backend):
         if self.gradient_state is None or self.gradient_state.sync_gradients:
             for model in self._models:
                 model.sum_tied_grads()
-        skip = {id(p) for m in self._models for p in m.not_owned_parameters()}
-        experts = self._expert_ids()
-        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip and id(p) not in experts]
+        skip = {id(p) for m in self._models for p in m.not_owned_parameters()} | norm_claims(self.parts)
+        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
         device = self.state.device
         local = total_norm(grads, norm_type, device, foreach)
-        held = self._expert_norm_power([p for p in parameters if id(p) in experts], norm_type) if experts else None
+        # this stage's share: the parts' gradients counted over their own groups
+        powered = with_shares(local, norm_shares(self.parts, parameters, norm_type), norm_type, powered=True)
         group = self.topology.group("pp", device.type)
         if norm_type == float("inf"):
-            if held is not None:
-                local = torch.maximum(local, held.to(local.device))
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            total = local
+            dist.all_reduce(powered, op=dist.ReduceOp.MAX, group=group)
+            total = powered
         else:
-            powered = local ** norm_type
-            if held is not None:
-                powered = powered + held.to(powered.device)
             dist.all_reduce(powered, group=group)
             total = powered ** (1.0 / norm_type)
         clip_grads_with_norm(parameters, max_norm, total, foreach)
         return total
-
-    def _expert_ids(self) -> set[int]:
-        """The expert parameters this process's stages hold (pp x ep), each held by one rank of its stage's ep group."""
-        return {id(p) for layout in getattr(self.inner, "experts", ()) for p in (*layout.params.values(),
-                                                                                  *layout.listed.values())}
-
-    def _expert_norm_power(self, held: list, norm_type: float) -> torch.Tensor:
-        """sum |g|^p (inf: max) of this stage's experts over its ep group: each expert counted once."""
-        from accel.backends.expert import ExpertLayout, expert_norm_power
-
-        mine = ExpertLayout(params={str(i): p for i, p in enumerate(held)})
-        return expert_norm_power(mine, norm_type, self.topology.group("ep", self.state.device.type),
-                                 self.state.device)
-
-    def _expert_dtensors(self, model: nn.Module, state: dict) -> dict:
-        """pp x ep: each ep rank of a stage holds other rows of a stacked expert under the same name; given as
-        DTensors over the stage's (edp, ep) mesh, each row is written once in its place (as without stages)."""
-        wrap = getattr(self.inner, "_expert_dtensors", None)
-        return wrap(model, state) if wrap is not None and getattr(model, "_accel_experts", None) else state
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     holds_part_of_model = True
@@ -243,16 +223,17 @@ class PipelineBackend(Backend):
         """Each name of a weight tied across stages saved as its own tensor, also where one process holds all of
         them (V placement: the embedding and the head both on rank 0), as where they are on different processes:
         a checkpoint's layout does not depend on the schedule, so any placement loads it."""
-        state = self._expert_dtensors(model, super().checkpoint_model_state(model))
+        state = super().checkpoint_model_state(model)
+        for part in self.parts:  # each rank's tensors placed in the whole (as without stages)
+            state = part.checkpoint_state(model, state)
         for weight in model.tied if isinstance(model, PipelineModel) else ():
             for name in [n for n in weight.names if n in state][1:]:
                 state[name] = state[name].detach().clone()
         return state
 
     def load_checkpoint_model_state(self, model: nn.Module, state: dict) -> None:
-        layout = getattr(model, "_accel_experts", None)
-        if layout:  # pp x ep: this rank's rows of the stacked experts
-            state = {k: _local(v) if k in layout.params and v is not None else v for k, v in state.items()}
+        for part in self.parts:  # this rank's tensors of each part
+            state = part.load_model_state(model, state)
         super().load_checkpoint_model_state(model, {k: v for k, v in state.items() if v is not None})
 
     def load_checkpoint_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -275,15 +256,11 @@ class PipelineBackend(Backend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         mine: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        mine = fused.to_model_order({k: v.detach().to("cpu") for k, v in mine.items()}, model)  # this stage's
-        if getattr(self.inner, "experts", None):  # pp x ep: this stage's experts whole, gathered over its ep group
-            from accel.backends.expert import gather_full
-
-            for layout in getattr(self.inner, "experts"):  # noqa: B009 (SpmdBackend's: Backend has none)
-                mine = gather_full(layout, mine, self.topology.group("ep", self.state.device.type),
-                                   self.topology.ep_size)
+        mine = {k: v.detach().to("cpu") for k, v in mine.items()}  # this stage's
+        for part in self.parts:  # each part's tensors whole, in the model's names (every rank of its groups)
+            mine = part.full_state(model, mine)
         coords = self.topology.coordinates(self.state.process_index)
-        if coords["dp"] or coords["tp"]:
+        if any(position for dim, position in coords.items() if dim != "pp"):  # one writer per stage
             return {}
         return _collect_on_first(mine, self.topology.group("pp", self.state.device.type), self.state.device)
 

@@ -7,7 +7,7 @@ Offload (`offload_params`/`offload_optimizer`) keeps parameters, gradients and t
 (FSDP2's `CPUOffloadPolicy`).
 
 The model's side is the recipe's (spmd.py, recipe.py); what this backend adds is ZeRO-1's optimizer and its
-checkpoints.
+checkpoints. Which stage runs is the data-parallel plan's (accel/parallel/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ from accel.backends.spmd import SpmdBackend
 @register_backend("zero")
 class ZeroBackend(SpmdBackend):
     @property
+    def replica_dim(self) -> str | None:
+        """The ranks holding the same copy of a part's parameters, when a part has fewer of them than the gradient
+        ranks (they step those parameters alike)."""
+        return next((part.replica_dim for part in self.parts if part.replica_dim), None)
+
+    @property
     def optimizer_dim(self) -> str:
-        """The ranks ZeRO-1's optimizer shards its state over: the gradient ranks (dp, or dp_cp), or with expert
-        parallelism the expert's replicas (edp: the ranks holding the same experts, which step them alike; the
-        other parameters' state is then sharded over them too, not over all of dp)."""
-        return "edp" if self.topology.ep_size > 1 else self.topology.gradient_dim
+        """The ranks ZeRO-1's optimizer shards its state over: the gradient ranks (dp, or dp_cp), or a part's
+        replicas (`replica_dim`: the other parameters' state is then sharded over them too, not over all of dp)."""
+        return self.replica_dim or self.topology.gradient_dim
 
     @property
     def sharded(self) -> bool:
@@ -35,7 +40,7 @@ class ZeroBackend(SpmdBackend):
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         refuse_stepped_optimizer(optimizer, "ZeRO")
-        if self.parallelism.zero_stage == 1 and self.sharded:
+        if self.data_parallel.kind == "zero1" and self.sharded:
             return self._zero_redundancy(optimizer)
         return super().prepare_optimizer(optimizer, models)
 
@@ -56,56 +61,27 @@ class ZeroBackend(SpmdBackend):
         if _is_zero_redundancy(optimizer):
             # Consolidated on the first data-parallel rank (of each pipeline stage), which writes it, keyed by
             # parameter name like every other backend's (so stages do not collide and other backends load it).
-            # With experts: on the first rank of each expert's replicas (one per ep rank), its stacked experts'
-            # state given as DTensors over (edp, ep), as under DDP, so each ep rank's rows are written once.
+            # With a part's replicas: on the first rank of each (the parts place its tensors in the whole, as under
+            # DDP, so each is written once).
             if hasattr(optimizer, "_default_device"):  # torch's device for the consolidation's broadcasts: its
                 optimizer._default_device = self.state.device  # parameters' at construction, the CPU when the
                 # optimizer was prepared before the model (NCCL would refuse the CPU tensors)
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # (_is_zero_redundancy)
-            experts = self.topology.ep_size > 1
-            if self.topology.coordinates(self.state.process_index)["edp"] if experts else self.data_parallel_rank:
+            replicas = self.replica_dim
+            if self.topology.coordinates(self.state.process_index)[replicas] if replicas else self.data_parallel_rank:
                 return {}
             state = _keyed_by_name(optimizer.state_dict(), self._parameter_order(model, optimizer))
-            return self._expert_dtensors(model, state) if experts else state
+            return self._with_parts(model, state)
         return super().checkpoint_optimizer_state(model, optimizer)
 
     def load_checkpoint_optimizer_state(self, model, optimizer, state: dict) -> None:
         if _is_zero_redundancy(optimizer):
-            if self.topology.ep_size > 1:
-                state = self._held_experts(model, optimizer, self._expert_rows(model, state))
+            inner = self.unwrap_model(model)
+            for part in self.parts:
+                state = part.load_consolidated_optimizer_state(inner, optimizer, state)
             optimizer.load_state_dict(_keyed_by_index(state, self._parameter_order(model, optimizer)))  # keeps
             return  # this rank's partition
         super().load_checkpoint_optimizer_state(model, optimizer, state)
-
-    def _held_experts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-        """A ModuleList's experts exist on the ep rank holding them: only their state is this rank's, and each
-        parameter group lists this rank's parameters (the saved groups may be another ep rank's)."""
-        layout = self._expert_layout(model)
-        if not layout or not layout.listed or not isinstance(state.get("param_groups"), list):
-            return state
-        names = {id(p): n for n, p in self.unwrap_model(model).named_parameters()}
-        live = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        return {**state, "state": {k: v for k, v in state["state"].items() if k in layout.held},
-                "param_groups": [{**g, "params": mine} for g, mine in zip(state["param_groups"], live, strict=True)]}
-
-    def _expert_rows(self, model: torch.nn.Module, state: dict) -> dict:
-        """This ep rank's rows of each stacked expert's optimizer state: read into a DTensor (the rank that wrote
-        it) or whole [E, ...] (the expert's other replicas, which wrote nothing)."""
-        layout = self._expert_layout(model)
-        if not layout or not isinstance(state.get("state"), dict):
-            return state
-        ep, rank = self.topology.ep_size, self.topology.coordinates(self.state.process_index)["ep"]
-
-        def rows(key: str, value):
-            if hasattr(value, "to_local"):
-                return value.to_local()
-            local = layout.params[key].shape[0]
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == local * ep:
-                return value[rank * local:(rank + 1) * local]
-            return value
-
-        return {**state, "state": {k: {n: rows(k, v) for n, v in entry.items()} if k in layout.params else entry
-                                   for k, entry in state["state"].items()}}
 
     def _parameter_order(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """The names of the optimizer's parameters in its index order (ZeroRedundancyOptimizer's state keys)."""

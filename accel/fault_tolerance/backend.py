@@ -290,31 +290,21 @@ def _commit_wrapper(run: FaultTolerantRun, optimizer: torch.optim.Optimizer, aft
 class FaultTolerantBackend(SpmdBackend):
     """Plain data parallelism inside each replica group, torchft's fault-tolerant all-reduce across the groups."""
 
-    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()  # set by `configured`
-
-    @classmethod
-    def configured(cls, config: FaultToleranceConfig) -> type[FaultTolerantBackend]:
-        return type(cls.__name__, (cls,), {"fault_tolerance": config})
-
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.name = "fault_tolerant"
-        # ZeRO-2/3 with several processes per group: FSDP2 shards inside the group, the shards' gradients are averaged
+        # the data-parallel plan (accel/parallel/data_parallel.py) reads the config's fault_tolerance section: with
+        # ZeRO-2/3 and several processes per group, FSDP2 shards inside the group, the shards' gradients are averaged
         # over the groups (HSDP); otherwise DDP, even with one process per group (the groups all-reduce)
-        self.data_parallel = "fsdp" if self.sharded_in_group else "ddp"
+        super().__init__(*args, **kwargs)
+        self.fault_tolerance: FaultToleranceConfig = self.config.fault_tolerance
         self._run: FaultTolerantRun | None = None
         self._semi_sync_models: list[torch.nn.Module] = []
         self._semi_sync: list = []  # torchft's LocalSGD/DiLoCo objects, entered (their optimizer hooks installed)
         self._checked_at = 0  # the committed step whose fingerprints were compared last
         self.state.add_release_callback(self._shutdown)
 
-    @property
-    def sharded_in_group(self) -> bool:
-        return self.parallelism.zero_stage >= 2 and self.state.num_processes > 1 and not self.semi_synchronous
-
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         prepared = super().prepare_model(model, device_placement)
-        if self.data_parallel == "fsdp" and "_accel_ft_hooked" not in prepared.__dict__:
+        if self.data_parallel.fsdp and "_accel_ft_hooked" not in prepared.__dict__:
             prepared.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP2 gathers
             prepared._accel_ft_hooked = True  # type: ignore[assignment]  # a plain attribute
         return prepared
@@ -348,11 +338,7 @@ class FaultTolerantBackend(SpmdBackend):
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
-        return self.data_parallel != "fsdp"
-
-    @property
-    def partial_gradients(self) -> bool:  # type: ignore[override]
-        return self.data_parallel == "fsdp"
+        return not self.data_parallel.fsdp
 
     # -- model ----------------------------------------------------------------------------------------------
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -394,7 +380,7 @@ class FaultTolerantBackend(SpmdBackend):
     # -- optimizer --------------------------------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: list) -> torch.optim.Optimizer:
         optimizer = super().prepare_optimizer(optimizer, models)
-        if self.data_parallel == "fsdp":
+        if self.data_parallel.fsdp:
             return _commit_wrapper(self.run, optimizer, self._after_commit, average_shards=True)
         if self.semi_synchronous:
             self._semi_sync.append(self._semi_synchronise(optimizer))

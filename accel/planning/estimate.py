@@ -111,9 +111,9 @@ def spec_from_module(model: torch.nn.Module, source: str = "module") -> ModelSpe
 
 
 def _expert_names(model: torch.nn.Module) -> set[str] | None:
-    """The parameters accel's expert parallelism divides (accel.backends.expert recognises their modules); None:
+    """The parameters accel's expert parallelism divides (accel.parallel.expert recognises their modules); None:
     no MoE layer it recognises (names decide then, as for a checkpoint)."""
-    from accel.backends.expert import expert_param_names
+    from accel.parallel.expert import expert_param_names
 
     names = expert_param_names(model)
     return names or None
@@ -133,12 +133,12 @@ def _tp_split_blocks(params: list[Param]) -> None:
 
 def _tp_splits(model: torch.nn.Module) -> dict[str, tuple] | None:
     """parameter name -> (dimension split, gradient whole) under the tensor-parallel plan accel would apply to
-    `model` (its own plan, else the automatic one, ties kept: accel/backends/tensor_plan.py); None when accel
+    `model` (its own plan, else the automatic one, ties kept: accel/parallel/tensor_plan.py); None when accel
     finds no plan it can use (it would refuse TP unless given one)."""
     import contextlib
     import io
 
-    from accel.backends import tensor_plan as tpl
+    from accel.parallel import tensor_plan as tpl
     from accel.config import ConfigError
 
     try:
@@ -169,7 +169,7 @@ def _tp_splits(model: torch.nn.Module) -> dict[str, tuple] | None:
 
 def _tp_split_by_name(name: str, shape: tuple) -> tuple:
     """(dimension, gradient whole) for a parameter known by name only, as accel's automatic plan would split it."""
-    from accel.backends import tensor_plan as tpl
+    from accel.parallel import tensor_plan as tpl
 
     owner, _, leaf = name.rpartition(".")
     module = owner.rpartition(".")[2]
@@ -625,7 +625,7 @@ def activation_bytes(model, batch_size: int, seq_len: int, mixed_precision: str 
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from accel.backends.activation_checkpointing import apply_activation_checkpointing
+    from accel.transforms.activation_checkpointing import apply_activation_checkpointing
 
     if mixed_precision not in MIXED_PRECISION:
         raise EstimateError(f"--mixed_precision: bad value {mixed_precision!r}; allowed: {', '.join(MIXED_PRECISION)}")

@@ -6,7 +6,7 @@
   terminal (so log files and CI output stay clean), and never when `ACCEL_DISABLE_PROGRESS=1`,
   `HF_HUB_DISABLE_PROGRESS_BARS=1` (the Hugging Face switch) or `TQDM_DISABLE=1` is set. With tqdm installed they
   are tqdm bars; without it, one built-in `\\r`-updated line (tqdm is not a dependency of accel).
-* the training status: with the throughput monitor on (accel/planning/throughput.py), bars made by `tqdm` show its
+* the training status: with the throughput monitor on (accel/runtime/throughput.py), bars made by `tqdm` show its
   last report (`1.23k tok/s, MFU 41.2%, 0.153 s/step`) after whatever postfix the script sets.
 """
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from accel.backends.expert import ExpertPlan, shard_experts
+from accel.parallel.expert import ExpertPlan, shard_experts
 from accel.config import ConfigError
 
 

@@ -668,7 +668,7 @@ def test_a_tp_plan_naming_nothing_yet_passes_the_launch_check(place):
 
 
 def test_a_bad_tp_plan_style_in_python_is_one_config_error():
-    from accel.backends.tensor_plan import check_plan_styles
+    from accel.parallel.tensor_plan import check_plan_styles
     from accel.config import ConfigError
 
     check_plan_styles({"layers.*.q_proj": "colwise", "no.such": "rowwise"})

@@ -93,7 +93,7 @@ def test_probes_ask_nvml_so_forked_workers_can_use_cuda(monkeypatch, tmp_path):
 def test_expert_norm_reduces_on_the_job_device_without_expert_gradients(monkeypatch):
     """A rank whose experts got no gradient still takes part in the ep all-reduce, with a tensor on the job's
     device (it fell back to the CPU, which NCCL refuses)."""
-    from accel.backends import expert
+    from accel.parallel import expert
 
     sent: list = []
     monkeypatch.setattr(expert.dist, "all_reduce", lambda tensor, **kw: sent.append(tensor.device))

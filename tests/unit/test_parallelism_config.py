@@ -15,10 +15,10 @@ import pytest
 
 from accel import Accelerator
 from accel.backends import backend_name_for
-from accel.backends.spmd import data_parallel_kind
+from accel.parallel.data_parallel import DataParallelPlan
 from accel.config import ConfigError, ParallelismConfig, resolve_config
 from accel.config.schema import data_parallel_sizes
-from accel.config.topology import Topology
+from accel.runtime.topology import Topology
 
 ACCELERATE_CASES = [{}, {"dp_shard_size": 4}, {"dp_replicate_size": 4}, {"dp_replicate_size": 2, "dp_shard_size": 2},
                     {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "tp_size": 2},
@@ -173,7 +173,7 @@ def test_accelerates_parallelism_config_section_maps_every_size(tmp_path):
     assert (par.zero_stage, par.dp_replicate_size, par.dp_shard_size, par.tp_size, par.cp_size) == (3, 2, 2, 1, 1)
     topo = Topology.for_config(4, par)
     assert (topo.dp_replicate_size, topo.dp_shard_size, topo.accelerate_names) == (2, 2, True)  # HSDP
-    assert data_parallel_kind(par, topo) == "fsdp" and par.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    assert DataParallelPlan.decide(par, topo).kind == "hsdp" and par.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
     # the same as accel's own keys
     same = tmp_path / "accel.yaml"
     same.write_text("use_cpu: true\nnum_processes: 4\nparallelism:\n  dp_replicate_size: 2\n  dp_shard_size: 2\n")
@@ -235,10 +235,10 @@ def test_topology_coordinates_and_data_parallel_kind():
         {"pp": 0, "dp": 1, "tp": 1, "dp_replicate": 0, "dp_shard": 1},
         {"pp": 0, "dp": 2, "tp": 1, "dp_replicate": 1, "dp_shard": 0},
         {"pp": 0, "dp": 3, "tp": 0, "dp_replicate": 1, "dp_shard": 1}]
-    assert hsdp_tp.accelerate_names and data_parallel_kind(ParallelismConfig(zero_stage=3), hsdp_tp) == "fsdp"
+    assert hsdp_tp.accelerate_names and DataParallelPlan.decide(ParallelismConfig(zero_stage=3), hsdp_tp).kind == "hsdp"
     ddp = Topology.for_config(4, ParallelismConfig())
     assert (ddp.dp_replicate_size, ddp.dp_shard_size, ddp.accelerate_names) == (4, 1, False)
-    assert data_parallel_kind(ParallelismConfig(), ddp) == "ddp"
+    assert DataParallelPlan.decide(ParallelismConfig(), ddp).kind == "ddp"
     par = ParallelismConfig(zero_stage=3)
     Topology.for_config(4, par)  # records the run's layout: Accelerate's members describe it
     assert (par.data_parallel_size, par.dp_shard_enabled, par.dp_replicate_enabled, par.dp_dim_names) == (
@@ -253,7 +253,7 @@ def test_mesh_names_on_a_fake_eight_process_group():
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from accel.config import ParallelismConfig
-        from accel.config.topology import Topology
+        from accel.runtime.topology import Topology
 
         dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
         out = {}
@@ -298,8 +298,8 @@ def test_sequence_and_context_degrees_are_accepted_with_accelerates_members():
         True, ["tp", "sp"], [], (("sp", "tp"), (2, 2)))
     assert sp.requested_features() == ["tensor parallelism (tp_size=2)", "sequence parallelism (sp_size=2)"]
     assert ParallelismConfig(cp_size=4).requested_features() == ["context parallelism (cp_size=4)"]
-    assert backend_name_for(cp) == "zero" and backend_name_for(ParallelismConfig(sp_size=2)) == "ddp"
-    assert backend_name_for(sp) == "tensor"  # no backend of its own: the other fields name it
+    assert backend_name_for(cp) == "zero" and backend_name_for(ParallelismConfig(sp_size=2)) == "spmd"
+    assert backend_name_for(sp) == "spmd"  # dimensions are parts of the step owner the other fields name
 
 
 def test_cp_comm_strategy_takes_accelerates_names_its_handler_and_environment(monkeypatch):
@@ -339,10 +339,11 @@ def test_what_does_not_compose_is_one_line(fields, needle):
 
 
 @pytest.mark.parametrize("fields,backend", [
-    ({"sp_size": 2}, "ddp"), ({"cp_size": 2, "dp_replicate_size": 2}, "ddp"), ({"sp_size": 2, "zero_stage": 1}, "zero"),
+    ({"sp_size": 2}, "spmd"), ({"cp_size": 2, "dp_replicate_size": 2}, "spmd"),
+    ({"sp_size": 2, "zero_stage": 1}, "zero"),
     ({"cp_size": 2, "zero_stage": 2}, "zero"), ({"cp_size": 2, "dp_shard_size": 2}, "zero"),
     ({"sp_size": 2, "zero_stage": 3, "offload_optimizer": True, "offload_params": True}, "zero"),
-    ({"sp_size": 2, "tp_size": 2}, "tensor"), ({"cp_size": 2, "tp_size": 2, "zero_stage": 3}, "tensor"),
+    ({"sp_size": 2, "tp_size": 2}, "spmd"), ({"cp_size": 2, "tp_size": 2, "zero_stage": 3}, "zero"),
 ])
 def test_what_composes(fields, backend):
     from accel.backends import check_available
@@ -390,7 +391,7 @@ def test_topology_places_the_sequence_ranks_between_dp_and_tp():
     assert [topo.coordinates(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [topo.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [topo.coordinates(r)["dp_cp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert topo.gradient_dim == "dp_cp" and topo._mesh_dims() == [("dp", 2), ("cp", 2), ("tp", 2)]
+    assert topo.gradient_dim == "dp_cp" and topo.mesh_dims() == [("dp", 2), ("cp", 2), ("tp", 2)]
     ulysses = Topology.for_config(4, ParallelismConfig(sp_size=2))
     assert ulysses.dp_size == 2 and ulysses.seq_name == "sp" and ulysses.seq_rank(3) == 1
     with pytest.raises(ConfigError, match="sp_size=2"):

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel import Accelerator
+from accel.parallel.data_parallel import DataParallelPlan
 from accel.state import PartialState
 
 
@@ -30,7 +31,7 @@ def group_of_one(tmp_path, monkeypatch):
 def test_ddp_reducers_are_released_before_the_group_is_destroyed(group_of_one, monkeypatch):
     accelerator = Accelerator(cpu=True)
     accelerator.state._owns_group = True  # as after PartialState's own init_process_group
-    accelerator.backend.data_parallel = "ddp"  # what the backend decides with more than one process
+    accelerator.backend.data_parallel = DataParallelPlan("ddp")  # what the backend decides with several processes
     model = accelerator.prepare(torch.nn.Linear(4, 2))
     assert isinstance(model, DDP) and model.reducer is not None
 

@@ -1,11 +1,11 @@
-"""The sequence ranks' cut of a batch (accel/backends/sequence_layout.py) and the whole-sequence masks
-(accel/backends/sequence.py), in one process: which tokens each rank holds, shifted labels, padding, refusals."""
+"""The sequence ranks' cut of a batch (accel/parallel/sequence_layout.py) and the whole-sequence masks
+(accel/parallel/sequence.py), in one process: which tokens each rank holds, shifted labels, padding, refusals."""
 
 import pytest
 import torch
 
-from accel.backends.sequence import StepContext, documents_from_positions
-from accel.backends.sequence_layout import SequenceCutError, SequenceLayout, cut_batch, real_length
+from accel.parallel.sequence import StepContext, documents_from_positions
+from accel.parallel.sequence_layout import SequenceCutError, SequenceLayout, cut_batch, real_length
 
 
 def test_contiguous_and_head_tail_layouts_cover_the_sequence_once():

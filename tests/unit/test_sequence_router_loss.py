@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from accel.backends.sequence import SequenceParallel
+from accel.parallel.sequence import SequenceParallel
 from accel.config import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Label shifting and the token-weighted loss under sequence/context parallelism (accel/backends/sequence.py,
+"""Label shifting and the token-weighted loss under sequence/context parallelism (accel/parallel/sequence.py,
 sequence_layout.py), in one process: each rank's slice of the labels shifted over the WHOLE sequence, accel's
 padding ignored even in labels built from input_ids, and the reduction of a loss computed outside the model. The
 group's collectives are simulated (every rank's slice is known here); tests/multiproc/test_sequence.py runs them."""
@@ -6,8 +6,8 @@ group's collectives are simulated (every rank's slice is known here); tests/mult
 import pytest
 import torch
 
-from accel.backends.sequence import SequenceParallel
-from accel.backends.sequence_layout import SequenceLayout, cut_batch, real_length, shift_labels
+from accel.parallel.sequence import SequenceParallel
+from accel.parallel.sequence_layout import SequenceLayout, cut_batch, real_length, shift_labels
 
 
 def group(degree: int, rank: int, balanced: bool, whole: torch.Tensor | None = None) -> SequenceParallel:
@@ -54,7 +54,7 @@ def test_padding_added_by_accel_is_never_a_label_even_of_input_ids():
 def test_tuple_batches_needing_padding_are_refused_naming_the_fix():
     """A tuple has no attention mask to mask padding with, nor a way to tell labels from inputs: refused, as a
     ConfigError (one line on rank 0 in a launched job), naming the layout and the fixes."""
-    from accel.backends.sequence_layout import SequenceCutError
+    from accel.parallel.sequence_layout import SequenceCutError
     from accel.config.errors import ConfigError
 
     assert issubclass(SequenceCutError, ConfigError)

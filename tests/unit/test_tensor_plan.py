@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from accel.backends.tensor import automatic_plan, check_divisible, expand_plan, model_plan
+from accel.parallel.tensor import automatic_plan, check_divisible, expand_plan, model_plan
 from accel.config import ConfigError
 
 
@@ -88,7 +88,7 @@ def test_moe_experts_are_one_entry():
     module); accel's `experts` style takes them as one. The automatic plan finds the stacked experts too."""
     from types import SimpleNamespace
 
-    from accel.backends.tensor import plan_for
+    from accel.parallel.tensor import plan_for
 
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -115,7 +115,7 @@ def _tiny_gpt2():
 
 
 def test_gpt2_blocks_are_split_and_the_tie_kept():
-    from accel.backends.tensor_plan import keep_ties, kept_whole
+    from accel.parallel.tensor_plan import keep_ties, kept_whole
 
     model = _tiny_gpt2()
     plan = automatic_plan(model)
@@ -132,7 +132,7 @@ def test_gpt2_blocks_are_split_and_the_tie_kept():
 
 
 def test_a_tie_is_completed_or_refused_with_both_names():
-    from accel.backends.tensor_plan import keep_ties
+    from accel.parallel.tensor_plan import keep_ties
 
     model = _tiny_gpt2()
     plan, added = keep_ties(model, {"lm_head": "colwise_rep"})  # a model plan that names only the head
@@ -154,7 +154,7 @@ def test_unrecognised_attention_keeps_its_output_projection_whole():
 
 
 def test_fused_order_round_trips():
-    from accel.backends import fused
+    from accel.parallel import fused
 
     order = fused.permutation(12, 3, 2)  # q, k, v of 4 features each; rank 0 gets q0 q1 k0 k1 v0 v1
     assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
@@ -182,7 +182,7 @@ def _tiny_llama(**lora):
 
 
 def test_a_plan_for_the_bare_model_matches_through_wrapper_prefixes():
-    from accel.backends.tensor_plan import wrapper_prefix
+    from accel.parallel.tensor_plan import wrapper_prefix
 
     plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
     lora = _tiny_llama(target_modules=["q_proj", "o_proj"])
@@ -201,7 +201,7 @@ def test_a_plan_for_the_bare_model_matches_through_wrapper_prefixes():
 
 
 def test_lora_layers_are_planned_as_the_layers_they_wrap_and_split_with_their_adapters():
-    from accel.backends.tensor_plan import kept_whole, torch_pieces
+    from accel.parallel.tensor_plan import kept_whole, torch_pieces
 
     lora = _tiny_llama(target_modules=["q_proj", "o_proj", "lm_head"])
     plan = automatic_plan(lora)
@@ -219,7 +219,7 @@ def test_lora_layers_are_planned_as_the_layers_they_wrap_and_split_with_their_ad
 
 
 def test_a_lora_layer_accel_cannot_split_is_kept_whole_or_refused():
-    from accel.backends.tensor_plan import check_peft_layers
+    from accel.parallel.tensor_plan import check_peft_layers
 
     lora = _tiny_llama(target_modules=["embed_tokens", "q_proj"])
     embed = "base_model.model.model.embed_tokens"
@@ -233,7 +233,7 @@ def test_a_lora_layer_accel_cannot_split_is_kept_whole_or_refused():
 def test_plan_errors_name_where_the_plan_came_from():
     from types import SimpleNamespace
 
-    from accel.backends.tensor import plan_for
+    from accel.parallel.tensor import plan_for
 
     lora = _tiny_llama(target_modules=["q_proj"])
     with pytest.raises(ConfigError, match="^parallelism.tp_plan: 'model.layers.*.self_attn.qq_proj' matches no "

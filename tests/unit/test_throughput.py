@@ -1,4 +1,4 @@
-"""The throughput monitor (accel/planning/throughput.py) on one process: what it counts from batches, its arithmetic
+"""The throughput monitor (accel/runtime/throughput.py) on one process: what it counts from batches, its arithmetic
 (tokens/s, step time, MFU) against hand-computed figures, the GPU peak table, the CPU peak cache, the config key and
 arguments, nothing installed when off, the progress bar's text, and its keys in TensorBoard and `accel plot`."""
 
@@ -12,9 +12,9 @@ import torch
 
 from accel import Accelerator, ThroughputMonitorKwargs
 from accel.config import ConfigError
-from accel.planning import peak_flops, throughput
-from accel.runtime import progress
-from accel.planning.throughput import MFU, PEAK_MEMORY, SAMPLES, STEP_TIME, TFLOPS, TOKENS, TOKENS_PER_DEVICE
+from accel.planning import peak_flops
+from accel.runtime import progress, throughput
+from accel.runtime.throughput import MFU, PEAK_MEMORY, SAMPLES, STEP_TIME, TFLOPS, TOKENS, TOKENS_PER_DEVICE
 
 VOCAB, HIDDEN, LAYERS, HEADS = 32, 16, 2, 2
 BATCH, SEQ = 4, 8

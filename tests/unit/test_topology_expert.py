@@ -8,7 +8,7 @@ import pytest
 from accel.backends import BackendNotAvailable, check_available
 from accel.config.errors import ConfigError
 from accel.config.schema import ParallelismConfig
-from accel.config.topology import Topology
+from accel.runtime.topology import Topology
 
 
 def test_ep_ranks_are_data_parallel_neighbours():
@@ -101,7 +101,7 @@ def _mixtral(experts: int = 4):
 
 
 def test_experts_must_divide_by_ep_named_with_the_layer():
-    from accel.backends.expert import shard_experts
+    from accel.parallel.expert import shard_experts
 
     with pytest.raises(ConfigError, match=r"ep_size=3: model.layers.0.mlp.experts has 4 experts, not divisible by 3"):
         shard_experts(_mixtral(), 3, 0, None)
@@ -110,7 +110,7 @@ def test_experts_must_divide_by_ep_named_with_the_layer():
 def test_a_model_without_moe_layers_is_refused():
     import torch
 
-    from accel.backends.expert import shard_experts
+    from accel.parallel.expert import shard_experts
 
     with pytest.raises(ConfigError, match="no MoE layer accel recognises"):
         shard_experts(torch.nn.Linear(2, 2), 2, 0, None)

@@ -18,7 +18,7 @@ from _jobs import main_with_jobs
 from safetensors.torch import save_file
 
 from accel import Accelerator, ParallelismConfig
-from accel.backends.expert import ExpertPlan
+from accel.parallel.expert import ExpertPlan
 from accel.utils import set_seed
 
 VOCAB, STEPS, SAMPLES, LENGTH, HIDDEN = 128, 4, 32, 8, 32

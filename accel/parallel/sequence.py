@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from accel.backends.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, real_length
-from accel.backends.sequence_layout import shift_labels as shift_whole_labels
+from accel.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, real_length
+from accel.parallel.sequence_layout import shift_labels as shift_whole_labels
 from accel.config.errors import ConfigError
 
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention

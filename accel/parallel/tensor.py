@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from accel.backends.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, ExpertsSplit, TransposedRowwise
-from accel.backends.tensor_plan import (
+from accel.parallel.tensor_parallel_styles import ColumnSplit, EmbeddingRowwise, ExpertsSplit, TransposedRowwise
+from accel.parallel.tensor_plan import (
     automatic_plan,
     builtin_source,
     check_divisible,

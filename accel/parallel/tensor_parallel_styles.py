@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from accel.backends import fused
+from accel.parallel import fused
 
 
 def _distribute(module: nn.Module, mesh, placements: dict, src_data_rank, reorder=None) -> None:
@@ -126,7 +126,7 @@ class ExpertsSplit(ParallelStyle):
         self.tp_size = tp_size
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from accel.backends.expert import local_view
+        from accel.parallel.expert import local_view
 
         group = device_mesh.get_group()
         gate_up, down = module.get_parameter("gate_up_proj"), module.get_parameter("down_proj")

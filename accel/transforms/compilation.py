@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from accel.backends.blocks import repeated_blocks
+from accel.transforms.blocks import repeated_blocks
 from accel.config import ConfigError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from accel.backends.blocks import repeated_blocks
+from accel.transforms.blocks import repeated_blocks
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, parallelism) -> None:
