@@ -182,15 +182,22 @@ ACCELERATOR_TAIL = """## Configuration objects
 
 
 def documented_members(cls: type) -> list[str]:
-    """The public members `cls` itself defines with a docstring (what mkdocstrings shows), aliases left out
-    (`clear = free_memory`), in source order."""
+    """The public members `cls` and its own mix-ins (classes of its module or of `<module>_mixins`) define with a
+    docstring (what mkdocstrings shows), aliases left out (`clear = free_memory`), in source order, `cls` first."""
+    mixins = cls.__module__ + "_mixins."
+    owners = [c for c in cls.__mro__ if c.__module__ == cls.__module__ or c.__module__.startswith(mixins)]
+    seen: set[str] = set()
     names = []
-    for name, value in vars(cls).items():
-        function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
-        if name.startswith("_") or not callable(function) or getattr(function, "__name__", name) != name:
-            continue
-        if (value.__doc__ if isinstance(value, property) else function.__doc__):
-            names.append(name)
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if name in seen:  # resolved on a class before this one
+                continue
+            seen.add(name)
+            function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            if name.startswith("_") or not callable(function) or getattr(function, "__name__", name) != name:
+                continue
+            if (value.__doc__ if isinstance(value, property) else function.__doc__):
+                names.append(name)
     return names
 
 
