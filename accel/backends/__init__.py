@@ -113,26 +113,15 @@ def _check_v_schedule(parallelism: ParallelismConfig) -> None:
 
 def _check_sequence(parallelism: ParallelismConfig) -> None:
     """Sequence (sp_size, Ulysses) and context (cp_size) parallelism: one of them at a time, not with pipeline
-    stages nor with HSDP's 2-D data-parallel mesh; with DDP, ZeRO 1-3, offload and TP they compose (the backend is
-    the one the other fields name: the sequence ranks reduce gradients and shard with the data-parallel ones)."""
+    stages; with DDP, ZeRO 1-3, HSDP, offload and TP they compose (the backend is the one the other fields name:
+    the sequence ranks reduce gradients and shard with the data-parallel ones; under HSDP FSDP2 shards over
+    dp_shard x the sequence ranks and replicates over dp_replicate)."""
     cp, sp = getattr(parallelism, "cp_size", 1), getattr(parallelism, "sp_size", 1)
     if cp <= 1 and sp <= 1:
         return
     if cp > 1 and sp > 1:
         raise ConfigError(f"parallelism: cp_size={cp} and sp_size={sp}: context and sequence parallelism both split "
                           "the sequence, use one of them; allowed: cp_size 1 or sp_size 1")
-    key, size = ("cp_size", cp) if cp > 1 else ("sp_size", sp)
-    what = "context parallelism" if cp > 1 else "sequence parallelism"
-    if parallelism.pp_size > 1:
-        raise BackendNotAvailable(
-            f"parallelism: pipeline parallelism (pp_size={parallelism.pp_size}) with {what} ({key}={size}) is not "
-            f"available yet in accel; allowed: pp_size 1 with {key} > 1, or {key} 1 with pp_size > 1")
-    replicate, shard = parallelism.dp_replicate_size or 1, parallelism.dp_shard_size or 1
-    if replicate > 1 and shard > 1:
-        raise BackendNotAvailable(
-            f"parallelism: HSDP (dp_replicate_size={replicate} x dp_shard_size={shard}) with {what} ({key}={size}) is "
-            f"not available yet in accel; allowed: with {key} > 1, dp_replicate_size > 1 (DDP) or dp_shard_size > 1 "
-            "(FSDP2), not both")
 
 
 def _check_expert(parallelism: ParallelismConfig) -> None:

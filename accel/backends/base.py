@@ -91,6 +91,8 @@ class Backend:
     def set_loss_fn(self, loss_fn) -> None:
         """The loss function given to `prepare(..., loss_fn=...)`, so `model(x, target=y)` returns the loss."""
         self.loss_fn = loss_fn
+        for part in self.parts:
+            part.note_loss_fn(loss_fn)
 
     def attach_loss(self, model: torch.nn.Module) -> None:
         """Let the prepared model take `target=`: then it returns `loss_fn(outputs, target)`, so a loop written

@@ -8,15 +8,8 @@ can see themselves (the real world size) when the Accelerator is built; this che
 from __future__ import annotations
 
 from accel.backends import check_available
-from accel.config.schema import (
-    AccelConfig,
-    ConfigError,
-    check_consistency,
-    data_parallel_sizes,
-    divides_world,
-    model_parallel_size,
-)
-from accel.config.degrees import check_expert_degree, sequence_parallel_size
+from accel.config.degrees import check_world_layout
+from accel.config.schema import AccelConfig, check_consistency
 
 
 def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
@@ -27,7 +20,7 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
     backend is asked for, that this torch has it. Returns `cfg`."""
     check_consistency(cfg, source)
     check_available(cfg.parallelism, cfg.num_processes)  # first: a refused combination is named as such
-    check_world_layout(cfg, source)
+    check_world_layout(cfg.parallelism, cfg.num_processes, source)
     if cfg.parallelism.tp_plan:  # the styles (its names need the model: the workers check those); imports torch
         from accel.parallel.tensor_plan import check_plan_styles
 
@@ -37,19 +30,3 @@ def check_launchable(cfg: AccelConfig, source: str = "config") -> AccelConfig:
 
         compile_options(cfg)
     return cfg
-
-
-def check_world_layout(cfg: AccelConfig, source: str = "config") -> None:
-    """tp x pp x sp/cp (x the data-parallel sizes) must fit `num_processes`, one process included: a config file
-    alone (no launch) may leave num_processes at 1 for a world torchrun sets, but a launch starts exactly that many."""
-    par = cfg.parallelism
-    seq = sequence_parallel_size(par)
-    if not divides_world(cfg.num_processes, par.tp_size, par.pp_size, seq):
-        needed = model_parallel_size(par.tp_size, par.pp_size, seq)
-        names = "tp_size x pp_size" + ("" if seq == 1 else " x cp_size" if par.cp_size > 1 else " x sp_size")
-        raise ConfigError(f"{source}: key 'num_processes': {cfg.num_processes} is not divisible by {names} = "
-                          f"{needed}; allowed: num_processes a multiple of {needed}, or a smaller "
-                          f"{names.replace(' x ', '/')}")
-    data_parallel_sizes(par, cfg.num_processes, f"{source}: parallelism")
-    dp = cfg.num_processes // model_parallel_size(par.tp_size, par.pp_size, seq)
-    check_expert_degree(getattr(par, "ep_size", 1), dp, f"{source}: parallelism")

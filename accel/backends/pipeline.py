@@ -126,8 +126,9 @@ class PipelineBackend(Backend):
             self.materialized.record(before, view)
         stages = []
         for index, shell, run in shells:
-            _install_stage_forward(shell, run, index, self.precision)
             prepared = self.inner.prepare_model(shell, device_placement=False)
+            # after the parts' install: the stage runs the model's forward through what they wrapped around it
+            _install_stage_forward(shell, run, index, self.precision)
             stages.append((index, shell, prepared))
         wrapped = PipelineModel(self, view, stages, tied, originals)
         for part in self.parts:  # what each part recorded per stage, as one model's (checkpoints read it)
@@ -383,14 +384,14 @@ class PipelineModel(nn.Module):
         return schedule, stages
 
     def _loss(self, output, target):
-        """The user's loss on one micro-batch, scaled so the summed micro-batch gradients equal the batch's
-        (and divided by the accumulation steps, and scaled for fp16)."""
-        loss_fn = self._backend.loss_fn
-        raw = loss_fn(output, target)
+        """The user's loss on one micro-batch, as the parts reduce it (e.g. the whole sequence's when ranks hold
+        slices of it), scaled so the summed micro-batch gradients equal the batch's (and divided by the
+        accumulation steps, and scaled for fp16)."""
+        backend = self._backend
+        raw = backend.finish_loss(backend.loss_fn(output, target), target)
         self._raw_losses.append(raw.detach())
         if not self._training_step:
             return raw
-        backend = self._backend
         steps = backend.gradient_state.num_steps if backend.gradient_state is not None else 1
         return backend.precision.scale_loss(raw) / (backend.microbatches * steps)
 
@@ -525,13 +526,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _install_stage_forward(shell: nn.Module, run, index: int, precision) -> None:
     """Make the stage model callable the way PipelineStage calls it: received activations positionally, the
-    model's own (micro-batched) inputs as keyword arguments."""
+    model's own (micro-batched) inputs as keyword arguments. The model's forward runs through what the parts
+    wrapped around it at their install (e.g. a sequence slice's positions and attention), on every stage."""
+    wrapped = shell.__dict__.get("forward")  # a part's wrapper of the model's forward, if any
 
     def forward(*received, **packed):
         args = [packed[k] for k in sorted((k for k in packed if k.startswith("_accel_arg")), key=lambda k: int(k[10:]))]
         kwargs = {k[10:]: v for k, v in packed.items() if k.startswith("_accel_kw_")}
         with precision.autocast():
-            out = run_stage(shell, run, index, received[0] if received else None, tuple(args), kwargs)
+            out = run_stage(shell, run, index, received[0] if received else None, tuple(args), kwargs, wrapped)
         out = loss_input(out)  # a transformers ModelOutput (or dict): the pipeline carries its logits
         if index == run.plan.num_stages - 1 and precision.dtype is not None:
             out = precision.outputs_to_float32(out)

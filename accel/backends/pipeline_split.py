@@ -288,12 +288,12 @@ def _entry_hook(run: StageRun, stage: int):
     return hook
 
 
-def run_stage(shell: nn.Module, run: StageRun, stage: int, received, args: tuple, kwargs: dict):
+def run_stage(shell: nn.Module, run: StageRun, stage: int, received, args: tuple, kwargs: dict, call=None):
     """Run the model's forward as stage `stage`: returns what this stage sends on (the model's output on the
-    last stage)."""
+    last stage). `call`: the forward to run, when a part wrapped the model's (it calls the model's own in turn)."""
     run.start(stage, received)
     try:
-        output = type(shell).forward(shell, *args, **kwargs)
+        output = call(*args, **kwargs) if call is not None else type(shell).forward(shell, *args, **kwargs)
     except StageDone as done:
         output = done.activation
         last = False

@@ -170,10 +170,9 @@ def fsdp_state_members(given: Any, config: Any, backend: Any) -> dict:
     otherwise. The state's `distributed_type` is then FSDP and `is_fsdp2` true, as in Accelerate, so code that
     branches on them (transformers' Trainer) saves and loads through every process."""
     plugin = given
-    par = config.parallelism
-    sharded = getattr(backend, "data_parallel", None) == "fsdp" and (par.zero_stage >= 2 or par.tp_size > 1)
-    if plugin is None and sharded:
-        plugin = derived_plugin(par)
+    plan = getattr(backend, "data_parallel", None)  # a DataParallelPlan (none on a pipeline backend)
+    if plugin is None and plan is not None and plan.fsdp:
+        plugin = derived_plugin(config.parallelism)
     return {"fsdp_plugin": plugin, "is_fsdp2": plugin is not None}
 
 

@@ -5,17 +5,17 @@ torchrun's `--signals_to_handle`, its list of the signals it turns into "stop th
 
 1. The first one, once a worker has read `accelerator.preemption_requested` (it leaves `listening_rank<R>` in the
    folder): the request file is written (accel/runtime/preemption.py: every rank's property turns True at the same
-   step), one line says so, and the workers keep running. Without a listening worker it stops them as before.
+   step), one line says so, and the workers keep running. Without a listening worker it stops them as in 2.
 2. A second signal, or `grace_period` seconds after the first: the workers are stopped as torchrun stops them (the
    SignalException torchrun's handler raises: SIGTERM to the workers, SIGKILL 30 s later); exit code 128 + the
-   signal's number, as before. First the `stop` mark goes into the folder: a worker that takes SIGTERM itself (it
+   signal's number. First the `stop` mark goes into the folder: a worker that takes SIGTERM itself (it
    may have got the same signal from the scheduler, see accel/runtime/preemption.py) then stops at once. The mark is
    also left around every other stop of the workers by torchrun's agent (job_reaper.py).
 3. The workers all exit 0 and at least one saw the request (this launcher's, or another machine's, which reached
    them through the all_reduce): the exit code is `EXIT_CODE` (75); with `requeue` under SLURM, machine_rank 0
    first runs `scontrol requeue <job id>`.
 
-A launcher started by `--hostfile` (its head stops it by SIGTERM) keeps the old behaviour.
+A launcher started by `--hostfile` (its head stops it by SIGTERM) stops its workers at the first SIGTERM.
 """
 
 from __future__ import annotations

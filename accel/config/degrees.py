@@ -118,3 +118,20 @@ def check_expert_degree(ep_size: int, dp_size: int, source: str = "parallelism")
         allowed = ", ".join(str(d) for d in range(1, dp_size + 1) if dp_size % d == 0)
         raise ConfigError(f"{source}.ep_size={ep_size} does not divide the data-parallel degree {dp_size} (the ranks "
                           f"experts are divided among); allowed: {allowed}")
+
+
+def check_world_layout(parallelism: ParallelismConfig, num_processes: int, source: str = "config") -> None:
+    """tp x pp x sp/cp (x the data-parallel sizes, and ep within them) must fit `num_processes`, one process
+    included: a config file alone (no launch) may leave num_processes at 1 for a world torchrun sets, but a launch
+    starts exactly that many. Every degree's arithmetic is here, so a new degree is checked in this module only."""
+    par = parallelism
+    seq = sequence_parallel_size(par)
+    if not divides_world(num_processes, par.tp_size, par.pp_size, seq):
+        needed = model_parallel_size(par.tp_size, par.pp_size, seq)
+        names = "tp_size x pp_size" + ("" if seq == 1 else " x cp_size" if par.cp_size > 1 else " x sp_size")
+        raise ConfigError(f"{source}: key 'num_processes': {num_processes} is not divisible by {names} = "
+                          f"{needed}; allowed: num_processes a multiple of {needed}, or a smaller "
+                          f"{names.replace(' x ', '/')}")
+    data_parallel_sizes(par, num_processes, f"{source}: parallelism")
+    dp = num_processes // model_parallel_size(par.tp_size, par.pp_size, seq)
+    check_expert_degree(getattr(par, "ep_size", 1), dp, f"{source}: parallelism")

@@ -13,7 +13,8 @@ config uses Accelerate's fields (dp_replicate_size / dp_shard_size), the mesh ha
 (dp_replicate, dp_shard: those above 1) and, flattened from them as Accelerate's `build_device_mesh` does,
 `dp` (the whole data-parallel group: data loading, DDP, metrics), `dp_shard_cp` and `dp_cp`. Size-1 dimensions
 are left out. With a sequence degree, `dp_cp` (the data-parallel ranks and the sequence ranks together) is where
-gradients are reduced and FSDP2 shards, as torchtitan does: each sequence rank computes part of every gradient.
+gradients are reduced and FSDP2 shards, as torchtitan does: each sequence rank computes part of every gradient (under
+HSDP, FSDP2 shards over `dp_shard_cp` and replicates over `dp_replicate`).
 
 Expert parallelism (ep_size) takes its ranks from the data-parallel ones, as torchtitan does: data-parallel rank d
 has ep coordinate d % ep (the ep ranks are neighbours) and edp coordinate d // ep (which copy of the experts it

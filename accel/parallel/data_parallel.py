@@ -6,7 +6,8 @@ and the config check read this plan (the only reader of `zero_stage` below the c
 - zero1: DDP with ZeRO-1's optimizer, which shards its state over the gradient ranks;
 - fsdp:  FSDP2 shards parameters and gradients (ZeRO 2/3, dp_shard_size > 1, or tensor parallelism's DTensors, which
          DDP does not take) over the data-parallel (and sequence) ranks;
-- hsdp:  FSDP2 over the 2-D dp_replicate x dp_shard mesh (shards within a row, all-reduces across rows).
+- hsdp:  FSDP2 over the 2-D dp_replicate x dp_shard mesh (shards within a row, all-reduces across rows; with
+         sequence ranks, dp_replicate x dp_shard_cp: they shard with dp_shard).
 
 Under fault tolerance (torchft) the kind is DDP across replica groups, or FSDP2 inside each group with ZeRO 2/3.
 """

@@ -7,8 +7,8 @@ Every method does nothing by default, so a dimension implements only the moments
   recipe runs (`prepare`); its step of the recipe, after float8 conversion and before activation checkpointing and
   data parallelism (`transform`); under FSDP2, shard its own modules over its own mesh first (`shard_first`); after
   the recipe, on the unwrapped model (`install`); several prepared models made one (`adopt`: a pipeline's stages);
-- data and loss: cut a batch (`cut_batch`), reduce a loss (`reduce_loss`, `reduce_token_loss`), shift labels over
-  what the ranks hold together (`shift_labels`);
+- data and loss: cut a batch (`cut_batch`), the loss function given to prepare (`note_loss_fn`), reduce a loss
+  (`reduce_loss`, `reduce_token_loss`), shift labels over what the ranks hold together (`shift_labels`);
 - the step: around a backward, reduce the gradients it owns (`around_backward`); its share of the gradient norm
   (`norm_claims`, `norm_share`);
 - checkpoints: whether a rank holds only part of the state (`splits_state`, `held_names`), its local tensors as
@@ -60,6 +60,10 @@ class Part:
     def cut_batch(self, batch):
         """This rank's part of a batch."""
         return batch
+
+    def note_loss_fn(self, loss_fn) -> None:
+        """The loss function given to prepare: `model(x, target=y)` computes the loss with it (and `reduce_loss`
+        reduces it), outside the model's forward."""
 
     def reduce_loss(self, loss: torch.Tensor, target) -> torch.Tensor:
         """The loss `loss_fn` computed on this rank's part of the data, as the step needs it."""

@@ -39,6 +39,7 @@ import torch.utils.checkpoint
 
 from accel.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, real_length
 from accel.parallel.sequence_layout import shift_labels as shift_whole_labels
+from accel.parallel.sequence_router_loss import LOSS_FUNCTION, computes_router_loss, excess, whole_sequence
 from accel.config.errors import ConfigError
 
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -100,11 +101,16 @@ class SequenceParallel:
         self.ring = getattr(parallelism, "cp_comm_strategy", "allgather") == "ring" and self.kind == "cp"
         handler = getattr(parallelism, "sp_handler", None)  # Accelerate 1.16's DeepSpeedSequenceParallelConfig
         self.allow_recurrent = bool(getattr(handler, "sp_allow_recurrent_layers", False))
+        # pipeline stages run several micro-batches' forwards before their backwards: a layer recomputed in backward
+        # (activation checkpointing) would see the latest micro-batch's mask (`context`)
+        self.recomputes_across_microbatches = getattr(topology, "pp_size", 1) > 1 and \
+            getattr(parallelism, "activation_checkpointing", "no") not in (None, "no", False)
         self.shifts_labels = False  # set when a model that shifts its labels (a causal LM) is prepared
         self.adds_positions = False  # set when a transformers model (positions from the local length) is prepared
         self.context: StepContext | None = None  # kept after forward: activation checkpointing recomputes in backward
         self._in_forward = False
         self._warned_no_labels = False
+        self.loss_fn_given = False  # prepare's loss_fn computes the loss from the outputs (reduce_loss reduces it)
 
     # -- data -------------------------------------------------------------------------------------------------
     def cut_batch(self, batch):
@@ -151,19 +157,22 @@ class SequenceParallel:
 
     def _refuse_router_loss(self, model: torch.nn.Module, config, in_forward: bool = False) -> None:
         """A MoE model's router auxiliary (load-balancing) loss is a product of means over all tokens: computed on
-        each rank's slice and added to the slice's loss, the loss counts it once per rank and its gradient is not the
-        whole sequence's (tiny Mixtral, sp 2: 4.592 against one process's 4.392, no error). The plain MoE runs."""
+        each rank's slice and added to the slice's loss, the loss would count it once per rank and its gradient would
+        not be the whole sequence's (tiny Mixtral, sp 2: 4.592 against one process's 4.392, no error). A model whose
+        modeling module has transformers' `load_balancing_loss_func` gets it over the whole sequence
+        (sequence_router_loss.py); another is refused."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if not (in_forward or getattr(text, "output_router_logits", False)) or \
-                not getattr(text, "router_aux_loss_coef", 0):
+                not getattr(text, "router_aux_loss_coef", 0) or computes_router_loss(model):
             return
         where = "forward's output_router_logits" if in_forward else f"{type(text).__name__}.output_router_logits"
         raise ConfigError(
             f"{kind_name(self.kind)}: {type(model).__name__} adds its router's "
             f"auxiliary loss ({where}=True, router_aux_loss_coef="
             f"{text.router_aux_loss_coef}), which each {self.kind} rank would compute on its slice only (counted "
-            f"{self.kind}_size times, a gradient that is not the whole sequence's); allowed: output_router_logits "
-            f"False or router_aux_loss_coef 0, or {self.kind}_size 1")
+            f"{self.kind}_size times, a gradient that is not the whole sequence's), and its modeling module has no "
+            f"{LOSS_FUNCTION} to compute it over the whole sequence; allowed: output_router_logits False or "
+            f"router_aux_loss_coef 0, or {self.kind}_size 1")
 
     def _check_heads(self, config) -> None:
         if self.kind != "sp":
@@ -196,6 +205,10 @@ class SequenceParallel:
 
         AttentionInterface.register(name, attention)
         config._attn_implementation = name
+        for module in model.modules():  # a pipeline stage's copy of the model: its layers keep the user's config
+            other = getattr(module, "config", None)
+            if other is not None and other is not config and getattr(other, "_attn_implementation", None) == original:
+                other._attn_implementation = name
 
     def _patch_sdpa(self) -> None:
         global _PLAIN
@@ -223,10 +236,15 @@ class SequenceParallel:
                 positions = sequence.layout.indices(length, device=reference.device)
                 kwargs["position_ids"] = positions.expand(reference.shape[0], -1)
             sequence.context = sequence._context(length, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            if sequence.context.needs_mask() and sequence.recomputes_across_microbatches:
+                raise ConfigError(
+                    f"{kind_name(sequence.kind)} with pipeline stages and activation checkpointing: a padding or "
+                    "packed-document mask would be recomputed in backward with another micro-batch's mask; allowed: "
+                    "batches without padding or packing, or activation_checkpointing 'no'")
             labels = kwargs.get("labels")
             if transformers_model and kwargs.get("output_router_logits") and isinstance(labels, torch.Tensor):
                 sequence._refuse_router_loss(model, model.config, in_forward=True)
-            if takes_labels and labels is None and kwargs.get("shift_labels") is None:
+            if takes_labels and labels is None and kwargs.get("shift_labels") is None and not sequence.loss_fn_given:
                 sequence._warn_no_labels(type(model).__name__)
             summed = False
             count = None
@@ -250,11 +268,15 @@ class SequenceParallel:
                     summed = True
             sequence._in_forward = True
             try:
-                outputs = inner(*args, **kwargs)
+                with whole_sequence(model, sequence.group, reference.shape[0]):
+                    outputs = inner(*args, **kwargs)
             finally:
                 sequence._in_forward = False
             loss = _loss_of(outputs)
             if loss is not None and isinstance(labels, torch.Tensor):
+                given_back = excess(model, outputs, sequence.degree) if summed else None
+                if given_back is not None:  # the router term is the same on every rank: the sum counts it once
+                    loss = loss - given_back.to(loss.device)
                 reduced = sequence.reduce_loss(loss, None if summed else count, summed=summed)
                 outputs = _with_loss(outputs, reduced)
             return outputs

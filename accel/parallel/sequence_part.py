@@ -38,6 +38,10 @@ class SequencePart(Part):
     def install(self, model: torch.nn.Module) -> None:
         self.group.install(model)
 
+    def note_loss_fn(self, loss_fn) -> None:
+        """With a loss function, a forward without labels is not a loss accel misses: `reduce_loss` reduces it."""
+        self.group.loss_fn_given = loss_fn is not None
+
     def reduce_loss(self, loss: torch.Tensor, target) -> torch.Tensor:
         """The whole sequence's mean loss, weighted by each slice's counted tokens when the target is labels."""
         counted = isinstance(target, torch.Tensor) and not target.is_floating_point()

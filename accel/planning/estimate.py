@@ -462,16 +462,12 @@ def _stage_rows(params: list[Param], tp: int, dp: int, ep: int = 1) -> dict:
 
 def check_sequence_degrees(sp: int, cp: int, pp: int = 1) -> int:
     """The sequence degree (sp x cp) of a layout accel runs (accel.backends.check_available's rules): one of
-    sequence and context parallelism, without pipeline stages; else one EstimateError naming the flags."""
+    sequence and context parallelism (with pipeline stages too); else one EstimateError naming the flags."""
     if sp < 1 or cp < 1:
         raise EstimateError(f"--sp_size {sp} --cp_size {cp}: bad value; allowed: integers >= 1")
     if sp > 1 and cp > 1:
         raise EstimateError(f"--sp_size {sp} and --cp_size {cp}: sequence and context parallelism both split the "
                             "sequence; allowed: one of them above 1")
-    if pp > 1 and sp * cp > 1:
-        flag = f"--sp_size {sp}" if sp > 1 else f"--cp_size {cp}"
-        raise EstimateError(f"--pp_size {pp} with {flag}: pipeline stages with sequence or context parallelism are "
-                            "not available in accel; allowed: --pp_size 1, or --sp_size 1 --cp_size 1")
     return sp * cp
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from accel.planning.estimate import EstimateError
+from accel.planning.inputs import EstimateError
 
 GB = 1e9
 EFFICIENCY = 0.5           # achieved / peak FLOP/s of a training step's large matmuls

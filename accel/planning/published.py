@@ -111,8 +111,8 @@ NOT_CLAIMED = {
 }
 # Tables the model does not predict at all.
 NOT_MODELLED = {
-    "6": "FSDP + TP + PP + CP on 405B: accel runs no pipeline stages with context parallelism, so the planner has "
-         "no such layout to predict",
+    "6": "FSDP + TP + PP + CP on 405B: the planner has no term for context parallelism's attention cost growing "
+         "with its degree (Table 2's CP 4 and 8), so it claims no row with CP 8",
 }
 
 
@@ -149,7 +149,7 @@ def table() -> list[dict]:
 
 
 def markdown() -> str:
-    """The table docs/plan.md shows, and the rows not claimed under it (tests/unit/test_plan_published.py compares
+    """The table docs/plan.md shows, and the rows not claimed under it (tests/unit/planning/test_published.py compares
     it with the page)."""
     lines = ["| table | model | GPUs | run | tokens/s/GPU published | predicted | ratio | memory GiB published | "
              "predicted | ratio |", "|---|---|--:|---|--:|--:|--:|--:|--:|--:|"]

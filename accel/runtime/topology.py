@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from accel.config.mesh_layout import DATA_PARALLEL_DIMS, MeshLayout
 
+HSDP_SEQUENCE_MESH = "(dp_replicate, dp_shard_cp)"  # HSDP's 2-D mesh with the sequence ranks (kept with the flattened)
+
 
 @dataclass
 class Topology(MeshLayout):
@@ -75,9 +77,18 @@ class Topology(MeshLayout):
 
     def fsdp_mesh(self, device_type: str):
         """The mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP (shards within a row, all-reduces
-        across rows), else the 1-D data-parallel dimension (with the sequence ranks: dp_cp)."""
+        across rows), else the 1-D data-parallel dimension. The sequence ranks compute parts of the same gradients,
+        so they shard with the data-parallel ones, as torchtitan does: dp_cp, or for HSDP (dp_replicate,
+        dp_shard_cp)."""
         mesh = self.mesh(device_type)
-        if self.seq_size > 1:  # the sequence ranks compute parts of the same gradients: sharded with dp, as torchtitan
+        if self.seq_size > 1 and self.sizes["dp_replicate"] > 1 and self.sizes["dp_shard"] > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if HSDP_SEQUENCE_MESH not in self._flat:  # made once: FSDP2 of every prepared model shares its groups
+                self._flat[HSDP_SEQUENCE_MESH] = DeviceMesh._concatenate([mesh["dp_replicate"],
+                                                                          self._flat["dp_shard_cp"]])
+            return self._flat[HSDP_SEQUENCE_MESH]
+        if self.seq_size > 1:
             return self.submesh("dp_cp", device_type)
         if self.accelerate_names:
             data = tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1)
