@@ -4,9 +4,9 @@
     python benchmarks/bench_teardown.py --jobs 50
 
 On torch 2.13, destroying the process group while a DDP reducer was still alive sometimes killed a rank with SIGABRT
-at exit; accel releases every reducer first (tests/unit/test_release_at_destroy.py checks the order on one process,
-tests/multiproc/test_ddp.py runs a few such jobs). This repeats the job many times and prints the exit codes and the
-wall time of each: the target is every one 0. A reliability measurement: it asserts nothing.
+at exit; accel releases every reducer first (tests/unit/runtime/test_release_at_destroy.py checks the order on one
+process, tests/multiproc/parallelism/test_ddp.py runs a few such jobs). This repeats the job many times and prints the
+exit codes and the wall time of each: the target is every one 0. A reliability measurement: it asserts nothing.
 """
 
 from __future__ import annotations

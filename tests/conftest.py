@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from suite_budget import SuiteBudget, add_budget_option
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,9 +24,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # to its two workers in collection order (--no-loadscope-reorder in pyproject.toml), and one of these started last
 # would run on alone after the rest is done
 LONGEST_FIRST = ("test_accelerate_unit_suite.py", "test_examples.py", "test_hf_models.py", "test_trainer.py",
-                 "test_hf_models_compiled.py", "test_doc_blocks.py", "test_plan_measure.py", "test_expert.py",
+                 "test_hf_models_compiled.py", "test_doc_blocks.py", "test_measure.py", "test_expert.py",
                  "test_sequence.py", "test_pipeline.py", "test_fault_tolerance.py", "test_ray_train.py",
                  "test_preemption.py")
+
+
+def pytest_addoption(parser) -> None:
+    add_budget_option(parser)
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(SuiteBudget(), "suite_budget")  # fails a whole-suite run far over its budget
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

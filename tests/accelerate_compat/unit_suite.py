@@ -8,9 +8,9 @@ tests with the lists checked in beside this file.
     python tests/accelerate_compat/unit_suite.py --impl accelerate --write-passing   # re-measure the reference list
 
 The source distribution is downloaded with pip (never copied into this repository) and unpacked once into a cache
-folder (ACCEL_UNIT_SUITE_CACHE, default a folder in the system temp dir). Each slow test file (FILE_SECONDS) runs in its
-own pytest process, the quick ones together in one, each process with a time limit (a hung file fails its tests, the
-others still report), CPU-only, offline, one thread.
+folder (ACCEL_UNIT_SUITE_CACHE, default a folder in the system temp dir). The listed tests run in as many pytest
+processes as run side by side (`--jobs`), their files packed by time (FILE_SECONDS), each process with a time limit (a
+hung file fails its tests, the other processes still report), CPU-only, offline, one thread.
 
 Accelerate's test helpers (`accelerate.test_utils`, which the shim loads from a real Accelerate installation) must be
 the tests' own release: where the installed accelerate is another release, pip installs the wanted one (`pip install
@@ -18,7 +18,7 @@ the tests' own release: where the installed accelerate is another release, pip i
 shim's `real_accelerate_dir()` finds it before site-packages') or alone (for `--impl accelerate`: the real release
 itself is the one under test). On accel the shim answers as the tests' release (`ACCEL_ACCELERATE_VERSION`).
 
-`--changed-only` (what tests/multiproc/test_accelerate_unit_suite.py runs for 1.16.0): only the listed tests whose
+`--changed-only` (what tests/multiproc/ecosystem/test_accelerate_unit_suite.py runs for 1.16.0): only the listed tests whose
 code differs from 1.15.0's (changed_tests: new tests, changed test functions or classes, changed definitions of the
 test file or of accelerate.test_utils they use, by syntax tree); the rest are 1.15.0's tests, which that release's
 run covers.
@@ -58,6 +58,7 @@ SKIP_FILES = ("test_activation_checkpointing_offload.py", "test_examples.py", "t
               "test_tpu.py")
 FILE_TIMEOUT = 300  # seconds per test file
 TEST_TIMEOUT = 90  # seconds per test (the plugin's SIGALRM)
+QUICK_FILE_SECONDS = 2  # a file not in FILE_SECONDS
 # rough seconds per file (the listed tests, measured on a 2-core machine): the slowest start first.
 FILE_SECONDS = {"test_accelerator.py": 21, "test_state_checkpointing.py": 14, "test_data_loader.py": 8,
                 "test_scheduler.py": 10, "test_memory_utils.py": 10, "test_modeling_utils.py": 9, "test_utils.py": 9,
@@ -338,6 +339,20 @@ def run_file(root: Path, name: str, ids: list[str], env: dict, work: Path, timeo
     return name, results, time.monotonic() - start, tail
 
 
+def packed(files: list[tuple[str, list[str]]], processes: int) -> list[tuple[str, list[str], int]]:
+    """The files' tests in at most `processes` groups of about equal time (FILE_SECONDS, QUICK_FILE_SECONDS for the
+    others; the slowest placed first), each group one pytest process: (name, test ids, number of files). What a
+    process costs of its own is mostly its imports (torch, accelerate's test helpers, transformers: about 4 s of CPU
+    each), and as many processes as run side by side keep the cores as busy as one per file did."""
+    groups: list[tuple[float, list[str], list[str]]] = [(0.0, [], []) for _ in range(max(1, processes))]
+    for name, tests in sorted(files, key=lambda item: -FILE_SECONDS.get(item[0], QUICK_FILE_SECONDS)):
+        load, names, ids = min(groups, key=lambda group: group[0])
+        groups.remove((load, names, ids))
+        groups.append((load + FILE_SECONDS.get(name, QUICK_FILE_SECONDS), [*names, name], [*ids, *tests]))
+    groups.sort(key=lambda group: -group[0])
+    return [(", ".join(names)[:120], ids, len(names)) for _, names, ids in groups if names]
+
+
 def run_suite(impl: str = "accel", only: list[str] | None = None, files: list[str] | None = None, jobs: int = 2,
               timeout: int = FILE_TIMEOUT, verbose: bool = False, version: str = VERSION) -> dict[str, dict]:
     """{test id: result} of the tests `only` (ids), or of every test in Accelerate `version`'s test files (all but
@@ -348,24 +363,19 @@ def run_suite(impl: str = "accel", only: list[str] | None = None, files: list[st
         for test in only:
             by_file.setdefault(test.split("::")[0].split("/")[-1], []).append(test)
         chosen = [(name, tests) for name, tests in sorted(by_file.items()) if not files or name in files]
-        # the quick files share one pytest process (each file's own costs mostly the imports of torch, accelerate's
-        # test helpers and transformers): the slow ones keep theirs, so they still run side by side
-        quick = [item for item in chosen if item[0] not in FILE_SECONDS]
-        work_items = [item for item in chosen if item[0] in FILE_SECONDS]
-        if quick:
-            work_items.append((f"{len(quick)} quick files", [test for _, tests in quick for test in tests]))
+        work_items = packed(chosen, jobs)
     else:
         names = files or sorted(p.name for p in (root / "tests").glob("test_*.py") if p.name not in SKIP_FILES)
-        work_items = [(name, []) for name in names]
-    # the slowest files first, so two workers finish together
-    work_items.sort(key=lambda item: -FILE_SECONDS.get(item[0], 0))
+        # the slowest files first, so the workers finish together
+        work_items = [(name, [], 1) for name in sorted(names, key=lambda name: -FILE_SECONDS.get(name, 0))]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "home").mkdir()
         env = suite_env(impl, work / "home", version, package)
         results = {}
         with ThreadPoolExecutor(jobs) as pool:
-            futures = [pool.submit(run_file, root, *item, env, work, timeout) for item in work_items]
+            futures = [pool.submit(run_file, root, name, ids, env, work, timeout * file_count)  # per file, as alone
+                       for name, ids, file_count in work_items]
             for future in as_completed(futures):
                 name, found, seconds, tail = future.result()
                 results.update(found)

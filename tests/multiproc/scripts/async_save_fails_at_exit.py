@@ -1,5 +1,5 @@
-"""Worker for tests/multiproc/test_failed_save_exit_code.py: an asynchronous save_state that fails after the script
-ended, with no wait left to raise it.
+"""Worker for tests/multiproc/checkpoints/test_failed_save_exit_code.py: an asynchronous save_state that fails after the
+script ended, with no wait left to raise it.
 
 Trains one step, saves OUT/ckpt synchronously (the previous checkpoint), then asynchronously again with the main
 process's publication failing (a full disk, simulated as the other failure tests do: `layout.write_manifest` raises

@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_async_save_multiproc.py: asynchronous save_state while training goes on.
+"""Worker for tests/multiproc/checkpoints/test_async_save_multiproc.py: asynchronous save_state while training goes on.
 
 Each job trains an MLP (under the launch's backend: DDP, or ParallelismConfig zero_stage / tp_size from the flags),
 then at step 3 saves the same state twice, synchronously to OUT/sync and asynchronously to OUT/async, trains 3 more

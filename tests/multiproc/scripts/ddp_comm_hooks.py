@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_ddp_comm_hooks.py: every DDP communication hook on CPU processes (gloo).
+"""Worker for tests/multiproc/training/test_ddp_comm_hooks.py: every DDP communication hook on CPU processes (gloo).
 
 For each variant (comm_hook, comm_wrapper, comm_state_option), in one launch: train a small MLP through accel with
 `DistributedDataParallelKwargs(comm_hook=..., ...)`, then train the same model on the same per-rank batches with

@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_ddp.py: trains a small MLP under Accelerator and records what it saw.
+"""Worker for tests/multiproc/parallelism/test_ddp.py: trains a small MLP under Accelerator and records what it saw.
 
 Writes, from the main process: weights.safetensors (final unwrapped weights) and record.json (per-step
 losses gathered from all ranks, learning rates, gradient-sync observations, gather_for_metrics results).

@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_deepspeed_dummy.py: Accelerate's DeepSpeed-config loop, with DummyOptim and
+"""Worker for tests/multiproc/ecosystem/test_deepspeed_dummy.py: Accelerate's DeepSpeed-config loop, with DummyOptim and
 DummyScheduler standing for the JSON's `optimizer` / `scheduler` sections (built by accel at prepare()). The JSON
 comes from `--ds_config` (DeepSpeedPlugin(hf_ds_config=...)) or, without it, from `accel launch
 --deepspeed_config_file` (Accelerate's automatic plugin: `Accelerator()`).

@@ -1,4 +1,5 @@
-"""A ZeRO-3 job whose rank 1 raises (tests/multiproc/test_launch_failure_output.py), run with --max_restarts 1.
+"""A ZeRO-3 job whose rank 1 raises, run with --max_restarts 1
+(tests/multiproc/launching/test_launch_failure_output.py).
 
 Attempt 0: rank 1 raises right after `prepare` while rank 0 sleeps outside any collective, so torchrun's agent stops
 rank 0 (SIGTERM) and restarts the group. Attempt 1: rank 1 raises at step 1 while rank 0 goes on into the model's

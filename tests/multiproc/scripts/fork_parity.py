@@ -1,4 +1,4 @@
-"""What a launched worker leaves behind and prints, forked or fresh (tests/multiproc/test_job_lifetime.py).
+"""What a launched worker leaves behind and prints, forked or fresh (tests/multiproc/launching/test_job_lifetime.py).
 
 Each rank: starts a `sleep 1000` child and writes [its pid, the child's pid] to OUT/pids_rank<R>.json (the job's end
 must end the child), logs through a `MemoryHandler` that only flushes when logging shuts down at exit, uses a

@@ -1,5 +1,5 @@
-"""Worker for tests/multiproc/test_fault_tolerance.py: a small MLP or a tiny transformers Llama (`--model llama`)
-trained by an unchanged Accelerate loop, under fault tolerance (accel launch --fault_tolerance) or plain DDP.
+"""Worker for tests/multiproc/training/test_fault_tolerance.py: a small MLP or a tiny transformers Llama (`--model
+llama`) trained by an unchanged Accelerate loop, under fault tolerance (accel launch --fault_tolerance) or plain DDP.
 
 Under fault tolerance the loop runs until the quorum committed --steps steps (`committed_steps`, which a healed
 group receives with the weights). `--kill-after K`: on its first attempt, the last process of the last replica group

@@ -1,6 +1,6 @@
-"""A job that hangs (tests/multiproc/test_hang_report.py): rank 1 sleeps instead of joining the all_reduce that rank 0
-waits in. That all_reduce runs on a group made after PartialState's (as DeviceMesh makes TP/ZeRO groups), so the
-test also shows that collective_timeout reaches such groups (torch gives them 30 minutes on gloo otherwise).
+"""A job that hangs (tests/multiproc/launching/test_hang_report.py): rank 1 sleeps instead of joining the all_reduce
+that rank 0 waits in. That all_reduce runs on a group made after PartialState's (as DeviceMesh makes TP/ZeRO groups), so
+the test also shows that collective_timeout reaches such groups (torch gives them 30 minutes on gloo otherwise).
 
 `--exit CODE`: rank 1 exits with CODE after the sleep instead (a rank that leaves while rank 0 waits); with `--late`,
 rank 0 enters the all_reduce only once rank 1's process is gone (reaped by torchrun's agent). `--signal NAME`: rank 1

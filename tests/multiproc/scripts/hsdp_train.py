@@ -1,6 +1,6 @@
-"""Worker for tests/multiproc/test_hsdp.py, written for Accelerate (run through `accel launch --accelerate_shim`
-on 4 CPU processes): HSDP, `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`, trains a tiny Llama for
-STEPS AdamW steps (clipping, a scheduler, a prepared data loader with one sample per process per step), saves
+"""Worker for tests/multiproc/parallelism/test_hsdp.py, written for Accelerate (run through `accel launch
+--accelerate_shim` on 4 CPU processes): HSDP, `ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`, trains a tiny
+Llama for STEPS AdamW steps (clipping, a scheduler, a prepared data loader with one sample per process per step), saves
 the training state after SAVE_AT steps and the model at the end. Then a second Accelerator with another layout
 (DDP over the 4 processes, `dp_replicate_size=4`) resumes from that checkpoint and finishes the run.
 

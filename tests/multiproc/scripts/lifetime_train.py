@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_job_lifetime.py: what must not outlive the job.
+"""Worker for tests/multiproc/launching/test_job_lifetime.py: what must not outlive the job.
 
 Each rank starts a `sleep 1000` child and writes [its pid, the child's pid] to OUT/pids_rank<R>_attempt<A>.json
 (A: ACCEL_RESTART_COUNT), then:

@@ -1,5 +1,5 @@
-"""Worker for tests/multiproc/test_local_sgd.py, written for Hugging Face Accelerate (run through the shim): the
-loop of Accelerate's by_feature/local_sgd.py example on a small MLP. Each rank writes its final weights and the
+"""Worker for tests/multiproc/training/test_local_sgd.py, written for Hugging Face Accelerate (run through the shim):
+the loop of Accelerate's by_feature/local_sgd.py example on a small MLP. Each rank writes its final weights and the
 sample indices it trained on, in order, to OUT/rank<R>.safetensors / OUT/rank<R>.json."""
 
 import argparse

@@ -1,6 +1,6 @@
 """save_state under DDP on 2 processes, the way Accelerate allows it: on every process, and on the main process
 alone (diffusers' example scripts), with save/load pre-hooks that save the model their own way on the main process
-only and pop its weights (as diffusers' hooks do). Writes a JSON report to --out for tests/multiproc/test_main_process_save.py."""
+only and pop its weights (as diffusers' hooks do). Writes a JSON report to --out for tests/multiproc/checkpoints/test_main_process_save.py."""
 
 import argparse
 import json

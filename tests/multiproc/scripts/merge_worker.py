@@ -1,5 +1,5 @@
-"""Worker for tests/multiproc/test_merge_weights.py: a tiny LM with tied embedding/head under ZeRO-3 (FSDP2) on
-2 processes, trained a few steps, then saved sharded twice: accel's save_state (OUT/ckpt) and a plain DCP folder of
+"""Worker for tests/multiproc/checkpoints/test_merge_weights.py: a tiny LM with tied embedding/head under ZeRO-3 (FSDP2)
+on 2 processes, trained a few steps, then saved sharded twice: accel's save_state (OUT/ckpt) and a plain DCP folder of
 the model's sharded state dict as Accelerate's FSDP SHARDED_STATE_DICT writes it (OUT/pytorch_model_fsdp_0:
 {"model": state_dict} in .distcp files + .metadata). The reference, the gathered full state dict, goes to
 OUT/full.safetensors (every name, tied ones as copies), and one JSON line to OUT/record.json."""

@@ -115,7 +115,7 @@ def make_model(kind: str):
     common = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, vocab_size=VOCAB, output_router_logits=True,
                   router_aux_loss_coef=0.1, use_cache=False, attn_implementation="eager")
-    if kind.startswith("mixtral-"):  # for sp/cp/pp: no router auxiliary loss (refused there), SDPA attention
+    if kind.startswith("mixtral-"):  # no router auxiliary loss, SDPA attention (pipeline runs: loss_fn on logits)
         common.update(output_router_logits=False, router_aux_loss_coef=0.0, attn_implementation="sdpa")
     if kind == "mixtral-deep":  # 4 layers: 2 stages per process (Interleaved1F1B, pp 2)
         common.update(num_hidden_layers=4)

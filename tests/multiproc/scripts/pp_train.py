@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_pipeline.py: an nn.Sequential or a GPT-style toy trained under pipeline
+"""Worker for tests/multiproc/parallelism/test_pipeline.py: an nn.Sequential or a GPT-style toy trained under pipeline
 parallelism (with DP, ZeRO-1 or TP per the flags). Writes weights.safetensors (full weights, original names),
 record.json (per-rank losses, norms, eval outputs) and, with --save, a save_state checkpoint. `--jobs FILE`:
 several runs in one launch (scripts/_jobs.py)."""

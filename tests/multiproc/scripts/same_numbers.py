@@ -1,9 +1,9 @@
-"""Worker for tests/multiproc/test_same_numbers.py, written for Accelerate: run as it is on the real Accelerate, and
-on accel through the shim. A net with dropout, a shuffled loader, accumulation and a scheduler; it prints one JSON
-line (main process) with every step's gathered loss and a digest of the final weights, so the two can be compared
-number for number. `--save DIR` also saves the state after epoch 1's fourth batch; `--load DIR` builds everything
-from another seed, loads that state and finishes the run: accel promises that equals the uninterrupted run bit
-for bit (Accelerate's does not: its resumed loader draws from the global RNG again).
+"""Worker for tests/multiproc/training/test_same_numbers.py, written for Accelerate: run as it is on the real
+Accelerate, and on accel through the shim. A net with dropout, a shuffled loader, accumulation and a scheduler; it
+prints one JSON line (main process) with every step's gathered loss and a digest of the final weights, so the two can be
+compared number for number. `--save DIR` also saves the state after epoch 1's fourth batch; `--load DIR` builds
+everything from another seed, loads that state and finishes the run: accel promises that equals the uninterrupted run
+bit for bit (Accelerate's does not: its resumed loader draws from the global RNG again).
 """
 
 import argparse

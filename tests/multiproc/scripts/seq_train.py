@@ -112,7 +112,7 @@ def make_samples(kind: str, mask: str, length: int) -> list:
     return samples
 
 
-LOOPS = ["dict", "tuple", "list", "namedtuple", "shift_labels", "user_loss", "ids_as_labels"]
+LOOPS = ["dict", "tuple", "list", "namedtuple", "shift_labels", "user_loss", "ids_as_labels", "pipeline"]
 Batch = collections.namedtuple("Batch", ["input_ids", "position_ids", "labels"])
 
 
@@ -137,6 +137,8 @@ def collate(loop: str):
 
 def loop_loss(loop: str, model, batch, accelerator):
     """One step's loss, as each loop computes it."""
+    if loop == "pipeline":  # the schedule's loss_fn on the last stage: labels shifted over the whole sequence
+        return model(batch["input_ids"], target=accelerator.shift_labels(batch["labels"]))
     if loop == "tuple":
         (x,) = batch
         return model(input_ids=x, labels=x).loss
@@ -171,7 +173,10 @@ def run(argv):
     parser.add_argument("--sp_size", type=int, default=1)
     parser.add_argument("--cp_size", type=int, default=1)
     parser.add_argument("--tp_size", type=int, default=1)
+    parser.add_argument("--pp_size", type=int, default=1)
     parser.add_argument("--zero_stage", type=int, default=0)
+    parser.add_argument("--dp_replicate_size", type=int, default=None)
+    parser.add_argument("--dp_shard_size", type=int, default=None)
     parser.add_argument("--checkpointing", default="no")
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
@@ -183,12 +188,14 @@ def run(argv):
                                          collate_fn=None if args.model == "sdpa" else collate(args.loop))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     parallelism = ParallelismConfig(sp_size=args.sp_size, cp_size=args.cp_size, tp_size=args.tp_size,
-                                    zero_stage=args.zero_stage, activation_checkpointing=args.checkpointing)
+                                    pp_size=args.pp_size,
+                                    zero_stage=args.zero_stage, activation_checkpointing=args.checkpointing,
+                                    dp_replicate_size=args.dp_replicate_size, dp_shard_size=args.dp_shard_size)
     accelerator = Accelerator(parallelism_config=parallelism)
     loss_fn = None
-    if args.model == "sdpa":
+    if args.model == "sdpa" or args.loop == "pipeline":
         def loss_fn(logits, target):
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), target.reshape(-1))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=loss_fn)
     start = 0
     if args.resume:

@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_tensor.py: an MLP trained under tensor parallelism (tp_size from the
+"""Worker for tests/multiproc/parallelism/test_tensor.py: an MLP trained under tensor parallelism (tp_size from the
 launch flags), alone or with data parallelism on a 2-D mesh. Writes weights.safetensors and record.json."""
 
 import argparse

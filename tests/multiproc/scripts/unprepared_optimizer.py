@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_unprepared_optimizer.py: an optimizer that cannot train the prepared
+"""Worker for tests/multiproc/training/test_unprepared_optimizer.py: an optimizer that cannot train the prepared
 model, on 2 CPU processes, under `accel launch --zero_stage 3`. Each case builds its own Accelerator (an explicit
 ParallelismConfig, which the launch's zero_stage stays under), runs 4 steps, catches what it raises, and writes
 OUT/<case>.rank<R>.json: the error (type, message, the call that raised it) or the losses and the final full weights'

@@ -1,6 +1,6 @@
 """What a launched worker sees of its interpreter, written to OUT/rank<R>.json (and OUT/exit<R>.txt by an atexit
-handler, OUT/thread<R>.txt by a non-daemon thread that outlives the script): tests/multiproc/test_forked_workers.py
-compares a forked worker's answers with a fresh interpreter's."""
+handler, OUT/thread<R>.txt by a non-daemon thread that outlives the script):
+tests/multiproc/launching/test_forked_workers.py compares a forked worker's answers with a fresh interpreter's."""
 
 import atexit
 import json

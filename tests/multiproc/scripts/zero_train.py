@@ -1,4 +1,4 @@
-"""Worker for tests/multiproc/test_zero.py: the DDP loop unchanged, under ZeRO stage 1/2/3 (+ offload).
+"""Worker for tests/multiproc/parallelism/test_zero.py: the DDP loop unchanged, under ZeRO stage 1/2/3 (+ offload).
 
 --mode train  trains, records losses / clipped norms / per-rank bytes, writes weights.safetensors (full,
               gathered) and a checkpoint (save_state) to OUT/ckpt
