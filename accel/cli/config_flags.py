@@ -88,6 +88,12 @@ def section_keys(section: str) -> list[str]:
     return [key for key in config_keys() if key.startswith(f"{section}.") and key not in NO_FLAG]
 
 
+def degree_keys() -> list[str]:
+    """The parallel degrees that have a flag (`parallelism.<x>_size`), in the schema's order: a new degree's
+    flag joins `accel launch`'s training group without a line in launch.py."""
+    return [key for key in section_keys("parallelism") if key.endswith("_size")]
+
+
 def default_of(key: str) -> Any:
     """The spec's default of a config key."""
     section, _, name = key.rpartition(".")

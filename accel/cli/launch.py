@@ -112,9 +112,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     config_flags.add(stop, "preemption_signal", "grace_period", "requeue")
     train = parser.add_argument_group("training")
     config_flags.add(train, "gradient_accumulation_steps", "checkpoint_async", "throughput_monitor",
-                     "throughput_log_every", *(f"parallelism.{key}" for key in (
-                         "zero_stage", "tp_size", "pp_size", "sp_size", "cp_size", "ep_size", "cp_comm_strategy",
-                         "pp_schedule", "pp_microbatches", "activation_checkpointing")),
+                     "throughput_log_every", "parallelism.zero_stage", *config_flags.degree_keys(),
+                     *(f"parallelism.{key}" for key in ("cp_comm_strategy", "pp_schedule", "pp_microbatches",
+                                                        "activation_checkpointing")),
                      "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                      "dynamo_use_regional_compilation")
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,

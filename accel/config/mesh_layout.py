@@ -177,6 +177,26 @@ class MeshLayout:
             return {"dp_cp": ("dp",) + seq}
         return {}
 
+    def aliases(self) -> dict[str, str]:
+        """Dimensions known under a second name: with the sequence ranks alone reducing gradients (no data-parallel
+        dimension), `dp_cp` is the sequence dimension."""
+        names = tuple(name for name, _ in self.mesh_dims())
+        if self.seq_name in names and "dp_cp" not in self.flattened_dims():
+            return {"dp_cp": self.seq_name}
+        return {}
+
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The dimensions FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP, else the 1-D data-parallel
+        dimension. The sequence ranks compute parts of the same gradients, so they shard with the data-parallel
+        ones, as torchtitan does: dp_cp, or for HSDP (dp_replicate, dp_shard_cp)."""
+        if self.seq_size > 1 and self.sizes["dp_replicate"] > 1 and self.sizes["dp_shard"] > 1:
+            return ("dp_replicate", "dp_shard_cp")
+        if self.seq_size > 1:
+            return ("dp_cp",)
+        if self.accelerate_names:
+            return tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1) or ("dp",)
+        return ("dp",)
+
     @property
     def expert_divisor(self) -> int:
         """What expert gradients summed over edp are divided by: the data-parallel x sequence degree, as the

@@ -40,6 +40,29 @@ def _local(value):
     return value
 
 
+def expert_mesh(layout, device_type: str):
+    """The mesh of expert parallelism for a MeshLayout: the data-parallel ranks cut into (edp, ep), ep inner
+    (neighbours exchange tokens), then `tp` (with tensor parallelism), the pipeline stages in a leading `ep_rest`
+    (each stage's MoE layers exchange tokens within the stage), the sequence ranks folded into `edp`. An `ep` group
+    holds each expert once (its ranks exchange tokens by all-to-all); an `edp` group holds replicas of the same
+    experts (the data-parallel ranks with the same ep coordinate, and their sequence ranks: expert gradients are
+    summed there and divided by `expert_divisor`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    edp = layout.dp_size // layout.ep_size
+    ranks = torch.arange(layout.world_size).reshape(layout.pp_size, edp, layout.ep_size, layout.seq_size,
+                                                    layout.tp_size)
+    # (pp, edp x seq, ep, tp): a sequence rank is one more replica of its dp rank's experts
+    ranks = ranks.permute(0, 1, 3, 2, 4).reshape(layout.pp_size, edp * layout.seq_size, layout.ep_size, layout.tp_size)
+    if layout.tp_size > 1:  # its own dimension: experts split within by TP are DTensors over (ep, tp)
+        names: tuple[str, ...] = ("ep_rest", "edp", "ep", "tp")
+    else:
+        ranks, names = ranks[..., 0], ("ep_rest", "edp", "ep")
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
+    return mesh
+
+
 class ExpertPart(Part):
     name = "expert"
     title = "expert parallelism"
@@ -49,6 +72,10 @@ class ExpertPart(Part):
     def __init__(self, topology, state, parallelism, data_parallel) -> None:
         self.topology, self.state, self.data_parallel = topology, state, data_parallel
         self.layouts: list[ExpertLayout] = []  # one per prepared model
+        topology.add_mesh(("ep", "edp"), expert_mesh)
+
+    def _mesh(self):
+        return self.topology.part_mesh("ep", self.state.device.type)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "layouts": []}
@@ -76,7 +103,7 @@ class ExpertPart(Part):
         """FSDP2: the experts (stacked, or each of a ModuleList) sharded over their replicas first."""
         layout = layout_of(model)
         if layout:
-            shard_over_replicas(layout, self.topology.expert_mesh(self.state.device.type),
+            shard_over_replicas(layout, self._mesh(),
                                 self.topology.expert_divisor, options, device=self.state.device)
 
     def adopt(self, whole: torch.nn.Module, models: list[torch.nn.Module]) -> None:
@@ -137,7 +164,7 @@ class ExpertPart(Part):
             return state
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        mesh = self.topology.expert_mesh(self.state.device.type)[("edp", "ep")]
+        mesh = self._mesh()[("edp", "ep")]
 
         def wrap(value):
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:

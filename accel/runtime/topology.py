@@ -1,17 +1,13 @@
 """The run's process groups: one `DeviceMesh` over all ranks laid out as `accel.config.mesh_layout.MeshLayout`
-says, its flattened dimensions, the expert-parallel mesh, and each named dimension's group. Built on first use, by
-every rank in the same order; the Accelerator owns one and the backends ask it by name (`group("tp", device_type)`).
-
-The expert mesh holds expert parallelism's groups (ep, edp) on a second mesh, since they cut the dp dimension.
-"""
+says, its flattened dimensions, the meshes of parts that cut a dimension (expert parallelism's), and each named
+dimension's group. Built on first use, by every rank in the same order; the Accelerator owns one and the backends
+and parts ask it by name (`group("tp", device_type)`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from accel.config.mesh_layout import DATA_PARALLEL_DIMS, MeshLayout
-
-HSDP_SEQUENCE_MESH = "(dp_replicate, dp_shard_cp)"  # HSDP's 2-D mesh with the sequence ranks (kept with the flattened)
 
 
 @dataclass
@@ -20,7 +16,7 @@ class Topology(MeshLayout):
 
     _mesh: object = field(default=None, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, repr=False, compare=False)
-    _expert_mesh: object = field(default=None, repr=False, compare=False)
+    _extra: dict = field(default_factory=dict, repr=False, compare=False)  # dimension -> (its part's dims, builder)
 
     def mesh(self, device_type: str):
         """The one `DeviceMesh` over all ranks, built on first use (by every rank). Dimensions of size 1 are kept
@@ -32,42 +28,31 @@ class Topology(MeshLayout):
             names = tuple(n for n, _ in dims)
             mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
             self._flat = {name: mesh[flat]._flatten(name) for name, flat in self.flattened_dims().items()}
-            if "dp_cp" not in self._flat and self.seq_name in names:  # the sequence ranks alone reduce gradients
-                self._flat["dp_cp"] = mesh[self.seq_name]
+            self._flat.update({name: mesh[dim] for name, dim in self.aliases().items()})
             self._mesh = mesh
         return self._mesh
 
-    def expert_mesh(self, device_type: str):
-        """The mesh of expert parallelism, built on first use (by every rank): the data-parallel ranks cut into
-        (edp, ep), ep inner (neighbours exchange tokens), then `tp` (with tensor parallelism), the pipeline stages
-        in a leading `ep_rest` (each stage's MoE layers exchange tokens within the stage), the sequence ranks
-        folded into `edp`. An `ep` group holds each expert once (its ranks
-        exchange tokens by all-to-all); an `edp` group holds replicas of the same experts (the data-parallel
-        ranks with the same ep coordinate, and their sequence ranks: expert gradients are summed there and divided
-        by `expert_divisor`)."""
-        if self._expert_mesh is None:
-            import torch
-            from torch.distributed.device_mesh import DeviceMesh
+    def add_mesh(self, names: tuple[str, ...], build) -> None:
+        """A part's own mesh (expert parallelism's, which cuts the dp dimension): `build(self, device_type)` returns
+        a DeviceMesh holding the dimensions `names`. It is built once, on first use, after the main mesh (every
+        part of the run asking for the same dimensions shares it); `submesh` and `group` answer those names."""
+        for name in names:
+            self._extra.setdefault(name, (names, build))
 
+    def part_mesh(self, name: str, device_type: str):
+        """The whole mesh of a part that holds dimension `name` (`add_mesh`)."""
+        names, build = self._extra[name]
+        if names not in self._flat:
             self.mesh(device_type)  # the main mesh's groups first, in the same order on every rank
-            edp = self.dp_size // self.ep_size
-            ranks = torch.arange(self.world_size).reshape(self.pp_size, edp, self.ep_size, self.seq_size, self.tp_size)
-            # (pp, edp x seq, ep, tp): a sequence rank is one more replica of its dp rank's experts
-            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp_size, edp * self.seq_size, self.ep_size, self.tp_size)
-            if self.tp_size > 1:  # its own dimension: experts split within by TP are DTensors over (ep, tp)
-                names: tuple[str, ...] = ("ep_rest", "edp", "ep", "tp")
-            else:
-                ranks, names = ranks[..., 0], ("ep_rest", "edp", "ep")
-            self._expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-            self._expert_mesh[("edp", "ep")]._flatten("edp_ep")  # DTensor reduces 2-D expert shards in one collective
-        return self._expert_mesh
+            self._flat[names] = build(self, device_type)
+        return self._flat[names]
 
     def submesh(self, name: str, device_type: str):
         """One named dimension's mesh (flattened ones kept here: slicing those from the root is deprecated). With
-        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension; ep and edp are the expert
-        mesh's (`expert_mesh`)."""
-        if name in ("ep", "edp"):
-            return self.expert_mesh(device_type)[name]
+        accel's names, dp_replicate/dp_shard of size > 1 are the one `dp` dimension; a part's own dimensions are its
+        mesh's (`add_mesh`)."""
+        if name in self._extra:
+            return self.part_mesh(name, device_type)[name]
         mesh = self.mesh(device_type)
         if name in self._flat:
             return self._flat[name]
@@ -76,24 +61,21 @@ class Topology(MeshLayout):
         return mesh[name]
 
     def fsdp_mesh(self, device_type: str):
-        """The mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) for HSDP (shards within a row, all-reduces
-        across rows), else the 1-D data-parallel dimension. The sequence ranks compute parts of the same gradients,
-        so they shard with the data-parallel ones, as torchtitan does: dp_cp, or for HSDP (dp_replicate,
-        dp_shard_cp)."""
+        """The mesh FSDP2 shards over, from the layout's `fsdp_dims`: one dimension, or two (HSDP: shards within a
+        row, all-reduces across rows), sliced from the main mesh or, when one of them is flattened, concatenated
+        once (every prepared model's FSDP2 shares its groups)."""
+        dims = self.fsdp_dims()
+        if len(dims) == 1:
+            return self.submesh(dims[0], device_type)
         mesh = self.mesh(device_type)
-        if self.seq_size > 1 and self.sizes["dp_replicate"] > 1 and self.sizes["dp_shard"] > 1:
+        if not any(name in self._flat for name in dims):
+            return mesh[dims]
+        key = "(" + ", ".join(dims) + ")"
+        if key not in self._flat:
             from torch.distributed.device_mesh import DeviceMesh
 
-            if HSDP_SEQUENCE_MESH not in self._flat:  # made once: FSDP2 of every prepared model shares its groups
-                self._flat[HSDP_SEQUENCE_MESH] = DeviceMesh._concatenate([mesh["dp_replicate"],
-                                                                          self._flat["dp_shard_cp"]])
-            return self._flat[HSDP_SEQUENCE_MESH]
-        if self.seq_size > 1:
-            return self.submesh("dp_cp", device_type)
-        if self.accelerate_names:
-            data = tuple(n for n in DATA_PARALLEL_DIMS if self.sizes[n] > 1)
-            return mesh[data] if data else self.submesh("dp", device_type)
-        return mesh["dp"]
+            self._flat[key] = DeviceMesh._concatenate([self.submesh(name, device_type) for name in dims])
+        return self._flat[key]
 
     def group(self, name: str, device_type: str):
         """The process group of one named dimension, or None when that dimension has size 1."""
