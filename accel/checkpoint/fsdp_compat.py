@@ -172,17 +172,17 @@ def fsdp_state_members(given: Any, config: Any, backend: Any) -> dict:
     plugin = given
     plan = getattr(backend, "data_parallel", None)  # a DataParallelPlan (none on a pipeline backend)
     if plugin is None and plan is not None and plan.fsdp:
-        plugin = derived_plugin(config.parallelism)
+        plugin = derived_plugin(config.parallelism, plan.reshard_after_forward)
     return {"fsdp_plugin": plugin, "is_fsdp2": plugin is not None}
 
 
-def derived_plugin(parallelism: Any):
+def derived_plugin(parallelism: Any, reshard_after_forward: bool):
     """The FullyShardedDataParallelPlugin that describes accel's ZeRO 2/3 settings. Its `state_dict_type` is
     FULL_STATE_DICT, so Trainer's `save_model` writes the gathered weights (accel's `save_model` always does)."""
     from accel.config.plugins import FullyShardedDataParallelPlugin
 
     offload = bool(parallelism.offload_params or parallelism.offload_optimizer)
     return FullyShardedDataParallelPlugin(
-        reshard_after_forward=parallelism.zero_stage == 3, fsdp_version=2, state_dict_type="FULL_STATE_DICT",
+        reshard_after_forward=reshard_after_forward, fsdp_version=2, state_dict_type="FULL_STATE_DICT",
         cpu_offload=offload, activation_checkpointing=parallelism.activation_checkpointing != "no",
         auto_wrap_policy="TRANSFORMER_BASED_WRAP")
