@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from accel.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, real_length
+from accel.parallel.sequence_layout import IGNORE_INDEX, SequenceLayout, cut_batch, gather_slices, real_length
 from accel.parallel.sequence_layout import shift_labels as shift_whole_labels
 from accel.parallel.sequence_router_loss import LOSS_FUNCTION, computes_router_loss, excess, whole_sequence
 from accel.config.errors import ConfigError
@@ -429,7 +429,7 @@ class SequenceParallel:
 
     def gather_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of K or V, rank 0's first (`layout.gathered_indices` order); backward reduce-scatters."""
-        return _GatherSequence.apply(tensor, self.group, self.degree)
+        return gather_slices(tensor, self.group, dim=2)
 
     def _ring_attention(self, query, key, value):
         """torch's ring attention (SDPA on DTensors sharded on the sequence, its head-tail load balancing, which is
@@ -499,30 +499,6 @@ def _in_kernel():
         yield
     finally:
         _KERNEL_DEPTH[0] -= 1
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 2 (the sequence of [batch, heads, slice, dim]); backward sums every rank's gradient of
-    this rank's slice (reduce-scatter on NCCL; on gloo, which has none, an all-reduce and this rank's part)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group, degree):
-        ctx.group, ctx.degree = group, degree
-        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(degree)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, part = dist.get_rank(ctx.group), grad.shape[2] // ctx.degree
-        if dist.get_backend(ctx.group) == "nccl":
-            stacked = grad.movedim(2, 0).contiguous()
-            mine = torch.empty_like(stacked[:part])
-            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
-            return mine.movedim(0, 2), None, None
-        total = grad.contiguous()
-        dist.all_reduce(total, group=ctx.group)
-        return total.narrow(2, rank * part, part), None, None
 
 
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:

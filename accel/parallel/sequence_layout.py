@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from accel.config.errors import ConfigError
 
@@ -182,3 +183,37 @@ def _rebuildable(batch: Mapping) -> bool:
     except Exception:  # noqa: BLE001 - any type that cannot: hand back a plain dict
         return False
     return True
+
+
+def gather_slices(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every sequence rank's slice of `tensor` along `dim`, rank 0's first; differentiable: backward sums every
+    rank's gradient of this rank's slice."""
+    return _GatherSlices.apply(tensor, group, dim)
+
+
+class _GatherSlices(torch.autograd.Function):
+    """All-gather along `dim`; backward reduce-scatters (on gloo, which has none, an all-reduce and this rank's part;
+    torch's differentiable all_gather emulates it with a scatter that names global ranks, which fails in a
+    subgroup)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, dim):
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        degree, dim = dist.get_world_size(ctx.group), ctx.dim
+        part = grad.shape[dim] // degree
+        if dist.get_backend(ctx.group) == "nccl":
+            stacked = grad.movedim(dim, 0).contiguous()
+            mine = torch.empty_like(stacked[:part])
+            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+            return mine.movedim(0, dim), None, None
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(dim, dist.get_rank(ctx.group) * part, part), None, None
+

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from accel.parallel.sequence_layout import gather_slices
+
 LOSS_FUNCTION = "load_balancing_loss_func"  # the name every transformers MoE modeling file gives it
 
 
@@ -75,28 +77,7 @@ def excess(model: torch.nn.Module, outputs, degree: int) -> torch.Tensor | None:
 def _gather_rows(logits: torch.Tensor, batch: int, group) -> torch.Tensor:
     """[batch x slice, experts] on each rank -> [batch x sequence, experts], differentiable."""
     experts = logits.shape[-1]
-    return _GatherSlices.apply(logits.reshape(batch, -1, experts), group).reshape(-1, experts)
-
-
-class _GatherSlices(torch.autograd.Function):
-    """All-gather along dim 1; backward sums every rank's gradient of this rank's slice (an all-reduce and this
-    rank's part: gloo has no reduce-scatter, and torch's differentiable all_gather emulates it with a scatter that
-    names global ranks, which fails in a subgroup)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                 for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.contiguous()
-        dist.all_reduce(total, group=ctx.group)
-        part = grad.shape[1] // dist.get_world_size(ctx.group)
-        return total.narrow(1, dist.get_rank(ctx.group) * part, part), None
+    return gather_slices(logits.reshape(batch, -1, experts), group, dim=1).reshape(-1, experts)
 
 
 def _gather_columns(mask: torch.Tensor, group) -> torch.Tensor:
