@@ -3,14 +3,15 @@
 
     1. place on the device            (skipped for CPU offload and meta-device models)
     2. materialize                    (a meta-device model that will not be sharded: allocate it whole)
-    3. float8 conversion              (mixed_precision fp8: torchao's Float8Linear)
+    3. float8 conversion              (mixed_precision fp8: torchao's Float8Linear; a warning without compile)
     4. the parts' steps, in order     (each parallel dimension's `transform`, e.g. tensor parallelism: DTensor
                                       over its sub-mesh; accel/parallel/)
     5. activation checkpointing       (each repeated block recomputed in backward)
     6. regional compilation           (torch.compile of each repeated block)
     7. data parallelism over `dp`:    FSDP2 (the data-parallel plan's fsdp/hsdp kinds: HSDP over the 2-D
                                       dp_replicate x dp_shard mesh; the parts shard their own modules first)
-                                      then materialize a meta-device model's shards; or DDP (ddp/zero1)
+                                      with FSDP2's MixedPrecisionPolicy where the plan says so, then
+                                      materialize a meta-device model's shards; or DDP (ddp/zero1)
     8. whole-model compilation        (torch.compile of the wrapped model, as Accelerate does)
 
 Why this order: float8 must see plain `nn.Linear` before a split replaces their weights with DTensors; the parts
@@ -65,9 +66,10 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if on_meta and not data_parallel.fsdp:
         materialize(model, recipe.device)
     if recipe.precision.float8 is not None:
-        from accel.runtime.float8 import convert_to_float8
+        from accel.runtime.float8 import convert_to_float8, warn_without_compile
 
         convert_to_float8(model, recipe.precision.float8, data_parallel.fsdp, recipe.float8_layers)
+        warn_without_compile(recipe.compile is not None)
     for part in recipe.parts:
         part.transform(model, recipe)
     apply_activation_checkpointing(model, recipe.parallelism)
@@ -78,7 +80,8 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     if recipe.compile is not None and regional:
         compile_blocks(model, recipe.parallelism, options)
     if data_parallel.fsdp:
-        apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, recipe.precision,
+        mp_policy = recipe.precision.fsdp_policy() if data_parallel.low_precision_params else None
+        apply_fsdp(model, recipe.dp_mesh, recipe.parallelism, mp_policy,
                    reshard_after_forward=data_parallel.reshard_after_forward, offload=data_parallel.offload,
                    pin_memory=recipe.device.type == "cuda", parts=recipe.parts)
         if on_meta:  # offload: the parameters' shards on the CPU (FSDP2 moves them to the device for compute),
@@ -93,17 +96,17 @@ def parallelize(model: torch.nn.Module, recipe: Recipe) -> torch.nn.Module:
     return model
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, parallelism, precision, reshard_after_forward: bool = False,
+def apply_fsdp(model: torch.nn.Module, mesh, parallelism, mp_policy=None, reshard_after_forward: bool = False,
                offload: bool = False, pin_memory: bool = False, parts: Iterable[Part] = ()) -> None:
     """FSDP2 (`fully_shard`) over `mesh`: each repeated block (inner before outer), then the root. Parameters
-    are resharded after forward with `reshard_after_forward` (ZeRO-3); gradients are reduced in fp32 under mixed
-    precision. A 2-D mesh is HSDP: parameters are sharded over its inner (dp_shard) dimension and replicated over
-    the outer one, whose replicas all-reduce the reduce-scattered gradients (fully_shard does both from the mesh).
-    Each of `parts` first shards its own modules on meshes of its own (given the same options, without the mesh)."""
+    are resharded after forward with `reshard_after_forward` (ZeRO-3); `mp_policy`: FSDP2's MixedPrecisionPolicy
+    (compute-dtype parameters, fp32 reduction), None: the parameters' own dtype. A 2-D mesh is HSDP: parameters
+    are sharded over its inner (dp_shard) dimension and replicated over the outer one, whose replicas all-reduce
+    the reduce-scattered gradients (fully_shard does both from the mesh). Each of `parts` first shards its own
+    modules on meshes of its own (given the same options, without the mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    mp_policy = precision.fsdp_policy()
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     if offload:

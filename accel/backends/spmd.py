@@ -55,7 +55,8 @@ class SpmdBackend(Backend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.data_parallel = DataParallelPlan.decide(self.parallelism, self.topology, self.config.fault_tolerance)
+        self.data_parallel = DataParallelPlan.decide(self.parallelism, self.topology, self.config.fault_tolerance,
+                                                     self.precision)
         self.parts = build_parts(self.topology, self.state, self.parallelism, self.data_parallel)
         self.fixed_float8_layers: set[str] | None = None  # plan_whole_model's, for a pipeline's stages
         self.replacements = ParameterReplacements()
@@ -109,10 +110,9 @@ class SpmdBackend(Backend):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool = True) -> torch.nn.Module:
         if isinstance(model, DDP) or "_accel_parallelized" in model.__dict__:
             return model  # prepared before
-        device_type = self.state.device.type
+        mesh = self.data_parallel.fsdp_mesh(self.topology, self.state) if self.data_parallel.fsdp else None
         recipe = Recipe(self.parallelism, self.precision, self.state.device, device_placement=device_placement,
-                        data_parallel=self.data_parallel, compile=self.compile_options,
-                        dp_mesh=self.topology.fsdp_mesh(device_type) if self.data_parallel.fsdp else None,
+                        data_parallel=self.data_parallel, compile=self.compile_options, dp_mesh=mesh,
                         wrap_ddp=self._wrap_ddp, float8_layers=self.fixed_float8_layers, parts=self.parts)
         originals = self.replacements.snapshot(model)
         for part in self.parts:

@@ -114,7 +114,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     config_flags.add(train, "gradient_accumulation_steps", "checkpoint_async", "throughput_monitor",
                      "throughput_log_every", "parallelism.zero_stage", *config_flags.degree_keys(),
                      *(f"parallelism.{key}" for key in ("cp_comm_strategy", "pp_schedule", "pp_microbatches",
-                                                        "activation_checkpointing")),
+                                                        "activation_checkpointing", "zero_mixed_precision")),
                      "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                      "dynamo_use_regional_compilation")
     add_flag(train, "deepspeed_config_file", metavar="PATH", default=None,

@@ -18,6 +18,8 @@ from accel.config.mesh_layout import MeshLayout
 # evaluation runs them through a forward-only pass over the same V placement, accel/backends/pipeline.py).
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ACTIVATION_CHECKPOINTING = ("no", "full", "selective")
+# how bf16/fp16 runs under ZeRO 2/3 (accel/parallel/data_parallel.py decides it once)
+ZERO_MIXED_PRECISIONS = ("auto", "fsdp_policy", "autocast")
 # how context parallelism's attention exchanges keys and values (accel/parallel/sequence.py)
 CP_COMM_STRATEGIES = ("allgather", "ring")
 # Accelerate's names (torch's ring attention's rotate methods: `alltoall` passes K/V shards around the ring) -> accel's
@@ -91,6 +93,12 @@ class ParallelismConfig:
     offload_optimizer: bool = spec(False, bool, help="keep optimizer state on the CPU (ZeRO)",
                                    ask="Offload the optimizer state to the CPU?")
     offload_params: bool = spec(False, bool, help="keep parameters on the CPU between uses (ZeRO)")
+    zero_mixed_precision: str = spec(
+        "auto", str, choices=ZERO_MIXED_PRECISIONS,
+        help="how bf16/fp16 runs under ZeRO 2/3: fsdp_policy (FSDP2's MixedPrecisionPolicy: bf16/fp16 parameters "
+             "in forward and backward, fp32 master shards, fp32 gradient reduction; also on one process), autocast "
+             "(fp32 parameters under autocast) or auto (the policy where Accelerate's FSDP2 takes it: several "
+             "ranks, or one process off the CPU; else autocast)")
     tp_size: int = spec(1, int, lo=1, help="tensor-parallel degree",
                         ask="Tensor-parallel size (1: none)?")
     pp_size: int = spec(1, int, lo=1, help="pipeline-parallel degree",

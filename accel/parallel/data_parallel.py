@@ -10,6 +10,12 @@ and the config check read this plan (the only reader of `zero_stage` below the c
          sequence ranks, dp_replicate x dp_shard_cp: they shard with dp_shard).
 
 Under fault tolerance (torchft) the kind is DDP across replica groups, or FSDP2 inside each group with ZeRO 2/3.
+
+How bf16/fp16 (and fp8's bf16 rest) runs under ZeRO 2/3 (`parallelism.zero_mixed_precision`) is decided here too:
+`fsdp_policy` is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, fp32 master shards in the
+optimizer, gradients reduced in fp32), `autocast` keeps fp32 parameters under autocast; `auto` takes the policy
+where Accelerate's FSDP2 does: whenever FSDP2 shards over several ranks, and on one process off the CPU (Accelerate
+launches one GPU process with torchrun and wraps it in FSDP2 on a one-rank mesh); one CPU process keeps autocast.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ class DataParallelPlan:
     stage: int = 0
     offload_asked: bool = False  # offload_params / offload_optimizer
     reshard_after_forward: bool = False  # ZeRO-3: parameters gathered again for backward
+    low_precision_params: bool = False  # FSDP2's MixedPrecisionPolicy: forward and backward on compute-dtype params
 
     @classmethod
-    def decide(cls, parallelism, topology=None, fault_tolerance=None) -> DataParallelPlan:
+    def decide(cls, parallelism, topology=None, fault_tolerance=None, precision=None) -> DataParallelPlan:
         """The plan for `parallelism` on `topology` (None: before any process starts, as if there were several
-        data-parallel ranks); `fault_tolerance`: the config's section, when enabled."""
+        data-parallel ranks); `fault_tolerance`: the config's section, when enabled; `precision`: the run's
+        PrecisionPolicy (None: float32, as far as the plan goes)."""
         stage = parallelism.zero_stage
         asked = bool(parallelism.offload_params or parallelism.offload_optimizer)
         if fault_tolerance is not None and fault_tolerance.enabled:
@@ -47,7 +55,21 @@ class DataParallelPlan:
                 kind = "hsdp" if replicate > 1 and shard > 1 else "fsdp"
             else:
                 kind = "zero1" if stage == 1 else "ddp"
-        return cls(kind=kind, stage=stage, offload_asked=asked, reshard_after_forward=stage == 3)
+        policy = _policy_asked(parallelism, precision)
+        one_process = topology is not None and topology.world_size == 1 and kind == "none"
+        if one_process and stage >= 2 and policy and (policy == "fsdp_policy" or precision.device_type != "cpu"):
+            kind = "fsdp"  # FSDP2 on a one-rank mesh, for its mixed-precision policy
+        return cls(kind=kind, stage=stage, offload_asked=asked, reshard_after_forward=stage == 3,
+                   low_precision_params=bool(policy) and kind in ("fsdp", "hsdp"))
+
+    def fsdp_mesh(self, topology, state):
+        """The mesh FSDP2 shards over: the topology's; on one process, a mesh of its one rank (over a process group
+        the state then owns)."""
+        if topology.world_size > 1:
+            return topology.fsdp_mesh(state.device.type)
+        from accel.runtime.one_rank_group import one_rank_mesh
+
+        return one_rank_mesh(state)
 
     @property
     def fsdp(self) -> bool:
@@ -83,3 +105,12 @@ class DataParallelPlan:
     def replicated(self) -> bool:
         """Every rank holds the whole model and optimizer state (as far as data parallelism goes)."""
         return not self.fsdp and self.stage == 0
+
+
+def _policy_asked(parallelism, precision) -> str | None:
+    """`zero_mixed_precision` where it asks for FSDP2's mixed-precision policy (fsdp_policy, or auto) in a
+    low-precision mode; None where parameters stay float32 (float32 mode, or autocast)."""
+    if precision is None or precision.dtype is None:
+        return None
+    choice = parallelism.zero_mixed_precision
+    return None if choice == "autocast" else choice

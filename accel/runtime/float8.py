@@ -74,5 +74,15 @@ def convert_to_float8(model: torch.nn.Module, settings: Float8Settings, fsdp: bo
     return sorted(name for name, m in model.named_modules() if name in chosen and is_float8(m))
 
 
+def warn_without_compile(compiled: bool) -> None:
+    """One warning at prepare when fp8 runs eagerly: torchao's casts and scales around each float8 matmul are fused
+    only by torch.compile, so without it a step is slower than bf16's."""
+    if compiled:
+        return
+    warnings.warn("mixed_precision fp8 without torch.compile runs slower than bf16 (torchao's float8 casts and "
+                  "scales are fused only by the compiler); set dynamo_backend: inductor (accel launch "
+                  "--dynamo_backend inductor), or compile the prepared model yourself", stacklevel=4)
+
+
 def is_float8(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"

@@ -388,6 +388,12 @@ class PartialState:
             return None
         return topology.mesh(self.device.type)
 
+    def init_one_rank_group(self, backend: str) -> None:
+        """A default process group of this process alone (FSDP2 on one process needs one), over an in-process store
+        (no address or port to agree on); destroyed with the state, as a multi-process run's group is."""
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._owns_group = True
+
     def destroy_process_group(self, group=None) -> None:
         """Accelerate's name for the end of a distributed run: release what uses the group, then destroy it (a
         `group` given is destroyed alone)."""
