@@ -2,6 +2,7 @@
 
     python benchmarks/bench_checkpoint.py            # ~100M-parameter MLP + AdamW, 3 runs each (~3-4 minutes)
     python benchmarks/bench_checkpoint.py --quick    # smoke run (12.6M parameters, 1 run): its figures are noise
+    python benchmarks/bench_checkpoint.py --sizes 100M,1G,10G   # how save/load times grow (one run each, ~10 min)
 
 Every measured operation runs in a fresh interpreter (a worker: this file with --worker), so peak memory of one
 operation never carries over to the next. Each worker builds the same model (seed 0: an MLP of 12 blocks
@@ -35,7 +36,13 @@ Memory, two measures of what the operation needs on top of the live model and op
 Checksums: save_state and load_state also run with the crc32 checksums switched off in the worker (the writer's
 inline crc32 and the manifest's hashing replaced by constants; load_state's verification skipped), so their cost is
 the difference of the medians, stated as a share of the save time; the load worker also times crc32 and sha256 over
-the checkpoint's files (from the page cache, one thread) for their throughput.
+the checkpoint's files (from the page cache, one thread) for their throughput. Where `layout.crc32` is isal's, the
+load worker's paired loads and throughput also run through zlib's crc32, for the comparison.
+
+--sizes: one fresh worker per size builds the same blocks until parameters + AdamW's moments reach it (the moments
+set as a step sets them: its gradients would not fit beside 10 GB), then times save_state, load_state with and
+without checksums, torch.save + fsync and torch.load(mmap=True) + load_state_dict, removing each checkpoint once
+timed; a size waits (up to MEMORY_WAIT_S) for 1.25x its bytes of available memory, else it is skipped.
 
 Runs alternate (each operation of a group first in turn); the table shows median, min and max seconds, MB/s
 (tensor bytes / median seconds; MB = 10**6 bytes), memory and the size on disk, with accel/plain ratios. Each
@@ -56,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from statistics import median
 
@@ -103,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 12.6M parameters, 1 run")
     parser.add_argument("--part", choices=["all", "single", "user"], default="all",
                         help="single: the 1-process table; user: the first save of a 2-process run (DDP, ZeRO-3)")
+    parser.add_argument("--sizes", help="instead of the tables above: save_state/load_state against torch.save at "
+                        "these sizes of training state (parameters + AdamW), e.g. 100M,1G,10G; one run each")
+    parser.add_argument("--size-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--user-worker", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -251,24 +262,31 @@ def paired_loads(accelerator, path: Path) -> dict:
     import accel.checkpoint.state_load as state_load
     from accel.checkpoint import layout
 
-    real = (getattr(layout, "FileVerification", None), layout._verify_checksums, state_load.STAGING_BYTES)
+    real = (getattr(layout, "FileVerification", None), layout._verify_checksums, state_load.STAGING_BYTES,
+            getattr(layout, "_crc32_function", None))
+    modes = ["crc", "nocrc"] + (["zlib"] if real[3] is not None and real[3]() is not zlib.crc32 else [])
     times: dict[str, list[float]] = {}
     try:
         for rnd in range(PAIRED_REPS):
-            for checks in ((True, False) if rnd % 2 == 0 else (False, True)):
+            for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
+                checks = mode != "nocrc"
                 for fresh in (False, True):
                     if real[0] is not None:
                         layout.FileVerification = real[0] if checks else NoVerification  # type: ignore[misc]
                     layout._verify_checksums = real[1] if checks else (lambda *args, **kwargs: None)
+                    if real[3] is not None:  # crc32 through zlib's, where accel would use isal's
+                        layout._crc32_function = (lambda: zlib.crc32) if mode == "zlib" else real[3]
                     state_load.STAGING_BYTES = 2**40 if fresh else real[2]
                     gc.collect()
                     t0 = time.perf_counter()
                     accelerator.load_state(str(path))
-                    key = f"paired_{'fresh' if fresh else 'in_place'}_{'crc' if checks else 'nocrc'}_s"
+                    key = f"paired_{'fresh' if fresh else 'in_place'}_{mode}_s"
                     times.setdefault(key, []).append(time.perf_counter() - t0)
     finally:
         if real[0] is not None:
             layout.FileVerification = real[0]  # type: ignore[misc]
+        if real[3] is not None:
+            layout._crc32_function = real[3]
         layout._verify_checksums, state_load.STAGING_BYTES = real[1], real[2]
     return {k: median(v) for k, v in times.items()}
 
@@ -292,6 +310,16 @@ def checksum_speed(folder: Path) -> dict:
         for p in files:
             layout.file_checksum(p, algorithm)
         speed[f"{algorithm}_s"] = time.perf_counter() - t0
+    chosen = getattr(layout, "_crc32_function", None)
+    if chosen is not None and chosen() is not zlib.crc32:
+        layout._crc32_function = lambda: zlib.crc32
+        try:
+            t0 = time.perf_counter()
+            for p in files:
+                layout.file_checksum(p, "crc32")
+            speed["zlib_crc32_s"] = time.perf_counter() - t0
+        finally:
+            layout._crc32_function = chosen
     return speed
 
 
@@ -672,18 +700,184 @@ def single(args: argparse.Namespace) -> None:
             off = median([r[f"paired_{key}_nocrc_s"] for r in paired])
             print(f"    load_state {what} {on:.2f} s, without checksums {off:.2f} s: {on - off:+.2f} s = "
                   f"{(on - off) / save * 100:+.1f}% of the save time  (target <= 5%)")
+            if f"paired_{key}_zlib_s" in paired[0]:
+                slow = median([r[f"paired_{key}_zlib_s"] for r in paired])
+                print(f"      the same verified through zlib's crc32 {slow:.2f} s: {slow - off:+.2f} s = "
+                      f"{(slow - off) / save * 100:+.1f}% of the save time")
     timed = [r for r in results["accel_load_state"] if "crc32_s" in r]
     if timed:
         nbytes = timed[0]["checksum_bytes"]
-        for algorithm in ("crc32", "sha256"):
+        for algorithm in ("crc32", "zlib_crc32", "sha256"):
+            if f"{algorithm}_s" not in timed[0]:
+                continue
             secs = median([r[f"{algorithm}_s"] for r in timed])
             print(f"  {algorithm} of the checkpoint's {nbytes / MB:.0f} MB, one thread, from the page cache: "
                   f"{secs:.2f} s, {nbytes / secs / 1e9:.2f} GB/s")
 
 
+# ------------------------------------------------------------------------------------------------------------
+# --sizes: how save and load times grow with the training state
+# ------------------------------------------------------------------------------------------------------------
+
+BLOCK_STATE = 12 * (2 * 1024 * 4096 + 4096 + 1024)  # bytes of one block's parameters + AdamW moments: ~100.7 MB
+
+
+def parse_size(text: str) -> int:
+    """`100M`, `1G`, `10G`, `1.5G` (decimal units) -> bytes."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+
+
+def size_worker(target: int, path: Path) -> None:
+    """One size: the MLP of enough blocks for `target` bytes of parameters + AdamW state (the moments are set as
+    a step sets them, without its gradients and activations, which would not fit beside 10 GB), then save_state,
+    load_state (with and without checksums), torch.save + fsync and torch.load(mmap=True) + load_state_dict, each
+    checkpoint removed once timed."""
+    import safetensors.torch  # noqa: F401 (what save_state and load_state import, imported before timing)
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    from torch import nn
+
+    import accel.checkpoint.dcp_reader  # noqa: F401
+    import accel.checkpoint.training_state  # noqa: F401
+    from accel import Accelerator
+    from accel.checkpoint import layout
+
+    blocks = max(1, round(target / BLOCK_STATE))
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)]
+    model = nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    raw = optimizer.optimizer
+    for group in raw.param_groups:
+        for p in group["params"]:
+            raw.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.full_like(p, 1e-3),
+                            "exp_avg_sq": torch.full_like(p, 1e-6)}
+    inner = accelerator.unwrap_model(model)
+    state_bytes = sum(t.numel() * t.element_size() for t in inner.state_dict().values()) + sum(
+        v.numel() * v.element_size() for st in raw.state.values() for v in st.values())
+    result = {"blocks": blocks, "state_bytes": state_bytes, "setup_s": time.perf_counter() - t0,
+              "params": sum(p.numel() for p in inner.parameters())}
+    first = next(inner.parameters())
+    expect = first.detach().clone()
+
+    def timed(fn) -> float:
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    folder = path / "state"
+    result["save_s"] = timed(lambda: accelerator.save_state(str(folder)))
+    result["disk_bytes"], result["files"] = disk_usage(folder)
+    for key, checks in (("load_s", True), ("load_nocrc_s", False)):
+        with torch.no_grad():
+            first.add_(1.0)
+        real = (layout.FileVerification, layout._verify_checksums)
+        if not checks:
+            layout.FileVerification, layout._verify_checksums = NoVerification, lambda *a, **k: None  # type: ignore
+        try:
+            result[key] = timed(lambda: accelerator.load_state(str(folder)))
+        finally:
+            layout.FileVerification, layout._verify_checksums = real  # type: ignore[misc]
+        result.setdefault("restored", True)
+        result["restored"] &= bool(torch.equal(first.detach(), expect))
+    shutil.rmtree(folder)
+
+    file = path / "state.pt"
+    result["torch_save_s"] = timed(lambda: torch.save({"model": inner.state_dict(), "optimizer": raw.state_dict()},
+                                                      file))
+    result["torch_fsync_s"] = timed(lambda: fsync_path(file))
+    with torch.no_grad():
+        first.add_(1.0)
+
+    def torch_load() -> None:
+        loaded = torch.load(file, mmap=True, weights_only=True)
+        inner.load_state_dict(loaded["model"])
+        raw.load_state_dict(loaded["optimizer"])
+
+    result["torch_load_s"] = timed(torch_load)
+    result["restored"] &= bool(torch.equal(first.detach(), expect))
+    file.unlink()
+    print(MARKER + json.dumps(result), flush=True)
+
+
+MEMORY_WAIT_S = 900  # how long a size waits for the memory it needs (a shared machine's other jobs end)
+
+
+def memory_for(nbytes: float) -> bool:
+    """Whether MemAvailable reaches `nbytes`, waiting up to MEMORY_WAIT_S for it."""
+    deadline = time.monotonic() + MEMORY_WAIT_S
+    while True:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        if available >= nbytes:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(10)
+
+
+def sizes_case(args: argparse.Namespace) -> None:
+    """save_state/load_state against torch.save (+ fsync) / torch.load at each of `--sizes`, one fresh worker each."""
+    import torch
+
+    sizes = [s for s in args.sizes.split(",") if s.strip()]
+    results = []
+    load = os.getloadavg()
+    root = Path(tempfile.mkdtemp(prefix="accel-bench-checkpoint-sizes-"))
+    try:
+        for text in sizes:
+            if not memory_for(1.25 * parse_size(text)):
+                print(f"  {text}: skipped (under {1.25 * parse_size(text) / 1e9:.1f} GB of memory available for "
+                      f"{MEMORY_WAIT_S} s)", flush=True)
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "--size-worker", str(parse_size(text)), "--path",
+                   str(root)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+            if done.returncode != 0 or not lines:
+                sys.stderr.write(done.stdout + done.stderr)
+                print(f"  {text}: worker failed (exit {done.returncode})", flush=True)
+                continue
+            results.append((text, json.loads(lines[-1][len(MARKER):])))
+            print(f"  {text}: done", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\ntorch {torch.__version__}, {os.cpu_count()} CPUs, temp folder on {tempfile.gettempdir()}, one run per "
+          "size, one process; training state: an MLP's parameters + AdamW's moments (12 bytes a parameter); load_state "
+          "reads in place above 1 GiB; torch.load with mmap=True (a copy of 10 GB would not fit beside the live one); "
+          "MB/s: state bytes / seconds, MB = 10**6 bytes")
+    header = (f"{'size':<6}{'state MB':>10}{'files':>6}{'save s':>8}{'MB/s':>6}{'torch.save+fsync s':>19}{'MB/s':>6}"
+              f"{'ratio':>7}{'load s':>8}{'MB/s':>7}{'torch.load s':>13}{'ratio':>7}{'checksums':>11}{'restored':>9}")
+    print(header)
+    print("-" * len(header))
+    for text, r in results:
+        mb = r["state_bytes"] / MB
+        plain = r["torch_save_s"] + r["torch_fsync_s"]
+        crc = (r["load_s"] - r["load_nocrc_s"]) / r["save_s"] * 100
+        print(f"{text:<6}{mb:>10.0f}{r['files']:>6}{r['save_s']:>8.2f}{mb / r['save_s']:>6.0f}{plain:>19.2f}"
+              f"{mb / plain:>6.0f}{r['save_s'] / plain:>6.2f}x{r['load_s']:>8.2f}{mb / r['load_s']:>7.0f}"
+              f"{r['torch_load_s']:>13.2f}{r['load_s'] / r['torch_load_s']:>6.2f}x{crc:>+10.1f}%"
+              f"{'yes' if r['restored'] else 'NO':>9}")
+    print("checksums: load_state with - without them (the next load, same process), as a share of the save time; "
+          f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+
+
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.worker:
+    if arguments.size_worker:
+        size_worker(arguments.size_worker, Path(arguments.path))
+    elif arguments.sizes:
+        sizes_case(arguments)
+    elif arguments.worker:
         worker(arguments.worker, Path(arguments.path), arguments.size)
     elif arguments.user_worker:
         user_worker(arguments.user_worker, Path(arguments.out), arguments.import_optim)
