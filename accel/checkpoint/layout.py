@@ -143,12 +143,12 @@ def write_json(path: Path, obj) -> None:
 
 
 # Files are checksummed with CRC-32 (zlib's polynomial, `crc32:<8 hex>` in the manifest), streamed in CHUNK-sized
-# pieces, and it finds every burst of up to 32 changed bits. `crc32` is isal's where the `isal` package is installed
-# (`pip install accel-train[fast-checksums]`): the same values, computed with the CPU's carry-less multiply, 3-5x as
-# fast as zlib 1.2's (4-6 GB/s on one core of the 2-core machine of benchmarks/README.md; hashlib's sha256 1.5-1.7
-# GB/s), which keeps load_state's verification within 5% of a save; else zlib's. `save_state` computes the crc32 of
-# its state/ files while writing them (streaming_writer.py), so only the small rng/ files are read again for the
-# manifest. Checkpoints saved before hold `sha256:` checksums: both are verified.
+# pieces; it finds every burst of up to 32 changed bits. `crc32` is isal's where the `isal` package is installed
+# (`pip install accel-train[fast-checksums]`): the same values, computed with the CPU's carry-less multiply, about 5x
+# zlib's speed on the 2-core machine of benchmarks/README.md, which keeps load_state's verification within 5% of a
+# load; else zlib's. `save_state` computes the crc32 of its state/ files while writing them (streaming_writer.py), so
+# only the small rng/ files are read again for the manifest. Checkpoints saved before hold `sha256:` checksums: both
+# are verified.
 CHECKSUM = "crc32"
 CHUNK = 8 << 20
 INLINE_CHECKSUMS = ".state-checksums.json"  # the writer's checksums, beside state/ until write_manifest takes them

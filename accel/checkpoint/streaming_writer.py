@@ -9,12 +9,12 @@ needs only the names, dtypes and shapes the save plan already holds) and then ea
 its storage, so a save holds no extra heap for a CPU tensor stored contiguously, and one tensor's copy for any
 other (one on an accelerator, a non-contiguous view). Each file is then fsynced, as torch's writer does.
 
-While a file is written its crc32 is computed from the same buffers, in a second thread (zlib releases the GIL),
-so the manifest needs no second read of the file: each file's checksum and size travel in the WriteResults to
-the coordinator, whose `finish()` writes them to `checksums_file` (a small JSON that `layout.write_manifest`
-reads and removes). WriteResults are the one channel DCP has from every rank to the coordinator, and `finish()`
-runs wherever the write runs, so this also works from DCP's `async_save` (thread or process executor). The
-constructor takes plain values only, so the writer pickles.
+While a file is written its crc32 (`layout.crc32`) is computed from the same buffers, in a second thread (the
+CRC releases the GIL), so the manifest needs no second read of the file: each file's checksum and size travel in
+the WriteResults to the coordinator, whose `finish()` writes them to `checksums_file` (a small JSON that
+`layout.write_manifest` reads and removes). WriteResults are the one channel DCP has from every rank to the
+coordinator, and `finish()` runs wherever the write runs, so this also works from DCP's `async_save` (thread or
+process executor). The constructor takes plain values only, so the writer pickles.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import os
 import queue
 import sys
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from accel.checkpoint.layout import crc32
 
 __all__ = ["StreamingSafetensorsWriter", "CHUNK_BYTES"]
 
@@ -312,7 +313,7 @@ class _Syncer:
 
 
 class _Crc32:
-    """zlib.crc32 of the buffers fed to it, in order, computed in a thread while the caller writes them."""
+    """The crc32 of the buffers fed to it, in order, computed in a thread while the caller writes them."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -328,7 +329,7 @@ class _Crc32:
                 if part is None:
                     return
                 if self.error is None:
-                    self.value = zlib.crc32(part, self.value)
+                    self.value = crc32(part, self.value)
             except BaseException as exc:  # noqa: BLE001 (reported by finish)
                 self.error = exc
             finally:
