@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from suite_budget import SuiteBudget, add_budget_option
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,16 +92,13 @@ def isolated_env(tmp_path: Path) -> dict:
 
 @pytest.fixture
 def run_accel(isolated_env: dict, tmp_path: Path):
-    """Run `python -m accel.cli.main ARGS...` in a subprocess (always with a timeout); returns CompletedProcess."""
+    """Run `python -m accel.cli.main ARGS...` in a subprocess (always with a timeout; from a warm interpreter:
+    tests/multiproc/warm_python.py); returns CompletedProcess."""
 
     def run(*args: str, input: str | None = None, timeout: float = 60, env: dict | None = None,
             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "accel.cli.main", *map(str, args)],
-            input=input if input is not None else "",
-            capture_output=True, text=True, timeout=timeout,
-            env={**isolated_env, **(env or {})}, cwd=cwd or tmp_path,
-        )
+        return warm_python.run([sys.executable, "-m", "accel.cli.main", *map(str, args)], input=input or "",
+                               timeout=timeout, env={**isolated_env, **(env or {})}, cwd=cwd or tmp_path)
 
     return run
 

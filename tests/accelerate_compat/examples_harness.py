@@ -38,6 +38,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:  # under pytest (tests/multiproc is on its path): commands from a warm interpreter
+    import warm_python
+    run_python = warm_python.run
+except ImportError:  # run as a script
+    def run_python(cmd, **kwargs):
+        return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STANDINS = HERE / "example_standins"
@@ -216,8 +223,7 @@ def run(impl: str, num_processes: int, script: Path, args: list[str], cwd: Path,
     full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (env["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
     full.pop("ACCEL_ACCELERATE_VERSION", None)
-    return subprocess.run(launch_cmd(impl, num_processes, script, args), cwd=cwd, env=full, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_python(launch_cmd(impl, num_processes, script, args), cwd=cwd, env=full, timeout=timeout)
 
 
 METRIC = re.compile(r"epoch \d+: \{[^}]*\}|Resumed from checkpoint: \S+|Average test metrics[^{\n]*\{[^}]*\}")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_python
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -24,8 +26,7 @@ def worker_module(name: str):
 def accel_launch(env: dict, *launch_args: str, timeout: int = 300, expect: int = 0) -> subprocess.CompletedProcess:
     """Run `accel launch LAUNCH_ARGS...` from the repository root, one thread per process; check the exit code."""
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", *map(str, launch_args)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = warm_python.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, timeout=timeout)
     assert proc.returncode == expect, f"{' '.join(cmd)}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 

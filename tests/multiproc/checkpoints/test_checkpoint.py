@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch import accel_launch, launch_jobs
 import torch
+import warm_python
+from _launch import accel_launch, launch_jobs
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -92,8 +93,8 @@ def test_two_process_checkpoint_loads_on_one_process(two_process_runs, isolated_
 
 @pytest.mark.parametrize("kill_point", ["rng", "manifest"])
 def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, tmp_path, kill_point):
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "killed_save.py"), str(tmp_path), kill_point], cwd=ROOT,
-                          env=isolated_env, capture_output=True, text=True, timeout=120)
+    proc = warm_python.run([sys.executable, str(SCRIPTS / "killed_save.py"), str(tmp_path), kill_point], cwd=ROOT,
+                          env=isolated_env, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "killing myself" in proc.stdout and "not reached" not in proc.stdout
     checkpoints = tmp_path / "checkpoints"
@@ -126,8 +127,8 @@ def test_sigkill_during_save_state_keeps_the_previous_checkpoint(isolated_env, t
         "acc.save_state()\n"  # the next save removes the abandoned temporary folder and becomes checkpoint_1
         "print('loaded')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", check, str(tmp_path)], cwd=ROOT, env=isolated_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = warm_python.run([sys.executable, "-c", check, str(tmp_path)], cwd=ROOT, env=isolated_env,
+                          timeout=120)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_0", "checkpoint_1"]
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
+import warm_python
 from _launch import SCRIPTS, accel_launch
 
 from accel.checkpoint import layout
@@ -46,10 +46,9 @@ def test_a_save_failing_after_the_script_ended_exits_74(isolated_env, tmp_path, 
 def test_a_workers_own_exception_stays_exit_code_1(isolated_env, tmp_path):
     """In a worker forked by accel launch too (it reports the exception itself, without sys.last_value)."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+    proc = warm_python.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
                            str(SCRIPTS / "async_save_fails_at_exit.py"), "--out", str(out), "--raise_after"],
-                          cwd=tmp_path, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=120)
+                          cwd=tmp_path, env={**isolated_env, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert proc.returncode in (1, EXIT_CODE), proc.stderr  # the first to end: rank 0 (1) or rank 1 (74)
     assert re.search(r"accel launch: rank 0 \(local rank 0, pid \d+\) exited with code 1\b", proc.stderr), proc.stderr
     assert "RuntimeError: the script's own error" in proc.stderr

@@ -5,15 +5,14 @@ strictly into a fresh model."""
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
+import warm_python
 from _launch import SCRIPTS, accel_launch, worker_module
 from conftest import make_isolated_env
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,8 +26,8 @@ def saved(tmp_path_factory):
 
 
 def _merge_cli(env, *args):
-    return subprocess.run([sys.executable, "-m", "accel.cli.main", "merge-weights", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return warm_python.run([sys.executable, "-m", "accel.cli.main", "merge-weights", *map(str, args)], env=env,
+                          timeout=120)
 
 
 def _assert_equal_to_full(out, merged_file):

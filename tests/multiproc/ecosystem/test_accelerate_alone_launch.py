@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
+import warm_python
 from conftest import REPO_ROOT
 from hide_accelerate import SHIM, without_accelerate
 
@@ -26,9 +26,8 @@ def test_an_accelerate_script_runs_through_the_shim_under_plain_accel_launch(iso
     env = {**without_accelerate(isolated_env, tmp_path / "hide"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
-                           str(SCRIPT), "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = warm_python.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                           str(SCRIPT), "--out", str(out)], env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines()[0].startswith("accel launch: 2 processes (MULTI_CPU, gloo), DDP")
     assert proc.stderr.splitlines()[0].endswith(NOTE), proc.stderr

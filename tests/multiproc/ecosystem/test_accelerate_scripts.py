@@ -7,7 +7,6 @@ the set and the docs). The gaps left are listed with their reason."""
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ if importlib.util.find_spec("accelerate") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "accelerate_compat"))
 import measure  # noqa: E402
+import warm_python
 
 from accel.cli.launch import port_in_use  # noqa: E402
 
@@ -111,8 +111,8 @@ def test_merge_weights_script_on_accel(isolated_env, tmp_path):
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--accelerate_shim", "--cpu", "--num_processes", "2",
            str(SCRIPTS / "run_main_block.py"), "accelerate.test_utils.scripts.test_merge_weights",
            str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**isolated_env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=240)
+    proc = warm_python.run(cmd, cwd=tmp_path, env={**isolated_env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                           timeout=240)
     ranks = [[json.loads(line) for line in (tmp_path / "out" / f"rank{r}.jsonl").read_text().splitlines()]
              for r in range(2)]
     failed = {e["function"] for rank in ranks for e in rank if not e["ok"] and not e["function"].startswith("<")}

@@ -21,11 +21,11 @@ the trained weights (atol 1e-6)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+import warm_python
 from _launch import ROOT, SCRIPTS, accel_launch
 from safetensors.torch import load_file
 
@@ -59,8 +59,7 @@ def _free_port() -> int:
 
 
 def _run(cmd: list, env: dict, timeout: int = 300) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = warm_python.run(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
 
 

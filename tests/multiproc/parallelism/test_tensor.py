@@ -3,12 +3,12 @@ global norms and final weights within atol 1e-5 (fp32). Ranks of one TP group se
 The toy's runs share launches: 2 processes (both plans, then the checkpoint reloaded), 1 and 4 (tp_train.py --jobs)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from _launch import launch_jobs, worker_module
 from safetensors.torch import load_file
 
@@ -108,8 +108,7 @@ def test_tiny_llama_with_its_own_tp_plan(isolated_env, tmp_path, num_processes):
     script = SCRIPT.parent / "tp_llama.py"
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(num_processes),
            str(script), "--out", str(tmp_path)]  # every rank trains on the same batches: dp ranks agree
-    proc = subprocess.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = warm_python.run(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "tensor parallel plan (the model's own tp plan, tp_size=2)" in proc.stdout
     assert "model.layers.1.self_attn.o_proj: rowwise" in proc.stdout and "lm_head: colwise_rep" in proc.stdout

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 pytestmark = pytest.mark.multiproc
 if importlib.util.find_spec("accelerate") is None:
@@ -31,8 +32,7 @@ def _run(env: dict, impl: str, procs: int, *args: str) -> dict:
         launch = ["-m", "accel.cli.main", "launch", "--cpu", "--num_processes", str(procs)] if procs > 1 else []
     else:  # the real Accelerate; its --cpu runs one process, --multi_gpu without GPUs is its gloo launch
         launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs)] if procs > 1 else []
-    proc = subprocess.run([sys.executable, *launch, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = warm_python.run([sys.executable, *launch, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=300)
     # The real Accelerate's end_training destroys the process group while the DDP module (and its C++ reducer,
     # which holds the group) lives on, so a rank can abort at interpreter exit after the run is complete: accel
     # drops the reducer first (accel.backends.ddp.release_ddp). The peer's numbers are still the reference.

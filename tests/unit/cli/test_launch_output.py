@@ -118,3 +118,22 @@ def test_a_filter_the_user_set_still_decides_on_every_rank():
         rank_warnings.warn_once_per_job({"RANK": "1"})
         with pytest.raises(FutureWarning):
             warnings.warn("old api", FutureWarning)
+
+
+def test_rendezvous_method_names_match_torchs():
+    """The launcher's frame walk names the same caller as torch's `get_method_name` (it logs it) at every depth."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from accel.cli.output import _method_name
+
+    torchs = dynamic_rendezvous.get_method_name
+
+    def caller(depth):
+        def inner():
+            return torchs(depth), _method_name(depth)
+        return inner()
+
+    for depth in (1, 2, 3):
+        theirs, ours = caller(depth)
+        assert ours == theirs
+    assert _method_name(10_000) == "no_method_name"

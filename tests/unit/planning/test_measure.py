@@ -84,6 +84,9 @@ def test_stop_hook_counts_real_steps_and_writes_the_record(tmp_path, monkeypatch
 
 
 def test_calibrate_writes_positive_figures_and_plan_uses_them(tmp_path, monkeypatch, capsys):
+    from accel.planning import measure
+
+    monkeypatch.setattr(measure, "EFFORT", measure.QUICK)  # the same figures, measured for less long
     cal = tmp_path / "cache" / "accel" / "calibration.json"
     assert main(["plan", "--calibrate"]) == 0
     data = json.loads(cal.read_text())

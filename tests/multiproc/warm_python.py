@@ -1,0 +1,258 @@
+"""`subprocess.run([sys.executable, ...])` for the tests, from a warm interpreter.
+
+Most of what a multi-process test pays for is `accel launch`'s own start-up: a fresh interpreter importing torch and
+torch._dynamo (about 3 CPU seconds on the 2-core CI machine) before it forks its workers. `run` hands the command to
+a zygote: one interpreter per pytest process that imported torch and torch._dynamo once and forks a child per
+command. The child makes itself what `python ARGS` started with ENV in CWD would be (environment, working directory,
+`sys.path` from PYTHONPATH, `sys.argv`, stdin, stdout and stderr on their own files, fresh random seeds), runs the
+module or script as `__main__`, and exits as the interpreter does (non-daemon threads joined, `atexit` handlers run,
+streams flushed). accel is not imported in the zygote: every child imports it under its own environment. A command
+whose script imports transformers, run without accel's Accelerate shim, gets a zygote that imported transformers'
+modeling code too (what each worker imports first thing: about 2.5 CPU seconds per process); its Hugging Face cache
+folder is then the one under the zygote's HOME (the tests that use it build their models from configs).
+
+The variables read while torch is imported or the interpreter starts (TORCH*, OMP_*, PYTHON* but
+PYTHONPATH/PYTHONUNBUFFERED, TMPDIR, ...) are the zygote's own: a command whose values differ gets a zygote of its
+own, started with them (a few per pytest process at most; past that, a fresh interpreter). A command with an
+interpreter option other than `-m`/`-c` (`-X`, `-W`, ...), or a sitecustomize on its PYTHONPATH, runs in a fresh
+interpreter. `ACCEL_TEST_FRESH_PYTHON=1`
+turns the zygotes off for a whole run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FRESH_ENV = "ACCEL_TEST_FRESH_PYTHON"
+# variables read while torch (and what the zygote imports) is imported, or by the interpreter at start-up
+_IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "GLOO", "LD_", "PYTHON", "TMPDIR", "NUMPY",
+                "OPENBLAS", "GOTO", "TRITON", "LANG", "LC_", "HF_", "TRANSFORMERS_", "XDG_")
+_HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run",
+            "torch.distributed.elastic.agent.server.local_elastic_agent")
+# with the real Accelerate, which transformers' modeling code imports: never where accel's shim must be `accelerate`
+_PRELOAD_TRANSFORMERS = ("transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
+_IMPORTS_TRANSFORMERS = re.compile(r"^\s*(import|from) transformers\b", re.MULTILINE)
+
+_MAX_ZYGOTES = 4
+_zygotes: dict = {}  # the running zygotes of this process: their import-time variables -> Popen
+
+
+def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: float | None = None, input: str | None = None,
+        check: bool = False) -> subprocess.CompletedProcess:
+    """As `subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, input=input, capture_output=True, text=True)`."""
+    cmd = [str(part) for part in cmd]
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd) if cwd is not None else os.getcwd()
+    zygote = _zygote_for(cmd, env)
+    if zygote is None:
+        proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, input=input, capture_output=True, text=True)
+    else:
+        proc = _run_forked(zygote, cmd, env, cwd, timeout, input)
+    if check and proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+    return proc
+
+
+def _import_time(env: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _HANDLED))
+
+
+def _zygote_for(cmd: list, env: dict):
+    if os.environ.get(FRESH_ENV, "0") not in ("", "0") or not sys.platform.startswith("linux"):
+        return None
+    if len(cmd) < 2 or cmd[0] != sys.executable or (cmd[1].startswith("-") and cmd[1] not in ("-m", "-c")):
+        return None
+    if any(os.path.exists(os.path.join(entry, name)) for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+           if entry for name in ("sitecustomize.py", "usercustomize.py")):
+        return None  # what the interpreter runs at start-up, before any import
+    key = (_import_time(env), _wants_transformers(cmd, env))
+    zygote = _zygotes.get(key)
+    if zygote is not None and zygote.poll() is None:
+        return zygote
+    if zygote is None and len(_zygotes) >= _MAX_ZYGOTES:
+        return None
+    _zygotes[key] = zygote = _start_zygote(dict(key[0]), key[1])
+    return zygote
+
+
+def _wants_transformers(cmd: list, env: dict) -> bool:
+    """The script imports transformers, and `accelerate` means the same in its workers as in the zygote."""
+    if "--accelerate_shim" in cmd or env.get("PYTHONPATH"):
+        return False
+    script = next((Path(part) for part in cmd[1:] if part.endswith(".py")), None)
+    try:
+        return script is not None and bool(_IMPORTS_TRANSFORMERS.search(script.read_text()))
+    except OSError:
+        return False
+
+
+def _start_zygote(import_time: dict, transformers: bool):
+    env = {k: v for k, v in os.environ.items() if not (k.startswith(_IMPORT_TIME) and k not in _HANDLED)}
+    env.update(import_time)
+    flags = ["--zygote", *(["--transformers"] if transformers else [])]
+    proc = subprocess.Popen([sys.executable, "-u", __file__, *flags], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, cwd=os.getcwd())
+    if not proc.stdout.readline():
+        raise RuntimeError("warm_python: the zygote did not start")
+    if not _zygotes:
+        atexit.register(_stop_zygotes)
+    return proc
+
+
+def _stop_zygotes() -> None:
+    for proc in _zygotes.values():
+        if proc.poll() is None:
+            proc.stdin.close()
+    for proc in _zygotes.values():
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    _zygotes.clear()
+
+
+def _run_forked(zygote, cmd, env, cwd, timeout, input) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="accel-warm-") as folder:
+        paths = {name: os.path.join(folder, name) for name in ("stdin", "stdout", "stderr")}
+        Path(paths["stdin"]).write_text(input or "")
+        request = {"argv": cmd[1:], "env": env, "cwd": cwd, **paths}
+        zygote.stdin.write((json.dumps(request) + "\n").encode())
+        zygote.stdin.flush()
+        pid = json.loads(zygote.stdout.readline())["pid"]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([zygote.stdout], [], [], wait)
+            if ready:
+                break
+            timed_out = True
+            os.kill(pid, signal.SIGKILL)
+            deadline = None
+        line = zygote.stdout.readline()
+        if not line:
+            raise RuntimeError("warm_python: the zygote ended while running " + " ".join(cmd))
+        code = json.loads(line)["code"]
+        out = Path(paths["stdout"]).read_text(errors="replace")
+        err = Path(paths["stderr"]).read_text(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+# -- the zygote -------------------------------------------------------------------------------------------------
+
+def _serve(transformers: bool) -> None:
+    import importlib
+
+    for name in (*_PRELOAD, *(_PRELOAD_TRANSFORMERS if transformers else ())):
+        importlib.import_module(name)
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    replies.write(b"ready\n")
+    replies.flush()
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _child(request)
+            finally:
+                os._exit(code)
+        replies.write((json.dumps({"pid": pid}) + "\n").encode())
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        replies.write((json.dumps({"code": code}) + "\n").encode())
+        replies.flush()
+
+
+def _child(request: dict) -> int:
+    """In the forked child: become `python ARGV` in CWD with ENV and run it; returns the exit code."""
+    import io
+    import random
+    import runpy
+    import threading
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        opened = os.open(request[name], mode | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    env = request["env"]
+    unbuffered = env.get("PYTHONUNBUFFERED", "") != ""
+    sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False), encoding="utf-8", errors="strict")
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = io.TextIOWrapper(open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False), encoding="utf-8",
+                                  errors="backslashreplace" if fd == 2 else "strict",
+                                  line_buffering=fd == 2 or not unbuffered, write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    os.chdir(request["cwd"])
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ.clear()
+    os.environ.update(env)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    argv = request["argv"]
+    first = os.path.dirname(os.path.realpath(argv[0])) if argv[0] not in ("-m", "-c") else os.getcwd()
+    sys.path[:] = [first, *entries, *(p for p in sys.path[1:] if p not in own and p not in entries)]
+    sys.path_importer_cache.clear()
+    import importlib
+
+    importlib.invalidate_caches()
+    sys.dont_write_bytecode = env.get("PYTHONDONTWRITEBYTECODE", "") != ""
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - printed as the interpreter prints it
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    return code
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--zygote"]:
+    _serve(transformers="--transformers" in sys.argv)

@@ -1,0 +1,59 @@
+"""The tests' warm interpreter (tests/multiproc/warm_python.py) answers as a fresh `python` does: the same output,
+exit codes, environment, working directory, sys.path and end-of-interpreter work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import warm_python
+
+PROBE = r"""
+import atexit, json, os, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("WARM_PROBE"),
+                  "path0": sys.path[0], "extra": os.environ.get("PYTHONPATH", "") in sys.path,
+                  "stdin": sys.stdin.read(), "main": __name__}))
+print("to stderr", file=sys.stderr)
+"""
+
+
+def _both(cmd, **kwargs):
+    fresh = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    warm = warm_python.run(cmd, **kwargs)
+    return fresh, warm
+
+
+def test_a_script_sees_what_a_fresh_interpreter_sees(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    env = {**os.environ, "WARM_PROBE": "yes", "PYTHONPATH": str(extra)}
+    fresh, warm = _both([sys.executable, str(script), "a", "b"], env=env, cwd=tmp_path, input="typed", timeout=60)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert '"var": "yes"' in warm.stdout and '"extra": true' in warm.stdout
+    assert "thread joined\natexit ran" in warm.stdout
+
+
+@pytest.mark.parametrize("code,expected", [("raise SystemExit(3)", 3), ("raise SystemExit('bad')", 1),
+                                           ("raise ValueError('boom')", 1), ("import sys; sys.exit()", 0)])
+def test_exit_codes_and_tracebacks_are_a_fresh_interpreters(code, expected, tmp_path):
+    fresh, warm = _both([sys.executable, "-c", code], cwd=tmp_path, timeout=60)
+    assert warm.returncode == fresh.returncode == expected
+    assert warm.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+
+
+def test_module_mode_puts_the_working_directory_first(tmp_path):
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    fresh, warm = _both([sys.executable, "-m", "probe_mod", "x"], cwd=tmp_path, timeout=60)
+    assert warm.stdout == fresh.stdout and warm.returncode == 0
+
+
+def test_a_command_past_its_timeout_is_killed(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm_python.run([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, timeout=1)
+    assert warm_python.run([sys.executable, "-c", "print(1)"], cwd=tmp_path, timeout=30).stdout == "1\n"
