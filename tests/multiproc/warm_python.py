@@ -101,8 +101,9 @@ def _start_zygote(import_time: dict, transformers: bool):
     env = {k: v for k, v in os.environ.items() if not (k.startswith(_IMPORT_TIME) and k not in _HANDLED)}
     env.update(import_time)
     flags = ["--zygote", *(["--transformers"] if transformers else [])]
+    # its own stderr carries only what importing torch and transformers prints (each child writes to its own files)
     proc = subprocess.Popen([sys.executable, "-u", __file__, *flags], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd=os.getcwd())
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.getcwd())
     if not proc.stdout.readline():
         raise RuntimeError("warm_python: the zygote did not start")
     if not _zygotes:
