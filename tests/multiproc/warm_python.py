@@ -102,8 +102,9 @@ def _start_zygote(import_time: dict, transformers: bool):
     env.update(import_time)
     flags = ["--zygote", *(["--transformers"] if transformers else [])]
     # its own stderr carries only what importing torch and transformers prints (each child writes to its own files)
+    # unbuffered (bufsize=0): `select` on the replies must see every byte, none held in a reader's buffer
     proc = subprocess.Popen([sys.executable, "-u", __file__, *flags], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.getcwd())
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.getcwd(), bufsize=0)
     if not proc.stdout.readline():
         raise RuntimeError("warm_python: the zygote did not start")
     if not _zygotes:
