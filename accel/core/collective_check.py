@@ -33,6 +33,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+# what a torch function's arguments hold besides tensors and containers: never searched for tensors
+_SCALARS = (int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+            torch.layout, torch.memory_format, torch.Size)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors that are their own storage's owner (not a DTensor's wrapper)
+
 ENV = "ACCEL_CHECK_COLLECTIVE_DEVICES"
 ACCELERATOR = torch.device("cpu", 0)  # the pretended accelerator
 HOST = torch.device("cpu")
@@ -63,7 +68,38 @@ def active() -> bool:
 
 
 # -- which tensors are on the host ------------------------------------------------------------------------------
+def _tensors(value: Any, found: list) -> list:
+    """The tensors in `value`, added to `found`: tuples, lists and dicts walked here, any other container by pytree
+    (the mode calls this for every torch function, where pytree's generic walk would cost more than the rest)."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, _SCALARS):
+        pass
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    else:
+        found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return found
+
+
+def _arguments_tensors(args: tuple, kwargs: dict) -> list:
+    """The tensors among a call's arguments: a loop over the positional ones first (most are tensors or scalars)."""
+    found: list = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif not isinstance(value, _SCALARS):
+            _tensors(value, found)
+    return _tensors(kwargs, found) if kwargs else found
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
+    if type(t) in _PLAIN:
+        return t
     local = getattr(t, "_local_tensor", None)  # a DTensor: its shard is what a collective sends
     return local if isinstance(local, torch.Tensor) else t
 
@@ -123,46 +159,83 @@ def _target_of_to(args: tuple, kwargs: dict) -> Any:
     return device
 
 
+_ROLES: dict = {}  # torch function -> (what the mode does with it, its name), decided at its first call
+
+
+def _role(func) -> tuple[str, str]:
+    try:
+        return _ROLES[func]
+    except KeyError:
+        role = _classify(func)
+        if len(_ROLES) < 65536:  # torch's functions are a fixed set; a function made per call is not kept
+            _ROLES[func] = role
+        return role
+    except TypeError:  # not hashable
+        return _classify(func)
+
+
+def _classify(func) -> tuple[str, str]:
+    if func == _GETTER:
+        return "device", ""
+    name = getattr(func, "__name__", "")
+    if func in (torch.Tensor.backward, torch.autograd.backward):
+        return "backward", name
+    qualified = getattr(getattr(func, "_overloadpacket", func), "_qualified_op_name", "")  # an op or its packet
+    if qualified.startswith("_c10d_functional::") and qualified.split("::")[1].startswith(_FUNCTIONAL):
+        return "collective", name
+    if name in ("cpu", "pin_memory"):
+        return "host", name
+    if name == "to" and func in (torch.Tensor.to,):
+        return "to", name
+    if name == "cuda":
+        return "accelerator", name
+    return "other", name
+
+
 class _Tracker(TorchFunctionMode):
     """Follows host tensors through torch functions; reports the two pretended devices; checks functional
     collectives."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func == _GETTER:
+        role, name = _role(func)
+        if role == "device":
             real = func(*args, **kwargs)
             if real.type != "cpu" or sys._getframe(1).f_globals.get("__name__") == "torch.utils.checkpoint":
                 return real  # meta stays meta; checkpoint compares forward's (read inside an op) with backward's
             return HOST if is_host(args[0]) else ACCELERATOR
-        name = getattr(func, "__name__", "")
-        if func in (torch.Tensor.backward, torch.autograd.backward):
+        if role == "backward":
             with self:  # the backward's hooks (FSDP2's reduce-scatter and offload) run under the mode too
                 return _run_backward(func, args, kwargs)
-        qualified = getattr(getattr(func, "_overloadpacket", func), "_qualified_op_name", "")  # an op or its packet
-        if qualified.startswith("_c10d_functional::") and qualified.split("::")[1].startswith(_FUNCTIONAL):
+        if role == "collective":
             _check_functional(func, args, kwargs)
         out = func(*args, **kwargs)
+        outputs = [out] if isinstance(out, torch.Tensor) else _tensors(out, [])
+        if not outputs:  # a flag, a size, a dtype, None: nothing to follow
+            return out
         target: str | None
-        if name == "cpu" or name == "pin_memory":
+        if role == "host":
             target = "host"
-        elif name == "to" and func in (torch.Tensor.to,):
+        elif role == "to":
             target = _kind(_target_of_to(args, kwargs))
-        elif name == "cuda":
+        elif role == "accelerator":
             target = "accelerator"
         else:
             target = _kind(kwargs.get("device"))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = _arguments_tensors(args, kwargs)
         if target is None:
-            if name.endswith("_like") or inputs:
+            if inputs or name.endswith("_like"):
                 target = "host" if inputs and all(is_host(t) for t in inputs) else "accelerator"
             else:
                 target = "host"  # a factory with no device: torch's default device, the host on a GPU job too
         if name in ("to", "cpu", "cuda", "pin_memory") and inputs and out is args[0]:
             if (target == "host") != is_host(args[0]):  # a move between the two devices copies, as on a GPU
                 out = out.clone()
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not any(t is i for i in inputs):
-                _mark(t, target == "host")
+                outputs = [out]
+        host = target == "host"
+        for t in outputs:
+            if not any(t is i for i in inputs):
+                _mark(t, host)
         return out
 
 
@@ -245,7 +318,7 @@ def _check_functional(func, args: tuple, kwargs: dict) -> None:
             break
         except (RuntimeError, ValueError, KeyError):
             continue
-    _check(str(func), [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)], group)
+    _check(str(func), _arguments_tensors(args, kwargs), group)
 
 
 def expect_reduction(op: str, tensors: list) -> None:
