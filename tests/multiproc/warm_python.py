@@ -11,12 +11,16 @@ whose script imports transformers, run without accel's Accelerate shim, gets a z
 modeling code too (what each worker imports first thing: about 2.5 CPU seconds per process); its Hugging Face cache
 folder is then the one under the zygote's HOME (the tests that use it build their models from configs).
 
-The variables read while torch is imported or the interpreter starts (TORCH*, OMP_*, PYTHON* but
-PYTHONPATH/PYTHONUNBUFFERED, TMPDIR, ...) are the zygote's own: a command whose values differ gets a zygote of its
-own, started with them (a few per pytest process at most; past that, a fresh interpreter). A command with an
-interpreter option other than `-m`/`-c` (`-X`, `-W`, ...), or a sitecustomize on its PYTHONPATH, runs in a fresh
-interpreter. `ACCEL_TEST_FRESH_PYTHON=1`
-turns the zygotes off for a whole run.
+The variables read while torch is imported or the interpreter starts (TORCH*, OMP_*, PYTHON*, ...; HF_* and
+TRANSFORMERS_* where transformers is preloaded) are the zygote's own: a command whose values differ gets a zygote of
+its own, started with them. The child sets its own PYTHONPATH, TMPDIR (tempfile looks again) and OMP_NUM_THREADS
+(torch.set_num_threads), so those never ask for another zygote. A pytest process keeps four at most: a fifth set of
+variables runs fresh the first time and, from its second command on, replaces the zygote used least recently (a
+zygote costs what a fresh interpreter does; the files of a pytest worker run one after another, each with its own
+variables mostly). A zygote runs one command at a time:
+a second thread's command meanwhile, or one with an interpreter option other than `-m`/`-c` (`-X`, `-W`, ...) or a
+sitecustomize on its PYTHONPATH, runs in a fresh interpreter. `ACCEL_TEST_FRESH_PYTHON=1` turns the zygotes off
+for a whole run.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +42,9 @@ FRESH_ENV = "ACCEL_TEST_FRESH_PYTHON"
 # variables read while torch (and what the zygote imports) is imported, or by the interpreter at start-up
 _IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "GLOO", "LD_", "PYTHON", "TMPDIR", "NUMPY",
                 "OPENBLAS", "GOTO", "TRITON", "LANG", "LC_", "HF_", "TRANSFORMERS_", "XDG_")
-_HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+# set again in each child: its own PYTHONPATH, buffering and bytecode flags, temporary folder and thread count
+_HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TMPDIR", "OMP_NUM_THREADS")
+_TRANSFORMERS_TIME = ("HF_", "TRANSFORMERS_")  # read when transformers is imported: only its zygotes' own
 _PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run",
             "torch.distributed.elastic.agent.server.local_elastic_agent")
 # with the real Accelerate, which transformers' modeling code imports: never where accel's shim must be `accelerate`
@@ -45,7 +52,12 @@ _PRELOAD_TRANSFORMERS = ("transformers", "transformers.modeling_utils", "transfo
 _IMPORTS_TRANSFORMERS = re.compile(r"^\s*(import|from) transformers\b", re.MULTILINE)
 
 _MAX_ZYGOTES = 4
-_zygotes: dict = {}  # the running zygotes of this process: their import-time variables -> Popen
+# the running zygotes of this process: their import-time variables -> Popen, the least recently used first
+_zygotes: dict = {}
+_busy: set = set()  # the zygotes running a command for a thread of this process now
+_asked: dict = {}  # import-time variables -> the commands that asked for them
+_lock = threading.Lock()
+_stopped_at_exit: list = []  # _stop_zygotes once registered with atexit
 
 
 def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: float | None = None, input: str | None = None,
@@ -54,18 +66,25 @@ def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: float | None =
     cmd = [str(part) for part in cmd]
     env = dict(os.environ if env is None else env)
     cwd = str(cwd) if cwd is not None else os.getcwd()
-    zygote = _zygote_for(cmd, env)
+    with _lock:
+        zygote = _zygote_for(cmd, env)
+        if zygote is not None:
+            _busy.add(zygote)
     if zygote is None:
         proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, input=input, capture_output=True, text=True)
     else:
-        proc = _run_forked(zygote, cmd, env, cwd, timeout, input)
+        try:
+            proc = _run_forked(zygote, cmd, env, cwd, timeout, input)
+        finally:
+            _busy.discard(zygote)
     if check and proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
     return proc
 
 
-def _import_time(env: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _HANDLED))
+def _import_time(env: dict, transformers: bool = True) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _HANDLED
+                        and (transformers or not k.startswith(_TRANSFORMERS_TIME))))
 
 
 def _zygote_for(cmd: list, env: dict):
@@ -76,14 +95,29 @@ def _zygote_for(cmd: list, env: dict):
     if any(os.path.exists(os.path.join(entry, name)) for entry in env.get("PYTHONPATH", "").split(os.pathsep)
            if entry for name in ("sitecustomize.py", "usercustomize.py")):
         return None  # what the interpreter runs at start-up, before any import
-    key = (_import_time(env), _wants_transformers(cmd, env))
-    zygote = _zygotes.get(key)
+    transformers = _wants_transformers(cmd, env)
+    key = (_import_time(env, transformers), transformers)
+    _asked[key] = _asked.get(key, 0) + 1
+    zygote = _zygotes.pop(key, None)
     if zygote is not None and zygote.poll() is None:
-        return zygote
-    if zygote is None and len(_zygotes) >= _MAX_ZYGOTES:
+        _zygotes[key] = zygote  # now the most recently used
+        return None if zygote in _busy else zygote  # one command at a time each: another thread's runs fresh
+    # a zygote costs what a fresh interpreter does: one is replaced only for variables asked for a second time
+    if len(_zygotes) >= _MAX_ZYGOTES and (_asked[key] < 2 or not _stop_least_recently_used()):
         return None
     _zygotes[key] = zygote = _start_zygote(dict(key[0]), key[1])
     return zygote
+
+
+def _stop_least_recently_used() -> bool:
+    """Make room for a zygote of other import-time variables (a test file's own, mostly: the files of a pytest worker
+    run one after another); False when every zygote is running a command."""
+    for key, proc in _zygotes.items():
+        if proc not in _busy:
+            del _zygotes[key]
+            _stop([proc])
+            return True
+    return False
 
 
 def _wants_transformers(cmd: list, env: dict) -> bool:
@@ -99,6 +133,8 @@ def _wants_transformers(cmd: list, env: dict) -> bool:
 
 def _start_zygote(import_time: dict, transformers: bool):
     env = {k: v for k, v in os.environ.items() if not (k.startswith(_IMPORT_TIME) and k not in _HANDLED)}
+    for name in ("TMPDIR", "OMP_NUM_THREADS"):  # torch's defaults here; each child's own are set in the child
+        env.pop(name, None)
     env.update(import_time)
     flags = ["--zygote", *(["--transformers"] if transformers else [])]
     # its own stderr carries only what importing torch and transformers prints (each child writes to its own files)
@@ -107,21 +143,27 @@ def _start_zygote(import_time: dict, transformers: bool):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.getcwd(), bufsize=0)
     if not proc.stdout.readline():
         raise RuntimeError("warm_python: the zygote did not start")
-    if not _zygotes:
-        atexit.register(_stop_zygotes)
+    if not _stopped_at_exit:
+        _stopped_at_exit.append(atexit.register(_stop_zygotes))
     return proc
 
 
 def _stop_zygotes() -> None:
-    for proc in _zygotes.values():
+    _stop(list(_zygotes.values()))
+    _zygotes.clear()
+
+
+def _stop(procs: list) -> None:
+    for proc in procs:
         if proc.poll() is None:
             proc.stdin.close()
-    for proc in _zygotes.values():
+    for proc in procs:
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-    _zygotes.clear()
+            proc.wait()
+        proc.stdout.close()
 
 
 def _run_forked(zygote, cmd, env, cwd, timeout, input) -> subprocess.CompletedProcess:
@@ -218,6 +260,12 @@ def _child(request: dict) -> int:
 
     importlib.invalidate_caches()
     sys.dont_write_bytecode = env.get("PYTHONDONTWRITEBYTECODE", "") != ""
+    import tempfile
+
+    tempfile.tempdir = None  # found again from this TMPDIR at first use
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read the zygote's (none) when torch was imported
+        sys.modules["torch"].set_num_threads(int(threads))
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

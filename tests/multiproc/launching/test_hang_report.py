@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import warm_python
 
 from accel.cli import hang_report
 from accel.core import diagnostics as diag
@@ -30,9 +31,9 @@ def launch(tmp_path_factory, *worker_args: str) -> subprocess.CompletedProcess:
 
     tmp = tmp_path_factory.mktemp("hang")
     env = {**make_isolated_env(tmp), "TMPDIR": str(tmp)}  # the run folder the report names lands here
-    return subprocess.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
-                           "--collective_timeout", str(TIMEOUT_S), str(WORKER), *worker_args],
-                          cwd=tmp, env=env, capture_output=True, text=True, timeout=55)
+    return warm_python.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                            "--collective_timeout", str(TIMEOUT_S), str(WORKER), *worker_args],
+                           cwd=tmp, env=env, timeout=55)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from accel.cli import hang_report
 from accel.cli import launch as launch_cmd
@@ -24,9 +25,9 @@ def launch(tmp_path, *worker_args: str) -> subprocess.CompletedProcess:
     from conftest import make_isolated_env
 
     env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path)}
-    return subprocess.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
-                           "--collective_timeout", "20", str(WORKER), *worker_args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    return warm_python.run([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+                            "--collective_timeout", "20", str(WORKER), *worker_args],
+                           cwd=tmp_path, env=env, timeout=90)
 
 
 def ours(proc) -> list[str]:

@@ -57,3 +57,52 @@ def test_a_command_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         warm_python.run([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, timeout=1)
     assert warm_python.run([sys.executable, "-c", "print(1)"], cwd=tmp_path, timeout=30).stdout == "1\n"
+
+
+def test_a_fifth_set_of_import_time_variables_replaces_the_least_recently_used_zygote(monkeypatch):
+    """Four zygotes at most; a fifth set of import-time variables runs fresh the first time, and warm from its
+    second command on (the least recently used zygote is stopped). A zygote busy with another thread's command is
+    neither used nor stopped: that command runs fresh."""
+    started, stopped = [], []
+
+    class Fake:
+        def poll(self):
+            return None
+
+    def start(import_time, transformers):
+        started.append(import_time["TORCH_WARM_PROBE"])
+        return Fake()
+
+    monkeypatch.setattr(warm_python, "_zygotes", {})
+    monkeypatch.setattr(warm_python, "_busy", set())
+    monkeypatch.setattr(warm_python, "_asked", {})
+    monkeypatch.setattr(warm_python, "_start_zygote", start)
+    monkeypatch.setattr(warm_python, "_stop", lambda procs: stopped.extend(procs))
+    monkeypatch.delenv(warm_python.FRESH_ENV, raising=False)
+    cmd = [sys.executable, "-c", "pass"]
+
+    def zygote(n):
+        return warm_python._zygote_for(cmd, {"TORCH_WARM_PROBE": str(n)})
+
+    first = [zygote(n) for n in range(4)]
+    assert zygote(0) is first[0]  # 0 is now the most recently used: 1 goes first
+    assert zygote(4) is None and not stopped  # asked once: fresh
+    fifth = zygote(4)
+    assert fifth is not None and stopped == [first[1]] and started == ["0", "1", "2", "3", "4"]
+    warm_python._busy.update({first[2], first[3], first[0], fifth})
+    assert zygote(5) is None and zygote(5) is None and len(stopped) == 1  # every zygote is busy: fresh
+    assert zygote(3) is None  # its own zygote is busy (another thread's command): fresh
+
+
+def test_the_temporary_folder_and_thread_count_are_each_commands_own(tmp_path):
+    """TMPDIR and OMP_NUM_THREADS are set in the child (one zygote serves every value): tempfile and torch see the
+    command's, as in a fresh interpreter."""
+    code = "import tempfile, torch; print(tempfile.gettempdir(), torch.get_num_threads())"
+    for threads in ("1", None):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env["TMPDIR"] = str(tmp_path)
+        if threads:
+            env["OMP_NUM_THREADS"] = threads
+        fresh, warm = _both([sys.executable, "-c", code], env=env, timeout=60)
+        assert (warm.returncode, warm.stdout) == (0, fresh.stdout), warm.stderr
+        assert warm.stdout.startswith(str(tmp_path))
