@@ -69,32 +69,22 @@ def active() -> bool:
 
 # -- which tensors are on the host ------------------------------------------------------------------------------
 def _tensors(value: Any, found: list) -> list:
-    """The tensors in `value`, added to `found`: tuples, lists and dicts walked here, any other container by pytree
-    (the mode calls this for every torch function, where pytree's generic walk would cost more than the rest)."""
+    """The tensors in `value`, added to `found`: tuples, lists and dicts walked here, their tensors and scalars
+    without a call each, any other container by pytree (the mode calls this for every torch function's arguments and
+    result, where pytree's generic walk would cost more than the rest)."""
     if isinstance(value, torch.Tensor):
         found.append(value)
     elif isinstance(value, _SCALARS):
         pass
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _tensors(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _tensors(item, found)
+    elif isinstance(value, (tuple, list, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif not isinstance(item, _SCALARS):
+                _tensors(item, found)
     else:
         found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
     return found
-
-
-def _arguments_tensors(args: tuple, kwargs: dict) -> list:
-    """The tensors among a call's arguments: a loop over the positional ones first (most are tensors or scalars)."""
-    found: list = []
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif not isinstance(value, _SCALARS):
-            _tensors(value, found)
-    return _tensors(kwargs, found) if kwargs else found
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -222,7 +212,7 @@ class _Tracker(TorchFunctionMode):
             target = "accelerator"
         else:
             target = _kind(kwargs.get("device"))
-        inputs = _arguments_tensors(args, kwargs)
+        inputs = _tensors(kwargs, _tensors(args, []))
         if target is None:
             if inputs or name.endswith("_like"):
                 target = "host" if inputs and all(is_host(t) for t in inputs) else "accelerator"
@@ -318,7 +308,7 @@ def _check_functional(func, args: tuple, kwargs: dict) -> None:
             break
         except (RuntimeError, ValueError, KeyError):
             continue
-    _check(str(func), _arguments_tensors(args, kwargs), group)
+    _check(str(func), _tensors(kwargs, _tensors(args, [])), group)
 
 
 def expect_reduction(op: str, tensors: list) -> None:

@@ -27,7 +27,8 @@ def test_the_tensors_found_in_arguments_are_pytrees_in_the_same_order():
         found = cc._tensors(value, [])
         assert [id(t) for t in found] == [id(t) for t in _pytree_tensors(value)], value
     args, kwargs = (a, [b, 3], {"c": c}), {"out": d, "dim": 1}
-    assert [id(t) for t in cc._arguments_tensors(args, kwargs)] == [id(t) for t in _pytree_tensors((args, kwargs))]
+    found = cc._tensors(kwargs, cc._tensors(args, []))
+    assert [id(t) for t in found] == [id(t) for t in _pytree_tensors((args, kwargs))]
 
 
 def test_each_function_is_classified_once_and_as_before():
