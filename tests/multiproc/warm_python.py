@@ -42,8 +42,10 @@ FRESH_ENV = "ACCEL_TEST_FRESH_PYTHON"
 # variables read while torch (and what the zygote imports) is imported, or by the interpreter at start-up
 _IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "GLOO", "LD_", "PYTHON", "TMPDIR", "NUMPY",
                 "OPENBLAS", "GOTO", "TRITON", "LANG", "LC_", "HF_", "TRANSFORMERS_", "XDG_")
+# read at import, set again in each child (tempfile looks again; torch.set_num_threads): the zygote starts without them
+_SET_IN_CHILD = ("TMPDIR", "OMP_NUM_THREADS")
 # set again in each child: its own PYTHONPATH, buffering and bytecode flags, temporary folder and thread count
-_HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TMPDIR", "OMP_NUM_THREADS")
+_HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", *_SET_IN_CHILD)
 _TRANSFORMERS_TIME = ("HF_", "TRANSFORMERS_")  # read when transformers is imported: only its zygotes' own
 _PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run",
             "torch.distributed.elastic.agent.server.local_elastic_agent")
@@ -82,7 +84,7 @@ def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: float | None =
     return proc
 
 
-def _import_time(env: dict, transformers: bool = True) -> tuple:
+def _import_time(env: dict, transformers: bool) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _HANDLED
                         and (transformers or not k.startswith(_TRANSFORMERS_TIME))))
 
@@ -133,7 +135,7 @@ def _wants_transformers(cmd: list, env: dict) -> bool:
 
 def _start_zygote(import_time: dict, transformers: bool):
     env = {k: v for k, v in os.environ.items() if not (k.startswith(_IMPORT_TIME) and k not in _HANDLED)}
-    for name in ("TMPDIR", "OMP_NUM_THREADS"):  # torch's defaults here; each child's own are set in the child
+    for name in _SET_IN_CHILD:  # torch's defaults here; each child's own are set in the child
         env.pop(name, None)
     env.update(import_time)
     flags = ["--zygote", *(["--transformers"] if transformers else [])]
@@ -260,8 +262,6 @@ def _child(request: dict) -> int:
 
     importlib.invalidate_caches()
     sys.dont_write_bytecode = env.get("PYTHONDONTWRITEBYTECODE", "") != ""
-    import tempfile
-
     tempfile.tempdir = None  # found again from this TMPDIR at first use
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read the zygote's (none) when torch was imported
