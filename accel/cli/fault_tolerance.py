@@ -6,7 +6,9 @@ own (`accel launch --num_processes num_processes/group_size --num_machines 1`, t
 `--max_restarts`), in a session of its own, with a config file that names the group's `replica_id` (machine_rank x
 groups per machine + i) and the lighthouse's address. With `lighthouse: start` the head of machine_rank 0 runs
 torchft's `LighthouseServer` in its own process: on one machine on a free port of 127.0.0.1, across machines on
-`main_process_ip:lighthouse_port` (29510 unless given). Under SLURM: `srun --ntasks-per-node=1 accel launch
+`main_process_ip:lighthouse_port` (29510 unless given). On CPU each group's launcher is forked from the head,
+which imports torch once, as workers are forked from their launcher (forked_workers.py); on GPUs (and with
+`ACCEL_FRESH_WORKERS=1`) it is a fresh interpreter. Under SLURM: `srun --ntasks-per-node=1 accel launch
 --fault_tolerance ...` (one head per node; SLURM gives each its machine_rank), or a `--hostfile` launch.
 
 A group whose workers fail is restarted by its own agent (`--max_restarts`), and heals from a live group; the other
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -30,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from accel.cli import config_flags
+from accel.cli import config_flags, forked_workers
 from accel.cli._common import UsageError
 from accel.config import AccelConfig
 from accel.config.schema import DEFAULT_LIGHTHOUSE_PORT
@@ -106,28 +109,14 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
                                                                                 script_argv)))
         sys.stdout.write("\n".join(lines) + "\n")
         return 0
-    server = None
-    lighthouse = ft.lighthouse
-    if start:
-        if cfg.machine_rank == 0:
-            from torchft._torchft import LighthouseServer
-
-            try:
-                server = LighthouseServer(bind=bind, min_replicas=ft.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
-                                          quorum_tick_ms=QUORUM_TICK_MS,
-                                          heartbeat_timeout_ms=int(ft.heartbeat_timeout * 1000))
-            except Exception as exc:  # noqa: BLE001 - the port is taken, or the address cannot be bound
-                raise UsageError(f"fault_tolerance: torchft's lighthouse could not bind {bind}: "
-                                 f"{' '.join(str(exc).split())}; allowed: a free --ft_lighthouse_port") from None
-            port = server.address().rsplit(":", 1)[1].strip("/")
-            lighthouse = f"{where}:{port}" if cfg.num_machines == 1 else where
-            sys.stderr.write(f"accel launch: torchft lighthouse at http://{lighthouse} (min_replicas "
-                             f"{ft.min_replicas})\n")
-        else:
-            lighthouse = where
+    fork = forked_workers.wanted(on_cpu=cfg.resolved_distributed_type() != "MULTI_GPU")
+    if fork:
+        forked_workers.preload()  # imported once here, not once per group
     folder = Path(tempfile.mkdtemp(prefix="accel-ft-"))
-    groups: dict[int, subprocess.Popen] = {}
+    groups: dict[int, subprocess.Popen | forked_workers.ForkedProcess] = {}
+    commands: dict[int, int] = {}  # replica -> the pipe its forked launcher reads its command from
     stopping: list[int] = []
+    server = None
 
     def stop(signum, _frame) -> None:
         stopping.append(signum)
@@ -137,14 +126,24 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if fork:  # forked before the lighthouse starts: its runtime's threads and state are not to be forked
+            for replica in groups_here(cfg):
+                groups[replica], commands[replica] = _fork_group({**os.environ, GROUP_ENV: str(replica)},
+                                                                 list(commands.values()))
+        server, lighthouse = _start_lighthouse(cfg)
         for replica in groups_here(cfg):
             sub = group_config(cfg, replica, lighthouse)
-            path = sub.save(folder / f"group{replica}.yaml")
-            groups[replica] = subprocess.Popen(group_command(args, path, sub.num_processes, script_argv),
-                                               start_new_session=True,
-                                               env={**os.environ, GROUP_ENV: str(replica)})
+            command = group_command(args, sub.save(folder / f"group{replica}.yaml"), sub.num_processes, script_argv)
+            if fork:
+                with os.fdopen(commands.pop(replica), "wb") as pipe:
+                    pipe.write(json.dumps(command).encode())
+            else:
+                groups[replica] = subprocess.Popen(command, start_new_session=True,
+                                                   env={**os.environ, GROUP_ENV: str(replica)})
         return _wait(groups, stopping)
     finally:
+        for fd in commands.values():  # groups never told their command (the lighthouse failed): they exit at once
+            os.close(fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _end_groups(groups)
@@ -155,7 +154,53 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
         folder.rmdir()
 
 
-def _wait(groups: dict[int, subprocess.Popen], stopping: list[int]) -> int:
+def _start_lighthouse(cfg: AccelConfig):
+    """(torchft's LighthouseServer when this launcher runs it, else None; the address groups connect to)."""
+    ft = cfg.fault_tolerance
+    if ft.lighthouse != "start":
+        return None, ft.lighthouse
+    bind, where = lighthouse_bind(cfg)
+    if cfg.machine_rank != 0:
+        return None, where
+    from torchft._torchft import LighthouseServer
+
+    try:
+        server = LighthouseServer(bind=bind, min_replicas=ft.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=int(ft.heartbeat_timeout * 1000))
+    except Exception as exc:  # noqa: BLE001 - the port is taken, or the address cannot be bound
+        raise UsageError(f"fault_tolerance: torchft's lighthouse could not bind {bind}: "
+                         f"{' '.join(str(exc).split())}; allowed: a free --ft_lighthouse_port") from None
+    port = server.address().rsplit(":", 1)[1].strip("/")
+    lighthouse = f"{where}:{port}" if cfg.num_machines == 1 else where
+    sys.stderr.write(f"accel launch: torchft lighthouse at http://{lighthouse} (min_replicas {ft.min_replicas})\n")
+    return server, lighthouse
+
+
+def _fork_group(env: dict[str, str], other_pipes: list[int]) -> tuple[forked_workers.ForkedProcess, int]:
+    """A group's launcher forked from this one (as workers are: forked_workers.py): it waits for its command on a
+    pipe, then runs it as `accel launch` would (an empty pipe: it exits, the head says why). Returns (the process,
+    the pipe's write end)."""
+    read, write = os.pipe()
+
+    def run() -> int:
+        for fd in (write, *other_pipes):  # the head's ends: the pipes end when the head closes them
+            os.close(fd)
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        if not data:
+            return 1
+        argv = json.loads(data)[3:]  # after `python -m accel.cli.main`
+        from accel.cli.main import main
+
+        sys.argv = ["accel", *argv]
+        return main(argv)
+
+    proc = forked_workers.fork_session(run, env, ("accel", "launch", "(replica group)"))
+    os.close(read)
+    return proc, write
+
+
+def _wait(groups: dict, stopping: list[int]) -> int:
     """Wait for every group; the first failure's exit code (0 when every group ended well). A group that failed on
     its own is named in one line; after a signal to this launcher, one line says how the job ended, and its code is
     what the same signal gives without fault tolerance (130 for SIGINT; 75 when every group saved at a preemption
@@ -196,7 +241,7 @@ def _stopped(signum: int, codes: list[int]) -> int:
     return 128 + signum
 
 
-def _end_groups(groups: dict[int, subprocess.Popen]) -> None:
+def _end_groups(groups: dict) -> None:
     """Every group's session ends with the head: SIGTERM to what is left, SIGKILL after STOP_GRACE_S."""
     alive = [proc for proc in groups.values() if proc.poll() is None]
     for proc in alive:

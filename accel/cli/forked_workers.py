@@ -119,6 +119,41 @@ class ForkedProcess:
 ENDED: dict[int, ForkedProcess] = {}  # pid -> the forked worker (this launcher's)
 
 
+def fork_session(run, env: dict[str, str], args: tuple) -> ForkedProcess:
+    """Fork a child that leads a session of its own, with `env` as its environment and Python's default signal
+    handlers, runs `run()` and exits with what it returns: what `subprocess.Popen(args, env=env,
+    start_new_session=True)` of a command that does the same would be, without a fresh interpreter's imports.
+    Fault tolerance's head starts its replica groups' launchers this way (fault_tolerance.py)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        code = 1
+        try:
+            import gc
+
+            gc.freeze()  # the parent's objects stay as they are: never collected (nor finalized) here
+            os.setsid()
+            os.environ.clear()
+            os.environ.update(env)
+            _default_signals()
+            ENDED.clear()  # the parent's children are not this process's
+            code = run()
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+        except BaseException:  # noqa: BLE001 - said as the interpreter says it, exit 1
+            import traceback
+
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+    return ForkedProcess(pid, args)
+
+
 def by_end(failures: dict) -> list[int] | None:
     """The global ranks of torchrun's `failures` (rank -> ProcessFailure) in the order their forked workers ended,
     or None when they were not all forked here."""

@@ -296,10 +296,11 @@ def test_a_signal_to_the_head_ends_the_job_as_without_fault_tolerance(tmp_path, 
 
 def test_a_group_later_than_the_start_timeout_is_left_behind_in_one_line(tmp_path, isolated_env):
     """`--ft_start_timeout 2` and group 1 eight seconds late: group 0 says in one line that it starts without
-    group 1, and trains alone; group 1 heals from it when it comes and both end with the same weights."""
-    mark, err = _launch_marked(isolated_env, "--cpu", "--num_processes", 2, "--fault_tolerance", "--ft_group_size", 2,
-                               "--ft_start_timeout", 2, SCRIPT, "--out", tmp_path, "--steps", 40, "--start-delay", 8,
-                               "--alone-sleep", 0.2)
+    group 1, and trains alone; group 1 heals from it when it comes and both end with the same weights. The groups'
+    launchers and workers are fresh interpreters here (`ACCEL_FRESH_WORKERS=1`, as on GPUs); elsewhere forked."""
+    mark, err = _launch_marked({**isolated_env, "ACCEL_FRESH_WORKERS": "1"}, "--cpu", "--num_processes", 2,
+                               "--fault_tolerance", "--ft_group_size", 2, "--ft_start_timeout", 2, SCRIPT, "--out",
+                               tmp_path, "--steps", 40, "--start-delay", 8, "--alone-sleep", 0.2)
     said = [line for line in err.splitlines() if "not come within" in line]
     assert said == ["accel: fault tolerance: replica group(s) 1 not come within fault_tolerance.start_timeout (2 s); "
                     "the others start without them (they heal from them when they come)"], err[-3000:]
@@ -308,4 +309,25 @@ def test_a_group_later_than_the_start_timeout_is_left_behind_in_one_line(tmp_pat
     assert records[(1, 0, 0)][0]["after"] > 1  # group 1 healed: it began at the others' step
     first, second = (load_file(str(tmp_path / f"weights-g{g}-r0.safetensors")) for g in (0, 1))
     assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not _left_behind(mark)
+
+
+def test_a_taken_lighthouse_port_is_refused_in_one_line_and_no_group_is_left(tmp_path, isolated_env):
+    """The head forks its groups' launchers before it starts the lighthouse (its runtime's threads must not be
+    forked): when the port is taken they have not started a worker, and they end with the head's one line."""
+    import socket
+
+    mark = f"accel-ft-test-{uuid.uuid4().hex}"
+    (out := tmp_path / "out").mkdir()
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _launch.accel_launch({**isolated_env, "ACCEL_FT_TEST_MARK": mark}, "--cpu", "--num_processes", 2,
+                                    "--fault_tolerance", "--ft_group_size", 2, "--ft_lighthouse_port", port, SCRIPT,
+                                    "--out", out, expect=2)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"accel launch: error: fault_tolerance: torchft's lighthouse could not bind [::]:{port}: "
+                      f"Address already in use (os error 98); allowed: a free --ft_lighthouse_port"], proc.stderr
+    assert not list(out.iterdir())  # no worker started
     assert not _left_behind(mark)
