@@ -189,11 +189,12 @@ def _fork_group(env: dict[str, str], other_pipes: list[int]) -> tuple[forked_wor
             data = pipe.read()
         if not data:
             return 1
-        argv = json.loads(data)[3:]  # after `python -m accel.cli.main`
-        from accel.cli.main import main
+        import runpy
 
-        sys.argv = ["accel", *argv]
-        return main(argv)
+        command = json.loads(data)  # `python -m accel.cli.main launch ...`, run here as python would run it
+        sys.argv = [command[2], *command[3:]]
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+        return 0
 
     proc = forked_workers.fork_session(run, env, ("accel", "launch", "(replica group)"))
     os.close(read)
