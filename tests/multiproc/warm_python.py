@@ -21,15 +21,21 @@ variables mostly). A zygote runs one command at a time:
 a second thread's command meanwhile, or one with an interpreter option other than `-m`/`-c` (`-X`, `-W`, ...) or a
 sitecustomize on its PYTHONPATH, runs in a fresh interpreter. `ACCEL_TEST_FRESH_PYTHON=1` turns the zygotes off
 for a whole run.
+
+`Popen` is the same for the tests that own a process's life (signals, Ctrl-C, a launch that runs while the test
+watches its files): the zygote's child is the process, in a session of its own when asked, and its pid takes the
+signals; its end comes back through the zygote.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +65,7 @@ _zygotes: dict = {}
 _busy: set = set()  # the zygotes running a command for a thread of this process now
 _asked: dict = {}  # import-time variables -> the commands that asked for them
 _lock = threading.Lock()
+_SET_BY_IMPORT: dict = {}  # in a zygote: the variables its imports put in os.environ
 _stopped_at_exit: list = []  # _stop_zygotes once registered with atexit
 
 
@@ -82,6 +89,141 @@ def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: float | None =
     if check and proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
     return proc
+
+
+class Popen:
+    """As `subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=...)`,
+    for the tests that own a process's life (they signal it, read its output as it comes, wait for its files): from a
+    zygote where `run` would take one. stdout and stderr: `subprocess.PIPE` (`stderr=STDOUT` too), DEVNULL or a file
+    opened for writing; anything else runs fresh. stdin is /dev/null. A pipe is a named one the child opens; this
+    process holds a writing end of it too until the child's end is seen, so that a read never sees the end of the
+    output before the child has opened it. The zygote is this command's until then (`poll`, `wait`, `communicate`)."""
+
+    def __init__(self, cmd: list, *, cwd=None, env: dict | None = None, stdout=None, stderr=None, text: bool = False,
+                 start_new_session: bool = False) -> None:
+        self.args = [str(part) for part in cmd]
+        env = dict(os.environ if env is None else env)
+        cwd = str(cwd) if cwd is not None else os.getcwd()
+        self._code: int | None = None
+        self.stdout = self.stderr = None
+        self._zygote = self._proc = None
+        self._text = text
+        self._held: list[int] = []  # this process's writing ends of the pipes, closed once the child ended
+        self._folder = tempfile.mkdtemp(prefix="accel-warm-")
+        paths = [os.path.join(self._folder, name) if stream == subprocess.PIPE else _written_to(stream)
+                 for name, stream in (("stdout", stdout), ("stderr", stderr))]
+        if stderr == subprocess.STDOUT:
+            paths[1] = paths[0]
+        if None not in paths:
+            with _lock:
+                self._zygote = _zygote_for(self.args, env)
+                if self._zygote is not None:
+                    _busy.add(self._zygote)
+        if self._zygote is None:
+            self._proc = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
+                                          start_new_session=start_new_session)
+            self.pid, self.stdout, self.stderr = self._proc.pid, self._proc.stdout, self._proc.stderr
+            return
+        for name, stream, path in (("stdout", stdout, paths[0]), ("stderr", stderr, paths[1])):
+            if stream == subprocess.PIPE:
+                os.mkfifo(path, 0o600)
+                read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a reader first: the writers' opens do not wait
+                self._held.append(os.open(path, os.O_WRONLY))
+                os.set_blocking(read, True)
+                setattr(self, name, open(read, "r" if text else "rb"))
+        self.pid = _send(self._zygote, {"argv": self.args[1:], "env": env, "cwd": cwd, "stdin": os.devnull,
+                                        "stdout": paths[0], "stderr": paths[1], "session": start_new_session})
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else self._code
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._see_end(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._see_end(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple:
+        """The rest of the piped output once the child ended (read meanwhile: a pipe's buffer never fills)."""
+        if self._proc is not None:
+            return self._proc.communicate(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = [stream for stream in (self.stdout, self.stderr) if stream is not None]
+        data: dict = {stream: b"" for stream in streams}
+        reading = list(streams)
+        while reading:
+            watched = reading + ([self._zygote.stdout] if self.returncode is None else [])
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select(watched, [], [], wait)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            for stream in ready:
+                if stream is self._zygote.stdout:
+                    self._see_end(0)
+                    continue
+                chunk = os.read(stream.fileno(), 65536)
+                if chunk:
+                    data[stream] += chunk
+                else:
+                    reading.remove(stream)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        out = []
+        for stream in (self.stdout, self.stderr):
+            if stream is None:
+                out.append(None)
+                continue
+            stream.close()
+            out.append(data[stream].decode(errors="replace") if self._text else data[stream])
+        return out[0], out[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _see_end(self, timeout: float | None) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout)
+            return
+        ready, _, _ = select.select([self._zygote.stdout], [], [], timeout)
+        if ready:
+            line = self._zygote.stdout.readline()
+            if not line:
+                raise RuntimeError("warm_python: the zygote ended while running " + " ".join(self.args))
+            self._code = json.loads(line)["code"]
+            _busy.discard(self._zygote)
+            self._release()
+
+    def _release(self) -> None:
+        for fd in self._held:  # the child's own ends are closed: the pipes end once what it left behind ends
+            os.close(fd)
+        self._held.clear()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_held"):
+            self._release()
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _written_to(stream) -> str | None:
+    """The path a zygote's child opens for `stream` (DEVNULL, or a file opened for writing), else None."""
+    if stream == subprocess.DEVNULL:
+        return os.devnull
+    name = getattr(stream, "name", None)
+    return name if isinstance(name, str) and "w" in getattr(stream, "mode", "") else None
 
 
 def _import_time(env: dict, transformers: bool) -> tuple:
@@ -168,14 +310,18 @@ def _stop(procs: list) -> None:
         proc.stdout.close()
 
 
+def _send(zygote, request: dict) -> int:
+    """Hand a command to the zygote; the pid of the child that runs it."""
+    zygote.stdin.write((json.dumps(request) + "\n").encode())
+    zygote.stdin.flush()
+    return json.loads(zygote.stdout.readline())["pid"]
+
+
 def _run_forked(zygote, cmd, env, cwd, timeout, input) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="accel-warm-") as folder:
         paths = {name: os.path.join(folder, name) for name in ("stdin", "stdout", "stderr")}
         Path(paths["stdin"]).write_text(input or "")
-        request = {"argv": cmd[1:], "env": env, "cwd": cwd, **paths}
-        zygote.stdin.write((json.dumps(request) + "\n").encode())
-        zygote.stdin.flush()
-        pid = json.loads(zygote.stdout.readline())["pid"]
+        pid = _send(zygote, {"argv": cmd[1:], "env": env, "cwd": cwd, **paths})
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
         while True:
@@ -202,8 +348,10 @@ def _run_forked(zygote, cmd, env, cwd, timeout, input) -> subprocess.CompletedPr
 def _serve(transformers: bool) -> None:
     import importlib
 
+    before = dict(os.environ)
     for name in (*_PRELOAD, *(_PRELOAD_TRANSFORMERS if transformers else ())):
         importlib.import_module(name)
+    _SET_BY_IMPORT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     import gc
 
     gc.collect()
@@ -236,7 +384,12 @@ def _child(request: dict) -> int:
     import threading
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("session"):
+        os.setsid()
     for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        if fd == 2 and request["stderr"] == request["stdout"]:  # stderr=STDOUT: one file, one offset
+            os.dup2(1, 2)
+            continue
         opened = os.open(request[name], mode | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o600)
         os.dup2(opened, fd)
         os.close(opened)
@@ -263,6 +416,14 @@ def _child(request: dict) -> int:
     importlib.invalidate_caches()
     sys.dont_write_bytecode = env.get("PYTHONDONTWRITEBYTECODE", "") != ""
     tempfile.tempdir = None  # found again from this TMPDIR at first use
+    for name, value in _SET_BY_IMPORT.items():  # what the preloaded modules set, as they would in this environment
+        if name not in env:
+            os.environ[name] = value
+    if "TORCHINDUCTOR_CACHE_DIR" in _SET_BY_IMPORT and "TORCHINDUCTOR_CACHE_DIR" not in env:
+        from torch._inductor.runtime import cache_dir_utils  # under this TMPDIR (torch._dynamo sets it on import)
+
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        cache_dir_utils.cache_dir()
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read the zygote's (none) when torch was imported
         sys.modules["torch"].set_num_threads(int(threads))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-
+import warm_python
 from _launch import ROOT, accel_launch
 
 pytestmark = pytest.mark.multiproc
@@ -71,7 +71,7 @@ def _slurm_job_id_with_free_port(free_port: int) -> int:
 def run_together(jobs: list[tuple[list[str], dict]]) -> list[str]:
     """Start each (command, environment) at once, as the engine starts its tasks or pods; all must exit 0. Their
     outputs (stdout and stderr)."""
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    procs = [warm_python.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for cmd, env in jobs]
     try:
         outputs = [proc.communicate(timeout=120)[0] for proc in procs]

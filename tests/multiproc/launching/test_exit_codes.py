@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from accel.cli import multinode
 from accel.cli import output as output_cmd
@@ -72,11 +73,11 @@ def test_every_documented_code_is_tested():
             assert name in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, (code, test)
 
 
-def launch(tmp_path, *worker_args: str) -> subprocess.Popen:
+def launch(tmp_path, *worker_args: str) -> warm_python.Popen:
     from conftest import make_isolated_env
 
     env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+    return warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
                              "--collective_timeout", "30", str(WORKER), *worker_args],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 from _launch import ROOT, SCRIPTS
 
 from accel.runtime.preemption import EXIT_CODE
@@ -70,7 +71,7 @@ def _pids(folder: Path, pattern: str) -> list[int]:
 
 
 def launch(env: dict, out: Path, script: Path, *args: str, launch_args: tuple = (), fresh: bool = False
-           ) -> tuple[subprocess.Popen, Path]:
+           ) -> tuple[warm_python.Popen, Path]:
     """`accel launch --cpu --num_processes 2 [LAUNCH_ARGS] SCRIPT --out OUT ARGS` in its own session, output in
     OUT.stdout / OUT.stderr."""
     out.mkdir(parents=True, exist_ok=True)
@@ -78,11 +79,11 @@ def launch(env: dict, out: Path, script: Path, *args: str, launch_args: tuple = 
            str(script), "--out", str(out), *args]
     env = {**env, "OMP_NUM_THREADS": "1", "ACCEL_FRESH_WORKERS": "1" if fresh else "0"}
     with open(out.with_suffix(".stdout"), "w") as so, open(out.with_suffix(".stderr"), "w") as se:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se, start_new_session=True)
+        proc = warm_python.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se, start_new_session=True)
     return proc, out.with_suffix(".stderr")
 
 
-def finish(proc: subprocess.Popen, err: Path, timeout: float = 120) -> tuple[int, str]:
+def finish(proc: warm_python.Popen, err: Path, timeout: float = 120) -> tuple[int, str]:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -91,7 +92,7 @@ def finish(proc: subprocess.Popen, err: Path, timeout: float = 120) -> tuple[int
     return proc.returncode, err.read_text()
 
 
-def wait_for(what, proc: subprocess.Popen, err: Path, timeout: float = 120) -> None:
+def wait_for(what, proc: warm_python.Popen, err: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert proc.poll() is None, f"the launch ended early (rc {proc.returncode}):\n{err.read_text()}"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 pytestmark = pytest.mark.multiproc
 
@@ -84,7 +85,7 @@ def test_failing_worker_stops_the_group_and_sets_the_exit_code(run_accel, tmp_pa
 def _two_machines(tmp_path: Path, env: dict, backend: str, port: int) -> tuple[dict, list]:
     out = tmp_path / f"machines-{backend}"
     procs = [
-        subprocess.Popen(
+        warm_python.Popen(
             [*ACCEL, "--cpu", "--num_machines", "2", "--num_processes", "4", "--machine_rank", str(rank),
              "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", backend,
              str(PROBE), "--out", str(out)],

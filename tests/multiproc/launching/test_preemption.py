@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 from safetensors.torch import load_file
 
 from accel.runtime.preemption import EXIT_CODE
@@ -21,18 +22,18 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "preempt_train.py"
 MARKER_STEP = 3  # 5 batches per rank and epoch: the request comes in the middle of the first epoch
 
 
-def start(env: dict, out: Path, *args: str, launch_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+def start(env: dict, out: Path, *args: str, launch_args: tuple[str, ...] = ()) -> tuple[warm_python.Popen, Path]:
     """`accel launch --cpu --num_processes 2 preempt_train.py --out OUT ARGS`, its stderr in OUT.stderr."""
     err = out.with_suffix(".stderr")
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2", *launch_args,
            str(SCRIPT), "--out", str(out), *args]
     with open(err, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        proc = warm_python.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                                 stderr=fh)
     return proc, err
 
 
-def wait_for(what, proc: subprocess.Popen, err: Path, timeout: float = 120) -> None:
+def wait_for(what, proc: warm_python.Popen, err: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert proc.poll() is None, f"the launch ended early (rc {proc.returncode}):\n{err.read_text()}"
@@ -40,7 +41,7 @@ def wait_for(what, proc: subprocess.Popen, err: Path, timeout: float = 120) -> N
         time.sleep(0.05)
 
 
-def finish(proc: subprocess.Popen, err: Path, timeout: float = 120) -> tuple[int, str]:
+def finish(proc: warm_python.Popen, err: Path, timeout: float = 120) -> tuple[int, str]:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -155,7 +156,7 @@ def test_one_process_the_script_itself_takes_sigterm(isolated_env, tmp_path):
     cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", str(SCRIPT), "--out", str(out),
            "--marker_step", str(MARKER_STEP)]
     with open(err, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"},
+        proc = warm_python.Popen(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.DEVNULL, stderr=fh)
     wait_for(lambda: (out / "marker_rank0").exists(), proc, err)
     proc.send_signal(signal.SIGTERM)

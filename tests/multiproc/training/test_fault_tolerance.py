@@ -41,6 +41,7 @@ from pathlib import Path
 import _launch
 import pytest
 import torch
+import warm_python
 from safetensors.torch import load_file
 
 from accel.cli.launch import port_in_use
@@ -142,7 +143,7 @@ def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(
               "--ft_group_size", 2, "--ft_min_replicas", 2, "--ft_lighthouse_port", free_port]
     script = [SCRIPT, "--out", tmp_path / "ft", "--steps", 20, "--save"]
     mark = f"accel-ft-test-{uuid.uuid4().hex}"
-    second = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", *map(str, common), "--machine_rank",
+    second = warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", *map(str, common), "--machine_rank",
                                "1", *map(str, script)], cwd=_launch.ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
@@ -269,7 +270,7 @@ def test_a_signal_to_the_head_ends_the_job_as_without_fault_tolerance(tmp_path, 
     tolerance, with one line from the head: not each group's own 'stopped by signal' nor 'ended with exit code ...
     (after its restarts)' for groups the head stopped itself (Ctrl-C gave 143 and three lines)."""
     mark = f"accel-ft-test-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
+    proc = warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
                              "--fault_tolerance", "--ft_group_size", "2", str(SCRIPT), "--out", str(tmp_path),
                              "--steps", "100000"], cwd=_launch.ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True,

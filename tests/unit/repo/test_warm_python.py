@@ -4,6 +4,8 @@ exit codes, environment, working directory, sys.path and end-of-interpreter work
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 
@@ -96,13 +98,69 @@ def test_a_fifth_set_of_import_time_variables_replaces_the_least_recently_used_z
 
 def test_the_temporary_folder_and_thread_count_are_each_commands_own(tmp_path):
     """TMPDIR and OMP_NUM_THREADS are set in the child (one zygote serves every value): tempfile and torch see the
-    command's, as in a fresh interpreter."""
-    code = "import tempfile, torch; print(tempfile.gettempdir(), torch.get_num_threads())"
+    command's, as in a fresh interpreter, and so does the inductor cache folder torch._dynamo's import sets."""
+    code = ("import os, tempfile, torch._dynamo; print(tempfile.gettempdir(), torch.get_num_threads(), "
+            "os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
     for threads in ("1", None):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")}
         env["TMPDIR"] = str(tmp_path)
         if threads:
             env["OMP_NUM_THREADS"] = threads
         fresh, warm = _both([sys.executable, "-c", code], env=env, timeout=60)
         assert (warm.returncode, warm.stdout) == (0, fresh.stdout), warm.stderr
         assert warm.stdout.startswith(str(tmp_path))
+
+
+POPEN_PROBE = r"""
+import os, signal, sys, time
+print("out", os.getsid(0) == os.getpid(), flush=True)
+print("err", file=sys.stderr, flush=True)
+if sys.argv[1:] == ["wait"]:
+    time.sleep(60)
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("session", [False, True])
+def test_popen_answers_as_a_fresh_popen(tmp_path, session):
+    """Output through pipes (stderr apart and into stdout), a file, the exit code, its own session when asked."""
+    script = tmp_path / "probe.py"
+    script.write_text(POPEN_PROBE)
+    cmd = [sys.executable, str(script)]
+    for streams in ({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE},
+                    {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}):
+        fresh = subprocess.Popen(cmd, cwd=tmp_path, text=True, start_new_session=session, **streams)
+        warm = warm_python.Popen(cmd, cwd=tmp_path, text=True, start_new_session=session, **streams)
+        assert warm._zygote is not None  # served warm
+        assert warm.communicate(timeout=60) == fresh.communicate(timeout=60)
+        assert warm.returncode == fresh.returncode == 4
+    with open(tmp_path / "out.txt", "w") as out:
+        warm = warm_python.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.DEVNULL)
+    assert warm.wait(timeout=60) == 4
+    assert (tmp_path / "out.txt").read_text() == "out False\n"
+
+
+def test_popen_is_signalled_and_waited_for_as_a_fresh_one(tmp_path):
+    """Its output read as it comes, a timeout while it runs, a signal to its pid, the exit status of that signal."""
+    script = tmp_path / "probe.py"
+    script.write_text(POPEN_PROBE)
+    warm = warm_python.Popen([sys.executable, str(script), "wait"], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    assert warm._zygote is not None
+    assert select.select([warm.stdout], [], [], 60)[0]
+    assert warm.stdout.readline() == "out True\n"  # its own session
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.wait(timeout=0.5)
+    assert warm.poll() is None
+    warm.send_signal(signal.SIGTERM)
+    assert warm.communicate(timeout=30) == ("", None)
+    assert warm.returncode == -signal.SIGTERM
+    assert warm._zygote not in warm_python._busy  # free for the next command
+
+
+def test_popen_output_larger_than_a_pipe_is_not_a_deadlock(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; sys.stdout.write('x' * 1_000_000); sys.stderr.write('y' * 300_000)"]
+    warm = warm_python.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert warm._zygote is not None
+    assert warm.communicate(timeout=60) == (b"x" * 1_000_000, b"y" * 300_000)
+    assert warm.returncode == 0
