@@ -47,3 +47,14 @@ def test_a_whole_suite_run_over_budget_fails_in_one_line(tmp_path, elapsed, fail
 def test_a_narrowed_run_is_not_checked(tmp_path):
     assert _run_suite(tmp_path, 1, 100, "t/test_one.py").returncode == 0
     assert _run_suite(tmp_path, 1, 100, "-k", "one").returncode == 0
+
+
+def test_auto_workers_add_one_where_memory_allows():
+    """`-n auto`: a worker per core (two at least), one more with 4 GB per worker; the machine's count decides."""
+    from conftest import GB_PER_WORKER, auto_workers, memory_gb
+
+    assert auto_workers(2, 23.5) == 3  # the 2-core machine the suite's figures come from
+    assert auto_workers(2, 7.0) == 2  # a 7 GB runner keeps two
+    assert auto_workers(1, 64.0) == 3 and auto_workers(1, 4.0) == 2
+    assert auto_workers(16, GB_PER_WORKER * 17) == 17 and auto_workers(16, 32.0) == 16
+    assert 0 < memory_gb() < 2**20
