@@ -36,7 +36,7 @@ GB_PER_WORKER = 4  # a pytest worker's peak: its zygotes and a 4-process job (ab
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject.toml): one worker per core, two at least, and one more where memory allows. A launch test
     spends much of its time waiting (a rendezvous, a group that starts late, a signal's grace period, a timeout),
-    and the extra worker runs another file then: 677 s against 734 s for the whole suite on 2 cores and 23 GB."""
+    and the extra worker runs another file then: 645 s against 664 s for the whole suite on 2 cores and 23 GB."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     return auto_workers(cores, memory_gb())
 
