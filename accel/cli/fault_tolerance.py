@@ -134,8 +134,8 @@ def run_groups(args: argparse.Namespace, cfg: AccelConfig, script_argv: list[str
         for replica in groups_here(cfg):
             sub = group_config(cfg, replica, lighthouse)
             command = group_command(args, sub.save(folder / f"group{replica}.yaml"), sub.num_processes, script_argv)
-            if fork:
-                with os.fdopen(commands.pop(replica), "wb") as pipe:
+            if fork:  # a group that a signal ended meanwhile has no reader: `_wait` says how the job ended
+                with contextlib.suppress(BrokenPipeError), os.fdopen(commands.pop(replica), "wb") as pipe:
                     pipe.write(json.dumps(command).encode())
             else:
                 groups[replica] = subprocess.Popen(command, start_new_session=True,
