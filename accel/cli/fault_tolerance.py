@@ -193,6 +193,7 @@ def _fork_group(env: dict[str, str], other_pipes: list[int]) -> tuple[forked_wor
 
         command = json.loads(data)  # `python -m accel.cli.main launch ...`, run here as python would run it
         sys.argv = [command[2], *command[3:]]
+        sys.modules.pop(command[2], None)  # as under `python -m`: only `__main__` (the `accel` script imported it)
         runpy.run_module(command[2], run_name="__main__", alter_sys=True)
         return 0
 
