@@ -8,6 +8,7 @@ Every user mistake (bad flag, bad config value, missing script, port in use, ...
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from accel.core.version import __version__
@@ -20,6 +21,7 @@ from accel.cli import plan as plan_cmd
 from accel.cli import plot as plot_cmd
 from accel.cli import shim as shim_cmd
 from accel.cli._common import OneLineParser, UsageError, unrecognized
+from accel.cli.fault_tolerance import GROUP_ENV
 from accel.config import ConfigError
 
 
@@ -69,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{prog}: error: {message}\n")
         return 2
     except BrokenPipeError:  # output piped into `head` and the like: not an error of ours
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        sys.stderr.write(f"{prog}: interrupted\n")
+        if os.environ.get(GROUP_ENV) is None:  # a replica group's launcher: its head says how the job ended
+            sys.stderr.write(f"{prog}: interrupted\n")
         return 130
     return int(code or 0)
 

@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from accel.cli.fault_tolerance import GROUP_ENV
 from accel.config import AccelConfig
 
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -57,9 +58,10 @@ def signals_end_the_wait(clean_up: Callable[[], None] = lambda: None):
             for signum in os.read(read, 64):
                 if signum in ENDING:
                     name = signal.Signals(signum).name
-                    sys.stderr.write(f"accel launch: stopped by signal {signum} ({name}) while waiting in the "
-                                     "rendezvous; no worker was started\n")
-                    sys.stderr.flush()
+                    if os.environ.get(GROUP_ENV) is None:  # a replica group's launcher: its head says how it ended
+                        sys.stderr.write(f"accel launch: stopped by signal {signum} ({name}) while waiting in the "
+                                         "rendezvous; no worker was started\n")
+                        sys.stderr.flush()
                     with contextlib.suppress(Exception):
                         clean_up()
                     os._exit(128 + signum)

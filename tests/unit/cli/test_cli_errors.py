@@ -210,3 +210,24 @@ def test_version(run_accel):
     result = run_accel("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"accel {accel.__version__}"
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_ctrl_c_is_130_in_one_line_and_a_replica_groups_launcher_says_nothing(monkeypatch, capsys, tmp_path, group):
+    """Ctrl-C in any command: exit 130 and `accel launch: interrupted`; in a replica group's launcher (fault
+    tolerance) nothing, since its head says how the job ended."""
+    from accel.cli import launch as launch_cmd
+    from accel.cli.fault_tolerance import GROUP_ENV
+    from accel.cli.main import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_cmd, "run_command", interrupted)
+    monkeypatch.chdir(tmp_path)
+    if group:
+        monkeypatch.setenv(GROUP_ENV, "0")
+    else:
+        monkeypatch.delenv(GROUP_ENV, raising=False)
+    assert main(["launch", "--cpu", "s.py"]) == 130
+    assert capsys.readouterr().err == ("" if group else "accel launch: interrupted\n")
