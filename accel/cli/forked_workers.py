@@ -121,7 +121,8 @@ ENDED: dict[int, ForkedProcess] = {}  # pid -> the forked worker (this launcher'
 
 def fork_session(run, env: dict[str, str], args: tuple) -> ForkedProcess:
     """Fork a child that leads a session of its own, with `env` as its environment and Python's default signal
-    handlers, runs `run()` and exits with what it returns: what `subprocess.Popen(args, env=env,
+    handlers, runs `run()` and exits with what it returns, as an interpreter exits (non-daemon threads joined, exit
+    handlers run; the parent's own run-time ones dropped): what `subprocess.Popen(args, env=env,
     start_new_session=True)` of a command that does the same would be, without a fresh interpreter's imports.
     Fault tolerance's head starts its replica groups' launchers this way (fault_tolerance.py)."""
     for stream in (sys.stdout, sys.stderr):
@@ -130,7 +131,9 @@ def fork_session(run, env: dict[str, str], args: tuple) -> ForkedProcess:
     if pid == 0:  # the child: never returns into the caller's code
         code = 1
         try:
+            import atexit
             import gc
+            import threading
 
             gc.freeze()  # the parent's objects stay as they are: never collected (nor finalized) here
             os.setsid()
@@ -138,9 +141,13 @@ def fork_session(run, env: dict[str, str], args: tuple) -> ForkedProcess:
             os.environ.update(env)
             _default_signals()
             ENDED.clear()  # the parent's children are not this process's
-            code = run()
-        except SystemExit as exc:
-            code = _exit_code(exc.code)
+            _drop_runtime_exits()
+            try:
+                code = run()
+            except SystemExit as exc:
+                code = _exit_code(exc.code)
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
         except BaseException:  # noqa: BLE001 - said as the interpreter says it, exit 1
             import traceback
 
@@ -152,6 +159,23 @@ def fork_session(run, env: dict[str, str], args: tuple) -> ForkedProcess:
                     stream.flush()
             os._exit(code)
     return ForkedProcess(pid, args)
+
+
+def _drop_runtime_exits() -> None:
+    """In a child forked by `fork_session`: the exit handlers and finalizers the parent registered while it ran are
+    its own; the child keeps recording its own (its forked workers drop them in turn)."""
+    import atexit
+    import weakref
+
+    unregister = _ATEXIT.get("unregister", atexit.unregister)
+    finalize = weakref.finalize
+    if any(func == finalize._exitfunc for func in _RUNTIME_EXITS):  # type: ignore[attr-defined]
+        finalize._registered_with_atexit = False  # type: ignore[attr-defined]  # registered again at first use
+    for func in _RUNTIME_EXITS:
+        unregister(func)
+    _RUNTIME_EXITS.clear()
+    for info in list(finalize._registry.values()):  # type: ignore[attr-defined]
+        info.atexit = False
 
 
 def by_end(failures: dict) -> list[int] | None:

@@ -59,3 +59,31 @@ def test_python_target_and_the_popen_stand_in():
         assert forked_workers.by_end({3: failure}) == [3]
     finally:
         child.kill()
+
+
+SESSION_PROBE = """
+import atexit, os, sys
+from accel.cli import forked_workers
+
+atexit.register(lambda: print("the parent's exit handler", flush=True))
+
+
+def run():
+    atexit.register(lambda: print("the child's exit handler", flush=True))
+    print("child", os.getsid(0) == os.getpid(), os.environ.get("ONLY_IN_CHILD"), flush=True)
+    return 3
+
+
+child = forked_workers.fork_session(run, {**os.environ, "ONLY_IN_CHILD": "yes"}, ("probe",))
+print("code", child.wait(30), flush=True)
+"""
+
+
+def test_fork_session_exits_as_an_interpreter_does(tmp_path):
+    """A child of `fork_session` (fault tolerance's group launchers): its own session and environment, its exit code,
+    its own exit handlers run at its end, the parent's not."""
+    done = subprocess.run([sys.executable, "-c", SESSION_PROBE], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child True yes", "the child's exit handler", "code 3",
+                                        "the parent's exit handler"], done.stdout + done.stderr
