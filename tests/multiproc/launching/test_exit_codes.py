@@ -79,7 +79,7 @@ def launch(tmp_path, *worker_args: str) -> warm_python.Popen:
     env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     return warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "--num_processes", "2",
                              "--collective_timeout", "30", str(WORKER), *worker_args],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.multiproc
@@ -155,8 +155,8 @@ def test_a_launch_waiting_for_machine_0_says_so_and_stops_at_once(tmp_path, sign
     (tmp_path / "s.py").write_text("")
     env = {**make_isolated_env(tmp_path), "TMPDIR": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_free_port()), **({GROUP_ENV: "0"} if group else {})}
-    proc = subprocess.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "s.py"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", "--cpu", "s.py"], cwd=tmp_path,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, seen = time.monotonic() + 60, ""
     try:
         while "waiting for machine 0" not in seen:

@@ -29,7 +29,7 @@ def start(env: dict, out: Path, *args: str, launch_args: tuple[str, ...] = ()) -
            str(SCRIPT), "--out", str(out), *args]
     with open(err, "w") as fh:
         proc = warm_python.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                                stderr=fh)
+                                 stderr=fh)
     return proc, err
 
 
@@ -157,7 +157,7 @@ def test_one_process_the_script_itself_takes_sigterm(isolated_env, tmp_path):
            "--marker_step", str(MARKER_STEP)]
     with open(err, "w") as fh:
         proc = warm_python.Popen(cmd, cwd=ROOT, env={**isolated_env, "OMP_NUM_THREADS": "1"},
-                                stdout=subprocess.DEVNULL, stderr=fh)
+                                 stdout=subprocess.DEVNULL, stderr=fh)
     wait_for(lambda: (out / "marker_rank0").exists(), proc, err)
     proc.send_signal(signal.SIGTERM)
     rc, stderr = finish(proc, err)

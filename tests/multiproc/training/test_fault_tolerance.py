@@ -146,8 +146,8 @@ def test_without_a_failure_it_equals_plain_ddp_and_checkpoints_keep_the_manager(
     mark = f"accel-ft-test-{uuid.uuid4().hex}"
     second = warm_python.Popen([sys.executable, "-m", "accel.cli.main", "launch", *map(str, common), "--machine_rank",
                                "1", *map(str, script)], cwd=_launch.ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
+                               stderr=subprocess.STDOUT, text=True,
+                               env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
     try:
         first = _launch.accel_launch({**isolated_env, "ACCEL_FT_TEST_MARK": mark}, *common, "--machine_rank", 0,
                                      *script, timeout=240)
@@ -276,8 +276,8 @@ def test_a_signal_to_the_head_ends_the_job_as_without_fault_tolerance(tmp_path, 
     proc = warm_python.Popen([sys.executable, "-c", ACCEL_SCRIPT, "launch", "--cpu", "--num_processes", "2",
                              "--fault_tolerance", "--ft_group_size", "2", str(SCRIPT), "--out", str(tmp_path),
                              "--steps", "100000"], cwd=_launch.ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
+                             stderr=subprocess.PIPE, text=True,
+                             env={**isolated_env, "OMP_NUM_THREADS": "1", "ACCEL_FT_TEST_MARK": mark})
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"steps-g{g}-r0-a0.jsonl").exists() and
