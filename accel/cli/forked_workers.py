@@ -352,17 +352,10 @@ def _fresh_exit_handlers() -> None:
     """The exit handlers a fresh interpreter has after importing what is imported here: the agent's are dropped
     (and its `weakref.finalize` objects do not run at the worker's exit)."""
     import atexit
-    import weakref
 
     if _ATEXIT:
         atexit.register, atexit.unregister = _ATEXIT["register"], _ATEXIT["unregister"]
-    for func in _RUNTIME_EXITS:
-        atexit.unregister(func)
-    finalize = weakref.finalize
-    if any(func == finalize._exitfunc for func in _RUNTIME_EXITS):  # type: ignore[attr-defined]
-        finalize._registered_with_atexit = False  # type: ignore[attr-defined]  # registered again at first use
-    for info in list(finalize._registry.values()):  # type: ignore[attr-defined]
-        info.atexit = False
+    _drop_runtime_exits()
 
 
 def _fresh_logging() -> None:
