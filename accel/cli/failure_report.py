@@ -9,7 +9,9 @@
    or its own exception in one line (its traceback: ACCEL_FULL_TRACEBACKS=1, or --log_dir's rank<R>.stderr.log).
 
 The first failure is the first rank to end on its own (a rank accel launch stopped never is): in the order forked
-workers ended (known exactly), else when each reported its exception, else when torchrun saw it end. When a rank
+workers ended (known exactly), else when each reported its exception, else when torchrun saw it end. A rank whose
+exception only says that a peer's connection broke comes after those with a cause of their own: it is the peer's
+end seen from the other side, and the two can end within one look of the launcher. When a rank
 failed while others waited for it in a collective, hang_report.py says it in the same order; a restart
 (--max_restarts) is announced the same way, in one line, followed by the failed rank's traceback.
 """
@@ -43,9 +45,18 @@ def label(rank: int, failure) -> str:
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
 
 
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "NCCL communicator was aborted", "remote process exited or there was a network error")
+
+
+def lost_peer(error: HeldError | None) -> bool:
+    """Whether an exception says only that a peer of a collective went away (gloo's and NCCL's words for it)."""
+    return error is not None and any(words in error.message for words in LOST_PEER)
+
+
 def order(failures: dict, errors: dict[int, HeldError], stopped: Callable[[int], bool]) -> list[int]:
     """The failed ranks, the first failure first: those that ended on their own before those accel launch stopped,
-    each in the order they ended."""
+    each in the order they ended, a lost peer after a cause of its own."""
     by_end = forked_workers.by_end(failures)
     if by_end is None:
         def when(rank: int) -> float:
@@ -54,6 +65,7 @@ def order(failures: dict, errors: dict[int, HeldError], stopped: Callable[[int],
 
         by_end = sorted(failures, key=when)
     own = [rank for rank in by_end if not (failures[rank].exitcode < 0 and stopped(rank))]
+    own.sort(key=lambda rank: lost_peer(errors.get(rank)))  # stable: the order of ending within each kind
     return own + [rank for rank in by_end if rank not in own]
 
 

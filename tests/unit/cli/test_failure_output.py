@@ -218,6 +218,17 @@ def test_the_summary_first_the_traceback_once_then_one_line_per_rank():
     assert lines[7].endswith("x...") and len(lines[7]) < 400 and len(lines) == 8
 
 
+@pytest.mark.parametrize("words", failure_report.LOST_PEER)
+def test_a_rank_that_only_lost_its_peer_is_not_the_first_failure(words):
+    """Rank 1 exits 3 at once; rank 0's all_reduce then fails with the broken connection and can be seen to end
+    first: the cause is rank 1."""
+    failures = {0: failed(0, 1, f"RuntimeError: [pair.cc:534] Read error [127.0.0.1]:5: {words}", at=-5),
+                1: failed(1, 3), 2: failed(2, 1, "RuntimeError: [pair.cc:534] Connection closed by peer", at=-9)}
+    errors = output.held_errors(failures)
+    assert failure_report.order(failures, errors, lambda rank: False) == [1, 2, 0]
+    assert not failure_report.lost_peer(output.held_errors({3: failed(3, 1, "ValueError: bad batch")})[3])
+
+
 def test_a_one_line_error_is_its_line_first():
     failures = {0: failed(0, 1, "ConfigError: sp_size=2: no", one_line=True, at=1),
                 1: failed(1, 1, "ConfigError: sp_size=2: no", one_line=True, at=2)}
