@@ -87,6 +87,36 @@ def _tensors(value: Any, found: list) -> list:
     return found
 
 
+def _iter_tensors(value: Any):
+    """The tensors in `value`, one at a time (as `_tensors` finds them), so that a search can stop early."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, _SCALARS):
+        return
+    elif isinstance(value, (tuple, list, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif not isinstance(item, _SCALARS):
+                yield from _iter_tensors(item)
+    else:
+        yield from (t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+def _inputs_kind(args: tuple, kwargs: dict) -> str | None:
+    """'accelerator' when any tensor argument is the accelerator's (found at the first), 'host' when all are host
+    tensors, None when there is none."""
+    if args and isinstance(args[0], torch.Tensor) and not is_host(args[0]):  # the usual call: said at once
+        return "accelerator"
+    found = False
+    for value in (args, kwargs):
+        for t in _iter_tensors(value):
+            if not is_host(t):
+                return "accelerator"
+            found = True
+    return "host" if found else None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) in _PLAIN:
         return t
@@ -135,18 +165,32 @@ def _kind(device: Any, depth: int = 2) -> str | None:
 
 
 def _target_of_to(args: tuple, kwargs: dict) -> Any:
+    other: Any = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else kwargs.get("other")
+    if isinstance(other, torch.Tensor):  # `.to(other)`: to where the other tensor is (torch reads its real device)
+        return HOST if is_host(other) else ACCELERATOR
     named = kwargs.get("device", args[1] if len(args) > 1 else None)
     if isinstance(named, str):  # as given: "cpu" from torch.distributed is a mesh's device type (_kind)
         return named
     try:
-        device: Any = torch._C._nn._parse_to(*args[1:], **kwargs)[0]  # None when only a dtype is given
+        return torch._C._nn._parse_to(*args[1:], **kwargs)[0]  # None when only a dtype is given
     except (TypeError, RuntimeError):
         return None
-    if device is None:
-        other: Any = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else kwargs.get("other")
-        if isinstance(other, torch.Tensor):
-            return HOST if is_host(other) else ACCELERATOR
-    return device
+
+
+def _real_device_of_to(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`Tensor.to`'s arguments with the pretended accelerator (`cpu:0`) named as the CPU it is: a tensor already on
+    the device is then returned as it is, not copied, as `.to("cuda:0")` returns a CUDA tensor on the GPU job (a
+    move between the pretended devices is copied after the call)."""
+    if len(args) > 1 and _is_accelerator_name(args[1]):
+        args = (args[0], HOST, *args[2:])
+    elif _is_accelerator_name(kwargs.get("device")):
+        kwargs = {**kwargs, "device": HOST}
+    return args, kwargs
+
+
+def _is_accelerator_name(device: Any) -> bool:
+    return (isinstance(device, torch.device) and device == ACCELERATOR) or (
+        isinstance(device, str) and device.replace(" ", "") == "cpu:0")
 
 
 _ROLES: dict = {}  # torch function -> (what the mode does with it, its name), decided at its first call
@@ -199,7 +243,15 @@ class _Tracker(TorchFunctionMode):
                 return _run_backward(func, args, kwargs)
         if role == "collective":
             _check_functional(func, args, kwargs)
-        out = func(*args, **kwargs)
+        call_args, call_kwargs = _real_device_of_to(args, kwargs) if role == "to" else (args, kwargs)
+        out = func(*call_args, **call_kwargs)
+        if role == "other" and kwargs.get("device") is None:  # most calls: the result is where the inputs are
+            kind = _inputs_kind(args, kwargs)
+            if kind == "accelerator" or (kind is None and name.endswith("_like")):
+                return out  # a new storage is the accelerator's (untagged); a view keeps its storage's tag
+            for t in [out] if isinstance(out, torch.Tensor) else _tensors(out, []):
+                _mark(t, True)  # host inputs only, or a factory on torch's default device (the host on a GPU job)
+            return out
         outputs = [out] if isinstance(out, torch.Tensor) else _tensors(out, [])
         if not outputs:  # a flag, a size, a dtype, None: nothing to follow
             return out

@@ -48,3 +48,39 @@ def test_each_function_is_classified_once_and_as_before():
         __hash__ = None  # type: ignore[assignment]
 
     assert cc._role(Unhashable()) == ("host", "cpu")  # classified each time, never kept
+
+
+def test_a_move_to_the_device_a_tensor_is_on_returns_it_as_on_a_gpu():
+    """`.to(device)` returns the tensor itself when it is already there (CUDA's behaviour, which code may rely on
+    for aliasing), and copies between the two pretended devices, in every way of naming them."""
+    with cc._Tracker():
+        acc, host = torch.ones(2, device=cc.ACCELERATOR), torch.ones(2)
+        assert (acc.device, host.device) == (cc.ACCELERATOR, cc.HOST)
+        for same in (acc.to(cc.ACCELERATOR), acc.to("cpu:0"), acc.to(device=cc.ACCELERATOR), acc.to(acc)):
+            assert same is acc
+        assert host.to("cpu") is host and host.to(host) is host
+        converted = acc.to(cc.ACCELERATOR, torch.float64)
+        assert converted is not acc and converted.dtype == torch.float64 and converted.device == cc.ACCELERATOR
+        copied = acc.to(cc.ACCELERATOR, copy=True)
+        assert copied is not acc and copied.device == cc.ACCELERATOR
+        for moved_on in (host.to(cc.ACCELERATOR), host.to(device="cpu:0"), host.to(acc)):
+            assert moved_on is not host and moved_on.device == cc.ACCELERATOR
+        for moved_off in (acc.to("cpu"), acc.cpu(), acc.to(host)):
+            assert moved_off is not acc and moved_off.device == cc.HOST
+        assert host.device == cc.HOST and acc.device == cc.ACCELERATOR  # the sources keep their devices
+
+
+def test_results_are_where_their_inputs_are():
+    with cc._Tracker():
+        acc, host = torch.ones(2, 2, device=cc.ACCELERATOR), torch.ones(2, 2)
+        assert (acc + acc).device == cc.ACCELERATOR and (host * 2).device == cc.HOST
+        assert (host + acc).device == cc.ACCELERATOR  # any accelerator input: the accelerator's result
+        assert torch.cat([host, acc]).device == cc.ACCELERATOR and torch.stack([host, host]).device == cc.HOST
+        assert torch.zeros(3).device == cc.HOST and torch.zeros(3, device="cpu:0").device == cc.ACCELERATOR
+        assert torch.zeros_like(acc).device == cc.ACCELERATOR and torch.zeros_like(host).device == cc.HOST
+        assert host[0].device == cc.HOST and acc[0].device == cc.ACCELERATOR
+        assert host.expand_as(acc).device == cc.HOST  # a view of a host tensor stays one (its storage's)
+        values, indices = torch.max(host, dim=0)
+        assert values.device == indices.device == cc.HOST
+        host.add_(acc[0, 0])  # in place: the tensor stays where it is
+        assert host.device == cc.HOST
