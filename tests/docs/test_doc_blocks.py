@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from doc_blocks import CONFIG, ROOT, RUN, Block, blocks, doc_pages
 
 ALL = [block for page in doc_pages() for block in blocks(page)]
@@ -62,26 +65,75 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
+SHELL_SYNTAX = re.compile(r"[|&;<>()$`*?\\\[\]{}~]|^\w+=")  # anything only a shell would read in a line
+
+
+def simple_commands(code: str) -> list[list[str]] | None:
+    """A shell block's commands when each line is one plain command (words, a trailing `# comment`), else None."""
+    commands = []
+    for line in code.splitlines():
+        if SHELL_SYNTAX.search(line.split("#")[0].strip()):
+            return None
+        words = shlex.split(line, comments=True)
+        if words:
+            commands.append(words)
+    return commands
+
+
+def _command(words: list[str], env: dict) -> tuple[list[str], bool] | None:
+    """(argv, from a warm interpreter): `accel ...` as its console script runs it (`accel.cli.main`), `python ...`
+    as it is; another program as the shell would find it on the block's PATH; None for a shell builtin."""
+    if words[0] == "accel":
+        return [sys.executable, "-m", "accel.cli.main", *words[1:]], True
+    if words[0] == "python":
+        return [sys.executable, *words[1:]], True
+    program = shutil.which(words[0], path=env["PATH"])
+    return None if program is None else ([program, *words[1:]], False)
+
+
 def _run(block: Block, index: int, work: Path, env: dict) -> None:
+    """The block as a user runs it. A shell block of plain commands runs them one by one, `accel` and `python` from a
+    warm interpreter (tests/multiproc/warm_python.py: a fresh one per command costs a few CPU seconds of imports);
+    any other shell block runs in bash."""
     if block.lang in ("python", "py"):
         script = work / f"_doc_block_{index}.py"
         script.write_text(block.code)
-        command = [sys.executable, script.name]
+        steps = [([sys.executable, script.name], True)]
     else:
         code = block.code
         if block.lang == "console":  # the `$ ` lines are the commands; the rest is their output
             code = "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ ")) + "\n"
-        script = work / f"_doc_block_{index}.sh"
-        script.write_text(code)
-        command = ["bash", "-euo", "pipefail", script.name]
-    try:
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{block.where}: still running after {TIMEOUT} s\n{exc.stdout or ''}{exc.stderr or ''}")
-    if done.returncode:
-        tail = (done.stdout + done.stderr)[-4000:]
-        pytest.fail(f"{block.where}: exit code {done.returncode}\n--- the block ---\n{block.code}--- its output "
-                    f"---\n{tail}")
+        commands = simple_commands(code)
+        found = [None] if commands is None else [_command(words, env) for words in commands]
+        steps = [step for step in found if step is not None]
+        if len(steps) < len(found):  # shell syntax or a builtin: the whole block in bash
+            script = work / f"_doc_block_{index}.sh"
+            script.write_text(code)
+            steps = [(["bash", "-euo", "pipefail", script.name], False)]
+    for command, warm in steps:
+        try:
+            if warm:
+                done = warm_python.run(command, cwd=work, env=env, timeout=TIMEOUT)
+            else:
+                done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{block.where}: still running after {TIMEOUT} s\n{exc.stdout or ''}{exc.stderr or ''}")
+        if done.returncode:
+            tail = (done.stdout + done.stderr)[-4000:]
+            pytest.fail(f"{block.where}: exit code {done.returncode} ({shlex.join(command)})\n--- the block ---\n"
+                        f"{block.code}--- its output ---\n{tail}")
+
+
+def test_plain_shell_blocks_are_split_into_their_commands():
+    assert simple_commands("accel launch --cpu a.py --x 1   # a comment\n\nls runs/demo\n") == [
+        ["accel", "launch", "--cpu", "a.py", "--x", "1"], ["ls", "runs/demo"]]
+    for shell in ("accel env | grep x", "A=1 accel launch a.py", "cat > f <<'PY'", "accel launch a.py && ls",
+                  "echo $HOME", "ls *.py", "accel launch \\\n  a.py", "(cd x)", "ls > out", "echo `date`"):
+        assert simple_commands(shell) is None, shell
+    env = {"PATH": str(Path(sys.executable).parent)}
+    assert _command(["accel", "plot", "runs"], env) == ([sys.executable, "-m", "accel.cli.main", "plot", "runs"], True)
+    assert _command(["python", "x.py"], env) == ([sys.executable, "x.py"], True)
+    assert _command(["exit", "3"], env) is None  # a shell builtin: the block runs in bash
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_RUNS, ids=_page_id)
@@ -116,8 +168,12 @@ def test_a_bad_block_fails(tmp_path: Path):
     page = tmp_path / "page.md"
     page.write_text("```bash\nexit 3\n```\n")
     (work := tmp_path / "w").mkdir()
+    env = _env(tmp_path)
     with pytest.raises(pytest.fail.Exception, match="exit code 3"):
-        _run(blocks(page)[0], 0, work, _env(tmp_path))
+        _run(blocks(page)[0], 0, work, env)
+    page.write_text("```bash\nls\naccel plan gpt2 --num_processes 0\nls\n```\n")  # plain commands, one by one
+    with pytest.raises(pytest.fail.Exception, match=r"exit code 2 \(.* -m accel.cli.main plan gpt2"):
+        _run(blocks(page)[0], 1, work, env)
     from accel.cli.main import build_parser
 
     [words] = _accel_command_lines("exec accel plan gpt2 --num_procesess 8  # a typo\n")
