@@ -22,6 +22,10 @@ a second thread's command meanwhile, or one with an interpreter option other tha
 sitecustomize on its PYTHONPATH, runs in a fresh interpreter. `ACCEL_TEST_FRESH_PYTHON=1` turns the zygotes off
 for a whole run.
 
+A one-process `accel launch` execs `python SCRIPT`, which would import torch again: under `run`, the launcher's child
+forks a spare of itself before the launcher runs, and the exec hands its command to the spare instead
+(`_exec_into_a_spare`); the launcher then ends as the spare does.
+
 `Popen` is the same for the tests that own a process's life (signals, Ctrl-C, a launch that runs while the test
 watches its files): the zygote's child is the process, in a session of its own when asked, and its pid takes the
 signals; its end comes back through the zygote.
@@ -321,7 +325,7 @@ def _run_forked(zygote, cmd, env, cwd, timeout, input) -> subprocess.CompletedPr
     with tempfile.TemporaryDirectory(prefix="accel-warm-") as folder:
         paths = {name: os.path.join(folder, name) for name in ("stdin", "stdout", "stderr")}
         Path(paths["stdin"]).write_text(input or "")
-        pid = _send(zygote, {"argv": cmd[1:], "env": env, "cwd": cwd, **paths})
+        pid = _send(zygote, {"argv": cmd[1:], "env": env, "cwd": cwd, "spare": True, **paths})
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
         while True:
@@ -378,7 +382,8 @@ def _serve(transformers: bool) -> None:
 
 
 def _child(request: dict) -> int:
-    """In the forked child: become `python ARGV` in CWD with ENV and run it; returns the exit code."""
+    """In the forked child: become `python ARGV` in CWD with ENV and run it; returns the exit code. Without "stdout"
+    in the request, the standard streams are those this process has (a spare's: the launcher's)."""
     import io
     import random
     import runpy
@@ -388,6 +393,8 @@ def _child(request: dict) -> int:
     if request.get("session"):
         os.setsid()
     for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        if "stdout" not in request:
+            break
         if fd == 2 and request["stderr"] == request["stdout"]:  # stderr=STDOUT: one file, one offset
             os.dup2(1, 2)
             continue
@@ -431,6 +438,8 @@ def _child(request: dict) -> int:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if request.get("spare") and argv[:2] == ["-m", "accel.cli.main"] and "launch" in argv:
+        _exec_into_a_spare()
     code = 0
     try:
         if argv[0] == "-m":
@@ -455,6 +464,60 @@ def _child(request: dict) -> int:
         except Exception:  # noqa: BLE001
             pass
     return code
+
+
+def _exec_into_a_spare() -> None:
+    """A one-process `accel launch` replaces itself with `python SCRIPT` (os.execvpe): a fresh interpreter that imports
+    torch again. Here a spare of this process is forked first (the zygote's modules and this command's set-up, before
+    the launcher runs), and the launcher's exec of a plain `python` command hands the command to it instead: the spare
+    becomes it as `_child` makes a command (its environment, sys.path, argv, seeds), on the launcher's own streams and
+    folder, and the launcher ends as the spare ends, as if replaced (its exit handlers do not run). The spare dies with
+    the launcher (PR_SET_PDEATHSIG) and leaves quietly when it gets no command. Only for `run`: a signal to the
+    launcher's pid would not reach the spare (`Popen`'s commands exec for real)."""
+    import ctypes
+
+    read, write = os.pipe()
+    launcher = os.getpid()
+    spare = os.fork()
+    if spare == 0:
+        os.close(write)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:
+            os._exit(0)
+        data = b"".join(iter(lambda: os.read(read, 1 << 16), b""))
+        os.close(read)
+        code = 0
+        try:
+            if data:
+                command = json.loads(data)
+                code = _child({"argv": command["argv"], "env": command["env"], "cwd": os.getcwd()})
+        finally:
+            os._exit(code)
+    os.close(read)
+    real_execvpe = os.execvpe
+
+    def execvpe(file, args, env):
+        args = [str(arg) for arg in args]
+        plain = (len(args) > 1 and file == args[0] == sys.executable
+                 and (not args[1].startswith("-") or args[1] in ("-m", "-c")))
+        if not plain:
+            os.close(write)
+            real_execvpe(file, args, env)
+        payload = json.dumps({"argv": args[1:], "env": dict(env)}).encode()
+        while payload:
+            payload = payload[os.write(write, payload):]
+        os.close(write)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the spare is the process now: it decides
+            signal.signal(signum, signal.SIG_IGN)
+        _, status = os.waitpid(spare, 0)
+        if os.WIFSIGNALED(status):
+            signum = os.WTERMSIG(status)
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        os._exit(os.waitstatus_to_exitcode(status))
+
+    os.execvpe = execvpe
 
 
 def _exit_code(value) -> int:

@@ -164,3 +164,33 @@ def test_popen_output_larger_than_a_pipe_is_not_a_deadlock(tmp_path):
     assert warm._zygote is not None
     assert warm.communicate(timeout=60) == (b"x" * 1_000_000, b"y" * 300_000)
     assert warm.returncode == 0
+
+
+LAUNCHED = r"""
+import json, os, sys
+import accel.cli.main  # noqa: F401 - not imported by a fresh `python SCRIPT`: in the spare neither
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "config": "ACCEL_LAUNCH_CONFIG" in
+                  os.environ, "threads": os.environ.get("OMP_NUM_THREADS"), "main": __name__}), flush=True)
+print("to stderr", file=sys.stderr)
+how = sys.argv[1]
+if how == "kill":
+    os.kill(os.getpid(), 9)
+if how == "raise":
+    raise ValueError("boom")
+sys.exit(int(how))
+"""
+
+
+@pytest.mark.parametrize("how", ["0", "7", "raise", "kill"])
+def test_a_one_process_launch_runs_its_script_as_the_exec_would(tmp_path, how):
+    """`accel launch` on one process execs `python SCRIPT`; from a warm launcher the script runs in a spare forked
+    before the launcher ran, with the same output, exit code (a signal's too), arguments, folder and variables."""
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    env["HOME"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "accel.cli.main", "launch", "--cpu", str(script), how]
+    fresh, warm = _both(cmd, env=env, cwd=tmp_path, timeout=120)
+    assert warm.returncode == fresh.returncode == {"0": 0, "7": 7, "raise": 1, "kill": -9}[how], warm.stderr
+    assert warm.stdout == fresh.stdout and '"config": true' in warm.stdout
+    assert warm.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
