@@ -500,8 +500,7 @@ def _exec_into_a_spare() -> None:
         args = [str(arg) for arg in args]
         plain = (len(args) > 1 and file == args[0] == sys.executable
                  and (not args[1].startswith("-") or args[1] in ("-m", "-c")))
-        if not plain:
-            os.close(write)
+        if not plain or os.getpid() != launcher:  # another command, or a process the launcher forked: a real exec
             real_execvpe(file, args, env)
         payload = json.dumps({"argv": args[1:], "env": dict(env)}).encode()
         while payload:
