@@ -515,6 +515,7 @@ def _selector_stage(args: argparse.Namespace, par: dict) -> int | None:
 def _file_stage(config_file: str | None, route: str) -> int:
     """The ZeRO stage the config files ask for on `route` (0: none)."""
     from accel.config import file_layers, merge_layers, user_config_path
+    from accel.config.parallelism import requested_zero_stage
     from accel.config.yaml_file import load_yaml_file
 
     path = user_config_path(config_file)
@@ -523,10 +524,7 @@ def _file_stage(config_file: str | None, route: str) -> int:
         file_route = str(data.get("distributed_type") or "").upper() if isinstance(data, dict) else ""
         if file_route in ("DEEPSPEED", "FSDP") and file_route != route:
             return 0
-    par = merge_layers(file_layers(config_file)).get("parallelism", {})
-    if par.get("zero_stage") is None and (par.get("dp_shard_size") or 1) > 1:
-        return 3
-    return par.get("zero_stage") or 0
+    return requested_zero_stage(merge_layers(file_layers(config_file)).get("parallelism", {}))
 
 
 # -------------------------------------------------------------------------------------------------------------

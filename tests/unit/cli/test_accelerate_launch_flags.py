@@ -183,6 +183,20 @@ def test_precedence_flags_over_files_and_the_selectors_default_stage(monkeypatch
     assert stage_and_offload("--use_fsdp", "--zero_stage", "2") == (2, False)
 
 
+
+def test_the_selectors_read_a_files_stage_as_the_config_derives_it(workdir, monkeypatch):
+    """`--use_deepspeed` / `--use_fsdp` keep a file's stage: the one the config itself would take (its zero_stage,
+    else 3 for a dp_shard_size layout, else none), and none from a file of the other route."""
+    monkeypatch.chdir(workdir)
+    files = {"stage1.yaml": "parallelism:\n  zero_stage: 1\n", "sharded.yaml": "parallelism:\n  dp_shard_size: 2\n",
+             "plain.yaml": "mixed_precision: bf16\n", "ds3.yaml": "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+             "  zero_stage: 3\n"}
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    stages = {name: accelerate_flags._file_stage(name, "FSDP") for name in files}
+    assert stages == {"stage1.yaml": 1, "sharded.yaml": 3, "plain.yaml": 0, "ds3.yaml": 0}
+    assert accelerate_flags._file_stage("ds3.yaml", "DEEPSPEED") == 3
+
 # ----------------------------------------------------------------------------------------------------------
 # one-line errors: refused flags, bad values (as a file's), contradictions
 # ----------------------------------------------------------------------------------------------------------
