@@ -69,26 +69,15 @@ def active() -> bool:
 
 # -- which tensors are on the host ------------------------------------------------------------------------------
 def _tensors(value: Any, found: list) -> list:
-    """The tensors in `value`, added to `found`: tuples, lists and dicts walked here, their tensors and scalars
-    without a call each, any other container by pytree (the mode calls this for every torch function's arguments and
-    result, where pytree's generic walk would cost more than the rest)."""
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, _SCALARS):
-        pass
-    elif isinstance(value, (tuple, list, dict)):
-        for item in value.values() if isinstance(value, dict) else value:
-            if isinstance(item, torch.Tensor):
-                found.append(item)
-            elif not isinstance(item, _SCALARS):
-                _tensors(item, found)
-    else:
-        found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    """The tensors in `value`, added to `found` (`_iter_tensors`)."""
+    found.extend(_iter_tensors(value))
     return found
 
 
 def _iter_tensors(value: Any):
-    """The tensors in `value`, one at a time (as `_tensors` finds them), so that a search can stop early."""
+    """The tensors in `value`, one at a time, so that a search can stop early: tuples, lists and dicts walked here,
+    their tensors and scalars without a call each, any other container by pytree (the mode walks arguments and
+    results of torch functions, where pytree's generic walk would cost more than the rest)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, _SCALARS):
